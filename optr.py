@@ -1,0 +1,983 @@
+"""
+OptR: output-oriented rotation for INT2 KV-cache quantization, in one readable file.
+
+Paper: Yun, Lim, Cheong, Lee, Annavaram, Karimireddy, Yoo, "Output-Oriented Rotation
+for INT2 KV Cache Quantization" (arXiv 2608.02691). Equation numbers below (Eq. 1-10)
+follow the paper's Section 3 as summarised in docs/METHOD.md of this project.
+
+Read top to bottom, in the paper's order:
+  0. Config               one dataclass for model, quantizer, windows, pages, calibration
+  1. Attention (Eq. 1-3)  logits, softmax, readout, and the post-W_O head contribution
+  2. INT2 quantizer       Q2: clip, asymmetric affine, straight-through rounding; packing
+  3. Rotations (Eq. 4)    Hadamard, QuaRot, OSCAR, identity; D_R,c(z) = Q2(zR) R^T
+  4. Key centering        k - mu after RoPE: softmax is unchanged, INT2 range shrinks
+  5. Error decomposition  Eq. 5-10: key-induced and value-induced post-W_O error
+  6. OptR calibration     R = R_base exp(A - A^T), keys first (KL + lambda |dy_K|^2), then values
+  7. Tiny model           Llama/Qwen3-style decoder with Hugging Face parameter names
+  8. Paged INT2 KV cache  page pool, block tables, windows, value-rotation folding, decode
+
+Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
+n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------------------
+# 0. Config
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Config:
+    # model geometry (tiny Llama/Qwen3-style decoder)
+    vocab_size: int = 128        # tokens
+    d_model: int = 64            # residual width
+    n_layers: int = 2            # decoder layers
+    n_heads: int = 4             # query heads H_q
+    n_kv_heads: int = 2          # KV heads H_kv (GQA)
+    head_dim: int = 32           # d
+    ffn_dim: int = 192           # SwiGLU hidden width
+    rope_theta: float = 10000.0  # RoPE base
+    rms_eps: float = 1e-6        # RMSNorm epsilon
+    qk_norm: bool = False        # Qwen3-style RMSNorm on q and k per head (before RoPE)
+    attention_bias: bool = False  # Qwen2-style bias on q_proj/k_proj/v_proj
+    # INT2 quantizer Q2 and precision windows
+    group_size: int = 32         # G: consecutive channels along d sharing scale and zero
+    clip_k: float = 0.96         # c_K: keys clipped at the |x| of rank floor(c*G) in a group
+    clip_v: float = 0.92         # c_V: same for values
+    scale_eps: float = 1e-8      # floor on the scale, so a constant group is exact
+    sink: int = 4                # first tokens kept in full precision
+    window: int = 16             # most recent tokens (current one included) in full precision
+    page_size: int = 16          # INT2 tokens per page of the paged cache
+    # OptR calibration
+    lr: float = 0.02             # Adam learning rate on A
+    steps: int = 80              # full-batch steps, keys and values each
+    qwin: int = 64               # last query positions of each sequence used by the loss
+    lam: float = 1.0             # lambda: weight of |dy_K|^2 beside KL in the key loss
+    eval_every: int = 20         # score each head on held-out data every this many steps
+    seed: int = 0                # seed of everything random
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"Config: {msg}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"Config.{f.name}: expected int, got {type(v).__name__} {v!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                     "ffn_dim", "group_size", "page_size", "steps", "qwin", "eval_every"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("sink", "window"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
+        need(self.n_heads % self.n_kv_heads == 0,
+             f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
+        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
+        need(self.head_dim % self.group_size == 0,
+             f"group_size ({self.group_size}) must divide head_dim ({self.head_dim})")
+        need(self.head_dim % 4 == 0, f"head_dim must be a multiple of 4 (4 codes per byte), "
+             f"got {self.head_dim}")
+        need(0.0 < self.clip_k <= 1.0, f"clip_k must be in (0, 1], got {self.clip_k}")
+        need(0.0 < self.clip_v <= 1.0, f"clip_v must be in (0, 1], got {self.clip_v}")
+        need(self.scale_eps > 0, f"scale_eps must be > 0, got {self.scale_eps}")
+        need(self.lr > 0 and self.lam >= 0, f"lr must be > 0 and lam >= 0, got {self.lr}, {self.lam}")
+
+    @property
+    def n_rep(self) -> int:      # query heads per KV head
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def hadamard_ok(self) -> bool:   # Hadamard bases need a power-of-two head_dim
+        return self.head_dim & (self.head_dim - 1) == 0
+
+
+# ----------------------------------------------------------------------------------------
+# Input checks: bad input gets an error naming the argument, what was expected, what came
+# ----------------------------------------------------------------------------------------
+
+def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
+    """Raise ValueError naming `name` unless x is a tensor of that rank/shape/dtype.
+    `shape` may contain None for any size."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
+    if shape is not None and (x.dim() != len(shape) or
+                              any(s is not None and s != n for s, n in zip(shape, x.shape))):
+        want = tuple("*" if s is None else s for s in shape)
+        raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
+    if dtype is not None:
+        ok = dtype(x.dtype) if callable(dtype) else x.dtype == dtype
+        if not ok:
+            raise ValueError(f"{name}: expected dtype {getattr(dtype, '__name__', dtype)}, "
+                             f"got {x.dtype}")
+    if finite and not torch.isfinite(x).all():
+        raise ValueError(f"{name}: expected finite values, got NaN or inf")
+
+
+def _is_float(dt):
+    return dt.is_floating_point
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Attention (Eq. 1-3)
+# ----------------------------------------------------------------------------------------
+"""
+Eq. 1  a_t,s = <q_t,j, k_s,h> / sqrt(d),   p_t = softmax_{s<=t}(a_t,s)
+Eq. 2  o_t,j = sum_s p_t,s v_s,h
+Eq. 3  y_t,j = o_t,j W_O,j^T          (head j's contribution to the residual stream)
+Query head j reads KV head h = j // n_rep. W_O,j is the (d_model, d) slice of o_proj.weight.
+"""
+
+def causal_mask(q_pos: torch.Tensor, T: int) -> torch.Tensor:
+    """(Tq, T) bool, True where key s may be attended by the query at position q_pos[t]."""
+    return torch.arange(T, device=q_pos.device)[None, :] <= q_pos[:, None]
+
+
+def fp_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int) -> torch.Tensor:
+    """(Tq, T) bool, True where key s is in full precision for the query at q_pos[t]:
+    one of the first `sink` tokens, or one of the `window` most recent (s > t - window)."""
+    s = torch.arange(T, device=q_pos.device)[None, :]
+    return (s < sink) | (s > q_pos[:, None] - window)
+
+
+def gqa_logits(q, k):
+    """Eq. 1 logits. q (B, H_q, Tq, d), k (B, H_kv, T, d) -> (B, H_q, Tq, T)."""
+    B, Hq, Tq, d = q.shape
+    Hkv = k.shape[1]
+    qg = q.view(B, Hkv, Hq // Hkv, Tq, d)                     # (B, H_kv, n_rep, Tq, d)
+    a = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)  # Eq. 1
+    return a.reshape(B, Hq, Tq, k.shape[2])
+
+
+def gqa_readout(p, v):
+    """Eq. 2 readout. p (B, H_q, Tq, T), v (B, H_kv, T, d) -> o (B, H_q, Tq, d)."""
+    B, Hq, Tq, T = p.shape
+    Hkv = v.shape[1]
+    o = p.view(B, Hkv, Hq // Hkv, Tq, T) @ v.unsqueeze(2)       # Eq. 2
+    return o.reshape(B, Hq, Tq, v.shape[-1])
+
+
+def head_output(o, w_o):
+    """Eq. 3 per-head contribution. o (B, H_q, Tq, d), w_o (H_q, d_model, d) -> (B, H_q, Tq, d_model)."""
+    return torch.einsum("bhtd,hmd->bhtm", o, w_o)             # Eq. 3: o_j W_O,j^T
+
+
+def split_o_proj(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """o_proj.weight (d_model, H_q * d) -> W_O (H_q, d_model, d): the slice that reads head j."""
+    d_model = weight.shape[0]
+    return weight.view(d_model, n_heads, -1).permute(1, 0, 2)
+
+
+# ----------------------------------------------------------------------------------------
+# 2. The INT2 quantizer Q2(x; c, G)
+# ----------------------------------------------------------------------------------------
+"""
+Per token, groups of G consecutive channels along d. In each group:
+  clip    tau = |x| at rank floor(c*G) of the sorted |x| (clamped to the last index);
+          x <- clamp(x, -tau, tau)                 (no gradient through tau)
+  affine  scale = max((max - min) / 3, eps),  zero = -min / scale   (zero is a float)
+  code    = clamp(floor(x / scale + zero + 0.5), 0, 3)       (straight-through in training)
+  dequant = (code - zero) * scale
+Gradients flow through the rounding (STE) and through scale, zero, min and max.
+Storage: 4 codes per byte. Byte j of a d-channel row holds channels j, j + d/4, j + d/2,
+j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7, so unpacking one byte vector gives four contiguous
+quarter-rows (the layout the Triton kernel reads). scale and zero are fp32.
+"""
+
+def _q2_params(x, clip, G, eps):
+    """Shared by the fake-quant and storage forms, so both compute the same numbers.
+    x (..., d) -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1)."""
+    xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
+    if clip < 1.0:
+        rank = min(int(math.floor(clip * G)), G - 1)
+        tau = xg.detach().abs().sort(dim=-1).values[..., rank:rank + 1]  # no grad through tau
+        xg = torch.maximum(torch.minimum(xg, tau), -tau)
+    mn = xg.amin(dim=-1, keepdim=True)
+    mx = xg.amax(dim=-1, keepdim=True)
+    scale = ((mx - mn) / 3).clamp_min(eps)
+    zero = -mn / scale
+    return xg, scale, zero
+
+
+def q2(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8) -> torch.Tensor:
+    """Fake-quant Q2(x; c, G): quantize and dequantize, differentiable by straight-through
+    rounding. x (..., d) -> same shape and dtype."""
+    xg, scale, zero = _q2_params(x, clip, G, eps)
+    u = xg / scale + zero
+    code = u + (torch.clamp(torch.floor(u + 0.5), 0, 3) - u).detach()  # STE: forward = code
+    return ((code - zero) * scale).reshape(x.shape)
+
+
+def pack_int2(codes: torch.Tensor) -> torch.Tensor:
+    """(..., d) integer codes in [0, 3] -> (..., d/4) uint8, byte j = dims j, j+d/4, j+d/2, j+3d/4."""
+    d = codes.shape[-1]
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], 4, d // 4)
+    return c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+
+
+def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
+    """(..., d/4) uint8 -> (..., d) uint8 codes; inverse of pack_int2."""
+    parts = [(packed >> (2 * i)) & 3 for i in range(4)]
+    return torch.cat(parts, dim=-1)
+
+
+def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
+    """Storage form of Q2. x (..., d) float -> (packed (..., d/4) uint8,
+    scale (..., d/G) fp32, zero (..., d/G) fp32). Raises on non-finite input."""
+    check_tensor("x", x, dtype=_is_float, finite=True)
+    if x.shape[-1] % G or x.shape[-1] % 4:
+        raise ValueError(f"x: last dim must be a multiple of G={G} and of 4, got {tuple(x.shape)}")
+    xg, scale, zero = _q2_params(x.float(), clip, G, eps)
+    code = torch.clamp(torch.floor(xg / scale + zero + 0.5), 0, 3)
+    return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
+    """(packed (..., d/4), scale (..., d/G), zero (..., d/G)) -> (..., d) fp32."""
+    code = unpack_int2(packed).float()
+    cg = code.reshape(*code.shape[:-1], code.shape[-1] // G, G)
+    return ((cg - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(code.shape)
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Rotations and rotated INT2 quantization (Eq. 4)
+# ----------------------------------------------------------------------------------------
+"""
+Eq. 4  D_R,c(z) = Q2(z R; c, G) R^T,   R orthogonal.
+With Q2 the identity, D_R,c(z) = z R R^T = z: a rotation only changes the basis in which
+the INT2 error is made. Bases:
+  identity   naive INT2
+  QuaRot     H_d / sqrt(d), the normalised Sylvester Hadamard (keys after RoPE, and values)
+  OSCAR      U H P: U the eigenvectors (descending) of an attention-aware covariance,
+             H the Hadamard, P the bit-reversal permutation of the output channels.
+             Keys: Sigma_Q = E[q^T q] over the layer's query heads. Values: Sigma_V =
+             sum_t w_t v_t^T v_t with w_t = k_t Sigma_Q k_t^T normalised to mean 1.
+             One rotation per layer, shared by its KV heads.
+"""
+
+def hadamard(d: int, dtype=torch.float32) -> torch.Tensor:
+    """Normalised Sylvester Hadamard H_d / sqrt(d), built by Kronecker doubling (d a power of 2)."""
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"d: expected a power of two for a Hadamard matrix, got {d}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < d:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return (h / math.sqrt(d)).to(dtype)
+
+
+def bit_reversal_permutation(d: int) -> torch.Tensor:
+    """perm[i] = i with its log2(d) bits reversed (d a power of 2)."""
+    bits = int(math.log2(d))
+    return torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)])
+
+
+def identity_rotation(n_kv_heads: int, d: int) -> torch.Tensor:
+    """(H_kv, d, d) identity: naive INT2."""
+    return torch.eye(d).expand(n_kv_heads, d, d).clone()
+
+
+def quarot_rotation(n_kv_heads: int, d: int) -> torch.Tensor:
+    """(H_kv, d, d) QuaRot base: the normalised Hadamard for every head."""
+    return hadamard(d).expand(n_kv_heads, d, d).clone()
+
+
+def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
+    """(d, d) OSCAR base U H P from a symmetric covariance (d, d)."""
+    d = cov.shape[-1]
+    evals, evecs = torch.linalg.eigh(cov.double())
+    U = evecs.flip(-1)                                       # columns by descending eigenvalue
+    R = U @ hadamard(d, torch.float64)
+    return R[:, bit_reversal_permutation(d)].float()         # P: bit-reversed output channels
+
+
+def oscar_covariances(q, k):
+    """Attention-aware covariances of one layer. q (N, H_q, T, d), k (N, H_kv, T, d) post-RoPE.
+    Returns Sigma_Q (d, d) = E[q^T q] and the key scores w (N, H_kv, T) with mean 1."""
+    d = q.shape[-1]
+    qf = q.double().reshape(-1, d)
+    sigma_q = qf.T @ qf / qf.shape[0]
+    w = torch.einsum("nhtd,de,nhte->nht", k.double(), sigma_q, k.double())
+    return sigma_q, w / w.mean()
+
+
+def oscar_bases(q, k, v, n_kv_heads: int):
+    """OSCAR key and value bases of one layer, shared by its heads: (H_kv, d, d) each."""
+    d = q.shape[-1]
+    sigma_q, w = oscar_covariances(q, k)
+    vf = v.double()
+    sigma_v = torch.einsum("nht,nhtd,nhte->de", w, vf, vf) / w.numel()
+    rk, rv = oscar_rotation(sigma_q), oscar_rotation(sigma_v)
+    return rk.expand(n_kv_heads, d, d).clone(), rv.expand(n_kv_heads, d, d).clone()
+
+
+def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
+                   eps: float = 1e-8) -> torch.Tensor:
+    """Eq. 4: D_R,c(z) = Q2(z R; c, G) R^T. z (B, H, T, d), R (H, d, d) or None (identity)."""
+    if R is None:
+        return q2(z, clip, G, eps)
+    return q2(z @ R.unsqueeze(0), clip, G, eps) @ R.transpose(-1, -2).unsqueeze(0)  # Eq. 4
+
+
+def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """R = R_base exp(A - A^T): orthogonal for any A, equal to R_base at A = 0.
+    r_base, A (H, d, d) -> (H, d, d)."""
+    return r_base @ torch.linalg.matrix_exp(A - A.transpose(-1, -2))
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Key centering (attention-equivalent reparameterisation)
+# ----------------------------------------------------------------------------------------
+"""
+mu_h = mean of the post-RoPE keys of KV head h over calibration tokens. Every cached key
+is stored as k - mu (sink and recent windows too). For a fixed query every logit moves by
+the same -<q, mu>/sqrt(d), so softmax is unchanged exactly; centering before RoPE would
+not be, since RoPE rotates mu differently at each position. It removes per-channel
+offsets that would otherwise use up INT2's four levels. (A model with learned attention-
+sink logits would have to shift those by the same amount; this model has none.)
+"""
+
+def key_mean(k: torch.Tensor) -> torch.Tensor:
+    """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d)."""
+    return k.double().mean(dim=(0, 2)).to(k.dtype)
+
+
+def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
+    """k (B, H_kv, T, d) - mu (H_kv, d)."""
+    return k if k_mean is None else k - k_mean[None, :, None, :]
+
+
+@dataclass
+class KVQuant:
+    """How one layer's KV cache is stored (Section 8 stores exactly this)."""
+    k_mean: torch.Tensor | None = None   # (H_kv, d) key centering mu, or None
+    r_k: torch.Tensor | None = None      # (H_kv, d, d) key rotation, or None (identity)
+    r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
+    quant_k: bool = True                 # keys outside the windows in INT2
+    quant_v: bool = True                 # values outside the windows in INT2
+
+
+def effective_kv(k, v, spec: KVQuant, cfg: Config):
+    """Dequantized keys and values in the model's own basis (no windows applied).
+    k~ = mu + D_{R_K,c_K}(k - mu),  v~ = D_{R_V,c_V}(v)   (Eq. 4 with Section 4's centering)."""
+    k_t, v_t = k, v
+    if spec.quant_k:
+        kc = center_keys(k, spec.k_mean)
+        k_t = rotate_dequant(kc, spec.r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
+        k_t = k_t if spec.k_mean is None else k_t + spec.k_mean[None, :, None, :]
+    if spec.quant_v:
+        v_t = rotate_dequant(v, spec.r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)
+    return k_t, v_t
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Where the error goes (Eq. 5-10)
+# ----------------------------------------------------------------------------------------
+"""
+Effective (dequantized or window-restored) k~, v~:
+Eq. 5  a~ = <q, k~>/sqrt(d),  p~ = softmax(a~)
+Eq. 6  da = a~ - a = <q, dk>/sqrt(d),  dk = k~ - k,  dv = v~ - v,  dp = p~ - p
+Eq. 7  y~ = (sum_s p~_s v~_s) W_O^T
+Eq. 8  y~ - y = (sum_s dp_s v_s) W_O^T + (sum_s p~_s dv_s) W_O^T = dy_K + dy_V   (exact)
+Eq. 9  E_rec = |K - K~|^2 + |V - V~|^2          (the proxy)
+Eq. 10 E_out = |dy_K + dy_V|^2                  (what the model sees)
+Windows are relative to each query: where `fp` is True the query sees the exact key and
+value, so the effective key of source s depends on the query. `fp=None` means k~, v~ for all.
+"""
+
+def effective_logits(q, k, k_tilde, mask, fp=None):
+    """Eq. 5 logits a~ (B, H_q, Tq, T), -inf where the causal mask forbids."""
+    a_q = gqa_logits(q, k_tilde)                                # Eq. 5 (INT2 keys)
+    a = a_q if fp is None else torch.where(fp, gqa_logits(q, k), a_q)
+    return a.masked_fill(~mask, float("-inf"))
+
+
+def effective_attention(q, k, v, k_tilde, v_tilde, mask, fp=None):
+    """Eq. 5 and the readout with effective keys and values.
+    q (B, H_q, Tq, d); k, v, k_tilde, v_tilde (B, H_kv, T, d); mask, fp (Tq, T) bool.
+    Returns p~ (B, H_q, Tq, T) and o~ (B, H_q, Tq, d)."""
+    p_t = torch.softmax(effective_logits(q, k, k_tilde, mask, fp), dim=-1)  # Eq. 5
+    if fp is None:
+        return p_t, gqa_readout(p_t, v_tilde)
+    return p_t, gqa_readout(p_t * fp, v) + gqa_readout(p_t * ~fp, v_tilde)
+
+
+def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
+    """Eq. 5-10 for every query head. Shapes as in effective_attention; w_o (H_q, d_model, d).
+    Returns a dict with y, y_tilde, dy_k, dy_v (B, H_q, Tq, d_model), p, p_tilde, e_rec
+    (scalar, Eq. 9) and e_out (B, H_q, Tq, Eq. 10)."""
+    neg = float("-inf")
+    p = torch.softmax(gqa_logits(q, k).masked_fill(~mask, neg), dim=-1)     # Eq. 1
+    y = head_output(gqa_readout(p, v), w_o)                                 # Eq. 2-3
+    p_t, o_t = effective_attention(q, k, v, k_tilde, v_tilde, mask, fp)     # Eq. 5
+    y_t = head_output(o_t, w_o)                                             # Eq. 7
+    w_dv = p_t * mask if fp is None else p_t * (mask & ~fp)                 # dv = 0 in windows
+    dy_k = head_output(gqa_readout(p_t - p, v), w_o)                        # Eq. 8, key term
+    dy_v = head_output(gqa_readout(w_dv, v_tilde - v), w_o)                 # Eq. 8, value term
+    e_rec = ((k - k_tilde) ** 2).sum() + ((v - v_tilde) ** 2).sum()         # Eq. 9
+    e_out = ((dy_k + dy_v) ** 2).sum(-1)                                    # Eq. 10
+    return dict(y=y, y_tilde=y_t, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_t,
+                e_rec=e_rec, e_out=e_out)
+
+
+# ----------------------------------------------------------------------------------------
+# 6. OptR: output-oriented rotation correction
+# ----------------------------------------------------------------------------------------
+"""
+Per layer and KV head, R = R_base exp(A - A^T), A = 0 at the start (so training starts
+exactly at the base). Only A is trained; the model is frozen. Gradients pass the rounding
+by straight-through and flow through scale, zero, min and max (Section 2).
+  keys first:  L_K = KL(p || p~) + lambda * mean |dy_K|^2     (values in full precision)
+  then values: L_V = mean |dy_V|^2 = mean |(sum_s p~_s dv_s) W_O^T|^2, with the learned
+               key rotation fixed, so p~ is final.
+Queries: the last `qwin` positions of each calibration sequence, causal, with the sink and
+recent windows relative to each query. Adam, full batch. Every `eval_every` steps each
+head is scored on held-out sequences and its best A kept; a head whose best held-out
+loss is not below its base's keeps R_base. Each layer is calibrated on its own, from the
+full-precision q, k, v of that layer.
+"""
+
+def _per_head(x, n_kv_heads):
+    """(B, H_q, Tq) -> mean over batch, the group's query heads and queries: (H_kv,)."""
+    B, Hq, Tq = x.shape
+    return x.view(B, n_kv_heads, Hq // n_kv_heads, Tq).mean(dim=(0, 2, 3))
+
+
+def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
+    """Per-head L_K = KL(p || p~) + lambda * mean |dy_K|^2  (H_kv,). Values exact."""
+    kc = center_keys(k, k_mean)
+    k_t = rotate_dequant(kc, r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)        # Eq. 4
+    k_t = k_t if k_mean is None else k_t + k_mean[None, :, None, :]
+    neg = float("-inf")
+    logp = torch.log_softmax(gqa_logits(q, k).masked_fill(~mask, neg), dim=-1)      # Eq. 1
+    logp_t = torch.log_softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)      # Eq. 5
+    p, p_t = logp.exp(), logp_t.exp()
+    kl = torch.where(mask, p * (logp - logp_t), torch.zeros_like(p)).sum(-1)       # KL(p||p~)
+    dy_k = head_output(gqa_readout(p_t - p, v), w_o)                                # Eq. 8, key term
+    return _per_head(kl + cfg.lam * dy_k.pow(2).sum(-1), k.shape[1])
+
+
+def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
+    """Per-head L_V = mean |dy_V|^2 (H_kv,), given the final INT2-key attention p~."""
+    v_t = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)          # Eq. 4
+    dy_v = head_output(gqa_readout(p_t * (mask & ~fp), v_t - v), w_o)               # Eq. 8, value term
+    return _per_head(dy_v.pow(2).sum(-1), v.shape[1])
+
+
+def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
+    """Learn R = R_base exp(A - A^T) per head. loss_fn(R, split) -> per-head losses (H_kv,)
+    on split "cal" (differentiable) or "held". Returns R (H_kv, d, d) and report rows."""
+    H, d, _ = r_base.shape
+    A = torch.zeros(H, d, d, requires_grad=True)
+    opt = torch.optim.Adam([A], lr=cfg.lr)
+    with torch.no_grad():
+        base = loss_fn(r_base, "held")
+    best, best_A = base.clone(), torch.zeros(H, d, d)
+    best_step = torch.zeros(H, dtype=torch.long)
+    for step in range(1, cfg.steps + 1):
+        loss = loss_fn(optr_rotation(r_base, A), "cal").sum()   # heads are independent
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % cfg.eval_every == 0 or step == cfg.steps:
+            with torch.no_grad():
+                held = loss_fn(optr_rotation(r_base, A), "held")
+                better = held < best
+                best = torch.where(better, held, best)
+                best_A[better] = A.detach()[better]
+                best_step[better] = step
+            if log:
+                log(f"  {tag} step {step:4d} | cal loss {loss.item():.5f} | "
+                    f"held {' '.join(f'{x:.5f}' for x in held.tolist())}")
+    kept = best < base                                   # fallback: no gain -> the base itself
+    with torch.no_grad():
+        R = torch.where(kept[:, None, None], optr_rotation(r_base, best_A), r_base)
+    rows = [dict(head=h, base_loss=base[h].item(), best_loss=best[h].item(),
+                 best_step=int(best_step[h]), kept=bool(kept[h])) for h in range(H)]
+    return R.detach(), rows
+
+
+def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
+                    query_positions=None, learn_k=True, learn_v=True, tag="", log=None):
+    """OptR for one layer. cal, held: (q, k, v) full precision, q (N, H_q, T, d), k and v
+    (N, H_kv, T, d) post-RoPE; w_o (H_q, d_model, d); r_k0, r_v0 (H_kv, d, d) bases;
+    k_mean (H_kv, d) or None. Returns r_k, r_v and report rows (part "k" / "v")."""
+    T = cal[1].shape[2]
+    q_pos = query_positions if query_positions is not None else \
+        torch.arange(max(T - cfg.qwin, 0), T)
+    if q_pos.numel() == 0 or q_pos.min() < 0 or q_pos.max() >= T:
+        raise ValueError(f"query_positions: expected positions in [0, {T}), got {q_pos.tolist()}")
+    mask = causal_mask(q_pos, T)
+    fp = fp_window_mask(q_pos, T, cfg.sink, cfg.window)
+    data = {name: (q[:, :, q_pos].detach(), k.detach(), v.detach())
+            for name, (q, k, v) in (("cal", cal), ("held", held))}
+    w_o = w_o.detach()
+
+    def key_loss(R, split):
+        q, k, v = data[split]
+        return optr_key_loss(q, k, v, w_o, R, k_mean, mask, fp, cfg)
+
+    r_k, rows_k = fit_rotation(key_loss, r_k0, cfg, f"{tag}K", log) if learn_k else (r_k0, [])
+
+    p_t = {}                                             # final INT2-key attention, fixed
+    with torch.no_grad():
+        for split, (q, k, v) in data.items():
+            kc = center_keys(k, k_mean)
+            k_t = rotate_dequant(kc, r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
+            p_t[split] = torch.softmax(effective_logits(q, kc, k_t, mask, fp), dim=-1)
+
+    def value_loss(R, split):
+        return optr_value_loss(p_t[split], data[split][2], w_o, R, mask, fp, cfg)
+
+    r_v, rows_v = fit_rotation(value_loss, r_v0, cfg, f"{tag}V", log) if learn_v else (r_v0, [])
+    return r_k, r_v, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
+
+
+def base_rotations(base: str, q, k, v, cfg: Config):
+    """R_base for keys and values of one layer: "identity", "quarot" or "oscar"."""
+    H, d = cfg.n_kv_heads, cfg.head_dim
+    if base == "identity":
+        return identity_rotation(H, d), identity_rotation(H, d)
+    if not cfg.hadamard_ok:
+        raise ValueError(f"base: {base!r} needs head_dim a power of two, got {d}")
+    if base == "quarot":
+        return quarot_rotation(H, d), quarot_rotation(H, d)
+    if base == "oscar":
+        return oscar_bases(q, k, v, H)
+    raise ValueError(f"base: expected 'identity', 'quarot' or 'oscar', got {base!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# 7. Tiny model: a Llama/Qwen3-style decoder with Hugging Face parameter names
+# ----------------------------------------------------------------------------------------
+"""
+RMSNorm, RoPE (rotate-half convention), GQA attention, SwiGLU MLP; optional Qwen3 q/k-norm
+and Qwen2 q/k/v bias. Parameter names match Hugging Face Llama/Qwen checkpoints
+(model.layers.N.self_attn.q_proj.weight, ...), so a real checkpoint maps one to one.
+The model runs (a) in full precision, optionally returning each layer's q, k (post-RoPE)
+and v for calibration, (b) with a simulated INT2 cache: every position at once, each
+query seeing the sink and its recent window exactly and the rest through Eq. 4, and
+(c) token by token from the paged cache of Section 8 (`decode_step`).
+"""
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype) * self.weight
+
+
+def rope_cos_sin(pos: torch.Tensor, d: int, theta: float):
+    """pos (..., T) integer positions -> cos, sin (..., T, d) in the rotate-half layout."""
+    inv = theta ** (-torch.arange(0, d, 2, dtype=torch.float32, device=pos.device) / d)
+    ang = pos.float()[..., None] * inv                       # (..., T, d/2)
+    ang = torch.cat([ang, ang], dim=-1)                      # (..., T, d)
+    return ang.cos(), ang.sin()
+
+
+def apply_rope(x, cos, sin):
+    """x (B, H, T, d); cos, sin (B or 1, T, d)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    rot = torch.cat([-x2, x1], dim=-1)
+    return x * cos[:, None] + rot * sin[:, None]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        hd, b = cfg.head_dim, cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=b)
+        self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=b)
+        self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=b)
+        self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.d_model, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_eps)
+
+    def qkv(self, x, pos):
+        """x (B, T, d_model), pos (B, T) -> q (B, H_q, T, d), k (B, H_kv, T, d) post-RoPE, v."""
+        c = self.cfg
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def forward(self, x, kv: KVQuant | None = None):
+        c = self.cfg
+        B, T, _ = x.shape
+        pos = torch.arange(T, device=x.device)
+        q, k, v = self.qkv(x, pos[None])
+        if kv is None:                                       # full precision
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:                                                # simulated INT2 cache
+            k_t, v_t = effective_kv(k, v, kv, c)
+            mask = causal_mask(pos, T)
+            fp = fp_window_mask(pos, T, c.sink, c.window)
+            _, o = effective_attention(q, k, v, k_t, v_t, mask, fp)
+        y = self.o_proj(o.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
+        return y, (q, k, v)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.up_proj = nn.Linear(cfg.d_model, cfg.ffn_dim, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn_dim, cfg.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, kv=None):
+        a, qkv = self.self_attn(self.input_layernorm(x), kv)
+        x = x + a
+        return x + self.mlp(self.post_attention_layernorm(x)), qkv
+
+
+class TinyLM(nn.Module):
+    """model.embed_tokens -> model.layers[i] -> model.norm -> lm_head."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.cfg = cfg
+        self.model = nn.ModuleDict(dict(
+            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.d_model),
+            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers)),
+            norm=RMSNorm(cfg.d_model, cfg.rms_eps),
+        ))
+        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        g = torch.Generator().manual_seed(cfg.seed)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+
+    def forward(self, idx, kv: list | None = None, capture: bool = False):
+        """idx (B, T) tokens; kv: per-layer KVQuant (or None) for a simulated INT2 cache.
+        Returns logits (B, T, vocab), and with capture=True also [(q, k, v)] per layer."""
+        self._check_idx(idx)
+        if kv is not None and len(kv) != self.cfg.n_layers:
+            raise ValueError(f"kv: expected {self.cfg.n_layers} layer specs, got {len(kv)}")
+        x = self.model.embed_tokens(idx)
+        captured = []
+        for i, layer in enumerate(self.model.layers):
+            x, qkv = layer(x, None if kv is None else kv[i])
+            if capture:
+                captured.append(qkv)
+        logits = self.lm_head(self.model.norm(x))
+        return (logits, captured) if capture else logits
+
+    def _check_idx(self, idx):
+        check_tensor("idx", idx, ndim=2, dtype=lambda dt: dt in (torch.int64, torch.int32))
+        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
+            raise ValueError(f"idx: expected token ids in [0, {self.cfg.vocab_size}), got "
+                             f"[{int(idx.min())}, {int(idx.max())}]")
+
+    def o_proj_heads(self, layer: int) -> torch.Tensor:
+        """W_O of a layer as (H_q, d_model, d)."""
+        return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
+
+
+# Calibrating a whole model: Section 6, layer by layer, from full-precision q, k, v.
+
+def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
+              query_positions=None, cfg: Config | None = None, log=None):
+    """Calibrate every layer of a frozen model. calib_idx (N, T), heldout_idx (M, T) tokens
+    (disjoint data). Returns per-layer KVQuant and report rows (layer, head, part, base_loss,
+    best_loss, best_step, kept)."""
+    cfg = cfg or model.cfg
+    torch.manual_seed(cfg.seed)
+    with torch.no_grad():
+        _, cal = model(calib_idx, capture=True)
+        _, held = model(heldout_idx, capture=True)
+    specs, report = [], []
+    for l in range(cfg.n_layers):
+        q, k, v = cal[l]
+        mu = key_mean(k) if center else None                               # Section 4
+        r_k0, r_v0 = base_rotations(base, q, k, v, cfg)
+        if learn:
+            r_k, r_v, rows = calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r_k0, r_v0,
+                                             mu, cfg, query_positions, tag=f"L{l} ", log=log)
+            report += [dict(r, layer=l) for r in rows]
+        else:
+            r_k, r_v = r_k0, r_v0
+        specs.append(KVQuant(k_mean=mu, r_k=r_k, r_v=r_v))
+    return specs, report
+
+
+# ----------------------------------------------------------------------------------------
+# 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
+# ----------------------------------------------------------------------------------------
+"""
+The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
+(fp32 here, bf16 on a GPU), everything between them in INT2 pages. Queries are rotated
+by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. The value rotation folds into
+the weights, per head: v_proj's output by R_V and o_proj's input by R_V^T, so attention
+runs in the rotated value basis at no extra cost.
+
+Layout (per layer; the Triton kernel in kernel.py reads exactly this):
+  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (Section 2)
+  k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
+  block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
+               block_table[seq, n // page_size], slot n % page_size; -1 = no page
+  win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) hold the first tokens,
+               slots [sink, sink + window) a ring of the most recent ones; the valid
+               slots are always [0, win_len), win_len = min(length, sink + window)
+The page pool is shared by all sequences and all layers use the same block table. A token
+leaving the recent window is quantized, packed and written to its page.
+"""
+
+def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
+    """A copy of the model with each layer's R_V (H_kv, d, d) folded into the weights:
+    v_proj -> v R_V (rows of head h: R_h^T W_h, bias b_h R_h), o_proj -> reads o R_V^T
+    (columns of query head j: W_O,j R_h). Full-precision outputs are unchanged."""
+    model = copy.deepcopy(model)
+    c = model.cfg
+    for layer, spec in zip(model.model.layers, kv):
+        if spec.r_v is None:
+            continue
+        R = spec.r_v.to(torch.float64)                                     # (H_kv, d, d)
+        attn = layer.self_attn
+        with torch.no_grad():
+            wv = attn.v_proj.weight.double().view(c.n_kv_heads, c.head_dim, c.d_model)
+            attn.v_proj.weight.copy_((R.transpose(-1, -2) @ wv).reshape_as(attn.v_proj.weight))
+            if attn.v_proj.bias is not None:
+                bv = attn.v_proj.bias.double().view(c.n_kv_heads, 1, c.head_dim)
+                attn.v_proj.bias.copy_((bv @ R).reshape(-1))
+            wo = attn.o_proj.weight.double().view(c.d_model, c.n_heads, c.head_dim)
+            Rq = R.repeat_interleave(c.n_rep, dim=0)                       # (H_q, d, d)
+            attn.o_proj.weight.copy_(torch.einsum("mjd,jde->mje", wo, Rq).reshape(c.d_model, -1))
+    return model
+
+
+class PagedKVCache:
+    """Page pool + block tables + full-precision windows, for every layer of a model."""
+
+    def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
+                 window_dtype=torch.float32, device="cpu", page_order=None):
+        if num_pages < 1 or max_seqs < 1:
+            raise ValueError(f"num_pages and max_seqs: expected >= 1, got {num_pages}, {max_seqs}")
+        if len(kv) != cfg.n_layers:
+            raise ValueError(f"kv: expected {cfg.n_layers} layer specs, got {len(kv)}")
+        for i, s in enumerate(kv):
+            if not (s.quant_k and s.quant_v):
+                raise ValueError(f"kv[{i}]: the paged cache stores keys and values in INT2; "
+                                 f"for full precision make sink + window cover the context")
+        self.cfg, self.kv = cfg, kv
+        L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
+        NW = cfg.sink + cfg.window
+        u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
+        self.k_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)   # (L, pages, H_kv, P, d/4)
+        self.v_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)
+        self.k_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)  # (L, pages, H_kv, P, d/G)
+        self.k_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        self.v_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        self.v_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
+        self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
+        self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
+        self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
+        order = list(range(num_pages)) if page_order is None else [int(p) for p in page_order]
+        if sorted(order) != list(range(num_pages)):
+            raise ValueError(f"page_order: expected a permutation of range({num_pages})")
+        self.free_pages = order                                        # allocated from the front
+        self.active = [False] * max_seqs
+
+    # -- sequences and pages ------------------------------------------------------------
+    def add_sequence(self) -> int:
+        for s, used in enumerate(self.active):
+            if not used:
+                self.active[s] = True
+                return s
+        raise RuntimeError(f"PagedKVCache: all {len(self.active)} sequence slots are in use")
+
+    def free(self, seq: int):
+        """Return the sequence's pages to the pool and clear its slot."""
+        self._check_seq(seq)
+        row = self.block_table[seq]
+        self.free_pages += [int(p) for p in row[row >= 0]]
+        row.fill_(-1)
+        self.length[:, seq] = 0
+        self.win_k[:, seq].zero_()
+        self.win_v[:, seq].zero_()
+        self.active[seq] = False
+
+    def _check_seq(self, seq):
+        if not (0 <= seq < len(self.active)) or not self.active[seq]:
+            raise ValueError(f"seq: expected an active sequence id, got {seq}")
+
+    def _page(self, seq: int, n: int) -> int:
+        """Page holding INT2 token n of `seq`, allocated on first use."""
+        blk = n // self.cfg.page_size
+        if self.block_table[seq, blk] < 0:
+            if not self.free_pages:
+                raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]}"
+                                   f" pages) while sequence {seq} needed page {blk}")
+            self.block_table[seq, blk] = self.free_pages.pop(0)
+        return int(self.block_table[seq, blk])
+
+    # -- writes -------------------------------------------------------------------------
+    def _write_int2(self, layer, seq, n, k_row, v_row):
+        """Quantize and pack one token (H_kv, d) into slot n % page_size of its page."""
+        c = self.cfg
+        page, slot = self._page(seq, n), n % c.page_size
+        for row, codes, scale, zero, clip in ((k_row, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
+                                              (v_row, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
+            pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
+            codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
+
+    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
+        """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
+        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
+        c = self.cfg
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype=_is_float, finite=True)
+        check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype=_is_float, finite=True)
+        spec = self.kv[layer]
+        kr = center_keys(k[:, :, None], spec.k_mean)                     # (n, H_kv, 1, d)
+        if spec.r_k is not None:
+            kr = kr @ spec.r_k.unsqueeze(0)                              # (k - mu) R_K
+        kr = kr[:, :, 0]
+        S, W = c.sink, c.window
+        for i, s in enumerate(seqs):
+            self._check_seq(s)
+            pos = int(self.length[layer, s])
+            if pos < S:
+                slot = pos
+            elif W == 0:                                                 # no recent window
+                self._write_int2(layer, s, pos - S, kr[i], v[i])
+                self.length[layer, s] += 1
+                continue
+            else:
+                slot = S + (pos - S) % W
+                if pos - S >= W:                                         # evict the oldest
+                    self._write_int2(layer, s, pos - S - W, self.win_k[layer, s, :, slot],
+                                     self.win_v[layer, s, :, slot])
+            self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
+            self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
+            self.length[layer, s] += 1
+
+    # -- reads --------------------------------------------------------------------------
+    def layer_view(self, layer: int, seqs: list) -> dict:
+        """The tensors a decode kernel reads for these sequences (keyword arguments of
+        paged_decode_reference and kernel.int2_paged_decode)."""
+        c = self.cfg
+        idx = torch.tensor(seqs, dtype=torch.long)
+        n = self.length[layer, idx]
+        n_quant = (n - c.sink - c.window).clamp_min(0).to(torch.int32)
+        win_len = n.clamp_max(c.sink + c.window).to(torch.int32)
+        return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
+                    v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
+                    block_table=self.block_table[idx.to(self.block_table.device)].contiguous(),
+                    n_quant=n_quant.to(self.block_table.device),
+                    win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
+                    win_len=win_len.to(self.block_table.device))
+
+    def bits_per_element(self, seq: int, int2_only: bool = False) -> float:
+        """Bits per cached K/V element of `seq` as stored, measured from the tensors:
+        INT2 tokens cost their codes + scales + zeros, window tokens their window dtype."""
+        self._check_seq(seq)
+        c = self.cfg
+        per_tok_int2 = sum(t[0, 0, :, 0].numel() * t.element_size()    # one token, all heads
+                           for t in (self.k_codes, self.k_scale, self.k_zero,
+                                     self.v_codes, self.v_scale, self.v_zero))
+        per_tok_win = 2 * self.win_k[0, 0, :, 0].numel() * self.win_k.element_size()
+        elems_per_tok = 2 * c.n_kv_heads * c.head_dim
+        n = self.length[:, seq]
+        n_q = (n - c.sink - c.window).clamp_min(0)
+        n_w = n.clamp_max(c.sink + c.window)
+        if int2_only:
+            return 8.0 * per_tok_int2 / elems_per_tok
+        total_bytes = (n_q * per_tok_int2 + n_w * per_tok_win).sum().item()
+        return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
+
+
+def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                           n_quant, win_k, win_v, win_len, group_size, num_splits=None, sm_scale=None):
+    """Pure-torch decode over the paged cache, one query token per sequence: the reference
+    the Triton kernel must match. q (B, H_q, d) already rotated by R_K. Returns (B, H_q, d)
+    fp32 in the rotated value basis. `num_splits` is accepted for a common signature."""
+    B, Hq, d = q.shape
+    H, P = k_codes.shape[1], k_codes.shape[2]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n, w = int(n_quant[b]), int(win_len[b])
+        pages = block_table[b, :(n + P - 1) // P].long()
+
+        def gather(codes, sc, zr):                                        # (H_kv, n, d)
+            x = q2_dequantize(codes[pages], sc[pages], zr[pages], group_size)  # (nb, H, P, d)
+            return x.permute(1, 0, 2, 3).reshape(H, -1, d)[:, :n]
+
+        K = torch.cat([gather(k_codes, k_scale, k_zero), win_k[b, :, :w].float()], dim=1)
+        V = torch.cat([gather(v_codes, v_scale, v_zero), win_v[b, :, :w].float()], dim=1)
+        qg = q[b].float().view(H, Hq // H, d)                             # (H_kv, n_rep, d)
+        p = torch.softmax(qg @ K.transpose(1, 2) * scale, dim=-1)         # Eq. 1
+        out[b] = (p @ V).reshape(Hq, d)                                   # Eq. 2
+    return out
+
+
+@torch.no_grad()
+def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
+                attend=paged_decode_reference) -> torch.Tensor:
+    """One new token for each sequence in `seqs`, through the paged cache. `model` must be
+    the folded model (fold_value_rotation with the cache's specs). Returns logits (n, vocab)."""
+    c = model.cfg
+    check_tensor("tokens", tokens, shape=(len(seqs),), dtype=lambda dt: dt in (torch.int64, torch.int32))
+    n = len(seqs)
+    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)           # (n,)
+    x = model.model.embed_tokens(tokens)[:, None]                         # (n, 1, d_model)
+    for l, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x), pos[:, None])        # (n, H, 1, d)
+        cache.append(l, seqs, k[:, :, 0], v[:, :, 0])
+        r_k = cache.kv[l].r_k
+        qr = q[:, :, 0].reshape(n, c.n_kv_heads, c.n_rep, c.head_dim)
+        if r_k is not None:
+            qr = qr @ r_k.unsqueeze(0)                                    # q R_K
+        o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(l, seqs),
+                   group_size=c.group_size)                               # (n, H_q, d)
+        x = x + attn.o_proj(o.reshape(n, 1, -1).to(x.dtype))             # folded o_proj
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.lm_head(model.model.norm(x))[:, 0]
+
+
+@torch.no_grad()
+def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
+    """Append a whole prompt idx (n, T) to the cache with one simulated-INT2 forward of the
+    folded model (same numbers as decoding it token by token). Returns logits (n, T, vocab)."""
+    if idx.shape[0] != len(seqs):
+        raise ValueError(f"idx: expected {len(seqs)} rows (one per seq), got {tuple(idx.shape)}")
+    specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
+    logits, captured = model(idx, kv=specs, capture=True)
+    for l, (_, k, v) in enumerate(captured):
+        for t in range(idx.shape[1]):
+            cache.append(l, seqs, k[:, :, t], v[:, :, t])
+    return logits
