@@ -329,8 +329,10 @@ def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     """R = R_base exp(A - A^T): orthogonal for any A, equal to R_base at A = 0.
-    r_base, A (H, d, d) -> (H, d, d)."""
-    return r_base @ torch.linalg.matrix_exp(A - A.transpose(-1, -2))
+    r_base, A (H, d, d) -> (H, d, d). Computed in float64: in fp32 the exponential of a
+    large skew matrix drifts from orthogonal by more than 1e-5."""
+    S = (A - A.transpose(-1, -2)).double()
+    return (r_base.double() @ torch.linalg.matrix_exp(S)).to(r_base.dtype)
 
 
 # ----------------------------------------------------------------------------------------
@@ -837,8 +839,8 @@ class PagedKVCache:
     def _page(self, seq: int, n: int) -> int:
         """Page holding INT2 token n of `seq`, allocated on first use."""
         blk = n // self.cfg.page_size
-        if self.block_table[seq, blk] < 0:
-            if not self.free_pages:
+        if blk >= self.block_table.shape[1] or self.block_table[seq, blk] < 0:
+            if not self.free_pages or blk >= self.block_table.shape[1]:
                 raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]}"
                                    f" pages) while sequence {seq} needed page {blk}")
             self.block_table[seq, blk] = self.free_pages.pop(0)

@@ -1,0 +1,625 @@
+"""
+The executable spec of OptR. Read it top to bottom to learn the method: each test's
+docstring states one claim of the paper (or of this implementation's contract) in words,
+and the test checks it. Equation numbers follow optr.py / docs/METHOD.md.
+
+Sections: the INT2 quantizer, rotations (Eq. 4), key centering, the exact error
+decomposition (Eq. 5-10), OptR calibration, the tiny model, the paged cache, bad input,
+the Triton decode kernel, and the end-to-end script.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import optr
+
+F64 = torch.float64
+
+
+def rand(*shape, seed=0, dtype=torch.float32, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype)
+
+
+def random_orthogonal(d, seed=0, dtype=torch.float32):
+    q, r = torch.linalg.qr(rand(d, d, seed=seed, dtype=F64))
+    return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# Hypothesis strategies: small bounded shapes, finite floats, adversarial values on purpose
+# ----------------------------------------------------------------------------------------
+
+@st.composite
+def gqa_shapes(draw, max_t=65):
+    """(B, H_q, H_kv, T, d) with GQA ratio 1, 2 or 4, head_dim 8..64, lengths incl. 1 and
+    page-boundary values."""
+    h_kv = draw(st.sampled_from([1, 2]))
+    ratio = draw(st.sampled_from([1, 2, 4]))
+    d = draw(st.sampled_from([8, 16, 32, 64]))
+    T = draw(st.sampled_from([t for t in (1, 2, 7, 15, 16, 17, 63, 64, 65) if t <= max_t]))
+    B = draw(st.integers(1, 2))
+    return B, h_kv * ratio, h_kv, T, d
+
+
+@st.composite
+def quant_rows(draw):
+    """(x (rows, d), G) with values in one of several regimes: plain Gaussian, one channel
+    scaled x1e4, constant groups, or tiny values."""
+    d = draw(st.sampled_from([8, 16, 32, 64]))
+    G = draw(st.sampled_from([g for g in (4, 8, 16, 32, 64) if d % g == 0]))
+    rows = draw(st.integers(1, 6))
+    seed = draw(st.integers(0, 2**31 - 1))
+    x = rand(rows, d, seed=seed)
+    regime = draw(st.sampled_from(["gauss", "outlier", "constant", "tiny", "offset"]))
+    if regime == "outlier":
+        x[:, draw(st.integers(0, d - 1))] *= 1e4
+    elif regime == "constant":
+        x = torch.full((rows, d), draw(st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32)))
+    elif regime == "tiny":
+        x = x * 1e-6
+    elif regime == "offset":
+        x = x + draw(st.floats(-50, 50, allow_nan=False, allow_subnormal=False, width=32))
+    return x, G
+
+
+# ----------------------------------------------------------------------------------------
+# 2. The INT2 quantizer
+# ----------------------------------------------------------------------------------------
+
+@given(quant_rows(), st.sampled_from([1.0, 0.96, 0.92, 0.5]))
+def test_q2_codes_levels_and_rounding_error(data, clip):
+    """Q2 stores codes in [0, 3]; each group dequantizes to at most 4 distinct levels; an
+    element inside the clip range is off by at most half a step (scale / 2)."""
+    x, G = data
+    packed, scale, zero = optr.q2_quantize(x, clip, G)
+    codes = optr.unpack_int2(packed)
+    assert codes.max() <= 3
+    deq = optr.q2_dequantize(packed, scale, zero, G)
+    xg, dg = x.view(x.shape[0], -1, G), deq.view(x.shape[0], -1, G)
+    for r in range(xg.shape[0]):
+        for g in range(xg.shape[1]):
+            assert dg[r, g].unique().numel() <= 4
+    rank = min(int(math.floor(clip * G)), G - 1)
+    tau = xg.abs().sort(-1).values[..., rank:rank + 1]
+    inside = xg.abs() <= tau
+    err = (xg - dg).abs()
+    bound = scale.view(x.shape[0], -1, 1) / 2 * (1 + 1e-5) + 1e-6 * xg.abs()
+    assert torch.all(err[inside] <= bound.expand_as(err)[inside])
+    assert torch.isfinite(deq).all()
+
+
+@given(quant_rows(), st.sampled_from([1.0, 0.96, 0.92]))
+def test_storage_form_equals_fake_quant_bit_for_bit(data, clip):
+    """Quantize-pack-unpack-dequantize reproduces the differentiable fake-quant forward
+    exactly, so what calibration optimizes is what the cache serves."""
+    x, G = data
+    fake = optr.q2(x, clip, G)
+    stored = optr.q2_dequantize(*optr.q2_quantize(x, clip, G), G)
+    assert torch.equal(fake, stored)
+
+
+@given(st.sampled_from([4, 8, 32, 128]), st.integers(1, 5), st.integers(0, 1000))
+def test_pack_unpack_round_trip(d, rows, seed):
+    """pack_int2 puts 4 codes in a byte and unpack_int2 returns them unchanged."""
+    codes = torch.randint(0, 4, (rows, d), generator=torch.Generator().manual_seed(seed), dtype=torch.uint8)
+    packed = optr.pack_int2(codes)
+    assert packed.shape == (rows, d // 4) and packed.dtype == torch.uint8
+    assert torch.equal(optr.unpack_int2(packed), codes)
+
+
+def test_pack_layout_is_strided_quarters():
+    """Byte j of a d-channel row holds channels j, j + d/4, j + d/2, j + 3d/4 in bits
+    0-1, 2-3, 4-5, 6-7 (the layout the kernel unpacks)."""
+    d = 16
+    codes = torch.zeros(d, dtype=torch.uint8)
+    codes[1], codes[1 + 4], codes[1 + 8], codes[1 + 12] = 1, 2, 3, 1
+    packed = optr.pack_int2(codes)
+    assert packed[1].item() == 1 | (2 << 2) | (3 << 4) | (1 << 6)
+    assert packed[0].item() == 0 and packed[2].item() == 0
+
+
+@pytest.mark.parametrize("value", [0.0, 1.0, -3.5, 1e6])
+def test_constant_group_quantizes_exactly(value):
+    """A constant group has zero range; the scale floor makes it exact instead of 0/0."""
+    x = torch.full((3, 32), value)
+    assert torch.equal(optr.q2(x, 0.96, 16), x)
+    assert torch.equal(optr.q2_dequantize(*optr.q2_quantize(x, 0.96, 16), 16), x)
+
+
+def test_clip_rank_follows_the_authors_rule():
+    """tau is the |x| at rank floor(c*G) of the group's sorted magnitudes, so with G = 8 and
+    c = 0.8 the largest magnitude (rank 7) is clipped to the one at rank 6."""
+    x = torch.tensor([[0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.7, -9.0]])
+    xg, scale, zero = optr._q2_params(x, 0.8, 8, 1e-8)
+    assert xg.abs().max().item() == pytest.approx(0.7)
+    assert xg[0, 0, -1].item() == pytest.approx(-0.7)
+
+
+def test_straight_through_gradients_reach_A():
+    """Gradients of an output loss pass the rounding (straight-through) and reach the
+    skew parameter A of R = R_base exp(A - A^T); they also flow through scale and zero."""
+    z = rand(2, 2, 9, 16, seed=1)
+    A = torch.zeros(2, 16, 16, requires_grad=True)
+    R = optr.optr_rotation(optr.quarot_rotation(2, 16), A)
+    loss = (optr.rotate_dequant(z, R, 0.96, 16) - z).pow(2).sum()
+    loss.backward()
+    assert torch.isfinite(A.grad).all() and A.grad.abs().sum() > 0
+    x = rand(4, 16, seed=2).requires_grad_()
+    optr.q2(x, 1.0, 16).sum().backward()
+    assert not torch.allclose(x.grad, torch.ones_like(x))   # scale/zero terms, not identity
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Rotations (Eq. 4)
+# ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("d", [1, 2, 8, 32, 128, 256])
+def test_hadamard_is_generated_orthogonal_and_flat(d):
+    """H_d / sqrt(d) is orthogonal with every entry +-1/sqrt(d): it spreads each channel
+    evenly over all channels."""
+    H = optr.hadamard(d, F64)
+    assert torch.allclose(H @ H.T, torch.eye(d, dtype=F64), atol=1e-12)
+    assert torch.allclose(H.abs(), torch.full_like(H, 1 / math.sqrt(d)))
+
+
+@given(st.sampled_from([4, 8, 32, 64]), st.floats(0.0, 10.0, allow_nan=False, width=32),
+       st.integers(0, 10_000), st.sampled_from(["identity", "quarot", "random"]))
+def test_optr_rotation_is_orthogonal_for_any_A(d, amp, seed, base):
+    """R = R_base exp(A - A^T) is orthogonal whatever A is, and equals R_base at A = 0."""
+    H = 2
+    r_base = {"identity": optr.identity_rotation(H, d), "quarot": optr.quarot_rotation(H, d),
+              "random": torch.stack([random_orthogonal(d, seed + i) for i in range(H)])}[base]
+    A = rand(H, d, d, seed=seed, scale=amp)
+    R = optr.optr_rotation(r_base, A)
+    err = (R.transpose(-1, -2) @ R - torch.eye(d)).abs().max()
+    assert err <= 1e-5
+    assert torch.equal(optr.optr_rotation(r_base, torch.zeros(H, d, d)), r_base)
+
+
+@given(gqa_shapes(), st.integers(0, 10_000))
+def test_rotation_only_changes_the_basis(shape, seed):
+    """Eq. 4: with Q2 replaced by the identity, D_R(z) = z R R^T = z for any orthogonal R."""
+    B, _, H, T, d = shape
+    z = rand(B, H, T, d, seed=seed)
+    R = torch.stack([random_orthogonal(d, seed + h) for h in range(H)])
+    out = optr.rotate_dequant(z, R, 1.0, d)
+    saved = optr.q2
+    try:
+        optr.q2 = lambda x, *args, **kw: x
+        ident = optr.rotate_dequant(z, R, 1.0, d)
+    finally:
+        optr.q2 = saved
+    assert torch.allclose(ident, z, atol=1e-5)
+    assert not torch.allclose(out, z, atol=1e-5) or T * d < 8  # with real Q2 there is error
+
+
+def test_oscar_base_is_eigenbasis_then_hadamard_then_bit_reversal():
+    """OSCAR's R = U H P: U the covariance eigenvectors by descending eigenvalue, H the
+    Hadamard, P the bit-reversal permutation; R is orthogonal."""
+    d = 16
+    X = rand(500, d, seed=3) * torch.linspace(5, 0.1, d)
+    cov = X.T @ X / 500
+    R = optr.oscar_rotation(cov)
+    assert (R.T @ R - torch.eye(d)).abs().max() < 1e-5
+    perm = optr.bit_reversal_permutation(d)
+    assert sorted(perm.tolist()) == list(range(d)) and perm[1].item() == d // 2
+    inv = torch.argsort(perm)
+    U = (R[:, inv].double() @ optr.hadamard(d, F64).T)
+    evals = torch.diagonal(U.T @ cov.double() @ U)
+    assert torch.all(evals[:-1] >= evals[1:] - 1e-6)                 # descending
+    off = U.T @ cov.double() @ U - torch.diag(evals)
+    assert off.abs().max() < 1e-4                                      # diagonalizes cov
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Key centering
+# ----------------------------------------------------------------------------------------
+
+@given(gqa_shapes(), st.integers(0, 10_000), st.floats(0.0, 10.0, allow_nan=False, width=32))
+def test_key_centering_leaves_softmax_unchanged(shape, seed, mu_scale):
+    """Subtracting the same mu from every (post-RoPE) key shifts all logits of a query
+    by the same -<q, mu>/sqrt(d), so every attention distribution is unchanged."""
+    B, Hq, Hkv, T, d = shape
+    q = rand(B, Hq, 3, d, seed=seed, dtype=F64)
+    k = rand(B, Hkv, T, d, seed=seed + 1, dtype=F64)
+    mu = rand(Hkv, d, seed=seed + 2, dtype=F64, scale=mu_scale)
+    p = torch.softmax(optr.gqa_logits(q, k), -1)
+    pc = torch.softmax(optr.gqa_logits(q, optr.center_keys(k, mu)), -1)
+    assert (p - pc).abs().max() <= 1e-12
+
+
+def test_centering_must_come_after_rope():
+    """The same mean subtracted *before* RoPE is not a constant shift after it (RoPE turns
+    mu differently at each position), so it would change the attention."""
+    d, T = 16, 12
+    cos, sin = optr.rope_cos_sin(torch.arange(T)[None], d, 10000.0)
+    k_pre = rand(1, 1, T, d, seed=4) + 3.0
+    q = optr.apply_rope(rand(1, 1, 1, d, seed=5), *optr.rope_cos_sin(torch.tensor([[T - 1]]), d, 1e4))
+    mu = k_pre.mean(dim=2, keepdim=True)
+    p = torch.softmax(optr.gqa_logits(q, optr.apply_rope(k_pre, cos, sin)), -1)
+    p_pre = torch.softmax(optr.gqa_logits(q, optr.apply_rope(k_pre - mu, cos, sin)), -1)
+    mu_post = optr.key_mean(optr.apply_rope(k_pre, cos, sin))
+    p_post = torch.softmax(optr.gqa_logits(q, optr.center_keys(optr.apply_rope(k_pre, cos, sin), mu_post)), -1)
+    assert (p - p_pre).abs().max() > 1e-3
+    assert (p - p_post).abs().max() < 1e-6
+
+
+def test_centering_shrinks_the_int2_error_of_offset_keys():
+    """Keys with large per-channel offsets waste INT2's four levels on the offset; stored
+    as k - mu they quantize with a much smaller error."""
+    k = rand(4, 2, 64, 32, seed=6) + 8 * rand(1, 2, 1, 32, seed=7)
+    mu = optr.key_mean(k)
+    err = (optr.q2(k, 1.0, 32) - k).pow(2).sum()
+    err_c = (optr.q2(optr.center_keys(k, mu), 1.0, 32) + mu[None, :, None] - k).pow(2).sum()
+    assert err_c < 0.5 * err
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Where the error goes (Eq. 5-10)
+# ----------------------------------------------------------------------------------------
+
+@st.composite
+def perturbed_attention(draw):
+    B, Hq, Hkv, T, d = draw(gqa_shapes())
+    Tq = draw(st.integers(1, min(T, 5)))
+    seed = draw(st.integers(0, 10_000))
+    d_model = draw(st.sampled_from([8, 24]))
+    dk_scale = draw(st.sampled_from([0.0, 1e-3, 0.1, 1.0, 5.0]))
+    dv_scale = draw(st.sampled_from([0.0, 1e-3, 0.1, 1.0]))
+    sink, window = draw(st.integers(0, 3)), draw(st.integers(0, 4))
+    q = rand(B, Hq, Tq, d, seed=seed, dtype=F64)
+    k = rand(B, Hkv, T, d, seed=seed + 1, dtype=F64)
+    v = rand(B, Hkv, T, d, seed=seed + 2, dtype=F64)
+    k_t = k + rand(B, Hkv, T, d, seed=seed + 3, dtype=F64, scale=dk_scale)
+    v_t = v + rand(B, Hkv, T, d, seed=seed + 4, dtype=F64, scale=dv_scale)
+    w_o = rand(Hq, d_model, d, seed=seed + 5, dtype=F64)
+    q_pos = torch.arange(T - Tq, T)
+    use_windows = draw(st.booleans())
+    fp = optr.fp_window_mask(q_pos, T, sink, window) if use_windows else None
+    return q, k, v, k_t, v_t, w_o, optr.causal_mask(q_pos, T), fp
+
+
+@given(perturbed_attention())
+def test_error_decomposition_is_exact(case):
+    """Eq. 8: for ANY perturbation of K and V (not only quantization), the key-induced
+    term (sum_s dp_s v_s) W_O^T plus the value-induced term (sum_s p~_s dv_s) W_O^T equals
+    y~ - y exactly (float64), with sink/recent windows or without."""
+    q, k, v, k_t, v_t, w_o, mask, fp = case
+    r = optr.error_decomposition(q, k, v, k_t, v_t, w_o, mask, fp)
+    dy = r["y_tilde"] - r["y"]
+    gap = (r["dy_k"] + r["dy_v"] - dy).abs().max()
+    assert gap <= 1e-10 * dy.abs().max() + 1e-13 * r["y"].abs().max()
+    assert torch.allclose(r["e_out"], dy.pow(2).sum(-1), rtol=1e-9, atol=1e-13)     # Eq. 10
+    assert torch.allclose(r["e_rec"], (k - k_t).pow(2).sum() + (v - v_t).pow(2).sum())  # Eq. 9
+
+
+@given(perturbed_attention())
+def test_logit_error_is_linear_in_the_key_error(case):
+    """Eq. 6: the logit error is <q, dk>/sqrt(d): INT2 key error matters only through the
+    queries that read it."""
+    q, k, v, k_t, v_t, w_o, mask, fp = case
+    a = optr.gqa_logits(q, k)
+    a_t = optr.gqa_logits(q, k_t)
+    da = optr.gqa_logits(q, k_t - k)
+    assert torch.allclose(a_t - a, da, atol=1e-9)
+
+
+def test_each_error_term_vanishes_with_its_cause():
+    """Exact keys give no key-induced error; exact values give no value-induced error."""
+    q, k, v = rand(1, 4, 3, 16, seed=8, dtype=F64), rand(1, 2, 9, 16, seed=9, dtype=F64), rand(1, 2, 9, 16, seed=10, dtype=F64)
+    w_o, mask = rand(4, 8, 16, seed=11, dtype=F64), optr.causal_mask(torch.arange(6, 9), 9)
+    r = optr.error_decomposition(q, k, v, k, v + 0.1, w_o, mask)
+    assert r["dy_k"].abs().max() == 0 and r["dy_v"].abs().max() > 0
+    r = optr.error_decomposition(q, k, v, k + 0.1, v, w_o, mask)
+    assert r["dy_v"].abs().max() == 0 and r["dy_k"].abs().max() > 0
+
+
+def test_reconstruction_error_is_only_a_proxy():
+    """Eq. 9 vs Eq. 10: a key error along a direction no query reads has a large E_rec but
+    zero output error; a smaller error along the queries' direction hurts the output."""
+    d = 8
+    q = torch.zeros(1, 1, 4, d, dtype=F64)
+    q[..., 0] = torch.tensor([3.0, -2.0, 1.0, 4.0]).view(1, 1, 4)     # queries live on channel 0
+    k, v = rand(1, 1, 6, d, seed=12, dtype=F64), rand(1, 1, 6, d, seed=13, dtype=F64)
+    w_o, mask = rand(1, 5, d, seed=14, dtype=F64), torch.ones(4, 6, dtype=torch.bool)
+    unseen, seen = k.clone(), k.clone()
+    unseen[..., 1:] += 1.0                                               # big, orthogonal to q
+    seen[..., 0] += 0.3 * torch.tensor([1, -1, 1, -1, 1, -1], dtype=F64)  # small, along q
+    r_u = optr.error_decomposition(q, k, v, unseen, v, w_o, mask)
+    r_s = optr.error_decomposition(q, k, v, seen, v, w_o, mask)
+    assert r_u["e_rec"] > r_s["e_rec"] and r_u["e_out"].sum() < 1e-20 < r_s["e_out"].sum()
+
+
+# ----------------------------------------------------------------------------------------
+# 6. OptR calibration
+# ----------------------------------------------------------------------------------------
+
+def layer_fixture(seed=0, N=6, T=48, Hq=4, Hkv=2, d=16, d_model=24, outlier=True):
+    """Synthetic full-precision q, k, v of one layer, with keys that are hard for INT2:
+    a few channels carry large offsets and outliers, queries read them."""
+    def make(s):
+        q = rand(N, Hq, T, d, seed=s)
+        k = rand(N, Hkv, T, d, seed=s + 1)
+        v = rand(N, Hkv, T, d, seed=s + 2)
+        if outlier:
+            k[..., 0] = k[..., 0] * 6 + 4
+            k[..., 3] *= 3
+            q[..., 0] *= 2
+        return q, k, v
+    return make(seed), make(seed + 100), rand(Hq, d_model, d, seed=seed + 7) / math.sqrt(d)
+
+
+def small_cfg(**kw):
+    base = dict(n_heads=4, n_kv_heads=2, head_dim=16, d_model=24, group_size=16, clip_k=1.0,
+                clip_v=1.0, sink=2, window=4, steps=30, eval_every=10, qwin=16, lr=0.02)
+    base.update(kw)
+    return optr.Config(**base)
+
+
+def held_losses(cal, held, w_o, r_k, r_v, mu, cfg):
+    """Held-out L_K and L_V of given rotations, recomputed independently of the fit."""
+    q, k, v = held
+    T = k.shape[2]
+    q_pos = torch.arange(T - cfg.qwin, T)
+    mask, fp = optr.causal_mask(q_pos, T), optr.fp_window_mask(q_pos, T, cfg.sink, cfg.window)
+    qq = q[:, :, q_pos]
+    lk = optr.optr_key_loss(qq, k, v, w_o, r_k, mu, mask, fp, cfg)
+    kc = optr.center_keys(k, mu)
+    k_t = optr.rotate_dequant(kc, r_k, cfg.clip_k, cfg.group_size)
+    p_t = torch.softmax(optr.effective_logits(qq, kc, k_t, mask, fp), -1)
+    return lk, p_t, mask, fp
+
+
+def test_optr_strictly_improves_a_poor_base():
+    """On keys with outlier channels, where the identity base (naive INT2) is poor, the
+    learned correction lowers the held-out key and value losses of every head."""
+    cfg = small_cfg()
+    cal, held, w_o = layer_fixture()
+    r0 = optr.identity_rotation(2, 16)
+    r_k, r_v, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg)
+    assert all(r["kept"] and r["best_loss"] < r["base_loss"] for r in rows)
+    lk_base, p_t0, mask, fp = held_losses(cal, held, w_o, r0, r0, None, cfg)
+    lk, p_t, _, _ = held_losses(cal, held, w_o, r_k, r_v, None, cfg)
+    assert torch.all(lk < lk_base)
+    lv = optr.optr_value_loss(p_t, held[2], w_o, r_v, mask, fp, cfg)
+    lv_base = optr.optr_value_loss(p_t, held[2], w_o, r0, mask, fp, cfg)
+    assert torch.all(lv < lv_base)
+
+
+def test_optr_is_never_worse_than_its_base_on_held_out_data():
+    """With a learning rate far too large the fit wanders; each head keeps its best
+    held-out A, and a head that never beats its base falls back to R_base exactly."""
+    cfg = small_cfg(lr=3.0, steps=20, eval_every=5)
+    cal, held, w_o = layer_fixture(seed=1, outlier=False)
+    rk0 = optr.quarot_rotation(2, 16)
+    mu = optr.key_mean(cal[1])
+    r_k, r_v, rows = optr.calibrate_layer(cal, held, w_o, rk0, rk0, mu, cfg)
+    for r in rows:
+        assert r["best_loss"] <= r["base_loss"]
+        R = (r_k if r["part"] == "k" else r_v)[r["head"]]
+        if not r["kept"]:
+            assert torch.equal(R, rk0[r["head"]])
+    lk_base, *_ = held_losses(cal, held, w_o, rk0, rk0, mu, cfg)
+    lk, *_ = held_losses(cal, held, w_o, r_k, r_v, mu, cfg)
+    assert torch.all(lk <= lk_base)
+
+
+def test_calibrated_rotations_are_orthogonal(calibrated_tiny):
+    """Rotations returned by calibration are orthogonal in fp32 (|R^T R - I|_inf <= 1e-5)."""
+    _, _, specs, _ = calibrated_tiny
+    for s in specs:
+        for R in (s.r_k, s.r_v):
+            assert (R.transpose(-1, -2) @ R - torch.eye(R.shape[-1])).abs().max() <= 1e-5
+
+
+def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
+    """Only A is trained: model weights are untouched; the same seed gives the same rotations."""
+    model, data, specs, _ = calibrated_tiny
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    specs2, _ = optr.calibrate(model, data[0], data[1], base="quarot")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) for a, b in zip(specs, specs2))
+
+
+# ----------------------------------------------------------------------------------------
+# 7. The tiny model
+# ----------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def calibrated_tiny():
+    """A small random model (sharpened weights so attention is peaked) and a quick OptR
+    calibration on the QuaRot base."""
+    cfg = optr.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16,
+                      ffn_dim=64, group_size=16, sink=2, window=4, page_size=8,
+                      steps=6, eval_every=3, qwin=8, attention_bias=True)
+    model = optr.TinyLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
+            elif n.endswith("bias"):
+                p.copy_(rand(*p.shape, seed=len(n)))
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randint(0, 64, (4, 24), generator=g), torch.randint(0, 64, (4, 24), generator=g))
+    specs, report = optr.calibrate(model, data[0], data[1], base="quarot")
+    return model, data, specs, report
+
+
+def test_hugging_face_parameter_names():
+    """Parameter names follow Hugging Face Llama/Qwen checkpoints, so a real state dict
+    maps one to one."""
+    cfg = optr.Config(n_layers=1, qk_norm=True, attention_bias=True)
+    names = set(optr.TinyLM(cfg).state_dict())
+    expected = {"model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"}
+    p = "model.layers.0."
+    expected |= {p + n for n in ["input_layernorm.weight", "post_attention_layernorm.weight",
+                                 "self_attn.q_proj.weight", "self_attn.q_proj.bias",
+                                 "self_attn.k_proj.weight", "self_attn.k_proj.bias",
+                                 "self_attn.v_proj.weight", "self_attn.v_proj.bias",
+                                 "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+                                 "self_attn.k_norm.weight", "mlp.gate_proj.weight",
+                                 "mlp.up_proj.weight", "mlp.down_proj.weight"]}
+    assert names == expected
+
+
+def test_windows_covering_the_context_mean_full_precision():
+    """If the sink and recent windows cover every position, the simulated INT2 cache
+    is exact: logits equal the full-precision model's."""
+    cfg = optr.Config(sink=0, window=64)
+    model = optr.TinyLM(cfg)
+    idx = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
+    kv = [optr.KVQuant(k_mean=rand(2, 32, seed=1), r_k=optr.quarot_rotation(2, 32),
+                       r_v=optr.quarot_rotation(2, 32))] * cfg.n_layers
+    assert torch.allclose(model(idx, kv=kv), model(idx), atol=1e-5)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
+    """Folding R_V into v_proj (and its bias) and R_V^T into o_proj, per head, leaves the
+    full-precision model's outputs unchanged, for GQA ratios 1, 2 and 4."""
+    cfg = optr.Config(n_heads=2 * ratio, n_kv_heads=2, head_dim=16, group_size=16, attention_bias=True)
+    model = optr.TinyLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias"):
+                p.copy_(rand(*p.shape, seed=3))
+    kv = [optr.KVQuant(r_v=torch.stack([random_orthogonal(16, 10 * l + h) for h in range(2)]))
+          for l in range(cfg.n_layers)]
+    folded = optr.fold_value_rotation(model, kv)
+    idx = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(folded(idx), model(idx), atol=1e-5)
+    assert not torch.allclose(folded.model.layers[0].self_attn.v_proj.weight,
+                              model.model.layers[0].self_attn.v_proj.weight)
+
+
+# ----------------------------------------------------------------------------------------
+# 8. The paged INT2 cache
+# ----------------------------------------------------------------------------------------
+
+def dense_reference(q, k, v, spec, cfg):
+    """Attention of the last position's query over all T tokens, in the model's own basis:
+    keys k~ = mu + D_R(k - mu) and values D_R(v) outside the sink/recent windows."""
+    T = k.shape[2]
+    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
+    q_pos = torch.tensor([T - 1])
+    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(q_pos, T),
+                                    optr.fp_window_mask(q_pos, T, cfg.sink, cfg.window))
+    return o[:, :, 0]                                                   # (B, H_q, d)
+
+
+@pytest.mark.parametrize("T", [1, 5, 6, 7, 21, 22, 23, 68, 69, 70])
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_paged_cache_matches_contiguous_reference(T, ratio):
+    """Tokens appended one by one to a paged cache whose pages come in shuffled order,
+    then decoded, give the attention of the contiguous simulated INT2 cache (same keys
+    k~ = mu + D(k - mu), same values D(v), same windows). Lengths put 0, 1, 15, 16, 17,
+    63, 64, 65 tokens in INT2 with 16-token pages."""
+    cfg = optr.Config(n_heads=2 * ratio, n_kv_heads=2, head_dim=32, group_size=16,
+                      sink=2, window=3, page_size=16)
+    B, H, d = 2, 2, 32
+    k, v = rand(B, H, T, d, seed=T) * 2 + 1, rand(B, H, T, d, seed=T + 1)
+    q = rand(B, cfg.n_heads, 1, d, seed=T + 2)
+    spec = optr.KVQuant(k_mean=optr.key_mean(k), r_k=torch.stack([random_orthogonal(d, i) for i in range(H)]),
+                        r_v=torch.stack([random_orthogonal(d, 5 + i) for i in range(H)]))
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(T)).tolist()
+    cache = optr.PagedKVCache(cfg, 20, B, [spec] * cfg.n_layers, page_order=order)
+    seqs = [cache.add_sequence() for _ in range(B)]
+    vr = v @ spec.r_v.unsqueeze(0)                                    # the folded v_proj's output
+    for t in range(T):
+        cache.append(0, seqs, k[:, :, t], vr[:, :, t])
+    view = cache.layer_view(0, seqs)
+    assert view["n_quant"].tolist() == [max(0, T - 5)] * B
+    qr = (q[:, :, 0].view(B, H, ratio, d) @ spec.r_k.unsqueeze(0)).reshape(B, -1, d)
+    o_rot = optr.paged_decode_reference(qr, **view, group_size=cfg.group_size)
+    o = (o_rot.view(B, H, ratio, d) @ spec.r_v.transpose(-1, -2).unsqueeze(0)).reshape(B, -1, d)
+    assert torch.allclose(o, dense_reference(q, k, v, spec, cfg), atol=2e-5)
+
+
+def test_decode_path_matches_simulated_model(calibrated_tiny):
+    """The real serving path - folded model, prefill, then token-by-token decode from the
+    paged cache with rotated queries - gives the logits of the simulated INT2 model."""
+    model, data, specs, _ = calibrated_tiny
+    idx = data[1]
+    sim = model(idx, kv=specs)
+    folded = optr.fold_value_rotation(model, specs)
+    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs,
+                              page_order=torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
+    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
+    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
+    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
+    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
+    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
+    assert (dec.argmax(-1) == sim[:, 10:].argmax(-1)).all()
+
+
+def test_page_pool_exhaustion_raises_and_free_returns_pages():
+    """When no page is left the cache raises instead of overwriting; freeing a sequence
+    returns its pages for reuse."""
+    cfg = optr.Config(sink=0, window=0, page_size=4, n_layers=1)
+    cache = optr.PagedKVCache(cfg, 2, 2, [optr.KVQuant()])
+    s = cache.add_sequence()
+    tok = rand(1, 2, 32)
+    for _ in range(8):                                                # 2 pages x 4 slots
+        cache.append(0, [s], tok, tok)
+    with pytest.raises(RuntimeError, match="page pool exhausted"):
+        cache.append(0, [s], tok, tok)
+    cache.free(s)
+    assert sorted(cache.free_pages) == [0, 1]
+    s2 = cache.add_sequence()
+    cache.append(0, [s2], tok, tok)
+    assert cache.layer_view(0, [s2])["n_quant"].tolist() == [1]
+
+
+def test_bits_per_element_measured_from_the_tensors():
+    """INT2 with fp32 scale and zero costs 2 + 64/G bits per element; windows cost their dtype."""
+    for G in (8, 16, 32):
+        cfg = optr.Config(group_size=G, sink=1, window=2, n_layers=1)
+        cache = optr.PagedKVCache(cfg, 4, 1, [optr.KVQuant()], window_dtype=torch.bfloat16)
+        s = cache.add_sequence()
+        for _ in range(13):
+            cache.append(0, [s], rand(1, 2, 32), rand(1, 2, 32))
+        assert cache.bits_per_element(s, int2_only=True) == 2 + 64 / G
+        assert cache.bits_per_element(s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
+
+
+# ----------------------------------------------------------------------------------------
+# Bad input: a clear ValueError naming the argument
+# ----------------------------------------------------------------------------------------
+
+def test_bad_input_names_the_argument():
+    """Wrong shapes, dtypes and non-finite values are refused with a message that names
+    the argument, what was expected and what came."""
+    with pytest.raises(ValueError, match="x: expected finite"):
+        optr.q2_quantize(torch.tensor([[1.0, float("nan"), 0.0, 2.0]]), 1.0, 4)
+    with pytest.raises(ValueError, match="x: expected dtype"):
+        optr.q2_quantize(torch.ones(2, 8, dtype=torch.int32), 1.0, 4)
+    with pytest.raises(ValueError, match="x: last dim"):
+        optr.q2_quantize(torch.ones(2, 6), 1.0, 4)
+    with pytest.raises(ValueError, match="group_size"):
+        optr.Config(group_size=24)
+    with pytest.raises(ValueError, match="n_heads"):
+        optr.Config(n_heads=3)
+    with pytest.raises(ValueError, match="clip_k"):
+        optr.Config(clip_k=1.5)
+    with pytest.raises(ValueError, match="d: expected a power of two"):
+        optr.hadamard(12)
+    model = optr.TinyLM(optr.Config(n_layers=1))
+    with pytest.raises(ValueError, match="idx: expected dtype"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"idx: expected token ids in \[0, 128\)"):
+        model(torch.tensor([[1, 200]]))
+    cache = optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant()])
+    s = cache.add_sequence()
+    with pytest.raises(ValueError, match=r"k: expected shape \(1, 2, 32\), got \(1, 2, 16\)"):
+        cache.append(0, [s], torch.zeros(1, 2, 16), torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match="v: expected finite"):
+        cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
+    with pytest.raises(ValueError, match="seq: expected an active sequence"):
+        cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+    cal, held, w_o = layer_fixture(N=1, T=8)
+    r0 = optr.identity_rotation(2, 16)
+    with pytest.raises(ValueError, match="query_positions"):
+        optr.calibrate_layer(cal, held, w_o, r0, r0, None, small_cfg(), query_positions=torch.tensor([8]))
