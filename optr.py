@@ -104,8 +104,8 @@ class Config:
 # ----------------------------------------------------------------------------------------
 
 def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
-    """Raise ValueError naming `name` unless x is a tensor of that rank/shape/dtype.
-    `shape` may contain None for any size."""
+    """Raise ValueError naming `name` unless x is a tensor of that rank and shape (None in
+    `shape` = any size) and dtype ("float" = any floating dtype, or a tuple of dtypes)."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if ndim is not None and x.dim() != ndim:
@@ -114,17 +114,15 @@ def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
                               any(s is not None and s != n for s, n in zip(shape, x.shape))):
         want = tuple("*" if s is None else s for s in shape)
         raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
-    if dtype is not None:
-        ok = dtype(x.dtype) if callable(dtype) else x.dtype == dtype
-        if not ok:
-            raise ValueError(f"{name}: expected dtype {getattr(dtype, '__name__', dtype)}, "
-                             f"got {x.dtype}")
+    if dtype == "float" and not x.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
+    if isinstance(dtype, tuple) and x.dtype not in dtype:
+        raise ValueError(f"{name}: expected dtype in {dtype}, got {x.dtype}")
     if finite and not torch.isfinite(x).all():
         raise ValueError(f"{name}: expected finite values, got NaN or inf")
 
 
-def _is_float(dt):
-    return dt.is_floating_point
+INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -210,7 +208,8 @@ def _q2_params(x, clip, G, eps):
 
 def q2(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8) -> torch.Tensor:
     """Fake-quant Q2(x; c, G): quantize and dequantize, differentiable by straight-through
-    rounding. x (..., d) -> same shape and dtype."""
+    rounding. x (..., d) -> same shape and dtype. Raises on non-finite input."""
+    check_tensor("x", x, dtype="float", finite=True)
     xg, scale, zero = _q2_params(x, clip, G, eps)
     u = xg / scale + zero
     code = u + (torch.clamp(torch.floor(u + 0.5), 0, 3) - u).detach()  # STE: forward = code
@@ -233,7 +232,7 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
     """Storage form of Q2. x (..., d) float -> (packed (..., d/4) uint8,
     scale (..., d/G) fp32, zero (..., d/G) fp32). Raises on non-finite input."""
-    check_tensor("x", x, dtype=_is_float, finite=True)
+    check_tensor("x", x, dtype="float", finite=True)
     if x.shape[-1] % G or x.shape[-1] % 4:
         raise ValueError(f"x: last dim must be a multiple of G={G} and of 4, got {tuple(x.shape)}")
     xg, scale, zero = _q2_params(x.float(), clip, G, eps)
@@ -414,19 +413,22 @@ def effective_attention(q, k, v, k_tilde, v_tilde, mask, fp=None):
 
 def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
     """Eq. 5-10 for every query head. Shapes as in effective_attention; w_o (H_q, d_model, d).
-    Returns a dict with y, y_tilde, dy_k, dy_v (B, H_q, Tq, d_model), p, p_tilde, e_rec
-    (scalar, Eq. 9) and e_out (B, H_q, Tq, Eq. 10)."""
-    neg = float("-inf")
-    p = torch.softmax(gqa_logits(q, k).masked_fill(~mask, neg), dim=-1)     # Eq. 1
+    Returns a dict with y, y_tilde, dy_k, dy_v (B, H_q, Tq, d_model), p, p_tilde, da
+    (B, H_q, Tq, T), e_rec (scalar, Eq. 9) and e_out (B, H_q, Tq, Eq. 10)."""
+    a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                 # Eq. 1
+    p = torch.softmax(a, dim=-1)                                            # Eq. 1
     y = head_output(gqa_readout(p, v), w_o)                                 # Eq. 2-3
-    p_t, o_t = effective_attention(q, k, v, k_tilde, v_tilde, mask, fp)     # Eq. 5
+    a_t = effective_logits(q, k, k_tilde, mask, fp)                         # Eq. 5
+    da = torch.where(mask, a_t - a, torch.zeros_like(a))                    # Eq. 6
+    p_t = torch.softmax(a_t, dim=-1)                                        # Eq. 5
+    quant = mask if fp is None else mask & ~fp                              # dv = 0 in windows
+    o_t = gqa_readout(p_t * ~quant, v) + gqa_readout(p_t * quant, v_tilde)
     y_t = head_output(o_t, w_o)                                             # Eq. 7
-    w_dv = p_t * mask if fp is None else p_t * (mask & ~fp)                 # dv = 0 in windows
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                        # Eq. 8, key term
-    dy_v = head_output(gqa_readout(w_dv, v_tilde - v), w_o)                 # Eq. 8, value term
+    dy_v = head_output(gqa_readout(p_t * quant, v_tilde - v), w_o)          # Eq. 8, value term
     e_rec = ((k - k_tilde) ** 2).sum() + ((v - v_tilde) ** 2).sum()         # Eq. 9
     e_out = ((dy_k + dy_v) ** 2).sum(-1)                                    # Eq. 10
-    return dict(y=y, y_tilde=y_t, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_t,
+    return dict(y=y, y_tilde=y_t, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_t, da=da,
                 e_rec=e_rec, e_out=e_out)
 
 
@@ -698,7 +700,7 @@ class TinyLM(nn.Module):
         return (logits, captured) if capture else logits
 
     def _check_idx(self, idx):
-        check_tensor("idx", idx, ndim=2, dtype=lambda dt: dt in (torch.int64, torch.int32))
+        check_tensor("idx", idx, ndim=2, dtype=INDEX_DTYPES)
         if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
             raise ValueError(f"idx: expected token ids in [0, {self.cfg.vocab_size}), got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
@@ -860,8 +862,8 @@ class PagedKVCache:
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
         them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
         c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype=_is_float, finite=True)
-        check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype=_is_float, finite=True)
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
+        check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         spec = self.kv[layer]
         kr = center_keys(k[:, :, None], spec.k_mean)                     # (n, H_kv, 1, d)
         if spec.r_k is not None:
@@ -932,6 +934,9 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         n, w = int(n_quant[b]), int(win_len[b])
+        if n + w < 1:
+            raise ValueError(f"n_quant + win_len: expected at least one token per sequence, "
+                             f"got none for sequence {b}")
         pages = block_table[b, :(n + P - 1) // P].long()
 
         def gather(codes, sc, zr):                                        # (H_kv, n, d)
@@ -952,7 +957,7 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
     """One new token for each sequence in `seqs`, through the paged cache. `model` must be
     the folded model (fold_value_rotation with the cache's specs). Returns logits (n, vocab)."""
     c = model.cfg
-    check_tensor("tokens", tokens, shape=(len(seqs),), dtype=lambda dt: dt in (torch.int64, torch.int32))
+    check_tensor("tokens", tokens, shape=(len(seqs),), dtype=INDEX_DTYPES)
     n = len(seqs)
     pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)           # (n,)
     x = model.model.embed_tokens(tokens)[:, None]                         # (n, 1, d_model)

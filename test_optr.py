@@ -8,12 +8,19 @@ decomposition (Eq. 5-10), OptR calibration, the tiny model, the paged cache, bad
 the Triton decode kernel, and the end-to-end script.
 """
 import math
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import kernel  # first: without CUDA it switches Triton to its interpreter before import
 import optr
+from kernel import int2_paged_decode
 
 F64 = torch.float64
 
@@ -298,13 +305,13 @@ def test_error_decomposition_is_exact(case):
 
 @given(perturbed_attention())
 def test_logit_error_is_linear_in_the_key_error(case):
-    """Eq. 6: the logit error is <q, dk>/sqrt(d): INT2 key error matters only through the
-    queries that read it."""
+    """Eq. 6: the logit error is <q, dk>/sqrt(d) (zero inside the windows): INT2 key error
+    matters only through the queries that read it."""
     q, k, v, k_t, v_t, w_o, mask, fp = case
-    a = optr.gqa_logits(q, k)
-    a_t = optr.gqa_logits(q, k_t)
-    da = optr.gqa_logits(q, k_t - k)
-    assert torch.allclose(a_t - a, da, atol=1e-9)
+    da = optr.error_decomposition(q, k, v, k_t, v_t, w_o, mask, fp)["da"]
+    expect = optr.gqa_logits(q, k_t - k)
+    quant = mask if fp is None else mask & ~fp
+    assert torch.allclose(da, torch.where(quant, expect, torch.zeros_like(expect)), atol=1e-9)
 
 
 def test_each_error_term_vanishes_with_its_cause():
@@ -594,7 +601,7 @@ def test_bad_input_names_the_argument():
     the argument, what was expected and what came."""
     with pytest.raises(ValueError, match="x: expected finite"):
         optr.q2_quantize(torch.tensor([[1.0, float("nan"), 0.0, 2.0]]), 1.0, 4)
-    with pytest.raises(ValueError, match="x: expected dtype"):
+    with pytest.raises(ValueError, match="x: expected a floating dtype, got torch.int32"):
         optr.q2_quantize(torch.ones(2, 8, dtype=torch.int32), 1.0, 4)
     with pytest.raises(ValueError, match="x: last dim"):
         optr.q2_quantize(torch.ones(2, 6), 1.0, 4)
@@ -623,3 +630,323 @@ def test_bad_input_names_the_argument():
     r0 = optr.identity_rotation(2, 16)
     with pytest.raises(ValueError, match="query_positions"):
         optr.calibrate_layer(cal, held, w_o, r0, r0, None, small_cfg(), query_positions=torch.tensor([8]))
+
+
+# ----------------------------------------------------------------------------------------
+# 9. The Triton INT2 paged decode kernel (interpreter on CPU, small shapes)
+# ----------------------------------------------------------------------------------------
+# Every case is checked three ways: Triton kernel == optr.paged_decode_reference (reads
+# the paged cache through the block table) == float64 dense attention over the logical,
+# never-paged K/V. Pages sit in a shuffled pool with spare pages; everything a correct
+# kernel must not read (spare pages, unused slots, window slots past win_len) holds NaN
+# scales or values, and unused block-table entries hold garbage, so a masking mistake
+# shows up as NaN or a wrong result.
+
+# (atol, rtol) keyed by the lowest-precision input dtype (q or windows).  The
+# kernel and both references upcast bf16 inputs exactly and compute in fp32 /
+# fp64, so all comparisons here are at fp32 level; the looser bf16 entry is
+# for references that keep some arithmetic in bf16.
+TOLERANCES = {torch.float32: (1e-5, 1e-4), torch.bfloat16: (2e-3, 2e-3)}
+
+
+def assert_close_report(actual, expected, atol, rtol, name):
+    """Element-wise |actual - expected| <= atol + rtol * |expected|, no NaN/inf,
+    and normalized RMS error <= rtol; the message locates the worst element."""
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    assert torch.isfinite(expected).all(), f"{name}: expected has NaN/inf"
+    bad = ~torch.isfinite(actual)
+    assert not bad.any(), f"{name}: {int(bad.sum())} NaN/inf, first at {bad.nonzero()[0].tolist()}"
+    err = (actual - expected).abs()
+    excess = err - (atol + rtol * expected.abs())
+    worst = int(excess.flatten().argmax())
+    idx = [int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape)]
+    nrms = err.pow(2).mean().sqrt() / (expected.pow(2).mean().sqrt() + atol)
+    report = (f"{name}: max abs err {err.max():.3e}; worst at {idx}: actual "
+              f"{actual.flatten()[worst]:.6g} vs expected {expected.flatten()[worst]:.6g} "
+              f"(atol {atol}, rtol {rtol}); {int((excess > 0).sum())} of {err.numel()} "
+              f"elements out of tolerance; normalized RMS err {nrms:.3e}")
+    assert excess.max() <= 0, report
+    assert nrms <= rtol, report
+
+
+# ----------------------------------------------------------------------------
+# Random cases
+# ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    n_quant: tuple          # INT2 tokens per sequence (ragged)
+    H_q: int
+    H_kv: int
+    d: int
+    G: int                  # group size
+    P: int                  # page size
+    NW: int = 0             # window capacity
+    win_len: tuple = None   # valid window slots per sequence (None: all 0)
+    win_dtype: torch.dtype = torch.float32
+    q_dtype: torch.dtype = torch.float32
+    num_splits: int = None
+    spare_pages: int = 3
+
+    @property
+    def id(self):
+        win = f"W{self.NW}{'bf16' if self.win_dtype == torch.bfloat16 else 'fp32'}" \
+            if self.NW else "W0"
+        q = "-qbf16" if self.q_dtype == torch.bfloat16 else ""
+        return (f"B{len(self.n_quant)}-T{max(self.n_quant)}-Hq{self.H_q}-Hkv{self.H_kv}"
+                f"-d{self.d}-G{self.G}-P{self.P}-{win}{q}-S{self.num_splits}")
+
+
+def build(case, seed=0):
+    """Return (kernel kwargs, dense_k, dense_v).  dense_k / dense_v are lists over
+    the batch of float64 (H_kv, T_b, d) tensors built from the logical tokens
+    (INT2 tokens, then window tokens), without pages or packing."""
+    g = torch.Generator().manual_seed(seed)
+    B, d, G, P, H_kv = len(case.n_quant), case.d, case.G, case.P, case.H_kv
+    win_len = case.win_len or (0,) * B
+    blocks = [math.ceil(n / P) for n in case.n_quant]
+    num_pages = sum(blocks) + case.spare_pages
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    block_table = torch.randint(-5, 10**6, (B, max(blocks) + 1), generator=g, dtype=torch.int32)
+
+    # Pool: garbage codes and NaN scales / zeros everywhere a kernel must not read.
+    shape = (num_pages, H_kv, P)
+    args = {name: torch.randint(0, 256, (*shape, d // 4), generator=g, dtype=torch.uint8)
+            for name in ("k_codes", "v_codes")}
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        args[name] = torch.full((*shape, d // G), float("nan"))
+
+    win_k = torch.randn(B, H_kv, case.NW, d, generator=g).to(case.win_dtype)
+    win_v = torch.randn(B, H_kv, case.NW, d, generator=g).to(case.win_dtype)
+    dense = {"k": [], "v": []}
+    next_page = 0
+    for b, n in enumerate(case.n_quant):
+        pages = perm[next_page:next_page + blocks[b]]
+        next_page += blocks[b]
+        block_table[b, :blocks[b]] = torch.tensor(pages, dtype=torch.int32)
+        for kv, window in (("k", win_k), ("v", win_v)):
+            codes = torch.randint(0, 4, (H_kv, n, d), generator=g)
+            scale = 0.05 + 0.5 * torch.rand(H_kv, n, d // G, generator=g)
+            zero = 3.0 * torch.rand(H_kv, n, d // G, generator=g)
+            for blk, page in enumerate(pages):
+                tok = slice(blk * P, min(n, (blk + 1) * P))
+                cnt = tok.stop - tok.start
+                args[f"{kv}_codes"][page, :, :cnt] = optr.pack_int2(codes[:, tok])
+                args[f"{kv}_scale"][page, :, :cnt] = scale[:, tok]
+                args[f"{kv}_zero"][page, :, :cnt] = zero[:, tok]
+            x = (codes.double() - zero.double().repeat_interleave(G, -1)) \
+                * scale.double().repeat_interleave(G, -1)
+            dense[kv].append(torch.cat([x, window[b, :, :win_len[b]].double()], dim=1))
+        win_k[b, :, win_len[b]:] = float("nan")   # slots past win_len must not be read
+        win_v[b, :, win_len[b]:] = float("nan")
+
+    q = torch.randn(B, case.H_q, d, generator=g).to(case.q_dtype)
+    args.update(q=q, block_table=block_table,
+                n_quant=torch.tensor(case.n_quant, dtype=torch.int32),
+                win_k=win_k, win_v=win_v, win_len=torch.tensor(win_len, dtype=torch.int32),
+                group_size=G)
+    return args, dense["k"], dense["v"]
+
+
+def dense_attention(q, dense_k, dense_v):
+    """float64 softmax(q k^T / sqrt(d)) v per sequence; GQA by repeating KV heads."""
+    B, H_q, d = q.shape
+    out = torch.empty(B, H_q, d, dtype=torch.float64)
+    for b in range(B):
+        ratio = H_q // dense_k[b].shape[0]
+        k = dense_k[b].repeat_interleave(ratio, 0)
+        v = dense_v[b].repeat_interleave(ratio, 0)
+        logits = torch.einsum("hd,htd->ht", q[b].double(), k) / math.sqrt(d)
+        out[b] = torch.einsum("ht,htd->hd", logits.softmax(-1), v)
+    return out
+
+
+def tolerance(case):
+    """(atol, rtol) for the lowest-precision input that reaches the result."""
+    uses_bf16 = case.q_dtype == torch.bfloat16 or (case.NW and case.win_dtype == torch.bfloat16)
+    return TOLERANCES[torch.bfloat16 if uses_bf16 else torch.float32]
+
+
+RAGGED = (0, 5, 63, 64, 65, 200)   # empty, < 1 page, page - 1, 1 page, page + 1, 4 pages
+RAGGED_NO_EMPTY = (1, 5, 63, 64, 65, 200)
+RAGGED_WIN = (3, 7, 0, 1, 7, 5)
+SPLITS = (1, 2, 3, 16)             # 16 > pages of every sequence
+
+
+def _matrix():
+    cases = []
+    heads = [(2, 2), (4, 2), (4, 1)]                                       # GQA 1 / 2 / 4
+    windows = [(0, torch.float32), (7, torch.bfloat16), (7, torch.float32)]
+    i = 0
+    for H_q, H_kv in heads:
+        for d in (32, 64):
+            for NW, win_dtype in windows:
+                cases.append(Case(
+                    n_quant=RAGGED if NW else RAGGED_NO_EMPTY, H_q=H_q, H_kv=H_kv, d=d,
+                    G=d if i % 2 else d // 4, P=64, NW=NW, win_len=RAGGED_WIN if NW else None,
+                    win_dtype=win_dtype, num_splits=SPLITS[i % len(SPLITS)]))
+                i += 1
+    return cases
+
+
+EXTRA = [
+    # windows only: every sequence has n_quant = 0 and the page pool is empty
+    Case((0, 0), 4, 2, 32, 8, 16, NW=6, win_len=(6, 1), win_dtype=torch.bfloat16,
+         q_dtype=torch.bfloat16, num_splits=2, spare_pages=0),
+    # bf16 queries, no window
+    Case((16, 100), 4, 2, 32, 32, 16, q_dtype=torch.bfloat16, num_splits=2),
+    # page size that is not a power of two
+    Case((50, 24, 23), 4, 2, 32, 4, 24, NW=4, win_len=(2, 4, 0), num_splits=3),
+    # d = 256: a page is processed as two tiles; tiny groups
+    Case((70, 3), 4, 2, 256, 64, 64, NW=3, win_len=(3, 1), win_dtype=torch.bfloat16,
+         num_splits=2),
+    # d = 16, G = 2, page smaller than the 16-row tile, GQA 8
+    Case((9, 30), 8, 1, 16, 2, 8, num_splits=4),
+    # d = 128 (the production head dim), num_splits chosen by the launcher
+    Case((130, 64), 4, 2, 128, 128, 16, NW=2, win_len=(2, 2), num_splits=None),
+]
+CASES = _matrix() + EXTRA
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_kernel_matches_reference_and_dense(case):
+    """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
+    the full-precision windows, equals optr's torch paged reference and a float64 dense
+    attention over the logical (never paged) tokens: ragged lengths (0, < 1 page, 63, 64,
+    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits."""
+    args, dense_k, dense_v = build(case)
+    atol, rtol = tolerance(case)
+    out = int2_paged_decode(**args, num_splits=case.num_splits)
+    ref = optr.paged_decode_reference(**args)
+    dense = dense_attention(args["q"], dense_k, dense_v)
+    assert out.dtype == torch.float32 and out.shape == args["q"].shape
+    assert_close_report(ref, dense, atol, rtol, f"torch reference vs dense [{case.id}]")
+    assert_close_report(out, dense, atol, rtol, f"kernel vs dense [{case.id}]")
+    assert_close_report(out, ref, atol, rtol, f"kernel vs torch reference [{case.id}]")
+
+
+def test_sm_scale_and_split_invariance():
+    """The result does not depend on how the context is split; a custom sm_scale is used."""
+    case = Case((40, 17), 4, 2, 32, 8, 16, NW=3, win_len=(1, 3))
+    args, _, _ = build(case, seed=1)
+    ref = optr.paged_decode_reference(**args, sm_scale=0.3)
+    for splits in (1, 4):
+        out = int2_paged_decode(**args, num_splits=splits, sm_scale=0.3)
+        assert_close_report(out, ref, *TOLERANCES[torch.float32], f"sm_scale=0.3, S{splits}")
+
+
+# ----------------------------------------------------------------------------
+# The assertion helper itself
+# ----------------------------------------------------------------------------
+def test_assert_close_report_accepts_close_values():
+    """The comparison helper passes values within tolerance..."""
+    expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
+    assert_close_report(expected * (1 + 1e-6), expected, 1e-5, 1e-4, "close")
+
+
+@pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
+                         ids=["off-by-0.01", "nan", "inf"])
+def test_assert_close_report_fails_on_one_wrong_element(bad_value):
+    """...and fails when a single element is off, NaN or inf, naming where."""
+    expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
+    actual = expected.clone()
+    actual[1, 2, 5] = expected[1, 2, 5] + bad_value
+    with pytest.raises(AssertionError, match=r"\[1, 2, 5\]|NaN/inf"):
+        assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
+
+
+# ----------------------------------------------------------------------------
+# Input validation: ValueError naming the argument, raised before any launch
+# ----------------------------------------------------------------------------
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Replace the kernels so that a launch fails the test loudly."""
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("kernel launched despite invalid inputs")
+    monkeypatch.setattr(kernel, "_int2_decode_split_kernel", _NoLaunch())
+    monkeypatch.setattr(kernel, "_merge_splits_kernel", _NoLaunch())
+
+
+def _valid_args():
+    case = Case((20, 40), 4, 2, 32, 8, 16, NW=3, win_len=(3, 0))
+    return build(case, seed=2)[0]
+
+
+def _used_entry_out_of_range(a, value):
+    a["block_table"][1, 2] = value   # sequence 1 uses 3 blocks (40 tokens, page 16)
+
+
+BAD_INPUTS = [
+    ("block_table", "block_table", lambda a: _used_entry_out_of_range(a, a["k_codes"].shape[0])),
+    ("block_table-negative", "block_table", lambda a: _used_entry_out_of_range(a, -1)),
+    ("block_table-dtype", "block_table", lambda a: a.update(block_table=a["block_table"].long())),
+    ("k_codes-int8", "k_codes", lambda a: a.update(k_codes=a["k_codes"].to(torch.int8))),
+    ("q-float64", "q", lambda a: a.update(q=a["q"].double())),
+    ("q-noncontiguous", "q",
+     lambda a: a.update(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1))),
+    ("v_scale-shape", "v_scale", lambda a: a.update(v_scale=a["v_scale"][..., :2].contiguous())),
+    ("v_codes-shape", "v_codes", lambda a: a.update(v_codes=a["v_codes"][:, :1].contiguous())),
+    ("k_zero-dtype", "k_zero", lambda a: a.update(k_zero=a["k_zero"].half())),
+    ("win_k-device", "win_k", lambda a: a.update(win_k=a["win_k"].to("meta"))),
+    ("n_quant-device", "n_quant", lambda a: a.update(n_quant=a["n_quant"].to("meta"))),
+    ("win_v-shape", "win_v", lambda a: a.update(win_v=a["win_v"][:, :, :2].contiguous())),
+    ("head_dim", "q", lambda a: a.update(q=a["q"][..., :24].contiguous())),
+    ("gqa", "q", lambda a: a.update(q=a["q"][:, :3].contiguous())),
+    ("group_size", "group_size", lambda a: a.update(group_size=12)),
+    ("n_quant-capacity", "n_quant", lambda a: a["n_quant"].fill_(10**4)),
+    ("n_quant-negative", "n_quant", lambda a: a["n_quant"].__setitem__(0, -1)),
+    ("win_len-range", "win_len", lambda a: a["win_len"].__setitem__(0, 4)),
+    ("empty-sequence", "n_quant \\+ win_len",
+     lambda a: (a["n_quant"].__setitem__(1, 0), a["win_len"].__setitem__(1, 0))),
+]
+
+
+@pytest.mark.parametrize("what,name,corrupt", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_invalid_inputs_raise_before_launch(no_launch, what, name, corrupt):
+    """Malformed shapes, dtypes, devices, contiguity, block-table entries and lengths are
+    refused with a ValueError naming the argument, before any kernel is launched."""
+    args = _valid_args()
+    corrupt(args)
+    with pytest.raises(ValueError, match=rf"^{name}: expected"):
+        int2_paged_decode(**args)
+
+
+@pytest.mark.parametrize("num_splits", [0, -1, 2.0, 10**6])
+def test_invalid_num_splits(no_launch, num_splits):
+    """num_splits must be None or an int in [1, 1024]."""
+    with pytest.raises(ValueError, match="^num_splits: expected"):
+        int2_paged_decode(**_valid_args(), num_splits=num_splits)
+
+
+def test_unused_block_table_entries_are_ignored():
+    """Block-table entries past a sequence's last used page are never read."""
+    args = _valid_args()
+    ref = optr.paged_decode_reference(**args)
+    args["block_table"][0, 2:] = -7          # sequence 0 uses blocks 0 and 1 only
+    out = int2_paged_decode(**args, num_splits=2)
+    assert_close_report(out, ref, *TOLERANCES[torch.float32], "unused entries = -7")
+
+
+# ----------------------------------------------------------------------------
+# Interpreter set-up on machines without CUDA
+# ----------------------------------------------------------------------------
+def _run_python(code):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
+def test_import_enables_interpreter_without_env_variable():
+    """Without CUDA, importing kernel switches Triton to its CPU interpreter by itself."""
+    r = _run_python("import kernel, torch; print(kernel._tiny_check(torch.device('cpu')))")
+    assert r.returncode == 0, r.stderr
+    assert float(r.stdout.split()[-1]) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
+def test_triton_imported_first_gives_clear_error():
+    """If triton was imported first (so not in interpreter mode), the launcher says so."""
+    r = _run_python("import triton, kernel, torch; kernel._tiny_check(torch.device('cpu'))")
+    assert r.returncode != 0 and "import kernel first" in r.stderr, r.stderr

@@ -1,0 +1,552 @@
+"""Fused decode attention over an INT2 paged KV cache (Triton).
+
+OptR keeps the ordinary paged KV-cache format: keys and values are stored as
+2-bit codes in fixed-size pages that a block table maps to sequences, with one
+fp32 scale and zero per group of `G` dims.  This file holds the decode kernel
+that reads that format directly, so no dequantized copy of the cache is made.
+
+Layout (per layer; H_kv KV heads, head dim d, page size P)
+    k_codes, v_codes    uint8 (num_pages, H_kv, P, d // 4)
+                        byte j of a row holds dims j, j + d/4, j + d/2, j + 3d/4
+                        in bits 0-1, 2-3, 4-5, 6-7
+    k/v_scale, k/v_zero fp32  (num_pages, H_kv, P, d // G)
+                        x_i = (code_i - zero[i // G]) * scale[i // G]
+    block_table         int32 (B, max_blocks): INT2 token n of sequence b lives
+                        in page block_table[b, n // P], slot n % P
+    n_quant             int32 (B,): INT2 tokens per sequence (ragged, may be 0)
+    win_k, win_v        fp32/bf16 (B, H_kv, NW, d): full-precision sink + recent
+                        tokens, valid slots [0, win_len[b])
+    q                   fp32/bf16 (B, H_q, d), already rotated; query head j
+                        reads KV head j // (H_q // H_kv)
+    output              fp32 (B, H_q, d), still in the rotated value basis
+
+Design: flash-decoding ("split-K")
+    A decode step has a single query token, so one program per (sequence,
+    head) leaves most of the GPU idle on long contexts.  The INT2 tokens of
+    each sequence are therefore cut into `num_splits` chunks of whole pages.
+
+    Stage 1, grid (B, H_kv, num_splits [+ 1]).  A program owns one KV head
+    and processes *all* query heads of that head together (GQA), so every
+    page is read from memory exactly once per KV head.  It walks its pages
+    through the block table; for each page it loads the packed bytes, splits
+    every byte into its four 2-bit fields with shifts and masks (giving the
+    four strided quarter-rows), puts the quarters back into natural dim order
+    in registers, dequantizes to fp32 and runs an online-softmax update.
+    When windows are present, one extra program per (sequence, KV head)
+    - split index `num_splits` - handles the full-precision window tokens in
+    the same way.  Each program writes its normalized partial output and the
+    log-sum-exp of its logits (base 2).  A program with no tokens (ragged
+    batch, more splits than pages, empty window) writes lse = -inf.
+
+    Stage 2, grid (B, H_q), merges the partials:
+        out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
+    Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
+
+Tiles and precision
+    Both products of the softmax step use tl.dot, so the query-head tile is
+    padded to >= 16 rows and token tiles hold >= 16 tokens (masked).  A page
+    larger than the token tile is processed as several tiles.  All arithmetic
+    is fp32: bf16 inputs are upcast right after loading, and fp32 tl.dot runs
+    as 3xTF32 on NVIDIA sm80+ (close to fp32 accuracy) and as plain fp32
+    elsewhere.  Block sizes are chosen in the launcher; no autotuning.
+"""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # No GPU: run the kernels with Triton's CPU interpreter.  Triton reads this
+    # when a function is decorated with @triton.jit, so it must be set before
+    # triton is first imported (its own tl.* helpers are decorated then too).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import argparse
+import functools
+import math
+
+import triton
+import triton.language as tl
+
+from optr import paged_decode_reference  # the pure-torch decode this kernel must match
+
+_INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit below will use
+_LOG2E = 1.4426950408889634
+_MAX_SPLITS = 1024
+
+
+# ----------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------
+@triton.jit
+def _load_int2_tile(codes_rows,    # (BLOCK_N,) pointers to the first code byte of each token row
+                    scale_rows,    # (BLOCK_N,) pointers to the first scale of each token row
+                    zero_rows,     # (BLOCK_N,) pointers to the first zero of each token row
+                    valid,         # (BLOCK_N,) mask: True for real tokens
+                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr):
+    """Load BLOCK_N packed rows; return them dequantized, (BLOCK_N, HEAD_DIM) fp32."""
+    offs_byte = tl.arange(0, HEAD_DIM // 4)
+    packed = tl.load(codes_rows[:, None] + offs_byte[None, :], mask=valid[:, None], other=0)
+    # Bits 2c..2c+1 of byte j hold dim c * d/4 + j: quarter-row c.
+    quarter0 = packed & 3
+    quarter1 = (packed >> 2) & 3
+    quarter2 = (packed >> 4) & 3
+    quarter3 = (packed >> 6) & 3
+    # join() stacks along a new minor dim: codes[n, j, b, a] = quarter_(2a + b).
+    codes = tl.join(tl.join(quarter0, quarter1), tl.join(quarter2, quarter3))
+    # Permuted to [n, a, b, j], the flat index (2a + b) * d/4 + j is dim i in natural
+    # order; view it as (group i // G, position i % G) for the dequantization.
+    codes = tl.reshape(tl.permute(codes, (0, 3, 2, 1)), (BLOCK_N, NUM_GROUPS, GROUP_SIZE))
+    codes = codes.to(tl.float32)
+    offs_group = tl.arange(0, NUM_GROUPS)
+    scale = tl.load(scale_rows[:, None] + offs_group[None, :], mask=valid[:, None], other=0.0)
+    zero = tl.load(zero_rows[:, None] + offs_group[None, :], mask=valid[:, None], other=0.0)
+    values = (codes - zero[:, :, None]) * scale[:, :, None]
+    return tl.reshape(values, (BLOCK_N, HEAD_DIM))
+
+
+@triton.jit
+def _online_softmax_step(q,        # (BLOCK_H, HEAD_DIM) fp32 queries
+                         k, v,     # (BLOCK_N, HEAD_DIM) fp32 keys / values of this tile
+                         valid,    # (BLOCK_N,) mask of real tokens
+                         m_i,      # (BLOCK_H,) running max of the logits (base-2 units)
+                         l_i,      # (BLOCK_H,) running sum of 2^(logit - m_i)
+                         acc,      # (BLOCK_H, HEAD_DIM) running un-normalized output
+                         qk_scale,  # sm_scale * log2(e)
+                         DOT_PRECISION: tl.constexpr):
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    qk = tl.where(valid[None, :], qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+    # -inf only while no real token has been seen; shift by 0 then (not -inf - -inf).
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
+    p = tl.exp2(qk - m_ref[:, None])             # 0 for masked tokens
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _int2_decode_split_kernel(
+        q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
+        k_codes_ptr,           # (num_pages, H_kv, P, d/4) uint8 packed key codes
+        k_scale_ptr,           # (num_pages, H_kv, P, d/G) fp32 key scales
+        k_zero_ptr,            # (num_pages, H_kv, P, d/G) fp32 key zeros
+        v_codes_ptr,           # same layouts for the values
+        v_scale_ptr,
+        v_zero_ptr,
+        block_table_ptr,       # (B, max_blocks) int32 logical block -> page
+        n_quant_ptr,           # (B,) int32 INT2 tokens per sequence
+        win_k_ptr,             # (B, H_kv, NW, d) fp32/bf16 window keys
+        win_v_ptr,             # (B, H_kv, NW, d) fp32/bf16 window values
+        win_len_ptr,           # (B,) int32 valid window slots per sequence
+        part_out_ptr,          # (B, H_q, S, d) fp32 out: normalized partial outputs
+        part_lse_ptr,          # (B, H_q, S) fp32 out: partial log2-sum-exp2 of logits
+        qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
+        num_splits,            # INT2 splits; split index num_splits is the window split
+        stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
+        stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
+        stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
+        stride_btb,                            # block-table row stride
+        stride_wb, stride_wh, stride_wn,       # window strides (batch, head, slot)
+        stride_ob, stride_oh, stride_os,       # partial-output strides (batch, head, split)
+        stride_lb, stride_lh,                  # partial-lse strides (batch, head)
+        HEAD_DIM: tl.constexpr,       # d, a power of two
+        GROUP_SIZE: tl.constexpr,     # G, dims per scale / zero
+        NUM_GROUPS: tl.constexpr,     # d // G
+        PAGE_SIZE: tl.constexpr,      # P, tokens per page
+        QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
+        BLOCK_H: tl.constexpr,        # query-head tile, power of two >= max(16, QUERIES_PER_KV)
+        BLOCK_N: tl.constexpr,        # INT2 tokens per tile (a page is 1+ tiles), power of two >= 16
+        BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
+        DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
+):
+    pid_b = tl.program_id(0)
+    pid_kv = tl.program_id(1)
+    split = tl.program_id(2)
+    batch = pid_b.to(tl.int64)
+
+    # All query heads that share this KV head, padded to BLOCK_H rows.
+    offs_h = tl.arange(0, BLOCK_H)
+    head_mask = offs_h < QUERIES_PER_KV
+    q_heads = pid_kv * QUERIES_PER_KV + offs_h
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+
+    # ---- INT2 tokens: this split's range of whole pages --------------------
+    # The window split (split == num_splits) gets an empty range.
+    n_quant = tl.load(n_quant_ptr + pid_b)
+    n_pages = tl.cdiv(n_quant, PAGE_SIZE)
+    pages_per_split = tl.cdiv(n_pages, num_splits)
+    first_page = tl.minimum(split * pages_per_split, n_pages)
+    last_page = tl.minimum(first_page + pages_per_split, n_pages)
+    offs_n = tl.arange(0, BLOCK_N)
+    for block in range(first_page, last_page):
+        # Only used block-table entries are read; int64 before the page stride.
+        page = tl.load(block_table_ptr + batch * stride_btb + block).to(tl.int64)
+        for tile_start in range(0, PAGE_SIZE, BLOCK_N):
+            slot = tile_start + offs_n
+            valid = (slot < PAGE_SIZE) & (block * PAGE_SIZE + slot < n_quant)
+            codes_off = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
+            param_off = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
+            k = _load_int2_tile(k_codes_ptr + codes_off, k_scale_ptr + param_off,
+                                k_zero_ptr + param_off, valid,
+                                BLOCK_N, HEAD_DIM, GROUP_SIZE, NUM_GROUPS)
+            v = _load_int2_tile(v_codes_ptr + codes_off, v_scale_ptr + param_off,
+                                v_zero_ptr + param_off, valid,
+                                BLOCK_N, HEAD_DIM, GROUP_SIZE, NUM_GROUPS)
+            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc,
+                                                 qk_scale, DOT_PRECISION)
+
+    # ---- Full-precision window tokens: only in the window split ------------
+    win_len = tl.load(win_len_ptr + pid_b)
+    win_end = tl.where(split == num_splits, win_len, 0)
+    offs_w = tl.arange(0, BLOCK_W)
+    win_base = batch * stride_wb + pid_kv * stride_wh
+    for tile_start in range(0, win_end, BLOCK_W):
+        slot = tile_start + offs_w
+        valid = slot < win_end
+        w_off = win_base + slot[:, None] * stride_wn + offs_d[None, :]
+        k = tl.load(win_k_ptr + w_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(win_v_ptr + w_off, mask=valid[:, None], other=0.0).to(tl.float32)
+        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc,
+                                             qk_scale, DOT_PRECISION)
+
+    # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
+    has_tokens = l_i > 0
+    l_safe = tl.where(has_tokens, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf"))
+    out_rows = batch * stride_ob + q_heads * stride_oh + split * stride_os
+    tl.store(part_out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=head_mask[:, None])
+    tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split, lse, mask=head_mask)
+
+
+@triton.jit
+def _merge_splits_kernel(
+        part_out_ptr,          # (B, H_q, S, d) fp32 normalized partial outputs
+        part_lse_ptr,          # (B, H_q, S) fp32 partial log2-sum-exp2 (-inf: empty)
+        out_ptr,               # (B, H_q, d) fp32 out: final attention output
+        num_parts,             # S, number of partials per (sequence, head)
+        stride_ob, stride_oh, stride_os,   # partial-output strides (batch, head, split)
+        stride_lb, stride_lh,              # partial-lse strides (batch, head)
+        stride_yb, stride_yh,              # output strides (batch, head)
+        HEAD_DIM: tl.constexpr,  # d
+        BLOCK_S: tl.constexpr,   # power of two >= num_parts
+):
+    batch = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
+    lse = tl.load(lse_row + offs_s, mask=offs_s < num_parts, other=float("-inf"))
+    lse_max = tl.max(lse, axis=0)
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: avoid -inf - -inf
+    denom = tl.sum(tl.exp2(lse - lse_max), axis=0)                # empty splits add 0
+
+    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
+    out_row = part_out_ptr + batch * stride_ob + head * stride_oh
+    for s in range(0, num_parts):
+        weight = tl.exp2(tl.load(lse_row + s) - lse_max)
+        acc += weight * tl.load(out_row + s * stride_os + offs_d)
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
+
+
+# ----------------------------------------------------------------------------
+# Input checks
+# ----------------------------------------------------------------------------
+def _fail(name, expected, got):
+    raise ValueError(f"{name}: expected {expected}, got {got}")
+
+
+def _check_tensor(name, t, shape, dtypes, device):
+    """shape: tuple of ints or None (= any size); dtypes: allowed torch dtypes."""
+    if not isinstance(t, torch.Tensor):
+        _fail(name, "a torch.Tensor", type(t).__name__)
+    if t.dtype not in dtypes:
+        _fail(name, "dtype " + " or ".join(str(d) for d in dtypes), t.dtype)
+    if len(shape) != t.dim() or any(s is not None and s != n for s, n in zip(shape, t.shape)):
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
+        _fail(name, f"shape {want}", tuple(t.shape))
+    if device is not None and t.device != device:
+        _fail(name, f"device {device} (the device of q)", t.device)
+    if not t.is_contiguous():
+        _fail(name, "a contiguous tensor", f"strides {t.stride()}")
+
+
+def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                  n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale):
+    """Validate everything (ValueError naming the argument); return the sizes as a dict."""
+    floats = (torch.float32, torch.bfloat16)
+    _check_tensor("q", q, (None, None, None), floats, None)
+    dev = q.device
+    B, H_q, d = q.shape
+    if B < 1 or H_q < 1:
+        _fail("q", "at least one sequence and one head", tuple(q.shape))
+    if d < 16 or d > 256 or d & (d - 1):
+        _fail("q", "head_dim (last dim) a power of two in [16, 256]", d)
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 \
+            or d % group_size:
+        _fail("group_size", f"a positive int dividing head_dim {d}", group_size)
+    _check_tensor("k_codes", k_codes, (None, None, None, d // 4), (torch.uint8,), dev)
+    num_pages, H_kv, P, _ = k_codes.shape
+    if H_kv < 1 or H_q % H_kv:
+        _fail("q", f"a number of query heads divisible by H_kv = {H_kv} (from k_codes)", H_q)
+    if P < 1:
+        _fail("k_codes", "page size (dim 2) >= 1", P)
+    _check_tensor("v_codes", v_codes, tuple(k_codes.shape), (torch.uint8,), dev)
+    params = (num_pages, H_kv, P, d // group_size)
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero),
+                    ("v_scale", v_scale), ("v_zero", v_zero)):
+        _check_tensor(name, t, params, (torch.float32,), dev)
+    _check_tensor("block_table", block_table, (B, None), (torch.int32,), dev)
+    _check_tensor("n_quant", n_quant, (B,), (torch.int32,), dev)
+    _check_tensor("win_k", win_k, (B, H_kv, None, d), floats, dev)
+    NW = win_k.shape[2]
+    _check_tensor("win_v", win_v, (B, H_kv, NW, d), floats, dev)
+    _check_tensor("win_len", win_len, (B,), (torch.int32,), dev)
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or not 1 <= num_splits <= _MAX_SPLITS):
+        _fail("num_splits", f"None or an int in [1, {_MAX_SPLITS}]", num_splits)
+    if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
+        _fail("sm_scale", "None or a finite float", sm_scale)
+
+    # Value checks (these read the small int tensors on the host).
+    nq = n_quant.cpu().long()
+    wl = win_len.cpu().long()
+    max_blocks = block_table.shape[1]
+    if (nq < 0).any() or (nq > max_blocks * P).any():
+        _fail("n_quant", f"values in [0, max_blocks * page_size] = [0, {max_blocks * P}]",
+              nq.tolist())
+    if (wl < 0).any() or (wl > NW).any():
+        _fail("win_len", f"values in [0, NW] = [0, {NW}] (NW from win_k)", wl.tolist())
+    empty = ((nq + wl) < 1).nonzero().flatten().tolist()
+    if empty:
+        _fail("n_quant + win_len", "at least one token per sequence", f"none for sequences {empty}")
+    used_blocks = (n_quant.long() + P - 1) // P
+    used = torch.arange(max_blocks, device=dev)[None, :] < used_blocks[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bad.any():
+        b, j = (int(i) for i in bad.nonzero()[0])
+        _fail("block_table", f"used entries in [0, num_pages) = [0, {num_pages})",
+              f"block_table[{b}, {j}] = {int(block_table[b, j])}")
+    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW, max_pages=int(used_blocks.max()))
+
+
+# ----------------------------------------------------------------------------
+# Launcher
+# ----------------------------------------------------------------------------
+def _default_num_splits(B, H_kv, max_pages, device):
+    """Enough programs for ~4 waves of the GPU, at least one page per split."""
+    sms = 132
+    if device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+    want = triton.cdiv(4 * sms, max(1, B * H_kv))
+    return max(1, min(want, max_pages, 64))
+
+
+@functools.lru_cache(maxsize=None)
+def _dot_precision(device):
+    """fp32 tl.dot: 3xTF32 keeps ~fp32 accuracy on tensor cores (NVIDIA sm80+)."""
+    if device.type == "cuda" and not _INTERPRETED and torch.version.hip is None \
+            and torch.cuda.get_device_capability(device)[0] >= 8:
+        return "tf32x3"
+    return "ieee"
+
+
+def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
+            win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes):
+    """Launch both stages on already validated inputs."""
+    B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
+    if num_splits is None:
+        num_splits = _default_num_splits(B, H_kv, sizes["max_pages"], q.device)
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(d)
+    if NW == 0:  # no window split; give the kernel a readable (never read) pointer
+        win_k = win_v = q.new_zeros(B, H_kv, 1, d)
+    if k_codes.shape[0] == 0:  # empty pool (all n_quant == 0): same reason
+        k_codes = v_codes = k_codes.new_zeros(1, *k_codes.shape[1:])
+        k_scale = k_zero = v_scale = v_zero = k_scale.new_zeros(1, *k_scale.shape[1:])
+    if block_table.shape[1] == 0:
+        block_table = block_table.new_zeros(B, 1)
+    num_parts = num_splits + (1 if NW > 0 else 0)
+
+    ratio = H_q // H_kv
+    block_h = max(16, triton.next_power_of_2(ratio))       # tl.dot needs M >= 16
+    max_tile = max(16, 8192 // d)                          # bounds a (tile, d) fp32 block
+    block_n = max(16, min(triton.next_power_of_2(P), max_tile))
+    # K + V window tile of at most 32 KiB before upcast.
+    block_w = max(16, min(64, 32768 // (2 * d * win_k.element_size())))
+
+    part_out = torch.empty(B, H_q, num_parts, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H_q, num_parts, dtype=torch.float32, device=q.device)
+    out = torch.empty(B, H_q, d, dtype=torch.float32, device=q.device)
+
+    _int2_decode_split_kernel[(B, H_kv, num_parts)](
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
+        win_k, win_v, win_len, part_out, part_lse,
+        sm_scale * _LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
+        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
+        block_table.stride(0),
+        win_k.stride(0), win_k.stride(1), win_k.stride(2),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        HEAD_DIM=d, GROUP_SIZE=group_size, NUM_GROUPS=d // group_size, PAGE_SIZE=P,
+        QUERIES_PER_KV=ratio, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_W=block_w,
+        DOT_PRECISION=_dot_precision(q.device),
+        num_warps=4, num_stages=2,
+    )
+    _merge_splits_kernel[(B, H_q)](
+        part_out, part_lse, out, num_parts,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(num_parts),
+        num_warps=2,
+    )
+    return out
+
+
+def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                      n_quant, win_k, win_v, win_len, group_size, num_splits=None,
+                      sm_scale=None) -> torch.Tensor:
+    """Decode attention of q over an INT2 paged cache plus full-precision windows.
+
+    Returns (B, H_q, d) fp32.  num_splits: INT2 splits per sequence (None:
+    chosen from the GPU size); sm_scale: logit scale (None: 1/sqrt(d)).
+    Raises ValueError, naming the argument, on any malformed input.
+    """
+    sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                          n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
+    if not _INTERPRETED and q.device.type != "cuda":
+        _fail("q", "a CUDA tensor (Triton runs on the GPU; TRITON_INTERPRET=1 for CPU)",
+              q.device)
+    if type(tl.zeros) is not type(_merge_splits_kernel):
+        raise RuntimeError("triton was imported before kernel.py without TRITON_INTERPRET=1 "
+                           "on a machine without CUDA; import kernel first or set "
+                           "TRITON_INTERPRET=1 in the environment")
+    return _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
+                   win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes)
+
+
+# ----------------------------------------------------------------------------
+# Benchmark (python kernel.py --bench)
+# ----------------------------------------------------------------------------
+# Peak HBM bandwidth in GB/s, matched in order against torch.cuda.get_device_name().
+_PEAK_GBS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+             ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0)]
+
+
+def _random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
+    """Random cache with a shuffled block table; every sequence has n_quant INT2 tokens."""
+    blocks = triton.cdiv(n_quant, P)
+    num_pages = max(1, B * blocks)
+    gen = dict(device=device)
+    k_codes = torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
+    v_codes = torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
+    params = (num_pages, H_kv, P, d // G)
+    k_scale, v_scale = (0.05 + 0.1 * torch.rand(params, **gen) for _ in range(2))
+    k_zero, v_zero = (3.0 * torch.rand(params, **gen) for _ in range(2))
+    block_table = torch.randperm(num_pages, **gen)[:B * blocks].to(torch.int32).view(B, blocks)
+    return dict(
+        q=torch.randn(B, H_q, d, dtype=win_dtype, **gen),
+        k_codes=k_codes, k_scale=k_scale, k_zero=k_zero,
+        v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, block_table=block_table,
+        n_quant=torch.full((B,), n_quant, dtype=torch.int32, **gen),
+        win_k=torch.randn(B, H_kv, NW, d, dtype=win_dtype, **gen),
+        win_v=torch.randn(B, H_kv, NW, d, dtype=win_dtype, **gen),
+        win_len=torch.full((B,), NW, dtype=torch.int32, **gen),
+        group_size=G)
+
+
+def _tiny_check(device):
+    """Kernel vs torch reference on a small ragged case; returns the max abs error."""
+    torch.manual_seed(0)
+    args = _random_inputs(3, 40, 8, 2, 64, 16, 16, 5, torch.bfloat16, device)
+    args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
+    args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
+    out = int2_paged_decode(**args, num_splits=2)
+    ref = paged_decode_reference(**args)
+    return (out - ref).abs().max().item()
+
+
+def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
+           device="cuda", H_kv=8, H_q=32, d=128, G=128, P=64, sink=64, recent=256):
+    """Page size 64: a (64, d/4) code tile is 2 KiB per KV head for d = 128, large
+    enough for wide loads and for tl.dot's 16-row minimum, small enough to keep the
+    dequantized (64, d) fp32 tile in registers."""
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    device = torch.device(device)
+    name = torch.cuda.get_device_name(device)
+    if peak_gbs is None:
+        peak_gbs = next((gbs for key, gbs in _PEAK_GBS if key in name), None)
+    print(f"device: {name}; peak HBM: {peak_gbs or 'unknown'} GB/s")
+    print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
+    print(f"H_q={H_q} H_kv={H_kv} d={d} G={G} page={P} window=bf16 sink {sink} + recent {recent}")
+    print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
+          f" {'bf16 us':>9} {'speedup':>7}")
+    NW = sink + recent
+    for B in batches:
+        for ctx in contexts:
+            n = ctx - NW
+            int2_bytes = 2 * B * H_kv * n * (d // 4 + 2 * 4 * d // G)   # codes + scales + zeros
+            win_bytes = 2 * B * H_kv * NW * d * 2
+            io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
+            bf16_bytes = 2 * B * H_kv * ctx * d * 2 + B * H_q * d * 4
+            free, _ = torch.cuda.mem_get_info(device)
+            if 1.2 * (int2_bytes + win_bytes + bf16_bytes) > free:
+                print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)")
+                continue
+            args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
+            sizes = _check_inputs(*args.values(), None, None)
+            splits = _default_num_splits(B, H_kv, sizes["max_pages"], device)
+            t_int2 = do_bench(lambda: _launch(*args.values(), splits, None, sizes),
+                              return_mode="median") * 1e3
+            del args
+            # Baseline: the same decode over a contiguous bf16 cache.  The query
+            # heads of a KV head act as that head's query rows (exact for decode).
+            k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
+            v = torch.randn_like(k)
+            qb = torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
+            t_bf16 = do_bench(lambda: F.scaled_dot_product_attention(qb, k, v),
+                              return_mode="median") * 1e3
+            del k, v, qb
+            torch.cuda.empty_cache()
+            gbs = (int2_bytes + win_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
+            pct = f"{100 * gbs / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
+            print(f"{B:>5} {ctx:>7} {splits:>6} {t_int2:>9.1f} {gbs:>7.0f} {pct}"
+                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x")
+
+
+def main():
+    parser = argparse.ArgumentParser(description="INT2 paged decode attention kernel.")
+    parser.add_argument("--bench", action="store_true",
+                        help="time the kernel against a bf16 SDPA baseline (needs CUDA; "
+                             "on CPU runs a small interpreter correctness check instead)")
+    parser.add_argument("--peak-gbs", type=float, default=None,
+                        help="peak memory bandwidth in GB/s for the %%peak column "
+                             "(default: looked up from the GPU name)")
+    args = parser.parse_args()
+    if not args.bench:
+        parser.print_help()
+        return
+    if torch.cuda.is_available() and not _INTERPRETED:
+        _bench(args.peak_gbs)
+    else:
+        print("the benchmark needs a CUDA GPU; running a small correctness check with the "
+              "Triton interpreter instead")
+        print(f"max abs error, kernel vs torch reference: {_tiny_check(torch.device('cpu')):.2e}")
+
+
+if __name__ == "__main__":
+    main()
