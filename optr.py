@@ -982,6 +982,13 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
     folded model (same numbers as decoding it token by token). Returns logits (n, T, vocab)."""
     if idx.shape[0] != len(seqs):
         raise ValueError(f"idx: expected {len(seqs)} rows (one per seq), got {tuple(idx.shape)}")
+    m, c = model.cfg, cache.cfg
+    if (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) != \
+            (c.sink, c.window, c.group_size, c.clip_k, c.clip_v):
+        raise ValueError("model: expected the cache's sink, window, group_size and clips in "
+                         "model.cfg (the simulated forward must store what decode would), got "
+                         f"{(m.sink, m.window, m.group_size, m.clip_k, m.clip_v)} vs "
+                         f"{(c.sink, c.window, c.group_size, c.clip_k, c.clip_v)}")
     specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
     logits, captured = model(idx, kv=specs, capture=True)
     for l, (_, k, v) in enumerate(captured):

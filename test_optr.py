@@ -592,6 +592,16 @@ def test_bits_per_element_measured_from_the_tensors():
         assert cache.bits_per_element(s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
 
 
+def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
+    """Prefill simulates the cache with the model's config; if its windows or quantizer
+    differ from the cache's, what it stores would not be what decoding stores: refused."""
+    model, data, specs, _ = calibrated_tiny
+    import dataclasses
+    cache = optr.PagedKVCache(dataclasses.replace(model.cfg, window=7), 16, 1, specs)
+    with pytest.raises(ValueError, match="model: expected the cache's sink, window"):
+        optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
+
+
 # ----------------------------------------------------------------------------------------
 # Bad input: a clear ValueError naming the argument
 # ----------------------------------------------------------------------------------------
@@ -950,3 +960,45 @@ def test_triton_imported_first_gives_clear_error():
     """If triton was imported first (so not in interpreter mode), the launcher says so."""
     r = _run_python("import triton, kernel, torch; kernel._tiny_check(torch.device('cpu'))")
     assert r.returncode != 0 and "import kernel first" in r.stderr, r.stderr
+
+
+# ----------------------------------------------------------------------------------------
+# 10. The end-to-end script
+# ----------------------------------------------------------------------------------------
+
+def test_train_tiny_quick_smoke(tmp_path):
+    """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
+    minute; results.json has the documented schema, every variant is present, full
+    precision answers >= 95% correctly, and the paged Triton decode agrees with the
+    simulated cache."""
+    import json
+    import train_tiny
+    results = train_tiny.main(["--quick", "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    for key in ("config", "timing_s", "key_stats", "variants"):
+        assert key in on_disk
+    assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
+    names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
+             "quarot+center", "quarot+optr-nocenter"}
+    assert set(on_disk["variants"]) == names
+    for v in on_disk["variants"].values():
+        assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
+        assert len(v["accuracy"]) >= 3
+    longest = max(on_disk["variants"]["full"]["accuracy"], key=int)
+    assert on_disk["variants"]["full"]["accuracy"][longest] >= 0.95
+    assert on_disk["variants"]["int2"]["bits_per_element"] < 16
+    for check in results["decode_check"].values():
+        assert check["same_argmax"] == check["answers"]
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "kv_rotations.safetensors").exists()
+
+
+def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
+    """A safetensors checkpoint saved for one geometry does not load into another: the
+    error names the tensors whose shapes differ (loading never runs code)."""
+    import train_tiny
+    cfg = train_tiny.RunConfig(n_layers=1)
+    path = str(tmp_path / "model.safetensors")
+    train_tiny.save_model(optr.TinyLM(cfg), cfg, path)
+    train_tiny.load_model(optr.TinyLM(cfg), path)                       # same shapes: fine
+    with pytest.raises(ValueError, match=r"does not match this config: .*file has"):
+        train_tiny.load_model(optr.TinyLM(train_tiny.RunConfig(n_layers=1, d_model=32)), path)
