@@ -366,16 +366,19 @@ class KVQuant:
     quant_v: bool = True                 # values outside the windows in INT2
 
 
+def dequant_keys(k, k_mean, r_k, cfg: Config):
+    """k~ = mu + D_{R_K,c_K}(k - mu): INT2 keys in the model's own basis (Eq. 4 on the
+    centered keys; adding mu back changes no softmax). k (B, H_kv, T, d)."""
+    k_t = rotate_dequant(center_keys(k, k_mean), r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
+    return k_t if k_mean is None else k_t + k_mean[None, :, None, :]
+
+
 def effective_kv(k, v, spec: KVQuant, cfg: Config):
-    """Dequantized keys and values in the model's own basis (no windows applied).
-    k~ = mu + D_{R_K,c_K}(k - mu),  v~ = D_{R_V,c_V}(v)   (Eq. 4 with Section 4's centering)."""
-    k_t, v_t = k, v
-    if spec.quant_k:
-        kc = center_keys(k, spec.k_mean)
-        k_t = rotate_dequant(kc, spec.r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
-        k_t = k_t if spec.k_mean is None else k_t + spec.k_mean[None, :, None, :]
-    if spec.quant_v:
-        v_t = rotate_dequant(v, spec.r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)
+    """Dequantized keys and values in the model's own basis (no windows applied):
+    k~ = mu + D_{R_K,c_K}(k - mu),  v~ = D_{R_V,c_V}(v)   (Eq. 4)."""
+    k_t = dequant_keys(k, spec.k_mean, spec.r_k, cfg) if spec.quant_k else k
+    v_t = rotate_dequant(v, spec.r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) \
+        if spec.quant_v else v                                                       # Eq. 4
     return k_t, v_t
 
 
@@ -401,14 +404,22 @@ def effective_logits(q, k, k_tilde, mask, fp=None):
     return a.masked_fill(~mask, float("-inf"))
 
 
+def int2_mask(mask, fp=None):
+    """(Tq, T) True where the query reads the INT2 copy: allowed and outside the windows."""
+    return mask if fp is None else mask & ~fp
+
+
+def window_readout(p_t, v, v_tilde, quant):
+    """Readout with exact values inside the windows and INT2 values outside: (B, H_q, Tq, d)."""
+    return gqa_readout(p_t * ~quant, v) + gqa_readout(p_t * quant, v_tilde)
+
+
 def effective_attention(q, k, v, k_tilde, v_tilde, mask, fp=None):
     """Eq. 5 and the readout with effective keys and values.
     q (B, H_q, Tq, d); k, v, k_tilde, v_tilde (B, H_kv, T, d); mask, fp (Tq, T) bool.
     Returns p~ (B, H_q, Tq, T) and o~ (B, H_q, Tq, d)."""
     p_t = torch.softmax(effective_logits(q, k, k_tilde, mask, fp), dim=-1)  # Eq. 5
-    if fp is None:
-        return p_t, gqa_readout(p_t, v_tilde)
-    return p_t, gqa_readout(p_t * fp, v) + gqa_readout(p_t * ~fp, v_tilde)
+    return p_t, window_readout(p_t, v, v_tilde, int2_mask(mask, fp))
 
 
 def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
@@ -421,9 +432,8 @@ def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
     a_t = effective_logits(q, k, k_tilde, mask, fp)                         # Eq. 5
     da = torch.where(mask, a_t - a, torch.zeros_like(a))                    # Eq. 6
     p_t = torch.softmax(a_t, dim=-1)                                        # Eq. 5
-    quant = mask if fp is None else mask & ~fp                              # dv = 0 in windows
-    o_t = gqa_readout(p_t * ~quant, v) + gqa_readout(p_t * quant, v_tilde)
-    y_t = head_output(o_t, w_o)                                             # Eq. 7
+    quant = int2_mask(mask, fp)                                             # dv = 0 in windows
+    y_t = head_output(window_readout(p_t, v, v_tilde, quant), w_o)          # Eq. 7
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                        # Eq. 8, key term
     dy_v = head_output(gqa_readout(p_t * quant, v_tilde - v), w_o)          # Eq. 8, value term
     e_rec = ((k - k_tilde) ** 2).sum() + ((v - v_tilde) ** 2).sum()         # Eq. 9
@@ -442,8 +452,8 @@ by straight-through and flow through scale, zero, min and max (Section 2).
   keys first:  L_K = KL(p || p~) + lambda * mean |dy_K|^2     (values in full precision)
   then values: L_V = mean |dy_V|^2 = mean |(sum_s p~_s dv_s) W_O^T|^2, with the learned
                key rotation fixed, so p~ is final.
-Queries: the last `qwin` positions of each calibration sequence, causal, with the sink and
-recent windows relative to each query. Adam, full batch. Every `eval_every` steps each
+Queries: the last `qwin` positions of each calibration sequence (or the positions given),
+causal, with the sink and recent windows relative to each query. Adam, full batch. Every `eval_every` steps each
 head is scored on held-out sequences and its best A kept; a head whose best held-out
 loss is not below its base's keeps R_base. Each layer is calibrated on its own, from the
 full-precision q, k, v of that layer.
@@ -457,9 +467,7 @@ def _per_head(x, n_kv_heads):
 
 def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
     """Per-head L_K = KL(p || p~) + lambda * mean |dy_K|^2  (H_kv,). Values exact."""
-    kc = center_keys(k, k_mean)
-    k_t = rotate_dequant(kc, r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)        # Eq. 4
-    k_t = k_t if k_mean is None else k_t + k_mean[None, :, None, :]
+    k_t = dequant_keys(k, k_mean, r_k, cfg)                                          # Eq. 4
     neg = float("-inf")
     logp = torch.log_softmax(gqa_logits(q, k).masked_fill(~mask, neg), dim=-1)      # Eq. 1
     logp_t = torch.log_softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)      # Eq. 5
@@ -472,7 +480,7 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
 def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
     """Per-head L_V = mean |dy_V|^2 (H_kv,), given the final INT2-key attention p~."""
     v_t = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)          # Eq. 4
-    dy_v = head_output(gqa_readout(p_t * (mask & ~fp), v_t - v), w_o)               # Eq. 8, value term
+    dy_v = head_output(gqa_readout(p_t * int2_mask(mask, fp), v_t - v), w_o)        # Eq. 8, value term
     return _per_head(dy_v.pow(2).sum(-1), v.shape[1])
 
 
@@ -534,9 +542,8 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
     p_t = {}                                             # final INT2-key attention, fixed
     with torch.no_grad():
         for split, (q, k, v) in data.items():
-            kc = center_keys(k, k_mean)
-            k_t = rotate_dequant(kc, r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
-            p_t[split] = torch.softmax(effective_logits(q, kc, k_t, mask, fp), dim=-1)
+            k_t = dequant_keys(k, k_mean, r_k, cfg)
+            p_t[split] = torch.softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)
 
     def value_loss(R, split):
         return optr_value_loss(p_t[split], data[split][2], w_o, R, mask, fp, cfg)
