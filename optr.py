@@ -1100,6 +1100,11 @@ def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
     return model
 
 
+def _span(a: int, b: int) -> torch.Tensor:
+    """Positions a, a+1, ..., b-1 (empty if b <= a)."""
+    return torch.arange(a, max(a, b))
+
+
 class PagedKVCache:
     """Page pool + block tables + full-precision windows, for every layer of a model."""
 
@@ -1176,17 +1181,27 @@ class PagedKVCache:
             pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
             codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
 
+    def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). The product is accumulated
+        channel by channel (a fixed order), so a token's bits do not depend on how many
+        tokens are rotated with it: `extend` stores exactly what `append` stores."""
+        spec = self.kv[layer]
+        kc = center_keys(k, spec.k_mean)
+        if spec.r_k is None:
+            return kc
+        R = spec.r_k.to(kc.dtype)[None, :, None]                           # (1, H_kv, 1, d, d)
+        out = torch.zeros_like(kc)
+        for j in range(kc.shape[-1]):
+            out = out + kc[..., j:j + 1] * R[..., j, :]                    # (k - mu) R_K
+        return out
+
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
         them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
         c = self.cfg
         check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        spec = self.kv[layer]
-        kr = center_keys(k[:, :, None], spec.k_mean)                     # (n, H_kv, 1, d)
-        if spec.r_k is not None:
-            kr = kr @ spec.r_k.unsqueeze(0)                              # (k - mu) R_K
-        kr = kr[:, :, 0]
+        kr = self.stored_keys(layer, k[:, :, None])[:, :, 0]            # (n, H_kv, d)
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
             self._check_seq(s)
@@ -1205,6 +1220,83 @@ class PagedKVCache:
             self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
             self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
             self.length[layer, s] += 1
+
+    def reserve(self, seqs: list, n_tokens: int, layer: int = 0):
+        """Allocate the pages that appending `n_tokens` more tokens to each sequence in
+        `seqs` (at `layer`'s lengths) will write, in the order token-by-token appends would
+        take them (token step first, then the order of `seqs`). Raises before allocating
+        anything if the pool or a block table row is too small."""
+        c = self.cfg
+        S, W, P = c.sink, c.window, c.page_size
+        want = []                                                      # (step, i, seq, block)
+        for i, s in enumerate(seqs):
+            n0 = int(self.length[layer, s])
+            lo, hi = max(0, n0 - W - S), max(0, n0 + n_tokens - W - S)  # new INT2 indices
+            for blk in range(lo // P, (hi + P - 1) // P):
+                if blk >= self.block_table.shape[1] or self.block_table[s, blk] < 0:
+                    first = max(blk * P, lo)                           # first INT2 index in it
+                    want.append((first + S + W - n0, i, s, blk))       # step that writes it
+        too_far = [(s, blk) for _, _, s, blk in want if blk >= self.block_table.shape[1]]
+        if len(want) > len(self.free_pages) or too_far:
+            raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]} "
+                               f"pages, {len(self.free_pages)} free) while {len(want)} more "
+                               f"were needed for sequences {list(seqs)} (+{n_tokens} tokens)")
+        for _, _, s, blk in sorted(want):
+            self.block_table[s, blk] = self.free_pages.pop(0)
+
+    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
+        """Append T tokens per sequence at once: the same cache state, bit for bit, as T
+        calls of `append`. k, v (n, H_kv, T, d) as in `append`. All INT2 tokens of the
+        layer are quantized with one q2_quantize call for keys and one for values, then
+        scattered into their pages; sink and ring slots get the tokens that would be
+        there last. Pages are reserved first, so an exhausted pool writes nothing."""
+        c = self.cfg
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
+                     finite=True)
+        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
+        for s in seqs:
+            self._check_seq(s)
+        T = k.shape[2]
+        kr = self.stored_keys(layer, k)                                    # (n, H_kv, T, d)
+        S, W, P = c.sink, c.window, c.page_size
+        self.reserve(seqs, T, layer)
+        src_k, src_v, pages, slots = [], [], [], []
+        for i, s in enumerate(seqs):
+            n0 = int(self.length[layer, s])
+            N = n0 + T
+            # tokens written in the window dtype, as append stores them (and later reads them)
+            nk = kr[i] if W == 0 else kr[i].to(self.win_k.dtype)           # (H_kv, T, d)
+            nv = v[i] if W == 0 else v[i].to(self.win_v.dtype)
+            lo, hi = max(S, n0 - W), N - W                                 # positions going INT2
+            if hi > lo:
+                old = _span(lo, min(hi, n0))                               # still in the ring
+                ring = S + (old - S) % W if W else old
+                new = _span(max(lo, n0), hi) - n0                          # from this prompt
+                src_k.append(torch.cat([self.win_k[layer, s][:, ring], nk[:, new]], 1).float())
+                src_v.append(torch.cat([self.win_v[layer, s][:, ring], nv[:, new]], 1).float())
+                n = _span(lo, hi) - S                                      # INT2 token indices
+                pages.append(self.block_table[s, n // P].long())
+                slots.append(n % P)
+            p_sink = _span(n0, min(S, N))                                  # sink slots
+            p_ring = _span(max(S, N - W, n0), N) if W else _span(0, 0)
+            slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
+            pos = torch.cat([p_sink, p_ring]) - n0
+            self.win_k[layer, s][:, slot] = kr[i][:, pos].to(self.win_k.dtype)
+            self.win_v[layer, s][:, slot] = v[i][:, pos].to(self.win_v.dtype)
+            self.length[layer, s] = N
+        if src_k:
+            rows_k = torch.cat(src_k, 1).transpose(0, 1)                   # (n_int2, H_kv, d)
+            rows_v = torch.cat(src_v, 1).transpose(0, 1)
+            pg, sl = torch.cat(pages).to(self.k_codes.device), torch.cat(slots).to(self.k_codes.device)
+            for rows, codes, scale, zero, clip in (
+                    (rows_k, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
+                    (rows_v, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
+                pk, sc, zr = q2_quantize(rows, clip, c.group_size, c.scale_eps)  # one call
+                codes[layer][pg, :, sl] = pk.to(codes.device)              # (n_int2, H_kv, d/4)
+                scale[layer][pg, :, sl] = sc.to(scale.device)
+                zero[layer][pg, :, sl] = zr.to(zero.device)
 
     # -- reads --------------------------------------------------------------------------
     def layer_view(self, layer: int, seqs: list) -> dict:
@@ -1296,8 +1388,10 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 
 @torch.no_grad()
 def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
-    """Append a whole prompt idx (n, T) to the cache with one simulated-INT2 forward of the
-    folded model (same numbers as decoding it token by token). Returns logits (n, T, vocab)."""
+    """Append a whole prompt idx (n, T) to empty sequences of the cache with one
+    simulated-INT2 forward of the folded model (same numbers as decoding it token by
+    token) and one bulk write per layer (`PagedKVCache.extend`, the same cache state as
+    appending token by token). Returns logits (n, T, vocab)."""
     if idx.shape[0] != len(seqs):
         raise ValueError(f"idx: expected {len(seqs)} rows (one per seq), got {tuple(idx.shape)}")
     m, c = model.cfg, cache.cfg
@@ -1307,9 +1401,14 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
                          "model.cfg (the simulated forward must store what decode would), got "
                          f"{(m.sink, m.window, m.group_size, m.clip_k, m.clip_v)} vs "
                          f"{(c.sink, c.window, c.group_size, c.clip_k, c.clip_v)}")
+    for s in seqs:
+        cache._check_seq(s)
+        if int(cache.length[:, s].max()) != 0:
+            raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
+                             f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
+    cache.reserve(seqs, idx.shape[1])              # an exhausted pool raises before the forward
     specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
     logits, captured = model(idx, kv=specs, capture=True)
     for l, (_, k, v) in enumerate(captured):
-        for t in range(idx.shape[1]):
-            cache.append(l, seqs, k[:, :, t], v[:, :, t])
+        cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
     return logits

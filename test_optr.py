@@ -602,6 +602,90 @@ def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
         optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
 
 
+def cache_state(cache):
+    """Every tensor and table of a cache, for bit-for-bit comparisons."""
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
+             "block_table", "length")
+    return {n: getattr(cache, n).clone() for n in names} | dict(free=list(cache.free_pages))
+
+
+def assert_same_state(a, b):
+    for n in a:
+        if n == "free":
+            assert a[n] == b[n], "free page lists differ"
+        else:
+            assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{n} differs"
+
+
+@given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
+       chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
+       bf16=st.booleans(), seed=st.integers(0, 10_000))
+def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
+    """Appending T tokens at once (`extend`: one quantizer call per layer, scattered into
+    pages) leaves the cache bit for bit as appending them one at a time: codes, scales,
+    zeros, sink and ring windows, block table (pages taken in the same order), lengths,
+    free list; for lengths below the sink, inside the windows, and past a ring wrap."""
+    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
+                      window=window, page_size=page_size, n_layers=2)
+    H, d = 2, 16
+    spec = [optr.KVQuant(k_mean=rand(H, d, seed=seed), r_k=torch.stack([random_orthogonal(d, seed + h) for h in range(H)])),
+            optr.KVQuant()]
+    wdt = torch.bfloat16 if bf16 else torch.float32
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(seed)).tolist()
+    one, bulk = (optr.PagedKVCache(cfg, 64, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
+    seqs = [one.add_sequence() for _ in range(n_seqs)]
+    assert [bulk.add_sequence() for _ in range(n_seqs)] == seqs
+    for c, T in enumerate(chunks):
+        k = rand(n_seqs, H, T, d, seed=seed + 100 * c) * 3 + 1
+        v = rand(n_seqs, H, T, d, seed=seed + 100 * c + 1)
+        for l in range(2):
+            for t in range(T):
+                one.append(l, seqs, k[:, :, t], v[:, :, t])
+            bulk.extend(l, seqs, k, v)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    assert int(bulk.length[0, seqs[0]]) == sum(chunks)
+
+
+def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
+    """An extend that needs more pages than are free raises before touching the cache."""
+    cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
+    cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
+    s = cache.add_sequence()
+    cache.extend(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))          # 2 INT2 tokens: 1 page
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="page pool exhausted"):
+        cache.extend(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))     # 9 INT2 tokens: 3 pages
+    assert_same_state(before, cache_state(cache))
+    cache.extend(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))          # 8 INT2 tokens: fits
+
+
+def test_bulk_prefill_then_decode_equals_token_by_token(calibrated_tiny):
+    """prefill (one forward, bulk cache writes) then decode_step gives the same logits and
+    the same cache, bit for bit, as appending the prompt's keys and values token by token."""
+    model, data, specs, _ = calibrated_tiny
+    idx = data[1]
+    folded = optr.fold_value_rotation(model, specs)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+    bulk, one = (optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs, page_order=order) for _ in range(2))
+    seqs = [bulk.add_sequence() for _ in range(idx.shape[0])]
+    assert [one.add_sequence() for _ in range(idx.shape[0])] == seqs
+    logits = optr.prefill(folded, bulk, seqs, idx[:, :13])
+    sim = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in specs]
+    ref, captured = folded(idx[:, :13], kv=sim, capture=True)
+    for l, (_, k, v) in enumerate(captured):
+        for t in range(13):
+            one.append(l, seqs, k[:, :, t], v[:, :, t])
+    assert torch.equal(logits, ref)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    for t in range(13, idx.shape[1]):
+        a = optr.decode_step(folded, bulk, seqs, idx[:, t])
+        b = optr.decode_step(folded, one, seqs, idx[:, t])
+        assert torch.equal(a, b)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    with pytest.raises(ValueError, match="expected empty sequences"):
+        optr.prefill(folded, bulk, seqs, idx[:, :2])
+
+
 # ----------------------------------------------------------------------------------------
 # Bad input: a clear ValueError naming the argument
 # ----------------------------------------------------------------------------------------
