@@ -1182,17 +1182,20 @@ class PagedKVCache:
             codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
 
     def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). The product is accumulated
-        channel by channel (a fixed order), so a token's bits do not depend on how many
-        tokens are rotated with it: `extend` stores exactly what `append` stores."""
+        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). Each token is its own
+        (1, d) x (d, d) product in one batched call (R_K broadcast, not copied): a BLAS
+        product of T rows at once may sum in another order than one of a single row, and
+        then `extend` would not store exactly what `append` stores."""
         spec = self.kv[layer]
         kc = center_keys(k, spec.k_mean)
         if spec.r_k is None:
             return kc
-        R = spec.r_k.to(kc.dtype)[None, :, None]                           # (1, H_kv, 1, d, d)
-        out = torch.zeros_like(kc)
-        for j in range(kc.shape[-1]):
-            out = out + kc[..., j:j + 1] * R[..., j, :]                    # (k - mu) R_K
+        n, H, T, d = kc.shape
+        R = spec.r_k.to(kc.dtype)
+        out = torch.empty_like(kc)
+        for h in range(H):
+            rows = kc[:, h].reshape(n * T, 1, d)
+            out[:, h] = torch.bmm(rows, R[h].expand(n * T, d, d)).view(n, T, d)  # (k - mu) R_K
         return out
 
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):

@@ -631,8 +631,8 @@ def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunk
     spec = [optr.KVQuant(k_mean=rand(H, d, seed=seed), r_k=torch.stack([random_orthogonal(d, seed + h) for h in range(H)])),
             optr.KVQuant()]
     wdt = torch.bfloat16 if bf16 else torch.float32
-    order = torch.randperm(64, generator=torch.Generator().manual_seed(seed)).tolist()
-    one, bulk = (optr.PagedKVCache(cfg, 64, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
+    order = torch.randperm(280, generator=torch.Generator().manual_seed(seed)).tolist()  # 3 x 90 tokens
+    one, bulk = (optr.PagedKVCache(cfg, 280, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
     seqs = [one.add_sequence() for _ in range(n_seqs)]
     assert [bulk.add_sequence() for _ in range(n_seqs)] == seqs
     for c, T in enumerate(chunks):
