@@ -14,7 +14,9 @@ Read top to bottom, in the paper's order:
   5. Error decomposition  Eq. 5-10: key-induced and value-induced post-W_O error
   6. OptR calibration     R = R_base exp(A - A^T), keys first (KL + lambda |dy_K|^2), then values
   7. Tiny model           Llama/Qwen3-style decoder with Hugging Face parameter names
-  8. Paged INT2 KV cache  page pool, block tables, windows, value-rotation folding, decode
+  7b. Loading             GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3) checkpoints
+  8. Paged INT2 KV cache  page pool, block tables, windows, value-rotation folding, decode,
+                          bulk prefill, export with R_V folded and R_K, mu beside it
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
@@ -891,6 +893,13 @@ def _gguf_tokenizer(meta: dict, path: str):
     return tok
 
 
+def _f32(x) -> float:
+    """GGUF stores floats in float32: read back the shortest decimal that rounds to it
+    (1e-05, not 9.999999747378752e-06), the value the checkpoint's config had."""
+    import numpy as np
+    return float(str(np.float32(x)))
+
+
 def _read_gguf(path: str, dtype):
     """GGUF file -> (Config, state dict, tokenizer or None)."""
     import gguf
@@ -932,8 +941,8 @@ def _read_gguf(path: str, dtype):
     cfg = _model_config(path, vocab_size=emb.shape[0], d_model=d_model,
                         n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
                         head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
-                        rope_theta=float(get("rope.freq_base", 10000.0)),
-                        rms_eps=float(get("attention.layer_norm_rms_epsilon")),
+                        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+                        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
                         qk_norm="model.layers.0.self_attn.q_norm.weight" in sd,
                         attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
                         tie_embeddings="lm_head.weight" not in sd)
@@ -1415,3 +1424,102 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
     for l, (_, k, v) in enumerate(captured):
         cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
     return logits
+
+
+# Export: the folded model as a Hugging Face checkpoint, and the key rotations beside it.
+
+KV_LAYOUT = """kv_rotations.safetensors: how this checkpoint's KV cache is stored (OptR).
+The value rotation R_V of every layer is already folded into the weights (v_proj rows
+and bias per KV head by R_V, o_proj columns per query head by R_V^T), so the model's
+full-precision outputs are those of the original model. The keys are not folded (RoPE
+sits between k_proj and the cache); per layer N this file holds
+  model.layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K (absent: identity)
+  model.layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE (absent: none)
+Cache a key k (post-RoPE) as (k - mu) R_K and a value v as it comes from v_proj;
+rotate each query by R_K (<q R_K, (k - mu) R_K> = <q, k> - <q, mu>: softmax unchanged).
+Tokens other than the first `sink` and the `window` most recent are stored in INT2:
+groups of `group_size` channels, clipped at the |x| of rank floor(clip * group_size)
+(clip_k for keys, clip_v for values), asymmetric 4-level affine with fp32 scale and
+zero. These settings and the per-layer quant_k / quant_v flags are in this file's
+metadata. Load with optr.load_checkpoint(dir) and optr.load_kv_rotations(dir).
+"""
+
+KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
+
+
+def _hf_model_type(cfg: Config) -> str:
+    if cfg.qk_norm and cfg.attention_bias:
+        raise ValueError("model: q/k norm together with q/k/v bias has no Hugging Face "
+                         "model_type (Qwen3's attention_bias also adds an o_proj bias)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+
+
+def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None) -> str:
+    """Write the model with each layer's R_V folded into v_proj/o_proj as a Hugging Face
+    checkpoint (config.json, model.safetensors, tokenizer.json when given), plus
+    kv_rotations.safetensors (R_K and mu per layer, quantizer settings in its metadata)
+    and kv_rotations.txt describing that layout. Returns out_dir."""
+    from safetensors.torch import save_file
+    c = model.cfg
+    if len(kv) != c.n_layers:
+        raise ValueError(f"kv: expected {c.n_layers} layer specs, got {len(kv)}")
+    mt = _hf_model_type(c)
+    folded = fold_value_rotation(model, kv)
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: t.detach().contiguous().clone() for k, t in folded.state_dict().items()
+          if not (c.tie_embeddings and k == "lm_head.weight")}        # tied: stored once
+    dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf = dict(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[mt]], model_type=mt,
+              vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
+              num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+              head_dim=c.head_dim, intermediate_size=c.ffn_dim, hidden_act="silu",
+              rope_theta=c.rope_theta, rope_scaling=None, rms_norm_eps=c.rms_eps,
+              tie_word_embeddings=c.tie_embeddings, torch_dtype=dtype)
+    if mt != "qwen2":
+        hf["attention_bias"] = False
+    if mt != "llama":
+        hf["use_sliding_window"] = False
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    rot, quant_k, quant_v = {}, [], []
+    for l, spec in enumerate(kv):
+        if spec.r_k is not None:
+            rot[f"model.layers.{l}.r_k"] = spec.r_k.detach().float().contiguous().clone()
+        if spec.k_mean is not None:
+            rot[f"model.layers.{l}.k_mean"] = spec.k_mean.detach().float().contiguous().clone()
+        quant_k.append(bool(spec.quant_k))
+        quant_v.append(bool(spec.quant_v))
+    meta = {n: json.dumps(getattr(c, n)) for n in KV_SETTINGS}
+    meta.update(n_layers=str(c.n_layers), quant_k=json.dumps(quant_k), quant_v=json.dumps(quant_v),
+                r_v="folded into v_proj and o_proj")
+    save_file(rot, os.path.join(out_dir, "kv_rotations.safetensors"), metadata=meta)
+    with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
+        f.write(KV_LAYOUT)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+def load_kv_rotations(path: str):
+    """kv_rotations.safetensors (or the directory holding it) -> (per-layer KVQuant with
+    r_v=None, since R_V is folded into the weights; dict of quantizer settings for
+    TinyLM.reconfigure)."""
+    from safetensors import safe_open
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "kv_rotations.safetensors")
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    missing = [n for n in KV_SETTINGS + ("n_layers", "quant_k", "quant_v") if n not in meta]
+    _need(not missing, f"{path}: metadata is missing {missing}")
+    L = int(meta["n_layers"])
+    known = {f"model.layers.{l}.{n}" for l in range(L) for n in ("r_k", "k_mean")}
+    _need(set(tensors) <= known, f"{path}: unexpected tensors {sorted(set(tensors) - known)}")
+    quant_k, quant_v = json.loads(meta["quant_k"]), json.loads(meta["quant_v"])
+    specs = [KVQuant(k_mean=tensors.get(f"model.layers.{l}.k_mean"),
+                     r_k=tensors.get(f"model.layers.{l}.r_k"), r_v=None,
+                     quant_k=quant_k[l], quant_v=quant_v[l]) for l in range(L)]
+    return specs, {n: json.loads(meta[n]) for n in KV_SETTINGS}
