@@ -58,7 +58,7 @@ class Config:
     group_size: int = 32         # G: consecutive channels along d sharing scale and zero
     clip_k: float = 0.96         # c_K: keys clipped at the |x| of rank floor(c*G) in a group
     clip_v: float = 0.92         # c_V: same for values
-    scale_eps: float = 1e-8      # floor on a group's range (max - min), so a constant group is exact
+    scale_eps: float = 1e-8      # floor on a group's range (max - min): no 0/0 on a constant group
     sink: int = 4                # first tokens kept in full precision
     window: int = 16             # most recent tokens (current one included) in full precision
     page_size: int = 16          # INT2 tokens per page of the paged cache
