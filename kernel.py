@@ -258,6 +258,9 @@ def _merge_splits_kernel(
     tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
 
 
+_KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
+
+
 # ----------------------------------------------------------------------------
 # Input checks
 # ----------------------------------------------------------------------------
@@ -528,6 +531,265 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
                   f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x")
 
 
+# ----------------------------------------------------------------------------
+# Static analysis (python kernel.py --sass): compile for a GPU without one
+# ----------------------------------------------------------------------------
+# H200 figures the estimate rests on (printed with the result).
+_H200 = dict(hbm_gbs=4800.0, sms=132, clock_ghz=1.8, schedulers=4)
+_SASS_CASE = dict(B=1, H_q=32, H_kv=8, d=128, G=128, P=64, n_quant=32768 - 320, NW=320)
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kw)` records the call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+def _record_launch(case):
+    """Run the launcher on meta tensors of the given case; return the recorded calls."""
+    c = case
+    meta = torch.device("meta")
+    blocks = triton.cdiv(c["n_quant"], c["P"])
+    pages = (blocks * c["B"], c["H_kv"], c["P"])
+    args = dict(
+        q=torch.empty(c["B"], c["H_q"], c["d"], dtype=torch.bfloat16, device=meta),
+        k_codes=torch.empty(*pages, c["d"] // 4, dtype=torch.uint8, device=meta),
+        k_scale=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        k_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        v_codes=torch.empty(*pages, c["d"] // 4, dtype=torch.uint8, device=meta),
+        v_scale=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        v_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        block_table=torch.empty(c["B"], blocks, dtype=torch.int32, device=meta),
+        n_quant=torch.empty(c["B"], dtype=torch.int32, device=meta),
+        win_k=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
+        win_v=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
+        win_len=torch.empty(c["B"], dtype=torch.int32, device=meta))
+    sizes = dict(B=c["B"], H_q=c["H_q"], H_kv=c["H_kv"], d=c["d"], P=c["P"], NW=c["NW"],
+                 max_pages=blocks)
+    recorders = {name: _Recorder(globals()[name]) for name in _KERNEL_NAMES}
+    saved = {name: globals()[name] for name in recorders}
+    globals().update(recorders)
+    try:
+        _launch(*args.values(), c["G"], None, None, sizes)
+    finally:
+        globals().update(saved)
+    return {name: rec.calls[0] for name, rec in recorders.items() if rec.calls}
+
+
+_TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+
+
+def _compile_recorded(fn, args, kw, arch):
+    """triton.compile the recorded call for sm_<arch>, specialised like a real launch:
+    pointers and ints divisible by 16 get the divisibility hint, ints equal to 1 are
+    constants.  Returns the CompiledKernel (cubin in .asm['cubin'])."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kw.items() if k not in options})
+    for i, name in enumerate(names):
+        v = values[name]
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _TL_TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"cannot specialise argument {name} = {v!r}")
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        elif v == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", arch, 32)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=options)
+
+
+def _nvidia_tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _sass_of(compiled):
+    """(resource usage dict, list of (offset, opcode, text) SASS lines, label -> offset)."""
+    import re
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", path],
+                             capture_output=True, text=True, check=True).stdout
+        dis = subprocess.run([_nvidia_tool("nvdisasm"), "-c", path],
+                             capture_output=True, text=True, check=True).stdout
+    usage = {key: int(m.group(1)) if (m := re.search(rf"{pat}:(\d+)", res)) else 0
+             for key, pat in (("regs", "REG"), ("stack", "STACK"), ("smem", "SHARED"))}
+    lines, labels = [], {}
+    pending = []
+    for raw in dis.splitlines():
+        if (m := re.match(r"\s*(\.L_x_\d+):", raw)):
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", raw)
+        if not m:
+            continue
+        offset, text = int(m.group(1), 16), m.group(2).strip()
+        for label in pending:
+            labels[label] = offset
+        pending = []
+        body = re.sub(r"^@!?U?P[T\d]+\s+", "", text)
+        lines.append((offset, body.split()[0], body))
+    usage["spill_stores"] = sum(1 for _, op, _ in lines if op.startswith("STL"))
+    usage["spill_loads"] = sum(1 for _, op, _ in lines if op.startswith("LDL"))
+    return usage, lines, labels
+
+
+def _loops(lines, labels):
+    """Backward branches: list of (start offset, end offset) of each loop body."""
+    import re
+    loops = []
+    for offset, op, text in lines:
+        if op.startswith("BRA") and (m := re.search(r"`\((\.L_x_\d+)\)", text)):
+            target = labels.get(m.group(1))
+            if target is not None and target <= offset:
+                loops.append((target, offset))
+    return loops
+
+
+# Instruction classes of the per-iteration table, matched on the opcode's prefix.
+_CLASSES = [("LDG", ("LDG",)), ("LDGSTS", ("LDGSTS",)), ("LDS", ("LDS", "LDSM")),
+            ("STS", ("STS",)), ("LDL/STL", ("LDL", "STL")), ("I2F", ("I2F",)),
+            ("F2F", ("F2F", "F2FP")), ("HMMA", ("HMMA",)), ("HADD2/HFMA2", ("HADD2", "HFMA2", "HMUL2")),
+            ("FFMA", ("FFMA",)), ("FADD/FMUL", ("FADD", "FMUL")), ("MUFU", ("MUFU",)),
+            ("IMAD", ("IMAD",)), ("LOP3", ("LOP3",)), ("SHF", ("SHF",)), ("PRMT", ("PRMT",)),
+            ("shuffles", ("SHFL",)), ("FSEL/SEL", ("FSEL", "SEL")),
+            ("IADD3/ISETP", ("IADD3", "ISETP", "FSETP")), ("BAR", ("BAR",))]
+
+_LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def _classify(ops):
+    counts = {name: 0 for name, _ in _CLASSES}
+    counts["other"] = 0
+    for op in ops:
+        for name, prefixes in _CLASSES:
+            if any(op == p or op.startswith(p + ".") for p in prefixes):
+                counts[name] += 1
+                break
+        else:
+            counts["other"] += 1
+    return counts
+
+
+def _global_bytes(ops):
+    """Bytes per warp that the LDG / LDGSTS instructions request (all 32 lanes active)."""
+    total = 0
+    for op in ops:
+        if op.startswith("LDG"):
+            width = next((b for suffix, b in _LOAD_BYTES.items() if f".{suffix}" in op), 4)
+            total += 32 * width
+    return total
+
+
+def sass_report(arch=90, case=None, verbose=True):
+    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+
+    The INT2 loop is the innermost backward-branch loop with the most instructions.
+    Returns a dict of the figures; prints a table when verbose."""
+    case = dict(_SASS_CASE, **(case or {}))
+    calls = _record_launch(case)
+    grid, args, kw = calls["_int2_decode_split_kernel"]
+    kw = dict(kw)
+    if "DOT_PRECISION" in kw:
+        kw["DOT_PRECISION"] = "tf32x3"     # what the launcher picks on sm80+
+    compiled = _compile_recorded(_int2_decode_split_kernel, args, kw, arch)
+    usage, lines, labels = _sass_of(compiled)
+    loops = _loops(lines, labels)
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
+                                           for o in loops)]
+    start, end = max(inner, key=lambda lp: lp[1] - lp[0])
+    body = [op for off, op, _ in lines if start <= off <= end]
+    counts = _classify(body)
+    warps = kw.get("num_warps", 4)
+    tokens = _loop_tokens(kw, case)
+    tile_tokens = 64
+    per_tile = tile_tokens / tokens
+    d, G = case["d"], case["G"]
+    tile_bytes = tile_tokens * 2 * (d // 4 + 2 * 4 * (d // G))
+    bytes_per_cycle = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
+    hbm_cycles = tile_bytes / bytes_per_cycle
+    issue_cycles = len(body) * warps / _H200["schedulers"] * per_tile
+    global_bytes = _global_bytes(body) * warps
+    r = dict(arch=arch, regs=usage["regs"], spills=usage["spill_stores"] + usage["spill_loads"],
+             spill_stores=usage["spill_stores"], spill_loads=usage["spill_loads"],
+             stack=usage["stack"], smem=usage["smem"], total=len(lines), loop=len(body),
+             counts=counts, warps=warps, tokens=tokens, global_bytes=global_bytes,
+             tile_bytes=tile_bytes, issue_cycles=issue_cycles, hbm_cycles=hbm_cycles,
+             ratio=issue_cycles / hbm_cycles,
+             instr_per_byte=len(body) * warps / max(1, global_bytes))
+    if verbose:
+        print(f"sm_{arch}: {r['regs']} registers, {r['stack']} B stack, "
+              f"{r['spill_stores']} spill stores + {r['spill_loads']} spill loads, "
+              f"{r['smem']} B shared memory, {r['total']} SASS instructions, "
+              f"num_warps {warps}")
+        print(f"  INT2 loop: {len(body)} instructions per warp per iteration "
+              f"({tokens} tokens of one KV head)")
+        print("  " + " | ".join(f"{k} {v}" for k, v in counts.items() if v))
+        print(f"  global loads per iteration (all warps, all lanes): {global_bytes} B; "
+              f"the {tokens}-token K+V tile holds {tile_bytes * tokens // tile_tokens} B")
+        print(f"  per 64-token tile: issue {issue_cycles:.0f} cycles "
+              f"(= instructions x {warps} warps / {_H200['schedulers']} schedulers), "
+              f"HBM {hbm_cycles:.0f} cycles (= {tile_bytes} B / {bytes_per_cycle:.1f} B per "
+              f"SM-cycle); ratio {r['ratio']:.2f}")
+    return r
+
+
+def _loop_tokens(kw, case):
+    """Tokens of one KV head handled by one iteration of the INT2 loop."""
+    if "BLOCK_N" in kw and "PAGE_SIZE" in kw and kw["BLOCK_N"] >= kw["PAGE_SIZE"]:
+        return kw["PAGE_SIZE"]
+    return kw["BLOCK_N"]
+
+
+def _sass_main():
+    """Print the --sass report; runs in a child process with the interpreter off."""
+    bpc = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
+    c = _SASS_CASE
+    print(f"case: d = {c['d']}, G = {c['G']}, page {c['P']}, {c['H_q'] // c['H_kv']} query "
+          f"heads per KV head, bf16 q and windows, {c['n_quant'] + c['NW']} tokens")
+    print(f"H200 assumptions: {_H200['hbm_gbs']:.0f} GB/s HBM over {_H200['sms']} SMs at "
+          f"{_H200['clock_ghz']} GHz = {bpc:.1f} B per SM-cycle; {_H200['schedulers']} "
+          f"schedulers per SM issuing 1 instruction per cycle each; every SASS instruction "
+          f"counted as one issue slot; all loads full-width with no cache reuse")
+    results = {arch: sass_report(arch) for arch in (80, 90)}
+    r = results[90]
+    print(f"SASS sm_90a: regs {r['regs']} | spills {r['spills']} | "
+          f"issue/HBM cycles per tile {r['ratio']:.2f}")
+
+
+def _run_sass():
+    """--sass must compile the real kernel: re-run this file with the interpreter off."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = "import kernel; kernel._sass_main()"
+    r = subprocess.run([sys.executable, "-c", code], env=env,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    raise SystemExit(r.returncode)
+
+
 def main():
     parser = argparse.ArgumentParser(description="INT2 paged decode attention kernel.")
     parser.add_argument("--bench", action="store_true",
@@ -536,7 +798,12 @@ def main():
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="peak memory bandwidth in GB/s for the %%peak column "
                              "(default: looked up from the GPU name)")
+    parser.add_argument("--sass", action="store_true",
+                        help="compile stage 1 for sm_90a and sm_80 (no GPU needed) and print "
+                             "registers, spills and the INT2 loop's instruction mix")
     args = parser.parse_args()
+    if args.sass:
+        _run_sass()
     if not args.bench:
         parser.print_help()
         return
