@@ -672,13 +672,26 @@ def _tiny_check(device):
     return (out - ref).abs().max().item()
 
 
+def _paged_bf16_baseline(q, k_pages, v_pages, block_table, n_tokens):
+    """Decode over a paged bf16 cache in plain torch: gather the pages through the block
+    table, then scaled_dot_product_attention.  k_pages (num_pages, H_kv, P, d)."""
+    import torch.nn.functional as F
+    B, H_q, d = q.shape
+    H_kv, P = k_pages.shape[1], k_pages.shape[2]
+    k = k_pages[block_table].permute(0, 2, 1, 3, 4).reshape(B, H_kv, -1, d)[:, :, :n_tokens]
+    v = v_pages[block_table].permute(0, 2, 1, 3, 4).reshape(B, H_kv, -1, d)[:, :, :n_tokens]
+    return F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, d), k, v)
+
+
 def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
            device="cuda", H_kv=8, H_q=32, d=128, G=128, P=64, sink=64, recent=256):
-    """Page size 64: a (64, d/4) code tile is 2 KiB per KV head for d = 128, large
-    enough for wide loads and for tl.dot's 16-row minimum, small enough to keep the
-    dequantized (64, d) fp32 tile in registers."""
+    """Times one decode step with CUDA graphs (triton.testing.do_bench_cudagraph): the
+    INT2 kernel through the unchecked launcher, a contiguous bf16 cache with SDPA, and a
+    paged bf16 cache (torch gather + SDPA).  Bytes moved count the INT2 codes, scales and
+    zeros, the windows, the query, the stage-1 partials (written and read back) and the
+    output."""
     import torch.nn.functional as F
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
 
     device = torch.device(device)
     name = torch.cuda.get_device_name(device)
@@ -688,38 +701,50 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
     print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
     print(f"H_q={H_q} H_kv={H_kv} d={d} G={G} page={P} window=bf16 sink {sink} + recent {recent}")
     print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
-          f" {'bf16 us':>9} {'speedup':>7}")
+          f" {'bf16 us':>9} {'x bf16':>7} {'paged us':>9} {'x paged':>7}")
     NW = sink + recent
     for B in batches:
         for ctx in contexts:
             n = ctx - NW
             int2_bytes = 2 * B * H_kv * n * (d // 4 + 2 * 4 * d // G)   # codes + scales + zeros
             win_bytes = 2 * B * H_kv * NW * d * 2
-            io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
-            bf16_bytes = 2 * B * H_kv * ctx * d * 2 + B * H_q * d * 4
+            bf16_bytes = 2 * B * H_kv * ctx * d * 2
             free, _ = torch.cuda.mem_get_info(device)
-            if 1.2 * (int2_bytes + win_bytes + bf16_bytes) > free:
+            if 2.5 * (int2_bytes + win_bytes + bf16_bytes) > free:
                 print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)")
                 continue
             args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
             sizes = _check_inputs(*args.values(), None, None)
-            splits = _default_num_splits(B, H_kv, sizes["max_pages"], device)
-            t_int2 = do_bench(lambda: _launch(*args.values(), splits, None, sizes),
-                              return_mode="median") * 1e3
+            sizes.update(_check_values(args["k_codes"], args["block_table"], args["n_quant"],
+                                       args["win_len"], sizes))
+            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4)["BLOCK_N"]),
+                                         device)
+            part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
+            io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
+            t_int2 = do_bench_cudagraph(
+                lambda: _launch(*args.values(), splits, None, sizes)) * 1e3
             del args
-            # Baseline: the same decode over a contiguous bf16 cache.  The query
-            # heads of a KV head act as that head's query rows (exact for decode).
+            # Contiguous bf16 cache: the query heads of a KV head act as its query rows.
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
             v = torch.randn_like(k)
             qb = torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
-            t_bf16 = do_bench(lambda: F.scaled_dot_product_attention(qb, k, v),
-                              return_mode="median") * 1e3
-            del k, v, qb
+            t_bf16 = do_bench_cudagraph(lambda: F.scaled_dot_product_attention(qb, k, v)) * 1e3
+            del k, v
+            # Paged bf16 cache, same shuffled-page layout as the INT2 one.
+            blocks = triton.cdiv(ctx, P)
+            k_pages = torch.randn(B * blocks, H_kv, P, d, dtype=torch.bfloat16, device=device)
+            v_pages = torch.randn_like(k_pages)
+            table = torch.randperm(B * blocks, device=device).view(B, blocks)
+            qp = qb.reshape(B, H_q, d)
+            t_paged = do_bench_cudagraph(
+                lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx)) * 1e3
+            del k_pages, v_pages, qb, qp
             torch.cuda.empty_cache()
-            gbs = (int2_bytes + win_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
+            gbs = (int2_bytes + win_bytes + part_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
             pct = f"{100 * gbs / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
             print(f"{B:>5} {ctx:>7} {splits:>6} {t_int2:>9.1f} {gbs:>7.0f} {pct}"
-                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x")
+                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x {t_paged:>9.1f}"
+                  f" {t_paged / t_int2:>6.2f}x")
 
 
 # ----------------------------------------------------------------------------
@@ -897,7 +922,7 @@ def _global_bytes(ops):
     return total
 
 
-def sass_report(arch=90, case=None, verbose=True):
+def sass_report(arch=90, case=None, verbose=True, config=None):
     """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
 
     The INT2 loop is the innermost backward-branch loop holding the most instructions
@@ -908,6 +933,7 @@ def sass_report(arch=90, case=None, verbose=True):
     kw = dict(kw)
     if "DOT_PRECISION" in kw:
         kw["DOT_PRECISION"] = "tf32x3"     # what the launcher picks on sm80+
+    kw.update(config or {})
     compiled = _compile_recorded(_int2_decode_split_kernel, args, kw, arch)
     usage, lines, labels = _sass_of(compiled)
     loops = _loops(lines, labels)
@@ -956,8 +982,6 @@ def sass_report(arch=90, case=None, verbose=True):
 
 def _loop_tokens(kw, case):
     """Tokens of one KV head handled by one iteration of the INT2 loop."""
-    if "BLOCK_N" in kw and "PAGE_SIZE" in kw and kw["BLOCK_N"] >= kw["PAGE_SIZE"]:
-        return kw["PAGE_SIZE"]
     return kw["BLOCK_N"]
 
 
