@@ -20,35 +20,42 @@ Layout (per layer; H_kv KV heads, head dim d, page size P)
                         reads KV head j // (H_q // H_kv)
     output              fp32 (B, H_q, d), still in the rotated value basis
 
-Design: flash-decoding ("split-K")
-    A decode step has a single query token, so one program per (sequence,
-    head) leaves most of the GPU idle on long contexts.  The INT2 tokens of
-    each sequence are therefore cut into `num_splits` chunks of whole pages.
+Design: flash-decoding ("split-K"), laid out for memory bandwidth
+    Stage 1, grid (B, H_kv, num_splits).  A program owns one KV head and all its
+    query heads (GQA), so every page is read once per KV head.  The INT2 tokens
+    are cut into BLOCK_N-token tiles, independent of the page size; a split owns
+    a contiguous range of tiles and fetches the next tile's block-table entries
+    one iteration ahead.  Per tile it loads the packed (BLOCK_N, d/4) bytes of K
+    and of V once and never reorders them: bit field c of byte j is dim
+    c*d/4 + j, so the query is split into four quarter-rows instead and each
+    quarter meets its bit field directly (q.k = sum over quarters).
+    Codes become fp16 by a bit trick, no int-to-float instruction: 0x6400 | c
+    is 1024 + c in fp16, minus 1024 is exactly c.
+    Scale and zero stay out of the tile when a quarter lies in one group
+    (G a multiple of d/4, d >= 64; the production case d = G = 128):
+        q.k = s * (q.c - z * sum(q))              (per group, per token)
+        p.v = (p s).c - sum(p s z)
+    The dots take exact fp16 codes; the other operand (the query, or p s) is
+    scaled into [-2^14, 2^14] and split into two fp16 parts hi + lo, which
+    carry ~22 bits, with fp32 accumulation: two fp16 dots per product, near
+    fp32 accuracy.  Other group sizes (and d < 64) take a general path in the
+    same loop: the quarter is dequantized in fp32 with per-dim scale and zero.
+    The full-precision window tokens are spread over the splits (window tile t
+    goes to split t % num_splits) and use fp32 dots (3xTF32 on sm80+).
+    Each program writes its normalized partial output and the log-sum-exp of
+    its logits (base 2); a program with no tokens writes lse = -inf.
 
-    Stage 1, grid (B, H_kv, num_splits [+ 1]).  A program owns one KV head
-    and processes *all* query heads of that head together (GQA), so every
-    page is read from memory exactly once per KV head.  It walks its pages
-    through the block table; for each page it loads the packed bytes, splits
-    every byte into its four 2-bit fields with shifts and masks (giving the
-    four strided quarter-rows), puts the quarters back into natural dim order
-    in registers, dequantizes to fp32 and runs an online-softmax update.
-    When windows are present, one extra program per (sequence, KV head)
-    - split index `num_splits` - handles the full-precision window tokens in
-    the same way.  Each program writes its normalized partial output and the
-    log-sum-exp of its logits (base 2).  A program with no tokens (ragged
-    batch, more splits than pages, empty window) writes lse = -inf.
-
-    Stage 2, grid (B, H_q), merges the partials:
+    Stage 2, grid (B, H_q), merges the partials a (BLOCK_S, d) block at a time:
         out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
 
-Tiles and precision
-    Both products of the softmax step use tl.dot, so the query-head tile is
-    padded to >= 16 rows and token tiles hold >= 16 tokens (masked).  A page
-    larger than the token tile is processed as several tiles.  All arithmetic
-    is fp32: bf16 inputs are upcast right after loading, and fp32 tl.dot runs
-    as 3xTF32 on NVIDIA sm80+ (close to fp32 accuracy) and as plain fp32
-    elsewhere.  Block sizes are chosen in the launcher; no autotuning.
+Launch paths
+    int2_paged_decode(..., checked=True) also checks lengths and block-table
+    entries on the host (a device sync); checked=False checks only shapes,
+    dtypes and devices and never syncs, so a decode step fits in a CUDA graph.
+    Block sizes, warps and stages are chosen in _block_sizes; no autotuning.
+    The interpreter computes fp16 dots correctly (unlike bf16 ones), so the CPU
+    tests run the same algorithm as the GPU.
 """
 import os
 
