@@ -77,6 +77,41 @@ import triton.language as tl
 from optr import paged_decode_reference  # the pure-torch decode this kernel must match
 
 _INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit below will use
+
+
+def _memoize_interpreter_scan():
+    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
+
+    On every call of a @triton.jit helper from a kernel (our _codes_fp16, _quarter_pv, ...,
+    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
+    re-patches triton.language, finding its builtins with inspect.getmembers over each
+    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
+    builtin names of a module never changes, so it is found once per module here; each
+    call still re-checks and patches every one of them exactly as before."""
+    import inspect
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "memoized", False) \
+            or not hasattr(interpreter, "_patch_attr"):
+        return                                    # another Triton layout: leave it alone
+    names = {}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
+                                    if tl.core.is_builtin(m)])
+        for name in names[id(pkg)][1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.memoized = True
+    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
+    interpreter._patch_builtin = patch_builtin
+
+
+if _INTERPRETED:
+    _memoize_interpreter_scan()
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 1024
 
@@ -270,6 +305,11 @@ def _int2_decode_split_kernel(
         tok0 = first_tile * BLOCK_N + offs_n
         page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
                             mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
+    # General path: the group of every dim of each quarter (the same for every tile).
+    group_of_dim0 = (0 * W + offs_w) // GROUP_SIZE
+    group_of_dim1 = (1 * W + offs_w) // GROUP_SIZE
+    group_of_dim2 = (2 * W + offs_w) // GROUP_SIZE
+    group_of_dim3 = (3 * W + offs_w) // GROUP_SIZE
     for tile in range(first_tile, last_tile):
         tok = tile * BLOCK_N + offs_n
         valid = tok < n_quant
@@ -320,24 +360,27 @@ def _int2_decode_split_kernel(
                 vz3 = tl.load(v_zero_ptr + param_rows + g3, mask=valid, other=0.0)
         else:
             # General path: per-dim scale and zero of each quarter, (BLOCK_N, W).
-            p_rows = param_rows[:, None]
             pm = valid[:, None]
-            ks0 = tl.load(k_scale_ptr + p_rows + (0 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            kz0 = tl.load(k_zero_ptr + p_rows + (0 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vs0 = tl.load(v_scale_ptr + p_rows + (0 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vz0 = tl.load(v_zero_ptr + p_rows + (0 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            ks1 = tl.load(k_scale_ptr + p_rows + (1 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            kz1 = tl.load(k_zero_ptr + p_rows + (1 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vs1 = tl.load(v_scale_ptr + p_rows + (1 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vz1 = tl.load(v_zero_ptr + p_rows + (1 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            ks2 = tl.load(k_scale_ptr + p_rows + (2 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            kz2 = tl.load(k_zero_ptr + p_rows + (2 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vs2 = tl.load(v_scale_ptr + p_rows + (2 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vz2 = tl.load(v_zero_ptr + p_rows + (2 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            ks3 = tl.load(k_scale_ptr + p_rows + (3 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            kz3 = tl.load(k_zero_ptr + p_rows + (3 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vs3 = tl.load(v_scale_ptr + p_rows + (3 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
-            vz3 = tl.load(v_zero_ptr + p_rows + (3 * W + offs_w[None, :]) // GROUP_SIZE, mask=pm, other=0.0)
+            pr0 = param_rows[:, None] + group_of_dim0[None, :]
+            ks0 = tl.load(k_scale_ptr + pr0, mask=pm, other=0.0)
+            kz0 = tl.load(k_zero_ptr + pr0, mask=pm, other=0.0)
+            vs0 = tl.load(v_scale_ptr + pr0, mask=pm, other=0.0)
+            vz0 = tl.load(v_zero_ptr + pr0, mask=pm, other=0.0)
+            pr1 = param_rows[:, None] + group_of_dim1[None, :]
+            ks1 = tl.load(k_scale_ptr + pr1, mask=pm, other=0.0)
+            kz1 = tl.load(k_zero_ptr + pr1, mask=pm, other=0.0)
+            vs1 = tl.load(v_scale_ptr + pr1, mask=pm, other=0.0)
+            vz1 = tl.load(v_zero_ptr + pr1, mask=pm, other=0.0)
+            pr2 = param_rows[:, None] + group_of_dim2[None, :]
+            ks2 = tl.load(k_scale_ptr + pr2, mask=pm, other=0.0)
+            kz2 = tl.load(k_zero_ptr + pr2, mask=pm, other=0.0)
+            vs2 = tl.load(v_scale_ptr + pr2, mask=pm, other=0.0)
+            vz2 = tl.load(v_zero_ptr + pr2, mask=pm, other=0.0)
+            pr3 = param_rows[:, None] + group_of_dim3[None, :]
+            ks3 = tl.load(k_scale_ptr + pr3, mask=pm, other=0.0)
+            kz3 = tl.load(k_zero_ptr + pr3, mask=pm, other=0.0)
+            vs3 = tl.load(v_scale_ptr + pr3, mask=pm, other=0.0)
+            vz3 = tl.load(v_zero_ptr + pr3, mask=pm, other=0.0)
 
         logits = _quarter_logits(q0_hi, q0_lo, q0_sum, q0, k_packed, ks0, kz0, 0,
                                  FACTORED, USE_DOT, DOT_PRECISION)

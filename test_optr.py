@@ -1033,6 +1033,22 @@ def test_import_enables_interpreter_without_env_variable():
     assert float(r.stdout.split()[-1]) < 1e-5
 
 
+@pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
+def test_memoized_interpreter_scan_finds_the_same_builtins():
+    """kernel.py's memoized scan of triton.language (which keeps nested @triton.jit calls
+    cheap in the interpreter) lists exactly the builtins a fresh inspect.getmembers finds,
+    for every module a launch patches, after kernels have run."""
+    import inspect
+    import triton.language as tl
+    from triton.runtime import interpreter
+    patch = interpreter._patch_builtin
+    assert getattr(patch, "memoized", False)
+    kernel._tiny_check(torch.device("cpu"))       # launches: the scans have happened
+    for pkg in (tl, tl.tensor, tl.math):
+        fresh = sorted(n for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m))
+        assert fresh and sorted(patch.builtin_names(pkg)) == fresh, pkg
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
 def test_triton_imported_first_gives_clear_error():
     """If triton was imported first (so not in interpreter mode), the launcher says so."""
