@@ -20,35 +20,42 @@ Layout (per layer; H_kv KV heads, head dim d, page size P)
                         reads KV head j // (H_q // H_kv)
     output              fp32 (B, H_q, d), still in the rotated value basis
 
-Design: flash-decoding ("split-K")
-    A decode step has a single query token, so one program per (sequence,
-    head) leaves most of the GPU idle on long contexts.  The INT2 tokens of
-    each sequence are therefore cut into `num_splits` chunks of whole pages.
+Design: flash-decoding ("split-K"), laid out for memory bandwidth
+    Stage 1, grid (B, H_kv, num_splits).  A program owns one KV head and all its
+    query heads (GQA), so every page is read once per KV head.  The INT2 tokens
+    are cut into BLOCK_N-token tiles, independent of the page size; a split owns
+    a contiguous range of tiles and fetches the next tile's block-table entries
+    one iteration ahead.  Per tile it loads the packed (BLOCK_N, d/4) bytes of K
+    and of V once and never reorders them: bit field c of byte j is dim
+    c*d/4 + j, so the query is split into four quarter-rows instead and each
+    quarter meets its bit field directly (q.k = sum over quarters).
+    Codes become fp16 by a bit trick, no int-to-float instruction: 0x6400 | c
+    is 1024 + c in fp16, minus 1024 is exactly c.
+    Scale and zero stay out of the tile when a quarter lies in one group
+    (G a multiple of d/4, d >= 64; the production case d = G = 128):
+        q.k = s * (q.c - z * sum(q))              (per group, per token)
+        p.v = (p s).c - sum(p s z)
+    The dots take exact fp16 codes; the other operand (the query, or p s) is
+    scaled into [-2^14, 2^14] and split into two fp16 parts hi + lo, which
+    carry ~22 bits, with fp32 accumulation: two fp16 dots per product, near
+    fp32 accuracy.  Other group sizes (and d < 64) take a general path in the
+    same loop: the quarter is dequantized in fp32 with per-dim scale and zero.
+    The full-precision window tokens are spread over the splits (window tile t
+    goes to split t % num_splits) and use fp32 dots (3xTF32 on sm80+).
+    Each program writes its normalized partial output and the log-sum-exp of
+    its logits (base 2); a program with no tokens writes lse = -inf.
 
-    Stage 1, grid (B, H_kv, num_splits [+ 1]).  A program owns one KV head
-    and processes *all* query heads of that head together (GQA), so every
-    page is read from memory exactly once per KV head.  It walks its pages
-    through the block table; for each page it loads the packed bytes, splits
-    every byte into its four 2-bit fields with shifts and masks (giving the
-    four strided quarter-rows), puts the quarters back into natural dim order
-    in registers, dequantizes to fp32 and runs an online-softmax update.
-    When windows are present, one extra program per (sequence, KV head)
-    - split index `num_splits` - handles the full-precision window tokens in
-    the same way.  Each program writes its normalized partial output and the
-    log-sum-exp of its logits (base 2).  A program with no tokens (ragged
-    batch, more splits than pages, empty window) writes lse = -inf.
-
-    Stage 2, grid (B, H_q), merges the partials:
+    Stage 2, grid (B, H_q), merges the partials a (BLOCK_S, d) block at a time:
         out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
 
-Tiles and precision
-    Both products of the softmax step use tl.dot, so the query-head tile is
-    padded to >= 16 rows and token tiles hold >= 16 tokens (masked).  A page
-    larger than the token tile is processed as several tiles.  All arithmetic
-    is fp32: bf16 inputs are upcast right after loading, and fp32 tl.dot runs
-    as 3xTF32 on NVIDIA sm80+ (close to fp32 accuracy) and as plain fp32
-    elsewhere.  Block sizes are chosen in the launcher; no autotuning.
+Launch paths
+    int2_paged_decode(..., checked=True) also checks lengths and block-table
+    entries on the host (a device sync); checked=False checks only shapes,
+    dtypes and devices and never syncs, so a decode step fits in a CUDA graph.
+    Block sizes, warps and stages are chosen in _block_sizes; no autotuning.
+    The interpreter computes fp16 dots correctly (unlike bf16 ones), so the CPU
+    tests run the same algorithm as the GPU.
 """
 import os
 
@@ -70,6 +77,41 @@ import triton.language as tl
 from optr import paged_decode_reference  # the pure-torch decode this kernel must match
 
 _INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit below will use
+
+
+def _memoize_interpreter_scan():
+    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
+
+    On every call of a @triton.jit helper from a kernel (our _codes_fp16, _quarter_pv, ...,
+    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
+    re-patches triton.language, finding its builtins with inspect.getmembers over each
+    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
+    builtin names of a module never changes, so it is found once per module here; each
+    call still re-checks and patches every one of them exactly as before."""
+    import inspect
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "memoized", False) \
+            or not hasattr(interpreter, "_patch_attr"):
+        return                                    # another Triton layout: leave it alone
+    names = {}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
+                                    if tl.core.is_builtin(m)])
+        for name in names[id(pkg)][1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.memoized = True
+    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
+    interpreter._patch_builtin = patch_builtin
+
+
+if _INTERPRETED:
+    _memoize_interpreter_scan()
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 1024
 
@@ -77,53 +119,88 @@ _MAX_SPLITS = 1024
 # ----------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------
-@triton.jit
-def _load_int2_tile(codes_rows,    # (BLOCK_N,) pointers to the first code byte of each token row
-                    scale_rows,    # (BLOCK_N,) pointers to the first scale of each token row
-                    zero_rows,     # (BLOCK_N,) pointers to the first zero of each token row
-                    valid,         # (BLOCK_N,) mask: True for real tokens
-                    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr):
-    """Load BLOCK_N packed rows; return them dequantized, (BLOCK_N, HEAD_DIM) fp32."""
-    offs_byte = tl.arange(0, HEAD_DIM // 4)
-    packed = tl.load(codes_rows[:, None] + offs_byte[None, :], mask=valid[:, None], other=0)
-    # Bits 2c..2c+1 of byte j hold dim c * d/4 + j: quarter-row c.
-    quarter0 = packed & 3
-    quarter1 = (packed >> 2) & 3
-    quarter2 = (packed >> 4) & 3
-    quarter3 = (packed >> 6) & 3
-    # join() stacks along a new minor dim: codes[n, j, b, a] = quarter_(2a + b).
-    codes = tl.join(tl.join(quarter0, quarter1), tl.join(quarter2, quarter3))
-    # Permuted to [n, a, b, j], the flat index (2a + b) * d/4 + j is dim i in natural
-    # order; view it as (group i // G, position i % G) for the dequantization.
-    codes = tl.reshape(tl.permute(codes, (0, 3, 2, 1)), (BLOCK_N, NUM_GROUPS, GROUP_SIZE))
-    codes = codes.to(tl.float32)
-    offs_group = tl.arange(0, NUM_GROUPS)
-    scale = tl.load(scale_rows[:, None] + offs_group[None, :], mask=valid[:, None], other=0.0)
-    zero = tl.load(zero_rows[:, None] + offs_group[None, :], mask=valid[:, None], other=0.0)
-    values = (codes - zero[:, :, None]) * scale[:, :, None]
-    return tl.reshape(values, (BLOCK_N, HEAD_DIM))
+_FP16_ONE_K = 1024.0   # 0x6400 in fp16; see _codes_fp16
+_OPERAND_RANGE = 16384.0  # dot operands are scaled into [-2^14, 2^14] before the fp16 split
 
 
 @triton.jit
-def _online_softmax_step(q,        # (BLOCK_H, HEAD_DIM) fp32 queries
-                         k, v,     # (BLOCK_N, HEAD_DIM) fp32 keys / values of this tile
-                         valid,    # (BLOCK_N,) mask of real tokens
-                         m_i,      # (BLOCK_H,) running max of the logits (base-2 units)
-                         l_i,      # (BLOCK_H,) running sum of 2^(logit - m_i)
-                         acc,      # (BLOCK_H, HEAD_DIM) running un-normalized output
-                         qk_scale,  # sm_scale * log2(e)
-                         DOT_PRECISION: tl.constexpr):
-    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    qk = tl.where(valid[None, :], qk, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+def _codes_fp16(packed,             # (BLOCK_N, W) uint8 packed code bytes
+                SHIFT: tl.constexpr):  # 2 * quarter: the bit field to extract
+    """The 2-bit field at SHIFT of every byte as exact fp16 0.0-3.0, with no int-to-float
+    instruction: 0x6400 is 1024.0 in fp16 and its mantissa's low bits count units, so the
+    bit pattern 0x6400 | c is 1024 + c; one subtraction (exact) leaves c."""
+    bits = ((packed >> SHIFT) & 3).to(tl.int16) | 0x6400
+    return bits.to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
+def _split_fp16(x):
+    """x (fp32, |x| <= 2^14) = hi + lo + r with hi, lo fp16 and |r| <= 2^-22 |x| (+2^-25)."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return hi, lo
+
+
+@triton.jit
+def _quarter_logits(q_hi, q_lo,     # (BLOCK_H, W) fp16 split of the scaled query quarter
+                    q_sum,          # (BLOCK_H,) fp32 sum of the scaled query quarter
+                    q_full,         # (BLOCK_H, W) fp32 query quarter (general path)
+                    packed,         # (BLOCK_N, W) uint8 code bytes of the tile
+                    scale, zero,    # factored: (BLOCK_N,) group params; general: (BLOCK_N, W)
+                    SHIFT: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
+                    DOT_PRECISION: tl.constexpr):
+    """Contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to q.k, (BLOCK_H, BLOCK_N).
+
+    Factored: the quarter lies in one group, so q.k = s * (q.c - z * sum(q)), the dot
+    over exact fp16 codes and a two-part fp16 query (fp32 accumulation).  General: the
+    quarter is dequantized in fp32 with per-dim scale and zero."""
+    codes = _codes_fp16(packed, SHIFT)
+    if FACTORED:
+        t = tl.dot(q_hi, tl.trans(codes), out_dtype=tl.float32)
+        t = tl.dot(q_lo, tl.trans(codes), t, out_dtype=tl.float32)
+        return scale[None, :] * (t - q_sum[:, None] * zero[None, :])
+    else:
+        k = (codes.to(tl.float32) - zero) * scale
+        if USE_DOT:
+            return tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION)
+        else:
+            return tl.sum(q_full[:, None, :] * k[None, :, :], axis=2)
+
+
+@triton.jit
+def _quarter_pv(acc,                # (BLOCK_H, W) fp32 running output of this quarter
+                alpha,              # (BLOCK_H,) rescale of the running output
+                p,                  # (BLOCK_H, BLOCK_N) fp32 softmax numerators
+                packed,             # (BLOCK_N, W) uint8 code bytes of the tile
+                scale, zero,        # as in _quarter_logits
+                SHIFT: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc * alpha + p @ v_quarter.  Factored: p @ ((c - z) s) = (p s) @ c - (p s) @ z, with
+    p s scaled into [0, 2^14] (by the tile's largest scale) and split into two fp16 parts."""
+    codes = _codes_fp16(packed, SHIFT)
+    if FACTORED:
+        s_max = tl.max(scale, axis=0)
+        s_max = tl.where(s_max > 0, s_max, 1.0)
+        ps = p * (scale * (16384.0 / s_max))[None, :]          # in [0, 2^14]
+        ps_hi, ps_lo = _split_fp16(ps)
+        pc = tl.dot(ps_hi, codes, out_dtype=tl.float32)
+        pc = tl.dot(ps_lo, codes, pc, out_dtype=tl.float32)
+        psz = tl.sum(p * (scale * zero)[None, :], axis=1)       # (BLOCK_H,) sum of p s z
+        return acc * alpha[:, None] + pc * (s_max / 16384.0) - psz[:, None]
+    else:
+        v = (codes.to(tl.float32) - zero) * scale
+        return acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _softmax_update(logits,         # (BLOCK_H, N) fp32 logits in base-2 units, -inf if masked
+                    m_i, l_i):      # (BLOCK_H,) running max and sum of 2^(logit - m_i)
+    """Online softmax: returns (m_new, alpha, p, l_new); alpha rescales the old state."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
     # -inf only while no real token has been seen; shift by 0 then (not -inf - -inf).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
-    p = tl.exp2(qk - m_ref[:, None])             # 0 for masked tokens
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    p = tl.exp2(logits - m_ref[:, None])         # 0 for masked tokens
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
 
 @triton.jit
@@ -143,7 +220,7 @@ def _int2_decode_split_kernel(
         part_out_ptr,          # (B, H_q, S, d) fp32 out: normalized partial outputs
         part_lse_ptr,          # (B, H_q, S) fp32 out: partial log2-sum-exp2 of logits
         qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
-        num_splits,            # INT2 splits; split index num_splits is the window split
+        num_splits,            # S, programs per (sequence, KV head)
         stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
         stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
         stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
@@ -156,74 +233,207 @@ def _int2_decode_split_kernel(
         NUM_GROUPS: tl.constexpr,     # d // G
         PAGE_SIZE: tl.constexpr,      # P, tokens per page
         QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
-        BLOCK_H: tl.constexpr,        # query-head tile, power of two >= max(16, QUERIES_PER_KV)
-        BLOCK_N: tl.constexpr,        # INT2 tokens per tile (a page is 1+ tiles), power of two >= 16
+        BLOCK_H: tl.constexpr,        # query-head tile, power of two >= QUERIES_PER_KV
+        BLOCK_N: tl.constexpr,        # INT2 tokens per tile (any page size), power of two >= 16
         BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
+        FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
         DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
 ):
     pid_b = tl.program_id(0)
     pid_kv = tl.program_id(1)
     split = tl.program_id(2)
     batch = pid_b.to(tl.int64)
+    W: tl.constexpr = HEAD_DIM // 4        # dims per quarter-row
+    USE_DOT: tl.constexpr = W >= 16        # tl.dot needs a reduction dim >= 16
 
-    # All query heads that share this KV head, padded to BLOCK_H rows.
+    # All query heads that share this KV head, as four quarter-rows: quarter c holds
+    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < QUERIES_PER_KV
     q_heads = pid_kv * QUERIES_PER_KV + offs_h
-    offs_d = tl.arange(0, HEAD_DIM)
-    q_ptrs = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptrs, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    offs_w = tl.arange(0, W)
+    q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_w[None, :]
+    q0 = tl.load(q_rows + 0 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    q1 = tl.load(q_rows + 1 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    q2 = tl.load(q_rows + 2 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    q3 = tl.load(q_rows + 3 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+    # Factored path: scale each head's query into [-2^14, 2^14] and split it into two
+    # fp16 parts; the logits are scaled back by row_scale.
+    q_max = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=1), tl.max(tl.abs(q1), axis=1)),
+                       tl.maximum(tl.max(tl.abs(q2), axis=1), tl.max(tl.abs(q3), axis=1)))
+    q_max = tl.where(q_max > 0, q_max, 1.0)
+    if FACTORED:
+        q_mul = 16384.0 / q_max
+        row_scale = qk_scale / q_mul                        # (BLOCK_H,)
+    else:
+        q_mul = tl.full([BLOCK_H], 1.0, tl.float32)
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
+    q0 = q0 * q_mul[:, None]
+    q1 = q1 * q_mul[:, None]
+    q2 = q2 * q_mul[:, None]
+    q3 = q3 * q_mul[:, None]
+    q0_hi, q0_lo = _split_fp16(q0)
+    q1_hi, q1_lo = _split_fp16(q1)
+    q2_hi, q2_lo = _split_fp16(q2)
+    q3_hi, q3_lo = _split_fp16(q3)
+    q0_sum = tl.sum(q0, axis=1)
+    q1_sum = tl.sum(q1, axis=1)
+    q2_sum = tl.sum(q2, axis=1)
+    q3_sum = tl.sum(q3, axis=1)
 
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    acc0 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
 
-    # ---- INT2 tokens: this split's range of whole pages --------------------
-    # The window split (split == num_splits) gets an empty range.
+    # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
     n_quant = tl.load(n_quant_ptr + pid_b)
-    n_pages = tl.cdiv(n_quant, PAGE_SIZE)
-    pages_per_split = tl.cdiv(n_pages, num_splits)
-    first_page = tl.minimum(split * pages_per_split, n_pages)
-    last_page = tl.minimum(first_page + pages_per_split, n_pages)
+    n_tiles = tl.cdiv(n_quant, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    first_tile = tl.minimum(split * tiles_per_split, n_tiles)
+    last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
     offs_n = tl.arange(0, BLOCK_N)
-    for block in range(first_page, last_page):
-        # Only used block-table entries are read; int64 before the page stride.
-        page = tl.load(block_table_ptr + batch * stride_btb + block).to(tl.int64)
-        for tile_start in range(0, PAGE_SIZE, BLOCK_N):
-            slot = tile_start + offs_n
-            valid = (slot < PAGE_SIZE) & (block * PAGE_SIZE + slot < n_quant)
-            codes_off = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
-            param_off = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
-            k = _load_int2_tile(k_codes_ptr + codes_off, k_scale_ptr + param_off,
-                                k_zero_ptr + param_off, valid,
-                                BLOCK_N, HEAD_DIM, GROUP_SIZE, NUM_GROUPS)
-            v = _load_int2_tile(v_codes_ptr + codes_off, v_scale_ptr + param_off,
-                                v_zero_ptr + param_off, valid,
-                                BLOCK_N, HEAD_DIM, GROUP_SIZE, NUM_GROUPS)
-            m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc,
-                                                 qk_scale, DOT_PRECISION)
+    bt_row = block_table_ptr + batch * stride_btb
+    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
+    # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
+    if TILE_IN_PAGE:
+        page_next = tl.load(bt_row + (first_tile * BLOCK_N) // PAGE_SIZE,
+                            mask=first_tile < last_tile, other=0)
+    else:
+        tok0 = first_tile * BLOCK_N + offs_n
+        page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
+                            mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
+    # General path: the group of every dim of each quarter (the same for every tile).
+    group_of_dim0 = (0 * W + offs_w) // GROUP_SIZE
+    group_of_dim1 = (1 * W + offs_w) // GROUP_SIZE
+    group_of_dim2 = (2 * W + offs_w) // GROUP_SIZE
+    group_of_dim3 = (3 * W + offs_w) // GROUP_SIZE
+    for tile in range(first_tile, last_tile):
+        tok = tile * BLOCK_N + offs_n
+        valid = tok < n_quant
+        page = page_next.to(tl.int64)
+        tok_next = tok + BLOCK_N
+        if TILE_IN_PAGE:
+            page_next = tl.load(bt_row + ((tile + 1) * BLOCK_N) // PAGE_SIZE,
+                                mask=tile + 1 < last_tile, other=0)
+            slot = (tile * BLOCK_N) % PAGE_SIZE + offs_n
+            code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
+            param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
+        else:
+            page_next = tl.load(bt_row + tok_next // PAGE_SIZE,
+                                mask=(tile + 1 < last_tile) & (tok_next < n_quant), other=0)
+            slot = tok % PAGE_SIZE
+            code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
+            param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
+        # One load of the packed rows per tile; the four quarters are its bit fields.
+        k_packed = tl.load(k_codes_ptr + code_rows[:, None] + offs_w[None, :],
+                           mask=valid[:, None], other=0)
+        v_packed = tl.load(v_codes_ptr + code_rows[:, None] + offs_w[None, :],
+                           mask=valid[:, None], other=0)
+        if FACTORED:
+            # Quarter c lies in group c * NUM_GROUPS // 4: (BLOCK_N,) scale and zero each.
+            ks0 = tl.load(k_scale_ptr + param_rows, mask=valid, other=0.0)
+            kz0 = tl.load(k_zero_ptr + param_rows, mask=valid, other=0.0)
+            vs0 = tl.load(v_scale_ptr + param_rows, mask=valid, other=0.0)
+            vz0 = tl.load(v_zero_ptr + param_rows, mask=valid, other=0.0)
+            if NUM_GROUPS == 1:
+                ks1, kz1, vs1, vz1 = ks0, kz0, vs0, vz0
+                ks2, kz2, vs2, vz2 = ks0, kz0, vs0, vz0
+                ks3, kz3, vs3, vz3 = ks0, kz0, vs0, vz0
+            else:
+                g1: tl.constexpr = NUM_GROUPS // 4
+                g2: tl.constexpr = 2 * NUM_GROUPS // 4
+                g3: tl.constexpr = 3 * NUM_GROUPS // 4
+                ks1 = tl.load(k_scale_ptr + param_rows + g1, mask=valid, other=0.0)
+                kz1 = tl.load(k_zero_ptr + param_rows + g1, mask=valid, other=0.0)
+                vs1 = tl.load(v_scale_ptr + param_rows + g1, mask=valid, other=0.0)
+                vz1 = tl.load(v_zero_ptr + param_rows + g1, mask=valid, other=0.0)
+                ks2 = tl.load(k_scale_ptr + param_rows + g2, mask=valid, other=0.0)
+                kz2 = tl.load(k_zero_ptr + param_rows + g2, mask=valid, other=0.0)
+                vs2 = tl.load(v_scale_ptr + param_rows + g2, mask=valid, other=0.0)
+                vz2 = tl.load(v_zero_ptr + param_rows + g2, mask=valid, other=0.0)
+                ks3 = tl.load(k_scale_ptr + param_rows + g3, mask=valid, other=0.0)
+                kz3 = tl.load(k_zero_ptr + param_rows + g3, mask=valid, other=0.0)
+                vs3 = tl.load(v_scale_ptr + param_rows + g3, mask=valid, other=0.0)
+                vz3 = tl.load(v_zero_ptr + param_rows + g3, mask=valid, other=0.0)
+        else:
+            # General path: per-dim scale and zero of each quarter, (BLOCK_N, W).
+            pm = valid[:, None]
+            pr0 = param_rows[:, None] + group_of_dim0[None, :]
+            ks0 = tl.load(k_scale_ptr + pr0, mask=pm, other=0.0)
+            kz0 = tl.load(k_zero_ptr + pr0, mask=pm, other=0.0)
+            vs0 = tl.load(v_scale_ptr + pr0, mask=pm, other=0.0)
+            vz0 = tl.load(v_zero_ptr + pr0, mask=pm, other=0.0)
+            pr1 = param_rows[:, None] + group_of_dim1[None, :]
+            ks1 = tl.load(k_scale_ptr + pr1, mask=pm, other=0.0)
+            kz1 = tl.load(k_zero_ptr + pr1, mask=pm, other=0.0)
+            vs1 = tl.load(v_scale_ptr + pr1, mask=pm, other=0.0)
+            vz1 = tl.load(v_zero_ptr + pr1, mask=pm, other=0.0)
+            pr2 = param_rows[:, None] + group_of_dim2[None, :]
+            ks2 = tl.load(k_scale_ptr + pr2, mask=pm, other=0.0)
+            kz2 = tl.load(k_zero_ptr + pr2, mask=pm, other=0.0)
+            vs2 = tl.load(v_scale_ptr + pr2, mask=pm, other=0.0)
+            vz2 = tl.load(v_zero_ptr + pr2, mask=pm, other=0.0)
+            pr3 = param_rows[:, None] + group_of_dim3[None, :]
+            ks3 = tl.load(k_scale_ptr + pr3, mask=pm, other=0.0)
+            kz3 = tl.load(k_zero_ptr + pr3, mask=pm, other=0.0)
+            vs3 = tl.load(v_scale_ptr + pr3, mask=pm, other=0.0)
+            vz3 = tl.load(v_zero_ptr + pr3, mask=pm, other=0.0)
 
-    # ---- Full-precision window tokens: only in the window split ------------
+        logits = _quarter_logits(q0_hi, q0_lo, q0_sum, q0, k_packed, ks0, kz0, 0,
+                                 FACTORED, USE_DOT, DOT_PRECISION)
+        logits += _quarter_logits(q1_hi, q1_lo, q1_sum, q1, k_packed, ks1, kz1, 2,
+                                  FACTORED, USE_DOT, DOT_PRECISION)
+        logits += _quarter_logits(q2_hi, q2_lo, q2_sum, q2, k_packed, ks2, kz2, 4,
+                                  FACTORED, USE_DOT, DOT_PRECISION)
+        logits += _quarter_logits(q3_hi, q3_lo, q3_sum, q3, k_packed, ks3, kz3, 6,
+                                  FACTORED, USE_DOT, DOT_PRECISION)
+        logits = tl.where(valid[None, :], logits * row_scale[:, None], float("-inf"))
+        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i)
+        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, FACTORED, DOT_PRECISION)
+        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, FACTORED, DOT_PRECISION)
+        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, FACTORED, DOT_PRECISION)
+        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, FACTORED, DOT_PRECISION)
+
+    # ---- Full-precision window tokens, spread over the splits --------------
+    # Window tile t (BLOCK_W tokens) belongs to split t % num_splits.
     win_len = tl.load(win_len_ptr + pid_b)
-    win_end = tl.where(split == num_splits, win_len, 0)
-    offs_w = tl.arange(0, BLOCK_W)
+    offs_wn = tl.arange(0, BLOCK_W)
+    offs_d = tl.arange(0, HEAD_DIM)
     win_base = batch * stride_wb + pid_kv * stride_wh
-    for tile_start in range(0, win_end, BLOCK_W):
-        slot = tile_start + offs_w
-        valid = slot < win_end
-        w_off = win_base + slot[:, None] * stride_wn + offs_d[None, :]
-        k = tl.load(win_k_ptr + w_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        v = tl.load(win_v_ptr + w_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        m_i, l_i, acc = _online_softmax_step(q, k, v, valid, m_i, l_i, acc,
-                                             qk_scale, DOT_PRECISION)
+    q_full = tl.load(q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
+                     mask=head_mask[:, None], other=0.0).to(tl.float32)
+    for w_tile in range(split, tl.cdiv(win_len, BLOCK_W), num_splits):
+        slot = w_tile * BLOCK_W + offs_wn
+        valid = slot < win_len
+        rows = win_base + slot[:, None] * stride_wn
+        wm = valid[:, None]
+        k = tl.load(win_k_ptr + rows + offs_d[None, :], mask=wm, other=0.0).to(tl.float32)
+        logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        logits = tl.where(valid[None, :], logits, float("-inf"))
+        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i)
+        v0 = tl.load(win_v_ptr + rows + (0 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
+        v1 = tl.load(win_v_ptr + rows + (1 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
+        v2 = tl.load(win_v_ptr + rows + (2 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
+        v3 = tl.load(win_v_ptr + rows + (3 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
+        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=DOT_PRECISION)
+        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
+        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
+        acc3 = acc3 * alpha[:, None] + tl.dot(p, v3, input_precision=DOT_PRECISION)
 
     # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
     has_tokens = l_i > 0
     l_safe = tl.where(has_tokens, l_i, 1.0)
-    out = acc / l_safe[:, None]
     lse = tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf"))
-    out_rows = batch * stride_ob + q_heads * stride_oh + split * stride_os
-    tl.store(part_out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=head_mask[:, None])
+    out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh \
+        + split * stride_os + offs_w[None, :]
+    hm = head_mask[:, None]
+    tl.store(out_rows + 0 * W, acc0 / l_safe[:, None], mask=hm)
+    tl.store(out_rows + 1 * W, acc1 / l_safe[:, None], mask=hm)
+    tl.store(out_rows + 2 * W, acc2 / l_safe[:, None], mask=hm)
+    tl.store(out_rows + 3 * W, acc3 / l_safe[:, None], mask=hm)
     tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split, lse, mask=head_mask)
 
 
@@ -237,25 +447,36 @@ def _merge_splits_kernel(
         stride_lb, stride_lh,              # partial-lse strides (batch, head)
         stride_yb, stride_yh,              # output strides (batch, head)
         HEAD_DIM: tl.constexpr,  # d
-        BLOCK_S: tl.constexpr,   # power of two >= num_parts
+        BLOCK_S: tl.constexpr,   # partials merged per step (a (BLOCK_S, d) block)
 ):
+    """out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), BLOCK_S partials at a time with
+    the same running-max rescaling as the softmax; empty splits (lse = -inf) weigh 0."""
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, HEAD_DIM)
     lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
-    lse = tl.load(lse_row + offs_s, mask=offs_s < num_parts, other=float("-inf"))
-    lse_max = tl.max(lse, axis=0)
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all empty: avoid -inf - -inf
-    denom = tl.sum(tl.exp2(lse - lse_max), axis=0)                # empty splits add 0
-
-    acc = tl.zeros([HEAD_DIM], dtype=tl.float32)
     out_row = part_out_ptr + batch * stride_ob + head * stride_oh
-    for s in range(0, num_parts):
-        weight = tl.exp2(tl.load(lse_row + s) - lse_max)
-        acc += weight * tl.load(out_row + s * stride_os + offs_d)
+    m = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s0 in range(0, num_parts, BLOCK_S):
+        s = s0 + offs_s
+        lse = tl.load(lse_row + s, mask=s < num_parts, other=float("-inf"))
+        o = tl.load(out_row + s[:, None] * stride_os + offs_d[None, :],
+                    mask=(s < num_parts)[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)                                     # empty splits: 0
+        denom = denom * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
+
+
+_KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
 
 
 # ----------------------------------------------------------------------------
@@ -317,7 +538,14 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
         _fail("sm_scale", "None or a finite float", sm_scale)
 
-    # Value checks (these read the small int tensors on the host).
+    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW,
+                max_tokens=block_table.shape[1] * P, num_pages=num_pages)
+
+
+def _check_values(k_codes, block_table, n_quant, win_len, sizes):
+    """Value checks of the lengths and used block-table entries; these read the small int
+    tensors on the host.  Returns the longest INT2 length (sizes the default splits)."""
+    P, NW, num_pages = sizes["P"], sizes["NW"], sizes["num_pages"]
     nq = n_quant.cpu().long()
     wl = win_len.cpu().long()
     max_blocks = block_table.shape[1]
@@ -330,65 +558,74 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     if empty:
         _fail("n_quant + win_len", "at least one token per sequence", f"none for sequences {empty}")
     used_blocks = (n_quant.long() + P - 1) // P
-    used = torch.arange(max_blocks, device=dev)[None, :] < used_blocks[:, None]
+    used = torch.arange(max_blocks, device=block_table.device)[None, :] < used_blocks[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bad.any():
         b, j = (int(i) for i in bad.nonzero()[0])
         _fail("block_table", f"used entries in [0, num_pages) = [0, {num_pages})",
               f"block_table[{b}, {j}] = {int(block_table[b, j])}")
-    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW, max_pages=int(used_blocks.max()))
+    return dict(max_tokens=int(nq.max()))
 
 
 # ----------------------------------------------------------------------------
 # Launcher
 # ----------------------------------------------------------------------------
-def _default_num_splits(B, H_kv, max_pages, device):
-    """Enough programs for ~4 waves of the GPU, at least one page per split."""
-    sms = 132
+@functools.lru_cache(maxsize=None)
+def _sm_count(device):
     if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-    want = triton.cdiv(4 * sms, max(1, B * H_kv))
-    return max(1, min(want, max_pages, 64))
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132
+
+
+def _default_num_splits(B, H_kv, max_tiles, device):
+    """Enough programs for ~4 waves of the GPU, at least one tile per split."""
+    want = triton.cdiv(4 * _sm_count(device), max(1, B * H_kv))
+    return max(1, min(want, max_tiles, 64))
 
 
 @functools.lru_cache(maxsize=None)
 def _dot_precision(device):
-    """fp32 tl.dot: 3xTF32 keeps ~fp32 accuracy on tensor cores (NVIDIA sm80+)."""
+    """fp32 tl.dot (window tokens, general path): 3xTF32 keeps ~fp32 accuracy on tensor
+    cores (NVIDIA sm80+)."""
     if device.type == "cuda" and not _INTERPRETED and torch.version.hip is None \
             and torch.cuda.get_device_capability(device)[0] >= 8:
         return "tf32x3"
     return "ieee"
 
 
+def _block_sizes(d, G, ratio):
+    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning)."""
+    quarter = d // 4
+    factored = G % quarter == 0 and quarter >= 16
+    block_n = 64 if d <= 128 else 32          # INT2 tokens per tile, any page size
+    block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
+    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, BLOCK_W=block_w,
+                FACTORED=factored, num_warps=4, num_stages=2)
+
+
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
             win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes):
-    """Launch both stages on already validated inputs."""
+    """Launch both stages on already validated inputs; no host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
+    cfg = _block_sizes(d, group_size, H_q // H_kv)
     if num_splits is None:
-        num_splits = _default_num_splits(B, H_kv, sizes["max_pages"], q.device)
+        max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
+        num_splits = _default_num_splits(B, H_kv, max_tiles, q.device)
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(d)
-    if NW == 0:  # no window split; give the kernel a readable (never read) pointer
+    if NW == 0:  # give the kernel a readable (never read) pointer
         win_k = win_v = q.new_zeros(B, H_kv, 1, d)
     if k_codes.shape[0] == 0:  # empty pool (all n_quant == 0): same reason
         k_codes = v_codes = k_codes.new_zeros(1, *k_codes.shape[1:])
         k_scale = k_zero = v_scale = v_zero = k_scale.new_zeros(1, *k_scale.shape[1:])
     if block_table.shape[1] == 0:
         block_table = block_table.new_zeros(B, 1)
-    num_parts = num_splits + (1 if NW > 0 else 0)
 
-    ratio = H_q // H_kv
-    block_h = max(16, triton.next_power_of_2(ratio))       # tl.dot needs M >= 16
-    max_tile = max(16, 8192 // d)                          # bounds a (tile, d) fp32 block
-    block_n = max(16, min(triton.next_power_of_2(P), max_tile))
-    # K + V window tile of at most 32 KiB before upcast.
-    block_w = max(16, min(64, 32768 // (2 * d * win_k.element_size())))
-
-    part_out = torch.empty(B, H_q, num_parts, d, dtype=torch.float32, device=q.device)
-    part_lse = torch.empty(B, H_q, num_parts, dtype=torch.float32, device=q.device)
+    part_out = torch.empty(B, H_q, num_splits, d, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H_q, d, dtype=torch.float32, device=q.device)
 
-    _int2_decode_split_kernel[(B, H_kv, num_parts)](
+    _int2_decode_split_kernel[(B, H_kv, num_splits)](
         q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
         win_k, win_v, win_len, part_out, part_lse,
         sm_scale * _LOG2E, num_splits,
@@ -400,32 +637,39 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         HEAD_DIM=d, GROUP_SIZE=group_size, NUM_GROUPS=d // group_size, PAGE_SIZE=P,
-        QUERIES_PER_KV=ratio, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_W=block_w,
-        DOT_PRECISION=_dot_precision(q.device),
-        num_warps=4, num_stages=2,
+        QUERIES_PER_KV=H_q // H_kv, DOT_PRECISION=_dot_precision(q.device), **cfg,
     )
     _merge_splits_kernel[(B, H_q)](
-        part_out, part_lse, out, num_parts,
+        part_out, part_lse, out, num_splits,
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=triton.next_power_of_2(num_parts),
-        num_warps=2,
+        HEAD_DIM=d, BLOCK_S=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
+        num_warps=4,
     )
     return out
 
 
 def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                       n_quant, win_k, win_v, win_len, group_size, num_splits=None,
-                      sm_scale=None) -> torch.Tensor:
+                      sm_scale=None, checked=True) -> torch.Tensor:
     """Decode attention of q over an INT2 paged cache plus full-precision windows.
 
-    Returns (B, H_q, d) fp32.  num_splits: INT2 splits per sequence (None:
-    chosen from the GPU size); sm_scale: logit scale (None: 1/sqrt(d)).
-    Raises ValueError, naming the argument, on any malformed input.
+    Returns (B, H_q, d) fp32.  num_splits: programs per (sequence, KV head) (None: chosen
+    from the GPU size); sm_scale: logit scale (None: 1/sqrt(d)).  Raises ValueError,
+    naming the argument, on any malformed input.
+
+    checked=True (default) also checks the values of n_quant, win_len and the used
+    block-table entries, which reads them on the host (a device synchronisation).
+    checked=False checks shapes, dtypes and devices only and never synchronises, so a
+    decode step can be captured in a CUDA graph; out-of-range lengths or block-table
+    entries are then undefined behaviour.  num_splits=None there sizes the splits from
+    the block table's capacity instead of the longest sequence.
     """
     sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                           n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
+    if checked:
+        sizes.update(_check_values(k_codes, block_table, n_quant, win_len, sizes))
     if not _INTERPRETED and q.device.type != "cuda":
         _fail("q", "a CUDA tensor (Triton runs on the GPU; TRITON_INTERPRET=1 for CPU)",
               q.device)
@@ -478,13 +722,26 @@ def _tiny_check(device):
     return (out - ref).abs().max().item()
 
 
+def _paged_bf16_baseline(q, k_pages, v_pages, block_table, n_tokens):
+    """Decode over a paged bf16 cache in plain torch: gather the pages through the block
+    table, then scaled_dot_product_attention.  k_pages (num_pages, H_kv, P, d)."""
+    import torch.nn.functional as F
+    B, H_q, d = q.shape
+    H_kv, P = k_pages.shape[1], k_pages.shape[2]
+    k = k_pages[block_table].permute(0, 2, 1, 3, 4).reshape(B, H_kv, -1, d)[:, :, :n_tokens]
+    v = v_pages[block_table].permute(0, 2, 1, 3, 4).reshape(B, H_kv, -1, d)[:, :, :n_tokens]
+    return F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, d), k, v)
+
+
 def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
            device="cuda", H_kv=8, H_q=32, d=128, G=128, P=64, sink=64, recent=256):
-    """Page size 64: a (64, d/4) code tile is 2 KiB per KV head for d = 128, large
-    enough for wide loads and for tl.dot's 16-row minimum, small enough to keep the
-    dequantized (64, d) fp32 tile in registers."""
+    """Times one decode step with CUDA graphs (triton.testing.do_bench_cudagraph): the
+    INT2 kernel through the unchecked launcher, a contiguous bf16 cache with SDPA, and a
+    paged bf16 cache (torch gather + SDPA).  Bytes moved count the INT2 codes, scales and
+    zeros, the windows, the query, the stage-1 partials (written and read back) and the
+    output."""
     import torch.nn.functional as F
-    from triton.testing import do_bench
+    from triton.testing import do_bench_cudagraph
 
     device = torch.device(device)
     name = torch.cuda.get_device_name(device)
@@ -494,38 +751,315 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
     print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
     print(f"H_q={H_q} H_kv={H_kv} d={d} G={G} page={P} window=bf16 sink {sink} + recent {recent}")
     print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
-          f" {'bf16 us':>9} {'speedup':>7}")
+          f" {'bf16 us':>9} {'x bf16':>7} {'paged us':>9} {'x paged':>7}")
     NW = sink + recent
     for B in batches:
         for ctx in contexts:
             n = ctx - NW
             int2_bytes = 2 * B * H_kv * n * (d // 4 + 2 * 4 * d // G)   # codes + scales + zeros
             win_bytes = 2 * B * H_kv * NW * d * 2
-            io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
-            bf16_bytes = 2 * B * H_kv * ctx * d * 2 + B * H_q * d * 4
+            bf16_bytes = 2 * B * H_kv * ctx * d * 2
             free, _ = torch.cuda.mem_get_info(device)
-            if 1.2 * (int2_bytes + win_bytes + bf16_bytes) > free:
+            if 2.5 * (int2_bytes + win_bytes + bf16_bytes) > free:
                 print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)")
                 continue
             args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
             sizes = _check_inputs(*args.values(), None, None)
-            splits = _default_num_splits(B, H_kv, sizes["max_pages"], device)
-            t_int2 = do_bench(lambda: _launch(*args.values(), splits, None, sizes),
-                              return_mode="median") * 1e3
+            sizes.update(_check_values(args["k_codes"], args["block_table"], args["n_quant"],
+                                       args["win_len"], sizes))
+            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4)["BLOCK_N"]),
+                                         device)
+            part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
+            io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
+            t_int2 = do_bench_cudagraph(
+                lambda: _launch(*args.values(), splits, None, sizes)) * 1e3
             del args
-            # Baseline: the same decode over a contiguous bf16 cache.  The query
-            # heads of a KV head act as that head's query rows (exact for decode).
+            # Contiguous bf16 cache: the query heads of a KV head act as its query rows.
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
             v = torch.randn_like(k)
             qb = torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
-            t_bf16 = do_bench(lambda: F.scaled_dot_product_attention(qb, k, v),
-                              return_mode="median") * 1e3
-            del k, v, qb
+            t_bf16 = do_bench_cudagraph(lambda: F.scaled_dot_product_attention(qb, k, v)) * 1e3
+            del k, v
+            # Paged bf16 cache, same shuffled-page layout as the INT2 one.
+            blocks = triton.cdiv(ctx, P)
+            k_pages = torch.randn(B * blocks, H_kv, P, d, dtype=torch.bfloat16, device=device)
+            v_pages = torch.randn_like(k_pages)
+            table = torch.randperm(B * blocks, device=device).view(B, blocks)
+            qp = qb.reshape(B, H_q, d)
+            t_paged = do_bench_cudagraph(
+                lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx)) * 1e3
+            del k_pages, v_pages, qb, qp
             torch.cuda.empty_cache()
-            gbs = (int2_bytes + win_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
+            gbs = (int2_bytes + win_bytes + part_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
             pct = f"{100 * gbs / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
             print(f"{B:>5} {ctx:>7} {splits:>6} {t_int2:>9.1f} {gbs:>7.0f} {pct}"
-                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x")
+                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x {t_paged:>9.1f}"
+                  f" {t_paged / t_int2:>6.2f}x")
+
+
+# ----------------------------------------------------------------------------
+# Static analysis (python kernel.py --sass): compile for a GPU without one
+# ----------------------------------------------------------------------------
+# H200 figures the estimate rests on (printed with the result).
+_H200 = dict(hbm_gbs=4800.0, sms=132, clock_ghz=1.8, schedulers=4)
+_SASS_CASE = dict(B=1, H_q=32, H_kv=8, d=128, G=128, P=64, n_quant=32768 - 320, NW=320)
+
+
+class _Recorder:
+    """Stands in for a @triton.jit kernel: `kernel[grid](*args, **kw)` records the call."""
+
+    def __init__(self, fn):
+        self.fn, self.calls = fn, []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((grid, args, kw))
+
+
+def _record_launch(case):
+    """Run the launcher on meta tensors of the given case; return the recorded calls."""
+    c = case
+    meta = torch.device("meta")
+    blocks = triton.cdiv(c["n_quant"], c["P"])
+    pages = (blocks * c["B"], c["H_kv"], c["P"])
+    args = dict(
+        q=torch.empty(c["B"], c["H_q"], c["d"], dtype=torch.bfloat16, device=meta),
+        k_codes=torch.empty(*pages, c["d"] // 4, dtype=torch.uint8, device=meta),
+        k_scale=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        k_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        v_codes=torch.empty(*pages, c["d"] // 4, dtype=torch.uint8, device=meta),
+        v_scale=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        v_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
+        block_table=torch.empty(c["B"], blocks, dtype=torch.int32, device=meta),
+        n_quant=torch.empty(c["B"], dtype=torch.int32, device=meta),
+        win_k=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
+        win_v=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
+        win_len=torch.empty(c["B"], dtype=torch.int32, device=meta))
+    sizes = dict(B=c["B"], H_q=c["H_q"], H_kv=c["H_kv"], d=c["d"], P=c["P"], NW=c["NW"],
+                 max_tokens=c["n_quant"], num_pages=pages[0])
+    recorders = {name: _Recorder(globals()[name]) for name in _KERNEL_NAMES}
+    saved = {name: globals()[name] for name in recorders}
+    globals().update(recorders)
+    try:
+        _launch(*args.values(), c["G"], None, None, sizes)
+    finally:
+        globals().update(saved)
+    return {name: rec.calls[0] for name, rec in recorders.items() if rec.calls}
+
+
+_TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
+             torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
+
+
+def _compile_recorded(fn, args, kw, arch):
+    """triton.compile the recorded call for sm_<arch>, specialised like a real launch:
+    pointers and ints divisible by 16 get the divisibility hint, ints equal to 1 are
+    constants.  Returns the CompiledKernel (cubin in .asm['cubin'])."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    names = fn.arg_names
+    signature, constexprs, attrs = {}, {}, {}
+    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kw.items() if k not in options})
+    for i, name in enumerate(names):
+        v = values[name]
+        if fn.params[i].is_constexpr:
+            signature[name], constexprs[name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[name] = "*" + _TL_TYPES[v.dtype]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"cannot specialise argument {name} = {v!r}")
+        elif isinstance(v, float):
+            signature[name] = "fp32"
+        elif v == 1:
+            signature[name], constexprs[name] = "constexpr", 1
+        else:
+            signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            if v % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    target = GPUTarget("cuda", arch, 32)
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=target, options=options)
+
+
+def _nvidia_tool(name):
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
+def _sass_of(compiled):
+    """(resource usage dict, list of (offset, opcode, text) SASS lines, label -> offset)."""
+    import re
+    import subprocess
+    import tempfile
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        res = subprocess.run([_nvidia_tool("cuobjdump"), "-res-usage", path],
+                             capture_output=True, text=True, check=True).stdout
+        dis = subprocess.run([_nvidia_tool("nvdisasm"), "-c", "-g", path],
+                             capture_output=True, text=True, check=True).stdout
+    usage = {key: int(m.group(1)) if (m := re.search(rf"{pat}:(\d+)", res)) else 0
+             for key, pat in (("regs", "REG"), ("stack", "STACK"), ("smem", "SHARED"))}
+    lines, labels = [], {}
+    pending, src_line = [], 0
+    for raw in dis.splitlines():
+        if (m := re.search(r'//## File ".*", line (\d+)', raw)):
+            src_line = int(m.group(1))
+            continue
+        if (m := re.match(r"\s*(\.L_x_\d+):", raw)):
+            pending.append(m.group(1))
+            continue
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", raw)
+        if not m:
+            continue
+        offset, text = int(m.group(1), 16), m.group(2).strip()
+        for label in pending:
+            labels[label] = offset
+        pending = []
+        body = re.sub(r"^@!?U?P[T\d]+\s+", "", text)
+        lines.append((offset, body.split()[0], body, src_line))
+    usage["spill_stores"] = sum(1 for _, op, _, _ in lines if op.startswith("STL"))
+    usage["spill_loads"] = sum(1 for _, op, _, _ in lines if op.startswith("LDL"))
+    return usage, lines, labels
+
+
+def _loops(lines, labels):
+    """Backward branches: list of (start offset, end offset) of each loop body."""
+    import re
+    loops = []
+    for offset, op, text, _ in lines:
+        if op.startswith("BRA") and (m := re.search(r"`\((\.L_x_\d+)\)", text)):
+            target = labels.get(m.group(1))
+            if target is not None and target <= offset:
+                loops.append((target, offset))
+    return loops
+
+
+# Instruction classes of the per-iteration table, matched on the opcode's prefix.
+_CLASSES = [("LDG", ("LDG",)), ("LDGSTS", ("LDGSTS",)), ("LDS", ("LDS", "LDSM")),
+            ("STS", ("STS",)), ("LDL/STL", ("LDL", "STL")), ("I2F", ("I2F",)),
+            ("F2F", ("F2F", "F2FP")), ("HMMA", ("HMMA",)), ("HADD2/HFMA2", ("HADD2", "HFMA2", "HMUL2")),
+            ("FFMA", ("FFMA",)), ("FADD/FMUL", ("FADD", "FMUL")), ("MUFU", ("MUFU",)),
+            ("IMAD", ("IMAD",)), ("LOP3", ("LOP3",)), ("SHF", ("SHF",)), ("PRMT", ("PRMT",)),
+            ("shuffles", ("SHFL",)), ("FSEL/SEL", ("FSEL", "SEL")),
+            ("IADD3/ISETP", ("IADD3", "ISETP", "FSETP")), ("BAR", ("BAR",))]
+
+_LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
+
+
+def _classify(ops):
+    counts = {name: 0 for name, _ in _CLASSES}
+    counts["other"] = 0
+    for op in ops:
+        for name, prefixes in _CLASSES:
+            if any(op == p or op.startswith(p + ".") for p in prefixes):
+                counts[name] += 1
+                break
+        else:
+            counts["other"] += 1
+    return counts
+
+
+def _global_bytes(ops):
+    """Bytes per warp that the LDG / LDGSTS instructions request (all 32 lanes active)."""
+    total = 0
+    for op in ops:
+        if op.startswith("LDG"):
+            width = next((b for suffix, b in _LOAD_BYTES.items() if f".{suffix}" in op), 4)
+            total += 32 * width
+    return total
+
+
+def sass_report(arch=90, case=None, verbose=True, config=None):
+    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+
+    The INT2 loop is the innermost backward-branch loop holding the most instructions
+    of _codes_fp16 (the unpacking of the code bytes, found by the SASS line info).  Returns a dict of the figures; prints a table when verbose."""
+    case = dict(_SASS_CASE, **(case or {}))
+    calls = _record_launch(case)
+    grid, args, kw = calls["_int2_decode_split_kernel"]
+    kw = dict(kw)
+    if "DOT_PRECISION" in kw:
+        kw["DOT_PRECISION"] = "tf32x3"     # what the launcher picks on sm80+
+    kw.update(config or {})
+    compiled = _compile_recorded(_int2_decode_split_kernel, args, kw, arch)
+    usage, lines, labels = _sass_of(compiled)
+    loops = _loops(lines, labels)
+    inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
+                                           for o in loops)]
+    import inspect
+    src, first = inspect.getsourcelines(_codes_fp16.fn)
+    unpack = range(first, first + len(src))
+    start, end = max(inner, key=lambda lp: sum(1 for off, _, _, ln in lines
+                                               if lp[0] <= off <= lp[1] and ln in unpack))
+    body = [op for off, op, _, _ in lines if start <= off <= end]
+    counts = _classify(body)
+    warps = kw.get("num_warps", 4)
+    tokens = _loop_tokens(kw, case)
+    tile_tokens = 64
+    per_tile = tile_tokens / tokens
+    d, G = case["d"], case["G"]
+    tile_bytes = tile_tokens * 2 * (d // 4 + 2 * 4 * (d // G))
+    bytes_per_cycle = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
+    hbm_cycles = tile_bytes / bytes_per_cycle
+    issue_cycles = len(body) * warps / _H200["schedulers"] * per_tile
+    global_bytes = _global_bytes(body) * warps
+    r = dict(arch=arch, regs=usage["regs"], spills=usage["spill_stores"] + usage["spill_loads"],
+             spill_stores=usage["spill_stores"], spill_loads=usage["spill_loads"],
+             stack=usage["stack"], smem=usage["smem"], total=len(lines), loop=len(body),
+             counts=counts, warps=warps, tokens=tokens, global_bytes=global_bytes,
+             tile_bytes=tile_bytes, issue_cycles=issue_cycles, hbm_cycles=hbm_cycles,
+             ratio=issue_cycles / hbm_cycles,
+             instr_per_byte=len(body) * warps / max(1, global_bytes))
+    if verbose:
+        print(f"sm_{arch}: {r['regs']} registers, {r['stack']} B stack, "
+              f"{r['spill_stores']} spill stores + {r['spill_loads']} spill loads, "
+              f"{r['smem']} B shared memory, {r['total']} SASS instructions, "
+              f"num_warps {warps}")
+        print(f"  INT2 loop: {len(body)} instructions per warp per iteration "
+              f"({tokens} tokens of one KV head)")
+        print("  " + " | ".join(f"{k} {v}" for k, v in counts.items() if v))
+        print(f"  global loads per iteration (all warps, all lanes): {global_bytes} B; "
+              f"the {tokens}-token K+V tile holds {tile_bytes * tokens // tile_tokens} B")
+        print(f"  per 64-token tile: issue {issue_cycles:.0f} cycles "
+              f"(= instructions x {warps} warps / {_H200['schedulers']} schedulers), "
+              f"HBM {hbm_cycles:.0f} cycles (= {tile_bytes} B / {bytes_per_cycle:.1f} B per "
+              f"SM-cycle); ratio {r['ratio']:.2f}")
+    return r
+
+
+def _loop_tokens(kw, case):
+    """Tokens of one KV head handled by one iteration of the INT2 loop."""
+    return kw["BLOCK_N"]
+
+
+def _sass_main():
+    """Print the --sass report; runs in a child process with the interpreter off."""
+    bpc = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
+    c = _SASS_CASE
+    print(f"case: d = {c['d']}, G = {c['G']}, page {c['P']}, {c['H_q'] // c['H_kv']} query "
+          f"heads per KV head, bf16 q and windows, {c['n_quant'] + c['NW']} tokens")
+    print(f"H200 assumptions: {_H200['hbm_gbs']:.0f} GB/s HBM over {_H200['sms']} SMs at "
+          f"{_H200['clock_ghz']} GHz = {bpc:.1f} B per SM-cycle; {_H200['schedulers']} "
+          f"schedulers per SM issuing 1 instruction per cycle each; every SASS instruction "
+          f"counted as one issue slot; all loads full-width with no cache reuse")
+    results = {arch: sass_report(arch) for arch in (80, 90)}
+    r = results[90]
+    print(f"SASS sm_90a: regs {r['regs']} | spills {r['spills']} | "
+          f"issue/HBM cycles per tile {r['ratio']:.2f}")
+
+
+def _run_sass():
+    """--sass must compile the real kernel: re-run this file with the interpreter off."""
+    import subprocess
+    import sys
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    code = "import kernel; kernel._sass_main()"
+    r = subprocess.run([sys.executable, "-c", code], env=env,
+                       cwd=os.path.dirname(os.path.abspath(__file__)))
+    raise SystemExit(r.returncode)
 
 
 def main():
@@ -536,7 +1070,12 @@ def main():
     parser.add_argument("--peak-gbs", type=float, default=None,
                         help="peak memory bandwidth in GB/s for the %%peak column "
                              "(default: looked up from the GPU name)")
+    parser.add_argument("--sass", action="store_true",
+                        help="compile stage 1 for sm_90a and sm_80 (no GPU needed) and print "
+                             "registers, spills and the INT2 loop's instruction mix")
     args = parser.parse_args()
+    if args.sass:
+        _run_sass()
     if not args.bench:
         parser.print_help()
         return
