@@ -3,7 +3,9 @@ OptR: output-oriented rotation for INT2 KV-cache quantization, in one readable f
 
 Paper: Yun, Lim, Cheong, Lee, Annavaram, Karimireddy, Yoo, "Output-Oriented Rotation
 for INT2 KV Cache Quantization" (arXiv 2608.02691). Equation numbers below (Eq. 1-10)
-follow the paper's Section 3 as summarised in docs/METHOD.md of this project.
+follow the paper's Section 3. Where the paper is silent (the quantizer's details, the loss
+normalisation, OSCAR's covariances) this file follows the authors' public code; README.md
+lists each place where it deliberately does not.
 
 Read top to bottom, in the paper's order:
   0. Config               one dataclass for model, quantizer, windows, pages, calibration
@@ -54,7 +56,7 @@ class Config:
     group_size: int = 32         # G: consecutive channels along d sharing scale and zero
     clip_k: float = 0.96         # c_K: keys clipped at the |x| of rank floor(c*G) in a group
     clip_v: float = 0.92         # c_V: same for values
-    scale_eps: float = 1e-8      # floor on the scale, so a constant group is exact
+    scale_eps: float = 1e-8      # floor on a group's range (max - min), so a constant group is exact
     sink: int = 4                # first tokens kept in full precision
     window: int = 16             # most recent tokens (current one included) in full precision
     page_size: int = 16          # INT2 tokens per page of the paged cache
@@ -62,7 +64,8 @@ class Config:
     lr: float = 0.02             # Adam learning rate on A
     steps: int = 80              # full-batch steps, keys and values each
     qwin: int = 64               # last query positions of each sequence used by the loss
-    lam: float = 1.0             # lambda: weight of |dy_K|^2 beside KL in the key loss
+    lam: float = 1.0             # lambda: weight of the output term beside KL in the key loss
+    out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
     eval_every: int = 20         # score each head on held-out data every this many steps
     seed: int = 0                # seed of everything random
 
@@ -90,6 +93,8 @@ class Config:
         need(0.0 < self.clip_v <= 1.0, f"clip_v must be in (0, 1], got {self.clip_v}")
         need(self.scale_eps > 0, f"scale_eps must be > 0, got {self.scale_eps}")
         need(self.lr > 0 and self.lam >= 0, f"lr must be > 0 and lam >= 0, got {self.lr}, {self.lam}")
+        need(self.out_reduce in ("mean", "sum"),
+             f"out_reduce must be 'mean' or 'sum', got {self.out_reduce!r}")
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -180,10 +185,12 @@ def split_o_proj(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
 # 2. The INT2 quantizer Q2(x; c, G)
 # ----------------------------------------------------------------------------------------
 """
-Per token, groups of G consecutive channels along d. In each group:
+Per token, groups of G consecutive channels along d. In each group, in fp32 whatever the
+input dtype (the authors' quantizer, formula for formula):
   clip    tau = |x| at rank floor(c*G) of the sorted |x| (clamped to the last index);
           x <- clamp(x, -tau, tau)                 (no gradient through tau)
-  affine  scale = max((max - min) / 3, eps),  zero = -min / scale   (zero is a float)
+  affine  scale = max(max - min, eps) / 3,  zero = -min / scale   (the range is floored,
+          then divided; zero is a float, not rounded)
   code    = clamp(floor(x / scale + zero + 0.5), 0, 3)       (straight-through in training)
   dequant = (code - zero) * scale
 Gradients flow through the rounding (STE) and through scale, zero, min and max.
@@ -192,9 +199,24 @@ j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7, so unpacking one byte vector gives four con
 quarter-rows (the layout the Triton kernel reads). scale and zero are fp32.
 """
 
+def check_q2_args(x, clip, G, eps):
+    """ValueError naming the argument unless x is a finite float tensor whose last dim is a
+    multiple of G >= 1, clip is in (0, 1] and eps > 0."""
+    check_tensor("x", x, dtype="float", finite=True)
+    if isinstance(G, bool) or not isinstance(G, int) or G < 1:
+        raise ValueError(f"G: expected a positive int group size, got {G!r}")
+    if x.dim() == 0 or x.shape[-1] % G:
+        raise ValueError(f"G: expected a divisor of x's last dim, got G={G} for x of shape "
+                         f"{tuple(x.shape)}")
+    if not (isinstance(clip, (int, float)) and 0.0 < clip <= 1.0):  # NaN fails both tests
+        raise ValueError(f"clip: expected a float in (0, 1], got {clip!r}")
+    if not (isinstance(eps, (int, float)) and eps > 0):
+        raise ValueError(f"eps: expected a float > 0, got {eps!r}")
+
+
 def _q2_params(x, clip, G, eps):
     """Shared by the fake-quant and storage forms, so both compute the same numbers.
-    x (..., d) -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1)."""
+    x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
     if clip < 1.0:
         rank = min(int(math.floor(clip * G)), G - 1)
@@ -202,19 +224,19 @@ def _q2_params(x, clip, G, eps):
         xg = torch.maximum(torch.minimum(xg, tau), -tau)
     mn = xg.amin(dim=-1, keepdim=True)
     mx = xg.amax(dim=-1, keepdim=True)
-    scale = ((mx - mn) / 3).clamp_min(eps)
+    scale = (mx - mn).clamp_min(eps) / 3                     # range floored, then divided
     zero = -mn / scale
     return xg, scale, zero
 
 
 def q2(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8) -> torch.Tensor:
-    """Fake-quant Q2(x; c, G): quantize and dequantize, differentiable by straight-through
-    rounding. x (..., d) -> same shape and dtype. Raises on non-finite input."""
-    check_tensor("x", x, dtype="float", finite=True)
-    xg, scale, zero = _q2_params(x, clip, G, eps)
+    """Fake-quant Q2(x; c, G): quantize and dequantize in fp32, differentiable by straight-
+    through rounding. x (..., d) -> same shape and dtype as x. Raises on non-finite input."""
+    check_q2_args(x, clip, G, eps)
+    xg, scale, zero = _q2_params(x.float(), clip, G, eps)
     u = xg / scale + zero
     code = u + (torch.clamp(torch.floor(u + 0.5), 0, 3) - u).detach()  # STE: forward = code
-    return ((code - zero) * scale).reshape(x.shape)
+    return ((code - zero) * scale).reshape(x.shape).to(x.dtype)
 
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
@@ -233,9 +255,10 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
     """Storage form of Q2. x (..., d) float -> (packed (..., d/4) uint8,
     scale (..., d/G) fp32, zero (..., d/G) fp32). Raises on non-finite input."""
-    check_tensor("x", x, dtype="float", finite=True)
-    if x.shape[-1] % G or x.shape[-1] % 4:
-        raise ValueError(f"x: last dim must be a multiple of G={G} and of 4, got {tuple(x.shape)}")
+    check_q2_args(x, clip, G, eps)
+    if x.shape[-1] % 4:
+        raise ValueError(f"x: expected a last dim that is a multiple of 4 (4 codes per byte), "
+                         f"got shape {tuple(x.shape)}")
     xg, scale, zero = _q2_params(x.float(), clip, G, eps)
     code = torch.clamp(torch.floor(xg / scale + zero + 0.5), 0, 3)
     return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
@@ -280,14 +303,14 @@ def bit_reversal_permutation(d: int) -> torch.Tensor:
     return torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)])
 
 
-def identity_rotation(n_kv_heads: int, d: int) -> torch.Tensor:
+def identity_rotation(n_kv_heads: int, d: int, device=None) -> torch.Tensor:
     """(H_kv, d, d) identity: naive INT2."""
-    return torch.eye(d).expand(n_kv_heads, d, d).clone()
+    return torch.eye(d, device=device).expand(n_kv_heads, d, d).clone()
 
 
-def quarot_rotation(n_kv_heads: int, d: int) -> torch.Tensor:
+def quarot_rotation(n_kv_heads: int, d: int, device=None) -> torch.Tensor:
     """(H_kv, d, d) QuaRot base: the normalised Hadamard for every head."""
-    return hadamard(d).expand(n_kv_heads, d, d).clone()
+    return hadamard(d).to(device).expand(n_kv_heads, d, d).clone()
 
 
 def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
@@ -295,36 +318,46 @@ def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
     d = cov.shape[-1]
     evals, evecs = torch.linalg.eigh(cov.double())
     U = evecs.flip(-1)                                       # columns by descending eigenvalue
-    R = U @ hadamard(d, torch.float64)
-    return R[:, bit_reversal_permutation(d)].float()         # P: bit-reversed output channels
+    R = U @ hadamard(d, torch.float64).to(cov.device)
+    perm = bit_reversal_permutation(d).to(cov.device)
+    return R[:, perm].float()                                # P: bit-reversed output channels
 
 
-def oscar_covariances(q, k):
-    """Attention-aware covariances of one layer. q (N, H_q, T, d), k (N, H_kv, T, d) post-RoPE.
-    Returns Sigma_Q (d, d) = E[q^T q] and the key scores w (N, H_kv, T) with mean 1."""
-    d = q.shape[-1]
-    qf = q.double().reshape(-1, d)
-    sigma_q = qf.T @ qf / qf.shape[0]
-    w = torch.einsum("nhtd,de,nhte->nht", k.double(), sigma_q, k.double())
-    return sigma_q, w / w.mean()
+def oscar_covariances(q, k, v):
+    """Attention-aware covariances of one layer, in float64. q (N, H_q, T, d), k and v
+    (N, H_kv, T, d) post-RoPE. Returns
+      Sigma_Q (d, d)  = E[q^T q] over all query heads (keys: one basis for the layer);
+      Sigma_V (d, d)  = mean over KV heads h of mean_t w_t,h v_t,h^T v_t,h, where
+                        w_t,h = k_t,h Sigma_Q,h k_t,h^T with Sigma_Q,h = E[q^T q] over the
+                        query heads of h's own group, w normalised to mean 1 per head."""
+    N, Hq, T, d = q.shape
+    Hkv = k.shape[1]
+    qg = q.double().reshape(N, Hkv, Hq // Hkv, T, d)                    # (N, H_kv, n_rep, T, d)
+    sigma_qh = torch.einsum("nhrtd,nhrte->hde", qg, qg) / (N * (Hq // Hkv) * T)  # (H_kv, d, d)
+    sigma_q = sigma_qh.mean(0)                               # = E[q^T q] over all query heads
+    kf, vf = k.double(), v.double()
+    w = torch.einsum("nhtd,hde,nhte->nht", kf, sigma_qh, kf)            # (N, H_kv, T)
+    w = w / w.mean(dim=(0, 2), keepdim=True)                            # mean 1 per head
+    sigma_v = torch.einsum("nht,nhtd,nhte->de", w, vf, vf) / (N * Hkv * T)
+    return sigma_q, sigma_v
 
 
 def oscar_bases(q, k, v, n_kv_heads: int):
     """OSCAR key and value bases of one layer, shared by its heads: (H_kv, d, d) each."""
     d = q.shape[-1]
-    sigma_q, w = oscar_covariances(q, k)
-    vf = v.double()
-    sigma_v = torch.einsum("nht,nhtd,nhte->de", w, vf, vf) / w.numel()
+    sigma_q, sigma_v = oscar_covariances(q, k, v)
     rk, rv = oscar_rotation(sigma_q), oscar_rotation(sigma_v)
     return rk.expand(n_kv_heads, d, d).clone(), rv.expand(n_kv_heads, d, d).clone()
 
 
 def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
                    eps: float = 1e-8) -> torch.Tensor:
-    """Eq. 4: D_R,c(z) = Q2(z R; c, G) R^T. z (B, H, T, d), R (H, d, d) or None (identity)."""
+    """Eq. 4: D_R,c(z) = Q2(z R; c, G) R^T. z (B, H, T, d), R (H, d, d) or None (identity).
+    Computed in fp32 whatever z's dtype (bf16 z, fp32 R is fine); returns z's dtype."""
     if R is None:
         return q2(z, clip, G, eps)
-    return q2(z @ R.unsqueeze(0), clip, G, eps) @ R.transpose(-1, -2).unsqueeze(0)  # Eq. 4
+    zf, Rf = z.float(), R.float().unsqueeze(0)
+    return (q2(zf @ Rf, clip, G, eps) @ Rf.transpose(-1, -2)).to(z.dtype)  # Eq. 4
 
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -348,13 +381,13 @@ sink logits would have to shift those by the same amount; this model has none.)
 """
 
 def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d)."""
-    return k.double().mean(dim=(0, 2)).to(k.dtype)
+    """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d) fp32 (summed in float64)."""
+    return k.double().mean(dim=(0, 2)).float()
 
 
 def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
-    """k (B, H_kv, T, d) - mu (H_kv, d)."""
-    return k if k_mean is None else k - k_mean[None, :, None, :]
+    """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype."""
+    return k if k_mean is None else k - k_mean[None, :, None, :].to(k.dtype)
 
 
 @dataclass
@@ -371,7 +404,7 @@ def dequant_keys(k, k_mean, r_k, cfg: Config):
     """k~ = mu + D_{R_K,c_K}(k - mu): INT2 keys in the model's own basis (Eq. 4 on the
     centered keys; adding mu back changes no softmax). k (B, H_kv, T, d)."""
     k_t = rotate_dequant(center_keys(k, k_mean), r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
-    return k_t if k_mean is None else k_t + k_mean[None, :, None, :]
+    return k_t if k_mean is None else k_t + k_mean[None, :, None, :].to(k_t.dtype)
 
 
 def effective_kv(k, v, spec: KVQuant, cfg: Config):
@@ -450,9 +483,14 @@ def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
 Per layer and KV head, R = R_base exp(A - A^T), A = 0 at the start (so training starts
 exactly at the base). Only A is trained; the model is frozen. Gradients pass the rounding
 by straight-through and flow through scale, zero, min and max (Section 2).
-  keys first:  L_K = KL(p || p~) + lambda * mean |dy_K|^2     (values in full precision)
-  then values: L_V = mean |dy_V|^2 = mean |(sum_s p~_s dv_s) W_O^T|^2, with the learned
+  keys first:  L_K = KL(p || p~) + lambda * mean (dy_K)^2     (values in full precision)
+  then values: L_V = mean (dy_V)^2 = mean ((sum_s p~_s dv_s) W_O^T)^2, with the learned
                key rotation fixed, so p~ is final.
+"mean" as in the authors' code: per query head, the squared output error is averaged over
+the query positions AND the d_model hidden units; KL is summed over keys and averaged over
+the queries; both are then averaged over the group's query heads and the sequences. So
+lambda weighs a per-hidden-unit squared error against nats of KL (`out_reduce="sum"`
+sums over d_model instead, which weighs the output term d_model times more).
 Queries: the last `qwin` positions of each calibration sequence (or the positions given),
 causal, with the sink and recent windows relative to each query. Adam, full batch. Every `eval_every` steps each
 head is scored on held-out sequences and its best A kept; a head whose best held-out
@@ -466,8 +504,15 @@ def _per_head(x, n_kv_heads):
     return x.view(B, n_kv_heads, Hq // n_kv_heads, Tq).mean(dim=(0, 2, 3))
 
 
+def output_error(dy, cfg: Config):
+    """Squared output error per query, (B, H_q, Tq, d_model) -> (B, H_q, Tq): the mean over
+    the hidden units (the authors' normalisation) or, with out_reduce="sum", the sum."""
+    sq = dy.pow(2)
+    return sq.mean(-1) if cfg.out_reduce == "mean" else sq.sum(-1)
+
+
 def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
-    """Per-head L_K = KL(p || p~) + lambda * mean |dy_K|^2  (H_kv,). Values exact."""
+    """Per-head L_K = KL(p || p~) + lambda * mean (dy_K)^2  (H_kv,). Values exact."""
     k_t = dequant_keys(k, k_mean, r_k, cfg)                                          # Eq. 4
     neg = float("-inf")
     logp = torch.log_softmax(gqa_logits(q, k).masked_fill(~mask, neg), dim=-1)      # Eq. 1
@@ -475,26 +520,27 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
     p, p_t = logp.exp(), logp_t.exp()
     kl = torch.where(mask, p * (logp - logp_t), torch.zeros_like(p)).sum(-1)       # KL(p||p~)
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                                # Eq. 8, key term
-    return _per_head(kl + cfg.lam * dy_k.pow(2).sum(-1), k.shape[1])
+    return _per_head(kl + cfg.lam * output_error(dy_k, cfg), k.shape[1])
 
 
 def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
-    """Per-head L_V = mean |dy_V|^2 (H_kv,), given the final INT2-key attention p~."""
+    """Per-head L_V = mean (dy_V)^2 (H_kv,), given the final INT2-key attention p~."""
     v_t = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)          # Eq. 4
     dy_v = head_output(gqa_readout(p_t * int2_mask(mask, fp), v_t - v), w_o)        # Eq. 8, value term
-    return _per_head(dy_v.pow(2).sum(-1), v.shape[1])
+    return _per_head(output_error(dy_v, cfg), v.shape[1])
 
 
 def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     """Learn R = R_base exp(A - A^T) per head. loss_fn(R, split) -> per-head losses (H_kv,)
     on split "cal" (differentiable) or "held". Returns R (H_kv, d, d) and report rows."""
     H, d, _ = r_base.shape
-    A = torch.zeros(H, d, d, requires_grad=True)
+    r_base = r_base.float()
+    A = torch.zeros(H, d, d, device=r_base.device, requires_grad=True)
     opt = torch.optim.Adam([A], lr=cfg.lr)
     with torch.no_grad():
         base = loss_fn(r_base, "held")
-    best, best_A = base.clone(), torch.zeros(H, d, d)
-    best_step = torch.zeros(H, dtype=torch.long)
+    best, best_A = base.clone(), torch.zeros_like(A)
+    best_step = torch.zeros(H, dtype=torch.long, device=r_base.device)
     for step in range(1, cfg.steps + 1):
         loss = loss_fn(optr_rotation(r_base, A), "cal").sum()   # heads are independent
         opt.zero_grad()
@@ -521,18 +567,22 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
 def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
                     query_positions=None, learn_k=True, learn_v=True, tag="", log=None):
     """OptR for one layer. cal, held: (q, k, v) full precision, q (N, H_q, T, d), k and v
-    (N, H_kv, T, d) post-RoPE; w_o (H_q, d_model, d); r_k0, r_v0 (H_kv, d, d) bases;
-    k_mean (H_kv, d) or None. Returns r_k, r_v and report rows (part "k" / "v")."""
-    T = cal[1].shape[2]
+    (N, H_kv, T, d) post-RoPE, any float dtype on any device (the math runs in fp32 on
+    that device); w_o (H_q, d_model, d); r_k0, r_v0 (H_kv, d, d) bases; k_mean (H_kv, d)
+    or None. Returns r_k, r_v (fp32) and report rows (part "k" / "v")."""
+    T, dev = cal[1].shape[2], cal[1].device
     q_pos = query_positions if query_positions is not None else \
         torch.arange(max(T - cfg.qwin, 0), T)
+    q_pos = q_pos.to(dev)
     if q_pos.numel() == 0 or q_pos.min() < 0 or q_pos.max() >= T:
         raise ValueError(f"query_positions: expected positions in [0, {T}), got {q_pos.tolist()}")
     mask = causal_mask(q_pos, T)
     fp = fp_window_mask(q_pos, T, cfg.sink, cfg.window)
-    data = {name: (q[:, :, q_pos].detach(), k.detach(), v.detach())
+    data = {name: (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float())
             for name, (q, k, v) in (("cal", cal), ("held", held))}
-    w_o = w_o.detach()
+    w_o = w_o.detach().float().to(dev)
+    k_mean = None if k_mean is None else k_mean.float().to(dev)
+    r_k0, r_v0 = r_k0.float().to(dev), r_v0.float().to(dev)
 
     def key_loss(R, split):
         q, k, v = data[split]
@@ -554,14 +604,14 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
 
 
 def base_rotations(base: str, q, k, v, cfg: Config):
-    """R_base for keys and values of one layer: "identity", "quarot" or "oscar"."""
-    H, d = cfg.n_kv_heads, cfg.head_dim
+    """R_base for keys and values of one layer, on k's device: "identity", "quarot" or "oscar"."""
+    H, d, dev = cfg.n_kv_heads, cfg.head_dim, k.device
     if base == "identity":
-        return identity_rotation(H, d), identity_rotation(H, d)
+        return identity_rotation(H, d, dev), identity_rotation(H, d, dev)
     if not cfg.hadamard_ok:
         raise ValueError(f"base: {base!r} needs head_dim a power of two, got {d}")
     if base == "quarot":
-        return quarot_rotation(H, d), quarot_rotation(H, d)
+        return quarot_rotation(H, d, dev), quarot_rotation(H, d, dev)
     if base == "oscar":
         return oscar_bases(q, k, v, H)
     raise ValueError(f"base: expected 'identity', 'quarot' or 'oscar', got {base!r}")
