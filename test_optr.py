@@ -1899,3 +1899,73 @@ def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
     train_tiny.load_model(optr.TinyLM(cfg), path)                       # same shapes: fine
     with pytest.raises(ValueError, match=r"does not match this config: .*file has"):
         train_tiny.load_model(optr.TinyLM(train_tiny.RunConfig(n_layers=1, d_model=32)), path)
+
+
+# ----------------------------------------------------------------------------------------
+# eval_llm.py: the real-model script, end to end on a tiny random checkpoint
+# ----------------------------------------------------------------------------------------
+
+def _byte_tokenizer():
+    """Byte-level BPE without merges: 256 byte tokens and one control token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return tok
+
+
+def test_eval_llm_smoke(tmp_path):
+    """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout),
+    writes results.json in train_tiny's schema, its block-wise simulated cache equals optr's
+    dense one, the paged decode reproduces the simulated passkey answers, and it writes
+    orthogonal rotations and the plots."""
+    import json
+    from safetensors.torch import load_file, save_file
+    import eval_llm
+    tok = _byte_tokenizer()
+    cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
+    model = optr.TinyLM(cfg)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)))
+    tok.save(str(ckpt / "tokenizer.json"))
+    calib, evalf = tmp_path / "calib.txt", tmp_path / "eval.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
+    out = tmp_path / "out"
+    results = eval_llm.main([
+        "--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
+        "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
+        "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
+        "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
+        "--variants", "full,int2,quarot,quarot+optr", "--passkey-prompts", "2",
+        "--decode-prompts", "1"])
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
+    for name, v in on_disk["variants"].items():
+        for key in ("passkey", "kl", "top1", "nll", "e_out_key", "e_out_value", "e_rec",
+                    "bits_per_element"):
+            assert key in v, (name, key)
+        assert set(v["passkey"]) == {"320", "384"}
+    full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
+    assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
+    assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
+    assert on_disk["simulation_check"]["attention_max_rel_diff"] < 1e-4
+    dec = on_disk["decode_check"]["quarot+optr"]
+    assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
+    assert "quarot" in on_disk["gap_closed"]
+    rot = load_file(str(out / "kv_rotations.safetensors"))
+    r = rot["quarot+optr/1/r_k"].double()                                  # (H_kv, d, d)
+    assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
+    for name in results["plots"].values():
+        if isinstance(name, str):
+            assert (out / name).stat().st_size > 10_000

