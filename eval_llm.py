@@ -35,23 +35,22 @@ OUT/kv_rotations.safetensors.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
-import inspect
 import json
 import math
 import os
 import re
-import textwrap
 import time
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
 import optr
+from train_tiny import _f, config_dict, print_config  # the CLI helpers both scripts share
+from train_tiny import parse_config as parse_run_config
 
 MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is called in reports
 
@@ -59,10 +58,6 @@ MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is c
 # ----------------------------------------------------------------------------------------
 # 1. Run config: the quantizer and calibration fields of optr.Config plus the evaluation's
 # ----------------------------------------------------------------------------------------
-
-def _f(default, help):
-    return field(default=default, metadata={"help": help})
-
 
 # fields passed to model.reconfigure (names and meaning as in optr.Config)
 MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size", "lr", "steps",
@@ -178,52 +173,8 @@ QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=
              out="runs/llm-quick")
 
 
-def _inherited_help() -> dict:
-    """Help of optr.Config's fields: the trailing comment on each field's line."""
-    return dict(re.findall(r"^\s+(\w+): [^=\n]+=[^#\n]+#\s*(.+)$",
-                           inspect.getsource(optr.Config), re.M))
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
-    inherited = _inherited_help()
-    for f in fields(RunConfig):
-        flag = "--" + f.name.replace("_", "-")
-        help = f.metadata.get("help") or inherited.get(f.name, f.name)
-        kw = dict(dest=f.name, default=argparse.SUPPRESS)
-        if f.type == "bool":
-            p.add_argument(flag, action=argparse.BooleanOptionalAction,
-                           help=f"{help} (default {f.default})", **kw)
-        elif f.type.startswith("tuple"):
-            elem = {"int": int, "float": float, "str": str}[re.search(r"\[(\w+)", f.type)[1]]
-            p.add_argument(flag, metavar="A,B,...",
-                           type=lambda s, e=elem: tuple(e(x.strip()) for x in s.split(",") if x.strip()),
-                           help=f"{help} (default {','.join(map(str, f.default)) or 'none'})", **kw)
-        else:
-            p.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type],
-                           help=f"{help} (default {f.default!r})", **kw)
-    return p
-
-
 def parse_config(argv=None) -> RunConfig:
-    parser = build_parser()
-    given = vars(parser.parse_args(argv))
-    try:
-        return RunConfig(**{**(QUICK if given.get("quick") else {}), **given})
-    except ValueError as e:
-        parser.error(str(e))                 # exits with the usage line and the message
-
-
-def config_dict(cfg) -> dict:
-    return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
-            for f in fields(cfg)}
-
-
-def print_config(cfg, log=print, tag="config"):
-    items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
-             for k, v in config_dict(cfg).items()]
-    for line in textwrap.wrap("  ".join(items), width=96, break_on_hyphens=False):
-        log(f"{tag} | " + line)
+    return parse_run_config(argv, RunConfig, QUICK, __doc__.strip().split("\n")[0])
 
 
 class Timer:

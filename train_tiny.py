@@ -125,10 +125,12 @@ def _inherited_help() -> dict:
                            inspect.getsource(optr.Config), re.M))
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.strip().split("\n")[0])
+def build_parser(cls=None, description=None) -> argparse.ArgumentParser:
+    """One flag per field of the run config `cls` (RunConfig here; eval_llm.py passes its own)."""
+    cls = cls or RunConfig
+    p = argparse.ArgumentParser(description=description or __doc__.strip().split("\n")[0])
     inherited = _inherited_help()
-    for f in fields(RunConfig):
+    for f in fields(cls):
         flag = "--" + f.name.replace("_", "-")
         help = f.metadata.get("help") or inherited.get(f.name, f.name)
         kw = dict(dest=f.name, default=argparse.SUPPRESS)
@@ -136,9 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action=argparse.BooleanOptionalAction,
                            help=f"{help} (default {f.default})", **kw)
         elif f.type.startswith("tuple"):
-            elem = float if "float" in f.type else int
+            elem = {"int": int, "float": float, "str": str}[re.search(r"\[(\w+)", f.type)[1]]
             p.add_argument(flag, metavar="A,B,...",
-                           type=lambda s, e=elem: tuple(e(x) for x in s.split(",") if x.strip()),
+                           type=lambda s, e=elem: tuple(e(x.strip()) for x in s.split(",") if x.strip()),
                            help=f"{help} (default {','.join(map(str, f.default)) or 'none'})", **kw)
         else:
             p.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type],
@@ -146,23 +148,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv=None) -> RunConfig:
-    parser = build_parser()
+def parse_config(argv=None, cls=None, quick=None, description=None):
+    """The run config from the command line; --quick applies the `quick` preset first, so
+    flags given explicitly still win."""
+    cls, quick = cls or RunConfig, QUICK if quick is None else quick
+    parser = build_parser(cls, description)
     given = vars(parser.parse_args(argv))
     try:
-        return RunConfig(**{**(QUICK if given.get("quick") else {}), **given})
+        return cls(**{**(quick if given.get("quick") else {}), **given})
     except ValueError as e:
         parser.error(str(e))                 # exits with the usage line and the message
 
 
-def print_config(cfg: RunConfig, log=print):
-    items = [f"{f.name}={_fmt(getattr(cfg, f.name))}" for f in fields(cfg)]
+def print_config(cfg, log=print, tag="config"):
+    items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+             for k, v in config_dict(cfg).items()]
     for line in textwrap.wrap("  ".join(items), width=96, break_on_hyphens=False):
-        log("config | " + line)
+        log(f"{tag} | " + line)
 
 
-def _fmt(v):
-    return ",".join(map(str, v)) if isinstance(v, tuple) else str(v)
+def config_dict(cfg) -> dict:
+    return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
+            for f in fields(cfg)}
 
 
 def generator(cfg: RunConfig, stream: str) -> torch.Generator:
@@ -564,11 +571,6 @@ def save_rotations(specs: dict, path: str):
 # ----------------------------------------------------------------------------------------
 # 9. One run, the summary table, several seeds
 # ----------------------------------------------------------------------------------------
-
-def config_dict(cfg: RunConfig) -> dict:
-    return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
-            for f in fields(cfg)}
-
 
 def gap_closed(variants: dict, T: str) -> dict:
     """(optr - base) / (full - base) for each base: accuracy at length T, and KL."""
