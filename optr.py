@@ -75,6 +75,7 @@ class Config:
     lam: float = 1.0             # lambda: weight of the output term beside KL in the key loss
     out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
     eval_every: int = 20         # score heads on held-out data after updates 1, 1 + this, ..., last
+    calib_windows: str = "static"  # loss windows: "static" (the authors') or "relative" (as served)
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):
@@ -107,6 +108,8 @@ class Config:
         need(self.lr > 0 and self.lam >= 0, f"lr must be > 0 and lam >= 0, got {self.lr}, {self.lam}")
         need(self.out_reduce in ("mean", "sum"),
              f"out_reduce must be 'mean' or 'sum', got {self.out_reduce!r}")
+        need(self.calib_windows in ("static", "relative"),
+             f"calib_windows must be 'static' or 'relative', got {self.calib_windows!r}")
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -357,7 +360,7 @@ def oscar_covariances(q, k, v):
     sigma_q = sigma_qh.mean(0)                               # = E[q^T q] over all query heads
     kf, vf = k.double(), v.double()
     w = torch.einsum("nhtd,hde,nhte->nht", kf, sigma_qh, kf)            # (N, H_kv, T)
-    w = w / w.mean(dim=(0, 2), keepdim=True).clamp_min(1e-12)           # mean 1 per head
+    w = w / w.sum(dim=(0, 2), keepdim=True).clamp_min(1e-12) * (N * T)  # mean 1 per head
     sigma_v = torch.einsum("nht,nhtd,nhte->de", w, vf, vf) / (N * Hkv * T)
     return sigma_q, sigma_v
 
@@ -560,7 +563,9 @@ log max(p~, 1e-12)), averaged over the queries; both are then averaged over the 
 query heads and the sequences. So lambda weighs a per-hidden-unit squared error against
 nats of KL (`out_reduce="sum"` sums over d_model instead: d_model times more weight).
 Queries: positions max(1, T - qwin) .. T - 1 of each sequence (or the positions given),
-causal, windows relative to each query (Section 5). Adam on the mean of the per-head
+causal. Windows as in the authors' calibration (calib_windows="static"): the sequence's
+first `sink` and last `window` tokens are exact for every loss query, the tokens between
+INT2 ("relative": each query's own windows of Section 5, as the cache serves). Adam on the mean of the per-head
 losses, full batch. Each head is scored on held-out sequences after updates 1, 1 +
 eval_every, 1 + 2 eval_every, ... and the last, and keeps its best A; a head whose best
 held-out loss is not below its base's keeps R_base. Each layer is calibrated on its own,
@@ -676,7 +681,8 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
 
 def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
     """Query positions of the loss: the given ones, or max(1, T - qwin) .. T - 1 (the
-    authors' rule); with their causal mask and exact-window mask (Tq, T)."""
+    authors' rule); with their causal mask and exact-window mask (Tq, T), static or
+    relative (cfg.calib_windows)."""
     if query_positions is None:
         q_pos = torch.arange(max(1, T - cfg.qwin), T, device=device)
     else:
@@ -687,7 +693,16 @@ def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
                              f"{q_pos.tolist()}")
     if q_pos.numel() == 0:
         raise ValueError(f"query_positions: expected at least one query, got none for T = {T}")
-    return q_pos, causal_mask(q_pos, T), fp_window_mask(q_pos, T, cfg.sink, cfg.window)
+    mask = causal_mask(q_pos, T)
+    if cfg.calib_windows == "static":                 # the sequence's own sink and last window
+        last = torch.full_like(q_pos, T - 1)
+        fp = fp_window_mask(last, T, cfg.sink, cfg.window).expand(len(q_pos), T)
+    else:                                             # each query's windows, as served
+        fp = fp_window_mask(q_pos, T, cfg.sink, cfg.window)
+    if not bool(int2_mask(mask, fp).any()):
+        raise ValueError(f"cal/held: expected sequences with INT2 tokens for the loss queries, "
+                         f"got T = {T} with sink {cfg.sink} and window {cfg.window}")
+    return q_pos, mask, fp
 
 
 def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
