@@ -565,11 +565,11 @@ nats of KL (`out_reduce="sum"` sums over d_model instead: d_model times more wei
 Queries: positions max(1, T - qwin) .. T - 1 of each sequence (or the positions given),
 causal. Windows as in the authors' calibration (calib_windows="static"): the sequence's
 first `sink` and last `window` tokens are exact for every loss query, the tokens between
-INT2 ("relative": each query's own windows of Section 5, as the cache serves). Adam on the mean of the per-head
-losses, full batch. Each head is scored on held-out sequences after updates 1, 1 +
-eval_every, 1 + 2 eval_every, ... and the last, and keeps its best A; a head whose best
-held-out loss is not below its base's keeps R_base. Each layer is calibrated on its own,
-from the full-precision q, k, v of that layer.
+are INT2 ("relative": each query's own windows of Section 5, as the cache serves).
+Adam on the mean of the per-head losses, full batch. Each head is scored on held-out
+sequences after updates 1, 1 + eval_every, 1 + 2 eval_every, ... and the last, and keeps
+its best A; a head whose best held-out loss is not below its base's keeps R_base. Each
+layer is calibrated on its own, from the full-precision q, k, v of that layer.
 """
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
