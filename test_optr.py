@@ -1994,3 +1994,25 @@ def test_importing_the_scripts_leaves_triton_alone():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["False", "None"], r.stdout
+
+
+def test_eval_llm_generate_matches_recomputing_each_prompt():
+    """eval_llm.generate (a batch of left-padded prompts through optr.KVCache) samples, at
+    top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives when the
+    whole text is recomputed at every step: pads are never attended and positions start at
+    each prompt's first token."""
+    import eval_llm
+    cfg = optr.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=16, ffn_dim=64, group_size=16, seed=5)
+    model = optr.TinyLM(cfg).eval()
+    prompts = [[5, 9, 2, 33, 7, 1], [12, 40], [3, 3, 8]]
+    out = eval_llm.generate(model, prompts, 5, temperature=1.0, top_k=1,
+                            gen=torch.Generator().manual_seed(0), banned=[0])
+    for p, got in zip(prompts, out):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(5):
+                logits = model(torch.tensor([ids]))[0, -1]
+                logits[0] = float("-inf")
+                ids.append(int(logits.argmax()))
+        assert got == ids
