@@ -1866,8 +1866,9 @@ def test_triton_imported_first_gives_clear_error():
 def test_train_tiny_quick_smoke(tmp_path):
     """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
     minute; results.json has the documented schema, every variant is present, full
-    precision answers >= 95% correctly, and the paged Triton decode agrees with the
-    simulated cache."""
+    precision answers >= 95% correctly, the paged Triton decode agrees with the
+    simulated cache, and every variant's rotations are in one file that
+    optr.load_kv_rotations reads."""
     import json
     import train_tiny
     results = train_tiny.main(["--quick", "--out", str(tmp_path)])
@@ -1924,7 +1925,9 @@ def test_eval_llm_smoke(tmp_path):
     """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout),
     writes results.json in train_tiny's schema, its block-wise simulated cache equals optr's
     dense one, the paged decode reproduces the simulated passkey answers, and it writes
-    orthogonal rotations and the plots."""
+    orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
+    reads that file back (and refuses other calibration settings), also with the Triton
+    kernel in the decode check; --export writes a checkpoint whose rotations load too."""
     import json
     from safetensors.torch import save_file
     import eval_llm
@@ -1974,8 +1977,11 @@ def test_eval_llm_smoke(tmp_path):
         if isinstance(name, str):
             assert (out / name).stat().st_size > 10_000
     # --resume reads the same file back, and refuses other calibration settings
-    again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr"])
+    again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
+                                  "--decode-attend", "kernel"])
     assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
+    dec = again["decode_check"]["quarot+optr"]
+    assert "int2_paged_decode" in dec["attend"] and dec["same_argmax"] == dec["answer_tokens"]
     with pytest.raises(ValueError, match="calibrated with other settings"):
         eval_llm.main(args + ["--resume", "--steps", "3"])
     export = tmp_path / "export"

@@ -346,7 +346,14 @@ def decode_attention(name: str):
     if name == "reference":
         return optr.paged_decode_reference
     import kernel                     # here, not at the top: see this part's docstring
-    return kernel.int2_paged_decode
+    if not torch.cuda.is_available():
+        return kernel.int2_paged_decode               # the interpreter reads CPU tensors
+
+    def int2_paged_decode_on_gpu(q, **view):
+        """The kernel on the GPU, for a cache these scripts keep in CPU memory."""
+        moved = {k: v.cuda() if torch.is_tensor(v) else v for k, v in view.items()}
+        return kernel.int2_paged_decode(q.cuda(), **moved).to(q.device)
+    return int2_paged_decode_on_gpu
 
 
 def serving_setup(model, kv, T: int):
