@@ -454,8 +454,6 @@ CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seq
                                "calib_queries", "gen_temperature", "gen_top_k")
 
 
-
-
 # ----------------------------------------------------------------------------------------
 # 6. Next-token fidelity (KL, NLL, top-1), and where the Eq. 8 split looks
 # ----------------------------------------------------------------------------------------
