@@ -29,28 +29,30 @@ What it shows:
      optr.decode_step), compared with the simulated cache every other number comes from.
   6. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
      after centering, KL and passkey accuracy vs context length.
-Results go to OUT/results.json (train_tiny.py's schema), rotations and key means to
-OUT/kv_rotations.safetensors.
+Results go to OUT/results.json (the schema of train_tiny.write_results), every variant's
+rotations and key means to OUT/kv_rotations.safetensors (optr.save_kv_rotations, with the
+calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
+itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
+table, files) is train_tiny.py's harness (its part 1); this file holds the real model's
+data and metrics.
 """
 
 from __future__ import annotations
 
-import copy
-import dataclasses
 import json
 import math
 import os
-import re
 import time
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 import optr
-from train_tiny import _f, config_dict, print_config  # the CLI helpers both scripts share
-from train_tiny import parse_config as parse_run_config
+from train_tiny import (  # the ladder harness both scripts share (train_tiny.py, part 1)
+    DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, decode_attention, decode_check,
+    gap_closed, key_stats, key_stats_summary, ladder_bits, load_ladder, output_errors,
+    parse_run_config, print_config, print_key_stats, print_table, save_ladder, write_results)
 
 MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is called in reports
 
@@ -61,18 +63,12 @@ MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is c
 
 # fields passed to model.reconfigure (names and meaning as in optr.Config)
 MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size", "lr", "steps",
-                "qwin", "lam", "out_reduce", "eval_every", "seed")
+                "qwin", "lam", "out_reduce", "eval_every", "calib_windows", "seed")
 
-VARIANTS = {                       # name: (base rotation, key centering, OptR correction)
-    "full": None,                  # no quantization
-    "int2": ("identity", False, False),
-    "quarot": ("quarot", False, False),
-    "quarot+center": ("quarot", True, False),
-    "quarot+optr": ("quarot", True, True),
-    "oscar": ("oscar", False, False),
-    "oscar+optr": ("oscar", True, True),
-    "quarot+optr-nocenter": ("quarot", False, True),
-}
+# the harness's VARIANTS, in this ladder's order (the rows of its table)
+LADDER = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
+          "quarot+optr-nocenter")
+BLOCK = 512                        # query block of the simulated cache on long texts
 
 
 @dataclass
@@ -90,6 +86,7 @@ class RunConfig:
     lam: float = _f(1.0, "")
     out_reduce: str = _f("mean", "")
     eval_every: int = _f(20, "")
+    calib_windows: str = _f("static", "")
     seed: int = _f(0, "")
     # the checkpoint
     model: str = _f("", "checkpoint for optr.load_checkpoint (GGUF file or Hugging Face "
@@ -120,7 +117,10 @@ class RunConfig:
     passkey_batch: int = _f(1, "passkey prompts per forward")
     decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache, at the "
                              "shortest context, for the OptR variants")
-    variants: tuple[str, ...] = _f(tuple(VARIANTS), "variants to evaluate (full is always in)")
+    decode_attend: str = _f("reference", "paged attention of the decode check: 'reference' (pure "
+                            "torch) or 'kernel' (the Triton kernel; its CPU interpreter without "
+                            "a GPU is slow at this size)")
+    variants: tuple[str, ...] = _f(LADDER, "variants to evaluate (full is always in)")
     fig_layer: int = _f(-1, "layer of the plots; -1 = the layer whose post-RoPE keys have the "
                         "most channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
@@ -162,8 +162,8 @@ class RunConfig:
              f"sink + window = {self.sink + self.window}, or no calibration query reads INT2")
         unknown = [v for v in self.variants if v not in VARIANTS]
         need(not unknown, f"variants: unknown {unknown}; expected names from {list(VARIANTS)}")
-        need(not self.export or hasattr(optr, "export_hf"),
-             "export: this optr.py has no export_hf")
+        need(self.decode_attend in DECODE_ATTENDS,
+             f"decode_attend: expected one of {DECODE_ATTENDS}, got {self.decode_attend!r}")
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
 
 
@@ -177,75 +177,20 @@ def parse_config(argv=None) -> RunConfig:
     return parse_run_config(argv, RunConfig, QUICK, __doc__.strip().split("\n")[0])
 
 
-class Timer:
-    """Wall-clock seconds per stage, for the timing lines and results.json."""
-
-    def __init__(self):
-        self.t0, self.stages = time.perf_counter(), {}
-
-    def lap(self, name, since):
-        self.stages[name] = self.stages.get(name, 0.0) + time.perf_counter() - since
-        return time.perf_counter() - since
-
-
 # ----------------------------------------------------------------------------------------
-# 2. Forward passes: full precision, the simulated INT2 cache block by block, generation
+# 2. Forward passes: the model's one forward, with the simulated INT2 cache block by block
 # ----------------------------------------------------------------------------------------
 """
-optr.TinyLM's simulated-INT2 forward builds dense (T, T) logits per head, which at 4k
-tokens costs several times a full-precision forward. The same numbers come from
-scaled_dot_product_attention over query blocks: for queries [t0, t1), the keys are the
-exact sink tokens, the INT2 copies k~, v~ of [sink, t1 - window), and the exact keys of
-[t0 - window + 1, t1); a boolean mask lets query t read exactly what fp_window_mask says
-(exact if s < sink or s > t - window, INT2 otherwise, causal). Attention costs about what
-causal attention costs. `check_simulation` compares it with model(idx, kv=...) each run.
+Every forward is model(idx, attention) (optr.py section 7). On texts of thousands of tokens
+the simulated cache runs block by block (optr.SimulatedINT2(kv, cfg, block=BLOCK),
+appendix A of optr.py), at about the cost of causal attention; `check_simulation` compares
+it with the dense simulation each run. Generation uses optr.KVCache.
 """
 
-def _block_attention(q, k, v, k_t, v_t, sink, window, block):
-    """Simulated-cache attention. q (B, H_q, T, d); k, v, k_t, v_t (B, H_kv, T, d)
-    -> o (B, H_q, T, d)."""
-    T = q.shape[2]
-    out = torch.empty_like(q)
-    for t0 in range(0, T, block):
-        t1 = min(T, t0 + block)
-        hi_q = max(sink, t1 - window)                       # INT2 copies of [sink, hi_q)
-        lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
-        s_sink = torch.arange(min(sink, t1))
-        s_q = torch.arange(sink, hi_q)
-        s_e = torch.arange(lo_e, t1)
-        t = torch.arange(t0, t1)[:, None]
-        mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
-                          (s_q[None, :] <= t - window),                            # INT2 part
-                          (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
-        K = torch.cat([k[:, :, s_sink], k_t[:, :, s_q], k[:, :, s_e]], 2)
-        V = torch.cat([v[:, :, s_sink], v_t[:, :, s_q], v[:, :, s_e]], 2)
-        out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
-                                                          enable_gqa=True)        # Eq. 5, Eq. 2
-    return out
-
-
-@torch.no_grad()
-def hidden_states(model, idx, kv=None, capture=None, block=512):
-    """Final hidden states (B, T, d_model) of idx (B, T), in full precision (kv None) or with
-    the simulated INT2 cache given by per-layer optr.KVQuant specs. capture: a dict filled
-    with {layer: (q, k, v)} full-precision tensors (kv must be None)."""
-    c = model.cfg
-    B, T = idx.shape
-    pos = torch.arange(T)
-    x = model.model.embed_tokens(idx)
-    for l, layer in enumerate(model.model.layers):
-        attn = layer.self_attn
-        q, k, v = attn.qkv(layer.input_layernorm(x), pos[None])               # (B, H, T, d)
-        if kv is None:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-            if capture is not None:
-                capture[l] = (q, k, v)
-        else:
-            k_t, v_t = optr.effective_kv(k, v, kv[l], c)                        # Eq. 4
-            o = _block_attention(q, k, v, k_t, v_t, c.sink, c.window, block)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
-    return model.model.norm(x)
+def simulated(kv, cfg, block=BLOCK):
+    """The attention of a variant: None (exact) for full precision, else its simulated
+    INT2 cache, block-wise."""
+    return None if kv is None else optr.SimulatedINT2(kv, cfg, block=block)
 
 
 def logits_at(model, h, positions):
@@ -254,25 +199,21 @@ def logits_at(model, h, positions):
 
 
 @torch.no_grad()
-def check_simulation(model, idx, kv) -> dict:
-    """The block-wise attention against optr.effective_attention (the dense simulated
-    cache), layer by layer on the same full-precision q, k, v of idx (1, T): the largest
-    |difference| relative to the largest |output|, which must be float round-off. Also the
-    end-to-end max |logit difference| of the two forwards: there, round-off in one layer
-    can flip an INT2 code in the next, so it is reported, not required to vanish."""
+def check_simulation(model, idx, kv, block=96) -> dict:
+    """optr.SimulatedINT2 block-wise against dense, on idx (1, T): layer by layer on the same
+    full-precision q, k, v, the largest |difference| relative to the largest |output|, which
+    must be float round-off; and the end-to-end max |logit difference| of the two forwards
+    (there round-off in one layer can flip an INT2 code in the next, so it is reported, not
+    required to vanish)."""
     c = model.cfg
-    T = idx.shape[1]
-    captured = {}
-    hidden_states(model, idx, capture=captured)
-    pos = torch.arange(T)
-    mask, fp = optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, c.sink, c.window)
+    dense, blocks = optr.SimulatedINT2(kv, c), optr.SimulatedINT2(kv, c, block=block)
+    captured = []
+    model(idx, capture=captured)
     rel = 0.0
-    for l, (q, k, v) in captured.items():
-        k_t, v_t = optr.effective_kv(k, v, kv[l], c)
-        _, ref = optr.effective_attention(q, k, v, k_t, v_t, mask, fp)
-        mine = _block_attention(q, k, v, k_t, v_t, c.sink, c.window, block=96)
+    for l, (q, k, v) in enumerate(captured):
+        ref, mine = dense(l, q, k, v), blocks(l, q, k, v)
         rel = max(rel, ((mine - ref).abs().max() / ref.abs().max()).item())
-    logits = (model(idx, kv=kv) - model.lm_head(hidden_states(model, idx, kv, block=96)))
+    logits = model(idx, dense) - model(idx, blocks)
     return dict(attention_max_rel_diff=rel, logits_max_abs_diff=logits.abs().max().item())
 
 
@@ -280,35 +221,18 @@ def check_simulation(model, idx, kv) -> dict:
 def generate(model, prompts: list, n_tokens: int, temperature: float, top_k: int,
              gen: torch.Generator, banned: list) -> list:
     """Sample n_tokens after each prompt (lists of ids), all prompts in one batch, in full
-    precision with a plain key/value cache. Prompts are left-padded; pads are never attended.
+    precision with optr.KVCache. Prompts are left-padded; pads are never attended.
     `banned` ids (control tokens) are never sampled, so the text runs on. Returns lists."""
-    c = model.cfg
     B, P = len(prompts), max(len(p) for p in prompts)
     pad = torch.tensor([P - len(p) for p in prompts])
     idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts])
     N = P + n_tokens
     pos = torch.arange(N)[None] - pad[:, None]                          # (B, N) true positions
-    key_ok = pos >= 0                                                   # pads are not keys
-    L = len(model.model.layers)
-    K = torch.zeros(L, B, c.n_kv_heads, N, c.head_dim)
-    V = torch.zeros_like(K)
+    cache = optr.KVCache(model.cfg, B, N, key_ok=pos >= 0)              # pads are not keys
     out, x_ids, t0 = [], idx, 0
     for _ in range(n_tokens):
-        T = x_ids.shape[1]
-        t1 = t0 + T
-        qpos = torch.arange(t0, t1)
-        mask = (torch.arange(t1)[None, None, :] <= qpos[None, :, None]) & key_ok[:, None, :t1]
-        mask = mask | (torch.arange(t1)[None, None, :] == qpos[None, :, None])  # pads see self
-        x = model.model.embed_tokens(x_ids)
-        for l, layer in enumerate(model.model.layers):
-            attn = layer.self_attn
-            q, k, v = attn.qkv(layer.input_layernorm(x), pos[:, t0:t1].clamp_min(0))
-            K[l, :, :, t0:t1], V[l, :, :, t0:t1] = k, v
-            o = F.scaled_dot_product_attention(q, K[l, :, :, :t1], V[l, :, :, :t1],
-                                               attn_mask=mask[:, None], enable_gqa=True)
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        logits = model.lm_head(model.model.norm(x[:, -1])).float()
+        t1 = t0 + x_ids.shape[1]
+        logits = model(x_ids, cache, pos=pos[:, t0:t1].clamp_min(0))[:, -1].float()
         logits[:, banned] = float("-inf")
         top = logits.topk(top_k, dim=-1)
         probs = torch.softmax(top.values / temperature, dim=-1)
@@ -501,8 +425,9 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
         target = idx[:, L - n_ans:]
         for name, kv in specs.items():
             t0 = time.perf_counter()
-            logits = torch.cat([logits_at(model, hidden_states(model, idx[i:i + cfg.passkey_batch], kv), pos)
-                                for i in range(0, len(idx), cfg.passkey_batch)])
+            logits = torch.cat([logits_at(model, model.hidden_states(
+                idx[i:i + cfg.passkey_batch], simulated(kv, model.cfg)), pos)
+                for i in range(0, len(idx), cfg.passkey_batch)])
             ok = (logits.argmax(-1) == target).all(-1)
             correct[name][L] = int(ok.sum())
             if L == L_min:
@@ -514,62 +439,7 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
 
 
 # ----------------------------------------------------------------------------------------
-# 5. Key statistics: the offsets that centering removes, per layer and KV head
-# ----------------------------------------------------------------------------------------
-
-def channel_stats(k: torch.Tensor) -> dict:
-    """k (B, H_kv, T, d), statistics over all B*T tokens per KV head: channels with
-    |mean| > std, mean |mean|/std over channels, largest / median per-channel max-abs."""
-    x = k.double()
-    mean, std = x.mean(dim=(0, 2)), x.std(dim=(0, 2))                 # (H_kv, d)
-    maxabs = x.abs().amax(dim=(0, 2))                                 # (H_kv, d)
-    return dict(channels_mean_gt_std=(mean.abs() > std).sum(-1).tolist(),
-                mean_over_std_mean=(mean.abs() / std).mean(-1).tolist(),
-                maxabs_max_over_median=(maxabs.amax(-1) / maxabs.median(-1).values).tolist())
-
-
-def key_stats(model, captured: dict, k_means: list, T: int) -> dict:
-    """Per layer, on the first T evaluation tokens: pre-RoPE keys (the post-RoPE ones
-    rotated back), post-RoPE keys (what the cache stores), and post-RoPE keys minus the
-    calibration mean mu (what a centered cache stores)."""
-    c = model.cfg
-    cos, sin = optr.rope_cos_sin(torch.arange(T)[None], c.head_dim, c.rope_theta)
-    out = {}
-    for l in sorted(captured):
-        k = captured[l][1][:, :, :T]
-        out[f"layer{l}"] = dict(pre_rope=channel_stats(optr.apply_rope(k, cos, -sin)),
-                                post_rope=channel_stats(k),
-                                post_rope_centered=channel_stats(optr.center_keys(k, k_means[l])))
-    return out
-
-
-def print_key_stats(stats: dict, log=print):
-    log("key statistics per layer, KV heads h0/h1/...: channels with |mean| > std, and the "
-        "largest / median per-channel max-abs")
-    log(f"  {'layer':<8}{'#>std pre-RoPE':>16}{'post-RoPE':>12}{'centered':>12}"
-        f"{'maxabs post':>16}{'centered':>16}")
-    fmt = lambda xs, f: "/".join(f.format(x) for x in xs)
-    for layer, s in stats.items():
-        log(f"  {layer:<8}{fmt(s['pre_rope']['channels_mean_gt_std'], '{:d}'):>16}"
-            f"{fmt(s['post_rope']['channels_mean_gt_std'], '{:d}'):>12}"
-            f"{fmt(s['post_rope_centered']['channels_mean_gt_std'], '{:d}'):>12}"
-            f"{fmt(s['post_rope']['maxabs_max_over_median'], '{:.1f}'):>16}"
-            f"{fmt(s['post_rope_centered']['maxabs_max_over_median'], '{:.1f}'):>16}")
-    log("  " + key_stats_summary(stats))
-
-
-def key_stats_summary(stats: dict) -> str:
-    mean = lambda where, key: sum(sum(s[where][key]) / len(s[where][key])
-                                  for s in stats.values()) / len(stats)
-    return (f"mean over layers and heads: channels with |mean| > std {mean('pre_rope', 'channels_mean_gt_std'):.1f} "
-            f"pre-RoPE, {mean('post_rope', 'channels_mean_gt_std'):.1f} post-RoPE, "
-            f"{mean('post_rope_centered', 'channels_mean_gt_std'):.1f} centered (of d); "
-            f"max-abs largest/median {mean('post_rope', 'maxabs_max_over_median'):.1f} post-RoPE, "
-            f"{mean('post_rope_centered', 'maxabs_max_over_median'):.1f} centered")
-
-
-# ----------------------------------------------------------------------------------------
-# 6. Calibration: every variant through optr.calibrate
+# 5. Calibration: where the OptR loss looks, what --resume must match
 # ----------------------------------------------------------------------------------------
 
 def query_positions(cfg: RunConfig):
@@ -579,99 +449,13 @@ def query_positions(cfg: RunConfig):
     return torch.linspace(cfg.sink + cfg.window, cfg.calib_len - 1, cfg.qwin).round().long().unique()
 
 
-def calibrate_all(model, cal, held, cfg: RunConfig, timer, log=print):
-    """KVQuant specs per variant (None for full) and OptR's per-head report rows."""
-    specs, reports = {}, {}
-    L = len(model.model.layers)
-    for name in cfg.variants:
-        how = VARIANTS[name]
-        if how is None:
-            specs[name] = None
-            continue
-        base, center, learn = how
-        t0 = time.perf_counter()
-        done = set()
-
-        def progress(line, name=name, t0=t0):   # one line per 10 layers from calibrate's log
-            m = re.match(rf"\s*L(\d+) V step\s+{model.cfg.steps}\b", line)
-            if m and (int(m[1]) + 1) % 10 == 0 and m[1] not in done:
-                done.add(m[1])
-                log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | "
-                    f"{time.perf_counter() - t0:6.1f} s")
-
-        specs[name], reports[name] = optr.calibrate(model, cal, held, base=base, center=center,
-                                                    learn=learn, query_positions=query_positions(cfg),
-                                                    cfg=model.cfg, log=progress if learn else None)
-        dt = timer.lap("calibrate", t0)
-        line = f"calibrated {name:<21} | {dt:6.1f} s"
-        if learn:
-            rows = reports[name]
-            for part in ("k", "v"):
-                r = [x for x in rows if x["part"] == part]
-                line += (f" | {part.upper()} held-out loss {sum(x['base_loss'] for x in r):.4g} -> "
-                         f"{sum(x['best_loss'] for x in r):.4g}, "
-                         f"{sum(x['kept'] for x in r)}/{len(r)} heads learned")
-        log(line)
-    return specs, reports
-
-
+# the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
                                "calib_queries", "gen_temperature", "gen_top_k")
 
 
-def save_rotations(specs: dict, path: str, cfg: RunConfig):
-    """Every variant's per-layer key mean and key/value rotations: "<variant>/<layer>/r_k",
-    with the settings they were calibrated under as metadata."""
-    tensors = {}
-    for name, kv in specs.items():
-        for l, s in enumerate(kv or []):
-            for part in ("k_mean", "r_k", "r_v"):
-                if getattr(s, part) is not None:
-                    tensors[f"{name}/{l}/{part}"] = getattr(s, part).detach().contiguous()
-    settings = {f: getattr(cfg, f) for f in CALIB_FIELDS}
-    save_file(tensors, path, metadata={"calibration": json.dumps(settings)})
-
-
-def load_rotations(path: str, cfg: RunConfig, mcfg) -> dict:
-    """--resume: the specs save_rotations wrote, refusing a missing variant, a wrong shape or
-    (where the file records them) different calibration settings."""
-    from safetensors import safe_open
-    if not os.path.isfile(path):
-        raise ValueError(f"resume: expected {path} from an earlier run, found none")
-    with safe_open(path, "pt") as f:
-        meta = (f.metadata() or {}).get("calibration")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    if meta is None:
-        print(f"resume: {path} records no calibration settings; they are not checked")
-    else:
-        saved, now = json.loads(meta), {f: getattr(cfg, f) for f in CALIB_FIELDS}
-        diff = {k: (saved.get(k), v) for k, v in now.items() if saved.get(k) != v}
-        if diff:
-            raise ValueError(f"resume: {path} was calibrated with other settings "
-                             f"(saved, now): {diff}")
-    H, d = mcfg.n_kv_heads, mcfg.head_dim
-    specs = {}
-    for name in cfg.variants:
-        if VARIANTS[name] is None:
-            specs[name] = None
-            continue
-        kv = []
-        for l in range(mcfg.n_layers):
-            parts = {p: tensors.get(f"{name}/{l}/{p}") for p in ("k_mean", "r_k", "r_v")}
-            want = dict(k_mean=(H, d), r_k=(H, d, d), r_v=(H, d, d))
-            if parts["r_k"] is None or parts["r_v"] is None:
-                raise ValueError(f"resume: {path} has no rotations for {name} layer {l}")
-            for p, t in parts.items():
-                if t is not None and tuple(t.shape) != want[p]:
-                    raise ValueError(f"resume: {name}/{l}/{p}: expected shape {want[p]}, "
-                                     f"got {tuple(t.shape)}")
-            kv.append(optr.KVQuant(**parts))
-        specs[name] = kv
-    return specs
-
-
 # ----------------------------------------------------------------------------------------
-# 7. Next-token fidelity (KL, NLL, top-1) and where the output error comes from (Eq. 8)
+# 6. Next-token fidelity (KL, NLL, top-1), and where the Eq. 8 split looks
 # ----------------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -703,95 +487,13 @@ def by_context(per_pos: torch.Tensor, start: int, contexts) -> dict:
     return {str(L): per_pos[:, :L - 1 - start].mean().item() for L in contexts}
 
 
-@torch.no_grad()
-def output_errors(model, captured: dict, kv, cfg: RunConfig, T: int) -> dict:
-    """Eq. 8-10 per layer from the full-precision q, k, v of the first T evaluation tokens,
-    at err_queries query positions evenly spaced past the windows, with the variant's
-    effective keys and values (sink and recent window exact per query).
-    e_out_key, e_out_value: mean |dy_K|^2, |dy_V|^2 per query head and query position;
-    e_out: mean |dy_K + dy_V|^2; e_rec: mean |k - k~|^2 + |v - v~|^2 per KV head and token
-    over the INT2 part seen by the last position. Means over layers."""
-    c = model.cfg
-    sums = dict(e_out_key=0.0, e_out_value=0.0, e_out=0.0, e_rec=0.0)
-    if kv is None:
-        return sums
-    pos = torch.linspace(c.sink + c.window, T - 1, cfg.err_queries).round().long().unique()
-    mask, fp = optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, c.sink, c.window)
-    int2 = ~optr.fp_window_mask(torch.tensor([T - 1]), T, c.sink, c.window)[0]
-    for l in sorted(captured):
-        q, k, v = (x[:, :, :T] for x in captured[l])
-        k_t, v_t = optr.effective_kv(k, v, kv[l], c)
-        r = optr.error_decomposition(q[:, :, pos], k, v, k_t, v_t, model.o_proj_heads(l), mask, fp)
-        sums["e_out_key"] += r["dy_k"].pow(2).sum(-1).mean().item()                  # Eq. 8
-        sums["e_out_value"] += r["dy_v"].pow(2).sum(-1).mean().item()                # Eq. 8
-        sums["e_out"] += r["e_out"].mean().item()                                    # Eq. 10
-        sums["e_rec"] += ((k - k_t)[:, :, int2].pow(2).sum(-1).mean()                # Eq. 9
-                          + (v - v_t)[:, :, int2].pow(2).sum(-1).mean()).item()
-    return {name: s / len(captured) for name, s in sums.items()}
+def error_positions(cfg: RunConfig, T: int) -> torch.Tensor:
+    """err_queries query positions of the Eq. 8 split, evenly spaced past sink + window."""
+    return torch.linspace(cfg.sink + cfg.window, T - 1, cfg.err_queries).round().long().unique()
 
 
 # ----------------------------------------------------------------------------------------
-# 8. Serving: the passkey answers decoded through the real paged INT2 cache; bits
-# ----------------------------------------------------------------------------------------
-
-@torch.no_grad()
-def decode_check(model, specs: dict, names: list, prompt, sim_logits: dict, cfg: RunConfig,
-                 timer, log=print) -> dict:
-    """Prefill each prompt minus its last token into optr.PagedKVCache (optr.prefill), then
-    decode the last prompt token and the answer tokens one at a time (optr.decode_step with
-    the pure-torch paged attention, value rotation folded into the weights), teacher-forced.
-    Compare the answers with the simulated cache every other number comes from."""
-    idx, n_ans, _ = prompt
-    idx = idx[:cfg.decode_prompts]
-    n, L = idx.shape
-    first = L - n_ans - 1
-    target = idx[:, L - n_ans:]
-    out = {}
-    for name in names:
-        t0 = time.perf_counter()
-        kv = specs[name]
-        served = optr.fold_value_rotation(model, kv)
-        cache = optr.PagedKVCache(model.cfg, num_pages=n * math.ceil(L / model.cfg.page_size),
-                                  max_seqs=n, kv=kv)
-        seqs = [cache.add_sequence() for _ in range(n)]
-        optr.prefill(served, cache, seqs, idx[:, :first])
-        dec = torch.stack([optr.decode_step(served, cache, seqs, idx[:, t])
-                           for t in range(first, L - 1)], 1)            # (n, n_ans, vocab)
-        sim = sim_logits[name][:n]
-        res = dict(prompts=n, context=L, answer_tokens=n * n_ans,
-                   same_argmax=int((dec.argmax(-1) == sim.argmax(-1)).sum()),
-                   correct_decoded=int((dec.argmax(-1) == target).all(-1).sum()),
-                   correct_simulated=int((sim.argmax(-1) == target).all(-1).sum()),
-                   max_abs_logit_diff=(dec - sim).abs().max().item())
-        out[name] = res
-        dt = timer.lap("decode", t0)
-        log(f"decode check {name:<13} | {res['same_argmax']}/{res['answer_tokens']} answer tokens "
-            f"match the simulated argmax | passkeys correct {res['correct_decoded']}/{n} decoded, "
-            f"{res['correct_simulated']}/{n} simulated | max |logit diff| "
-            f"{res['max_abs_logit_diff']:.2e} | {dt:5.1f} s")
-    return out
-
-
-@torch.no_grad()
-def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:
-    """Bits per cached K/V element of idx (1, T) as stored in optr.PagedKVCache with bf16
-    windows (as served), and of its INT2 part alone. Full precision (kv None) is stored as
-    one recent window covering the whole context: no INT2 part (None)."""
-    T = idx.shape[1]
-    if kv is None:
-        served = copy.deepcopy(model).reconfigure(sink=0, window=T)
-        specs = [optr.KVQuant()] * len(model.model.layers)
-    else:
-        served, specs = optr.fold_value_rotation(model, kv), kv
-    cache = optr.PagedKVCache(served.cfg, num_pages=math.ceil(T / served.cfg.page_size),
-                              max_seqs=1, kv=specs, window_dtype=torch.bfloat16)
-    seq = cache.add_sequence()
-    optr.prefill(served, cache, [seq], idx)
-    return cache.bits_per_element(seq), None if kv is None else cache.bits_per_element(seq, True)
-
-
-# ----------------------------------------------------------------------------------------
-# 9. Plots (PNG, matplotlib's Agg backend)
+# 7. Plots (PNG, matplotlib's Agg backend)
 # ----------------------------------------------------------------------------------------
 
 def pick_layer_head(stats: dict, cfg: RunConfig) -> tuple[int, int]:
@@ -908,7 +610,7 @@ def plot_vs_context(variants: dict, contexts, n_prompts: int, model_name, path):
     import matplotlib.pyplot as plt
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, v) in enumerate(variants.items()):
-        color = f"C{list(VARIANTS).index(name)}"                 # one colour per variant
+        color = f"C{LADDER.index(name)}"                         # one colour per variant
         xs = [int(L) for L in v["kl_by_ctx"]]
         if name != "full":
             a.plot(xs, list(v["kl_by_ctx"].values()), "o-", color=color, label=name)
@@ -940,45 +642,38 @@ def plot_vs_context(variants: dict, contexts, n_prompts: int, model_name, path):
 
 
 # ----------------------------------------------------------------------------------------
-# 10. The run, the summary table
+# 8. The run, the summary table
 # ----------------------------------------------------------------------------------------
 
-def gap_closed(variants: dict, cfg: RunConfig) -> dict:
-    """For each base with its OptR variant: the KL gap closed at gap_ctx,
-    (KL_base - KL_optr) / KL_base (full has KL 0), the same for NLL against full, and the
-    passkey accuracy of OptR minus its base's at each context."""
-    out, C = {}, str(cfg.gap_ctx)
-    for base in ("quarot", "oscar"):
-        if base not in variants or base + "+optr" not in variants:
-            continue
-        b, o, f = variants[base], variants[base + "+optr"], variants["full"]
-        nll_gap = b["nll_by_ctx"][C] - f["nll_by_ctx"][C]
-        out[base] = dict(kl=(b["kl"] - o["kl"]) / b["kl"] if b["kl"] > 0 else None,
-                         nll=(b["nll_by_ctx"][C] - o["nll_by_ctx"][C]) / nll_gap if nll_gap > 0 else None,
-                         passkey_change={L: o["passkey"][L] - b["passkey"][L] for L in o["passkey"]})
+def llm_gap_closed(variants: dict, cfg: RunConfig) -> dict:
+    """For each base with its OptR variant (train_tiny.gap_closed): the KL gap closed at
+    gap_ctx, (KL_base - KL_optr) / KL_base, the same for NLL against full, and the passkey
+    accuracy of OptR minus its base's at each context."""
+    C = str(cfg.gap_ctx)
+    out = gap_closed(variants, dict(kl=(lambda v: v["kl"], -1),
+                                    nll=(lambda v: v["nll_by_ctx"][C], -1)))
+    for base, g in out.items():
+        b, o = variants[base]["passkey"], variants[base + "+optr"]["passkey"]
+        g["passkey_change"] = {L: o[L] - b[L] for L in o}
     return out
 
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
-    V = results["variants"]
     ctx = [str(L) for L in cfg.contexts]
     C = str(cfg.gap_ctx)
     pk, n = cfg.passkey_prompts > 0, cfg.passkey_prompts
-    head = (f"{'variant':<22}" + "".join(f"{'KL@' + L:>9}" for L in ctx) + f"{'NLL@' + C:>10}"
-            + f"{'top1@' + C:>10}" + ("".join(f"{'pk@' + L:>8}" for L in ctx) if pk else "")
-            + f"{'E_out,K':>9}{'E_out,V':>9}{'E_rec':>8}{'bits':>6}")
+    col = lambda head, w, f, get: (head, w, lambda name, v: format(get(v), f))
+    columns = [col(f"KL@{L}", 9, ".4f", lambda v, L=L: v["kl_by_ctx"][L]) for L in ctx]
+    columns += [col(f"NLL@{C}", 10, ".4f", lambda v: v["nll_by_ctx"][C]),
+                col(f"top1@{C}", 10, ".4f", lambda v: v["top1_by_ctx"][C])]
+    columns += [col(f"pk@{L}", 8, ".2f", lambda v, L=L: v["passkey"][L]) for L in ctx if pk]
+    columns += [col(h, w, f, lambda v, k=k: v[k]) for k, h, w, f in (
+        ("e_out_key", "E_out,K", 9, ".4f"), ("e_out_value", "E_out,V", 9, ".4f"),
+        ("e_rec", "E_rec", 8, ".2f"), ("bits_per_element", "bits", 6, ".2f"))]
     log("")
     log(f"{results['model']}: the ladder (G {results['group_size']}, c_K {cfg.clip_k}, c_V "
         f"{cfg.clip_v}, sink {cfg.sink}, recent {cfg.window}, lambda {cfg.lam}, {cfg.steps} steps)")
-    log(head)
-    for name, v in V.items():
-        row = "".join(f"{v['kl_by_ctx'][L]:9.4f}" for L in ctx)
-        row += f"{v['nll_by_ctx'][C]:10.4f}{v['top1_by_ctx'][C]:10.4f}"
-        if pk:
-            row += "".join(f"{v['passkey'][L]:8.2f}" for L in ctx)
-        row += (f"{v['e_out_key']:9.4f}{v['e_out_value']:9.4f}{v['e_rec']:8.2f}"
-                f"{v['bits_per_element']:6.2f}")
-        log(f"{name:<22}{row}")
+    print_table(results["variants"], columns, log)
     n_tok = {L: results["eval"]["positions"][L] for L in ctx}
     log(f"KL(full || variant) nats/token, NLL nats/token, top-1 agreement with full: mean over "
         f"positions {cfg.sink + cfg.window}..L-2 of {cfg.eval_seqs} text(s) of L tokens")
@@ -1010,6 +705,7 @@ def main(argv=None) -> dict:
     print_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    attend = decode_attention(cfg.decode_attend)       # before calibration imports triton
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
     t0 = time.perf_counter()
@@ -1040,55 +736,59 @@ def main(argv=None) -> dict:
 
     # full precision: evaluation hidden states, captures for key statistics and Eq. 8
     t0 = time.perf_counter()
-    captured, h_full = {}, []
-    for i in range(len(eval_idx)):
-        h_full.append(hidden_states(model, eval_idx[i:i + 1], capture=captured if i == 0 else None))
-    with torch.no_grad():
-        _, cal_cap = model(cal, capture=True)
+    captured, cal_cap = [], []
+    h_full = [model.hidden_states(eval_idx[i:i + 1], capture=captured if i == 0 else None)
+              for i in range(len(eval_idx))]
+    model(cal, capture=cal_cap)
+    captured = [tuple(x[:, :, :cfg.gap_ctx] for x in qkv) for qkv in captured]  # first gap_ctx
     k_means = [optr.key_mean(k) for _, k, _ in cal_cap]                        # Section 4
-    stats = key_stats(model, captured, k_means, cfg.gap_ctx)
+    stats = key_stats(c, captured, k_means)
     log(f"full precision forward of the evaluation text and key statistics | "
         f"{timer.lap('full', t0):6.1f} s")
     print_key_stats(stats, log)
 
     # calibration
     rot_path = os.path.join(cfg.out, "kv_rotations.safetensors")
+    settings = {f: getattr(cfg, f) for f in CALIB_FIELDS}
     if cfg.resume:
-        specs, reports = load_rotations(rot_path, cfg, c), {}
+        specs, meta = load_ladder(rot_path, cfg.variants, c, settings)
+        reports = meta.get("report", {})
         log(f"resumed every variant's rotations and key means from {rot_path}")
     else:
-        specs, reports = calibrate_all(model, cal, held, cfg, timer, log)
-        save_rotations(specs, rot_path, cfg)
+        specs, reports = calibrate_variants(model, cal, held, cfg.variants, query_positions(cfg),
+                                            progress_every=10, timer=timer, log=log)
+        save_ladder(rot_path, specs, c, meta=dict(calibration=settings, report=reports))
     first_q = next(n for n in specs if specs[n] is not None)
     T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])
     t0 = time.perf_counter()
     diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_q])
-    log(f"block-wise simulated cache vs optr.effective_attention ({first_q}, {T_chk} tokens): "
-        f"attention max rel. diff {diff['attention_max_rel_diff']:.1e} per layer; end to end "
-        f"max |logit diff| {diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
+    log(f"block-wise simulated cache vs dense ({first_q}, {T_chk} tokens): attention max rel. "
+        f"diff {diff['attention_max_rel_diff']:.1e} per layer; end to end max |logit diff| "
+        f"{diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
         f"{timer.lap('check', t0):5.1f} s")
     if diff["attention_max_rel_diff"] > 1e-4:
-        raise RuntimeError(f"the block-wise simulated attention differs from optr's by "
+        raise RuntimeError(f"the block-wise simulated attention differs from the dense one by "
                            f"{diff['attention_max_rel_diff']:.3g} (relative)")
 
     # next-token fidelity and the Eq. 8 split
     start = c.sink + c.window
     lf_full = [full_logprobs(model, h, start) for h in h_full]
+    err_pos = error_positions(cfg, cfg.gap_ctx)
     variants = {}
     for name, kv in specs.items():
         t0 = time.perf_counter()
         per = [token_metrics(model, lf_full[i], h_full[i] if kv is None else
-                             hidden_states(model, eval_idx[i:i + 1], kv), eval_idx[i:i + 1], start)
+                             model.hidden_states(eval_idx[i:i + 1], simulated(kv, c)),
+                             eval_idx[i:i + 1], start)
                for i in range(len(eval_idx))]
         per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
         v = {f"{k}_by_ctx": by_context(x, start, cfg.contexts) for k, x in per.items()}
         v.update(kl=v["kl_by_ctx"][str(cfg.gap_ctx)], top1=v["top1_by_ctx"][str(cfg.gap_ctx)],
                  nll=v["nll_by_ctx"][str(cfg.gap_ctx)])
         dt_fwd = time.perf_counter() - t0
-        v.update(output_errors(model, captured, kv, cfg, cfg.gap_ctx))
+        v.update(output_errors(model, captured, kv, err_pos))
         variants[name] = v
         dt = timer.lap("evaluate", t0)
-        T = eval_idx.shape[1]
         log(f"evaluated {name:<21} | KL " + " ".join(f"{x:.4f}@{L}" for L, x in v["kl_by_ctx"].items())
             + f" | forward {1000 * dt_fwd / eval_idx.numel():5.2f} ms/token | {dt:6.1f} s")
 
@@ -1110,20 +810,15 @@ def main(argv=None) -> dict:
     decode = {}
     names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
     if prompts and cfg.decode_prompts and names:
-        decode = decode_check(model, specs, names, prompts[min(prompts)], sim_logits, cfg, timer, log)
+        idx, n_ans, _ = prompts[min(prompts)]
+        L = idx.shape[1]
+        decode = decode_check(model, specs, names, idx[:cfg.decode_prompts], L - n_ans - 1,
+                              torch.arange(L - n_ans - 1, L - 1), attend, simulated=sim_logits,
+                              block=BLOCK, timer=timer, log=log)
     else:
         log("decode check | skipped: needs passkey prompts, --decode-prompts > 0 and an OptR variant")
-    t0 = time.perf_counter()
     L_bits = min(cfg.contexts)
-    bits_idx = eval_idx[:1, :L_bits]
-    bits_full, _ = measured_bits(model, None, bits_idx)
-    bits_q, bits_int2 = measured_bits(model, specs[first_q], bits_idx)
-    for name, v in variants.items():       # every INT2 variant stores the same tensors
-        v["bits_per_element"] = bits_full if specs[name] is None else bits_q
-        v["bits_int2_part"] = None if specs[name] is None else bits_int2
-    log(f"bits per element at {L_bits} tokens, measured from optr.PagedKVCache's tensors: full "
-        f"{bits_full:.2f}, INT2 variants {bits_q:.2f} (INT2 part {bits_int2:.2f}) | "
-        f"{timer.lap('bits', t0):5.1f} s")
+    bits_int2 = ladder_bits(model, specs, variants, eval_idx[:1, :L_bits], timer, log)
 
     # plots
     t0 = time.perf_counter()
@@ -1142,26 +837,23 @@ def main(argv=None) -> dict:
     log("  Figure 2, summed key-induced error per token: "
         + ", ".join(f"{k} {x:.3g}" for k, x in fig2.items()))
 
-    results = dict(model=model_name, checkpoint=os.path.abspath(path), config=config_dict(cfg),
-                   group_size=G,
-                   eval=dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start)
-                                                       for L in cfg.contexts}),
-                   key_stats=stats, key_stats_summary=key_stats_summary(stats),
-                   variants=variants, gap_closed=gap_closed(variants, cfg), decode_check=decode,
-                   bits_context=L_bits, bits_int2_part=bits_int2, simulation_check=diff,
-                   plots=dict(plots, layer=layer, head=head, figure2_sums=fig2),
-                   passkey_needles={str(L): p[2] for L, p in prompts.items()},
-                   report=reports)
+    extra = {}
     if cfg.export:
         t0 = time.perf_counter()
         cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
         best = min(cands, key=lambda n: variants[n]["kl"])
         optr.export_hf(model, specs[best], cfg.export, tokenizer=tok)
-        results["export"] = dict(dir=os.path.abspath(cfg.export), variant=best)
+        extra["export"] = dict(dir=os.path.abspath(cfg.export), variant=best)
         log(f"export | {best} -> {cfg.export} | {timer.lap('export', t0):5.1f} s")
-    results["timing_s"] = dict(timer.stages, total=time.perf_counter() - timer.t0)
-    with open(os.path.join(cfg.out, "results.json"), "w") as f:
-        json.dump(results, f, indent=1)
+    results = write_results(
+        cfg.out, cfg, timer.timing(), stats, variants, llm_gap_closed(variants, cfg), decode,
+        reports, model=model_name, checkpoint=os.path.abspath(path), group_size=G,
+        eval=dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start)
+                                            for L in cfg.contexts}),
+        key_stats_summary=key_stats_summary(stats), bits_context=L_bits,
+        bits_int2_part=bits_int2, simulation_check=diff,
+        plots=dict(plots, layer=layer, head=head, figure2_sums=fig2),
+        passkey_needles={str(L): p[2] for L, p in prompts.items()}, **extra)
     print_summary(results, cfg, log)
     log("time | " + " | ".join(f"{k} {x:.0f} s" for k, x in results["timing_s"].items()))
     log(f"wrote {os.path.join(cfg.out, 'results.json')}, kv_rotations.safetensors and plots | "

@@ -1866,8 +1866,9 @@ def test_triton_imported_first_gives_clear_error():
 def test_train_tiny_quick_smoke(tmp_path):
     """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
     minute; results.json has the documented schema, every variant is present, full
-    precision answers >= 95% correctly, and the paged Triton decode agrees with the
-    simulated cache."""
+    precision answers >= 95% correctly, the paged Triton decode agrees with the
+    simulated cache, and every variant's rotations are in one file that
+    optr.load_kv_rotations reads."""
     import json
     import train_tiny
     results = train_tiny.main(["--quick", "--out", str(tmp_path)])
@@ -1885,8 +1886,11 @@ def test_train_tiny_quick_smoke(tmp_path):
     assert on_disk["variants"]["full"]["accuracy"][longest] >= 0.95
     assert on_disk["variants"]["int2"]["bits_per_element"] < 16
     for check in results["decode_check"].values():
-        assert check["same_argmax"] == check["answers"]
-    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "kv_rotations.safetensors").exists()
+        assert check["same_argmax"] == check["answer_tokens"]
+    assert (tmp_path / "model.safetensors").exists()
+    rotations, info = optr.load_kv_rotations(str(tmp_path / "kv_rotations.safetensors"))
+    assert set(rotations) == names - {"full"}                         # one file, every variant
+    assert info["meta"]["config"]["quick"] is True
 
 
 def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
@@ -1921,9 +1925,11 @@ def test_eval_llm_smoke(tmp_path):
     """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout),
     writes results.json in train_tiny's schema, its block-wise simulated cache equals optr's
     dense one, the paged decode reproduces the simulated passkey answers, and it writes
-    orthogonal rotations and the plots."""
+    orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
+    reads that file back (and refuses other calibration settings), also with the Triton
+    kernel in the decode check; --export writes a checkpoint whose rotations load too."""
     import json
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
     import eval_llm
     tok = _byte_tokenizer()
     cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
@@ -1942,13 +1948,12 @@ def test_eval_llm_smoke(tmp_path):
     calib.write_text("The quick brown fox jumps over the lazy dog. " * 8)
     evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
     out = tmp_path / "out"
-    results = eval_llm.main([
-        "--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
-        "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
-        "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
-        "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
-        "--variants", "full,int2,quarot,quarot+optr", "--passkey-prompts", "2",
-        "--decode-prompts", "1"])
+    args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
+            "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
+            "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
+            "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
+            "--passkey-prompts", "2", "--decode-prompts", "1"]
+    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
     for name, v in on_disk["variants"].items():
@@ -1963,9 +1968,57 @@ def test_eval_llm_smoke(tmp_path):
     dec = on_disk["decode_check"]["quarot+optr"]
     assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
     assert "quarot" in on_disk["gap_closed"]
-    rot = load_file(str(out / "kv_rotations.safetensors"))
-    r = rot["quarot+optr/1/r_k"].double()                                  # (H_kv, d, d)
+    rotations, info = optr.load_kv_rotations(str(out / "kv_rotations.safetensors"), cfg)
+    assert set(rotations) == {"int2", "quarot", "quarot+optr"}            # one file, every variant
+    r = rotations["quarot+optr"][1].r_k.double()                          # (H_kv, d, d)
     assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
+    assert info["meta"]["calibration"]["steps"] == 2 and info["meta"]["report"]["quarot+optr"]
     for name in results["plots"].values():
         if isinstance(name, str):
             assert (out / name).stat().st_size > 10_000
+    # --resume reads the same file back, and refuses other calibration settings
+    again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
+                                  "--decode-attend", "kernel"])
+    assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
+    dec = again["decode_check"]["quarot+optr"]
+    assert "int2_paged_decode" in dec["attend"] and dec["same_argmax"] == dec["answer_tokens"]
+    with pytest.raises(ValueError, match="calibrated with other settings"):
+        eval_llm.main(args + ["--resume", "--steps", "3"])
+    export = tmp_path / "export"
+    eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr", "--export", str(export)])
+    served, info = optr.load_kv_rotations(str(export))
+    assert list(served) == ["optr"] and info["r_v_folded"]["optr"]
+
+
+def test_importing_the_scripts_leaves_triton_alone():
+    """Importing train_tiny or eval_llm neither imports kernel.py nor switches Triton to
+    its CPU interpreter: only a run that decodes with the kernel does."""
+    code = ("import os, sys, train_tiny, eval_llm; "
+            "print('kernel' in sys.modules, os.environ.get('TRITON_INTERPRET'))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "None"], r.stdout
+
+
+def test_eval_llm_generate_matches_recomputing_each_prompt():
+    """eval_llm.generate (a batch of left-padded prompts through optr.KVCache) samples, at
+    top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives when the
+    whole text is recomputed at every step: pads are never attended and positions start at
+    each prompt's first token."""
+    import eval_llm
+    cfg = optr.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                      head_dim=16, ffn_dim=64, group_size=16, seed=5)
+    model = optr.TinyLM(cfg).eval()
+    prompts = [[5, 9, 2, 33, 7, 1], [12, 40], [3, 3, 8]]
+    out = eval_llm.generate(model, prompts, 5, temperature=1.0, top_k=1,
+                            gen=torch.Generator().manual_seed(0), banned=[0])
+    for p, got in zip(prompts, out):
+        ids = list(p)
+        with torch.no_grad():
+            for _ in range(5):
+                logits = model(torch.tensor([ids]))[0, -1]
+                logits[0] = float("-inf")
+                ids.append(int(logits.argmax()))
+        assert got == ids
