@@ -53,6 +53,12 @@ def random_rotations(H, d, seed=0):
     return torch.stack([random_orthogonal(d, seed + h) for h in range(H)])
 
 
+def replace_cfg(cfg, **kw):
+    """A copy of the config with these fields changed (validated by Config)."""
+    import dataclasses
+    return dataclasses.replace(cfg, **kw)
+
+
 def fails(check, *args, **kw):
     """True if the check raises AssertionError on these arguments."""
     try:
@@ -776,6 +782,15 @@ def test_rotate_dequant_mixes_dtypes_and_computes_in_fp32(dtype):
     expect = (torch.from_numpy(deq) @ R.transpose(-1, -2)).to(dtype)
     out = optr.rotate_dequant(z, R, 0.96, 8)
     assert out.dtype == dtype and torch.equal(out, expect)
+
+
+@pytest.mark.parametrize("d", [1, 2, 8, 32, 128])
+def test_bit_reversal_permutation_is_the_authors(d):
+    """perm[i] = i with its log2(d) bits reversed: a permutation, equal to the authors'
+    (so perm[1] = d/2 for d >= 2)."""
+    perm = optr.bit_reversal_permutation(d)
+    assert sorted(perm.tolist()) == list(range(d))
+    assert torch.equal(perm, bit_reversal_theirs(d)) and (d < 2 or perm[1].item() == d // 2)
 
 
 def oscar_layer(seed, N=2, Hq=4, Hkv=2, T=20, d=16):
@@ -2260,11 +2275,6 @@ def test_prefill_refuses_sequences_that_already_hold_tokens(calibrated_tiny):
     bulk, _, _, _, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
     with pytest.raises(ValueError, match="expected empty sequences"):
         optr.prefill(folded, bulk, seqs, idx[:, :2])
-
-
-def replace_cfg(cfg, **kw):
-    import dataclasses
-    return dataclasses.replace(cfg, **kw)
 
 
 # ----------------------------------------------------------------------------------------
