@@ -13,6 +13,7 @@ follow the paper, as cited in optr.py; the sections follow optr.py's numbering.
   A. Long texts, prefill   B. Rotation files, export   C. Real checkpoints
   K. The Triton decode kernel (its section below keeps the banner "9. The Triton ...")
   S. The scripts           P. SmolLM2 from the wheel
+(The kernel's performance guards, its SASS budgets, stay inside the kernel section.)
 Each section ends with its "the checks can fail" tests: the section's checks run against
 deliberately broken versions of optr and must fail.
 """
@@ -1752,6 +1753,19 @@ def test_calibrate_layer_refuses_data_that_does_not_fit_the_layer(change, match)
         optr.calibrate_layer(**layer_args(**change))
 
 
+def test_calibrate_reports_every_head_of_every_layer(calibrated_tiny):
+    """optr.calibrate centers and calibrates every layer: one KVQuant per layer with the
+    layer's key mean and learned rotations, and one report row per layer, head and part."""
+    model, data, specs, report = calibrated_tiny
+    assert len(specs) == model.cfg.n_layers
+    assert sorted((r["layer"], r["part"], r["head"]) for r in report) == \
+        [(l, p, h) for l in range(2) for p in ("k", "v") for h in range(2)]
+    captured = []
+    model(data[0], capture=captured)
+    for spec, (_, k, _) in zip(specs, captured):
+        assert torch.equal(spec.k_mean, optr.key_mean(k))
+
+
 # -- the checks can fail ------------------------------------------------------------------
 
 def test_calibration_checks_can_fail(monkeypatch):
@@ -1764,19 +1778,6 @@ def test_calibration_checks_can_fail(monkeypatch):
     monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
     assert fails(test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors)
     monkeypatch.undo()
-
-
-def test_calibrate_reports_every_head_of_every_layer(calibrated_tiny):
-    """optr.calibrate centers and calibrates every layer: one KVQuant per layer with the
-    layer's key mean and learned rotations, and one report row per layer, head and part."""
-    model, data, specs, report = calibrated_tiny
-    assert len(specs) == model.cfg.n_layers
-    assert sorted((r["layer"], r["part"], r["head"]) for r in report) == \
-        [(l, p, h) for l in range(2) for p in ("k", "v") for h in range(2)]
-    captured = []
-    model(data[0], capture=captured)
-    for spec, (_, k, _) in zip(specs, captured):
-        assert torch.equal(spec.k_mean, optr.key_mean(k))
 
 
 # ----------------------------------------------------------------------------------------
