@@ -130,7 +130,7 @@ def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
         raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
     if shape is not None and (x.dim() != len(shape) or
                               any(s is not None and s != n for s, n in zip(shape, x.shape))):
-        want = tuple("*" if s is None else s for s in shape)
+        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
         raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
     if dtype == "float" and not x.dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
@@ -422,6 +422,12 @@ def key_mean(k: torch.Tensor) -> torch.Tensor:
     return k.double().mean(dim=(0, 2)).float()
 
 
+def check_key_mean(name: str, k_mean, cfg: Config):
+    """ValueError naming `name` unless k_mean is None or a finite (H_kv, d) float tensor."""
+    if k_mean is not None:
+        check_tensor(name, k_mean, shape=(cfg.n_kv_heads, cfg.head_dim), dtype="float", finite=True)
+
+
 def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
     """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype."""
     return k if k_mean is None else k - k_mean[None, :, None, :].to(k.dtype)
@@ -472,12 +478,10 @@ def check_kv(name: str, spec, cfg: Config):
     tensor and whose rotations are orthogonal (H_kv, d, d) tensors (or None)."""
     if not isinstance(spec, KVQuant):
         raise ValueError(f"{name}: expected an optr.KVQuant, got {type(spec).__name__}")
-    H, d = cfg.n_kv_heads, cfg.head_dim
-    if spec.k_mean is not None:
-        check_tensor(f"{name}.k_mean", spec.k_mean, shape=(H, d), dtype="float", finite=True)
+    check_key_mean(f"{name}.k_mean", spec.k_mean, cfg)
     for part in ("r_k", "r_v"):
         if getattr(spec, part) is not None:
-            check_rotation(f"{name}.{part}", getattr(spec, part), H, d)
+            check_rotation(f"{name}.{part}", getattr(spec, part), cfg.n_kv_heads, cfg.head_dim)
 
 
 def check_kv_list(name: str, kv, cfg: Config):
@@ -626,7 +630,7 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
     q (B, H_q, Tq, d); k, v (B, H_kv, T, d); w_o (H_q, d_model, d); r_k (H_kv, d, d);
     k_mean (H_kv, d) or None; mask, fp (Tq, T)."""
     check_rotation("r_k", r_k, cfg.n_kv_heads, cfg.head_dim)
-    check_kv("key spec", KVQuant(k_mean=k_mean), cfg)
+    check_key_mean("k_mean", k_mean, cfg)
     check_query_mask(mask)
     k_t = dequant_keys(k, k_mean, r_k, cfg)                                          # Eq. 4
     p = torch.softmax(gqa_logits(q, k).masked_fill(~mask, float("-inf")), dim=-1)   # Eq. 1
@@ -657,7 +661,9 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     best, best_A = base.clone(), torch.zeros_like(A)
     best_step = torch.zeros(H, dtype=torch.long, device=r_base.device)
     for step in range(1, cfg.steps + 1):
-        loss = loss_fn(optr_rotation(r_base, A), "cal").mean()   # mean of the per-head losses
+        per_head = loss_fn(optr_rotation(r_base, A), "cal")
+        assert per_head.shape == (H,), per_head.shape
+        loss = per_head.mean()                                   # mean of the per-head losses
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -679,7 +685,7 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     return R.detach(), rows
 
 
-def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
+def loss_queries(T: int, cfg: Config, query_positions=None, device=None, name="cal"):
     """Query positions of the loss: the given ones, or max(1, T - qwin) .. T - 1 (the
     authors' rule); with their causal mask and exact-window mask (Tq, T), static or
     relative (cfg.calib_windows)."""
@@ -700,7 +706,7 @@ def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
     else:                                             # each query's windows, as served
         fp = fp_window_mask(q_pos, T, cfg.sink, cfg.window)
     if not bool(int2_mask(mask, fp).any()):
-        raise ValueError(f"cal/held: expected sequences with INT2 tokens for the loss queries, "
+        raise ValueError(f"{name}: expected sequences with INT2 tokens for the loss queries, "
                          f"got T = {T} with sink {cfg.sink} and window {cfg.window}")
     return q_pos, mask, fp
 
@@ -718,10 +724,10 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
     check_tensor("w_o", w_o, shape=(cfg.n_heads, None, cfg.head_dim), dtype="float", finite=True)
     check_rotation("r_k0", r_k0, cfg.n_kv_heads, cfg.head_dim)
     check_rotation("r_v0", r_v0, cfg.n_kv_heads, cfg.head_dim)
-    check_kv("k_mean", KVQuant(k_mean=k_mean), cfg)
+    check_key_mean("k_mean", k_mean, cfg)
     data = {}
     for split, (q, k, v) in (("cal", cal), ("held", held)):
-        q_pos, mask, fp = loss_queries(k.shape[2], cfg, query_positions, dev)
+        q_pos, mask, fp = loss_queries(k.shape[2], cfg, query_positions, dev, split)
         data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
                        mask, fp)
     w_o = w_o.detach().float().to(dev)
