@@ -119,8 +119,6 @@ _MAX_SPLITS = 1024
 # ----------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------
-_FP16_ONE_K = 1024.0   # 0x6400 in fp16; see _codes_fp16
-_OPERAND_RANGE = 16384.0  # dot operands are scaled into [-2^14, 2^14] before the fp16 split
 
 
 @triton.jit
@@ -593,11 +591,21 @@ def _dot_precision(device):
     return "ieee"
 
 
-def _block_sizes(d, G, ratio):
-    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning)."""
+def _block_sizes(d, G, ratio, P):
+    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning).  The token
+    tile is chosen so that no configuration spills on sm_80 or sm_90a
+    (python kernel.py --sass --all): 64 tokens in the factored path, 32 for d = 256 or
+    when a tile gathers its tokens from several pages with several groups per row
+    (a page index and d/G scale and zero addresses per token), 16 in the general path
+    (its per-dim scale and zero tiles and, for d < 64, its (heads, tokens, d/4) product)."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
-    block_n = 64 if d <= 128 else 32          # INT2 tokens per tile, any page size
+    if not factored:
+        block_n = 16
+    elif d > 128 or (P % 64 and d // G > 1):
+        block_n = 32
+    else:
+        block_n = 64
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
     return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, BLOCK_W=block_w,
                 FACTORED=factored, num_warps=4, num_stages=2)
@@ -607,7 +615,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
             win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes):
     """Launch both stages on already validated inputs; no host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
-    cfg = _block_sizes(d, group_size, H_q // H_kv)
+    cfg = _block_sizes(d, group_size, H_q // H_kv, P)
     if num_splits is None:
         max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
         num_splits = _default_num_splits(B, H_kv, max_tiles, q.device)
@@ -673,7 +681,7 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     if not _INTERPRETED and q.device.type != "cuda":
         _fail("q", "a CUDA tensor (Triton runs on the GPU; TRITON_INTERPRET=1 for CPU)",
               q.device)
-    if type(tl.zeros) is not type(_merge_splits_kernel):
+    if type(tl.zeros) is not type(_codes_fp16):
         raise RuntimeError("triton was imported before kernel.py without TRITON_INTERPRET=1 "
                            "on a machine without CUDA; import kernel first or set "
                            "TRITON_INTERPRET=1 in the environment")
@@ -711,13 +719,20 @@ def _random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
         group_size=G)
 
 
+# The launch shape of _tiny_check (as _record_launch takes it; --sass --all compiles it).
+_TINY_LAUNCH = dict(B=3, H_q=8, H_kv=2, d=64, G=16, P=16, NW=5, n_quant=40, num_splits=2,
+                    q_dtype="bf16", win_dtype="bf16")
+
+
 def _tiny_check(device):
     """Kernel vs torch reference on a small ragged case; returns the max abs error."""
     torch.manual_seed(0)
-    args = _random_inputs(3, 40, 8, 2, 64, 16, 16, 5, torch.bfloat16, device)
+    c = _TINY_LAUNCH
+    args = _random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
+                          c["NW"], torch.bfloat16, device)
     args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
     args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
-    out = int2_paged_decode(**args, num_splits=2)
+    out = int2_paged_decode(**args, num_splits=c["num_splits"])
     ref = paged_decode_reference(**args)
     return (out - ref).abs().max().item()
 
@@ -767,7 +782,7 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
             sizes = _check_inputs(*args.values(), None, None)
             sizes.update(_check_values(args["k_codes"], args["block_table"], args["n_quant"],
                                        args["win_len"], sizes))
-            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4)["BLOCK_N"]),
+            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4, P)["BLOCK_N"]),
                                          device)
             part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
@@ -800,8 +815,9 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
 # ----------------------------------------------------------------------------
 # Static analysis (python kernel.py --sass): compile for a GPU without one
 # ----------------------------------------------------------------------------
-# H200 figures the estimate rests on (printed with the result).
-_H200 = dict(hbm_gbs=4800.0, sms=132, clock_ghz=1.8, schedulers=4)
+# H200 figures the estimate rests on (printed with the result): HBM bandwidth, SMs, the
+# base and boost clocks (HBM bytes per SM-cycle depend on the clock), schedulers per SM.
+_H200 = dict(hbm_gbs=4800.0, sms=132, clocks_ghz=(1.755, 1.98), schedulers=4)
 _SASS_CASE = dict(B=1, H_q=32, H_kv=8, d=128, G=128, P=64, n_quant=32768 - 320, NW=320)
 
 
@@ -815,14 +831,26 @@ class _Recorder:
         return lambda *args, **kw: self.calls.append((grid, args, kw))
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def _record_launch(case):
-    """Run the launcher on meta tensors of the given case; return the recorded calls."""
+    """Run the launcher on meta tensors of a launch shape; return the recorded calls.
+
+    case: B, H_q, H_kv, d, G, P, NW, n_quant (longest INT2 length) and, optional,
+    q_dtype / win_dtype ("fp32" or "bf16", default bf16), num_splits (default None),
+    num_pages and max_blocks (default: just enough pages for n_quant tokens), and
+    max_tokens (what sizes the default splits: n_quant, or the block-table capacity on
+    the unchecked path)."""
     c = case
     meta = torch.device("meta")
-    blocks = triton.cdiv(c["n_quant"], c["P"])
-    pages = (blocks * c["B"], c["H_kv"], c["P"])
+    blocks = c.get("max_blocks", triton.cdiv(c["n_quant"], c["P"]))
+    num_pages = c.get("num_pages", blocks * c["B"])
+    pages = (num_pages, c["H_kv"], c["P"])
+    q_dtype = _DTYPES[c.get("q_dtype", "bf16")]
+    win_dtype = _DTYPES[c.get("win_dtype", "bf16")]
     args = dict(
-        q=torch.empty(c["B"], c["H_q"], c["d"], dtype=torch.bfloat16, device=meta),
+        q=torch.empty(c["B"], c["H_q"], c["d"], dtype=q_dtype, device=meta),
         k_codes=torch.empty(*pages, c["d"] // 4, dtype=torch.uint8, device=meta),
         k_scale=torch.empty(*pages, c["d"] // c["G"], device=meta),
         k_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
@@ -831,16 +859,16 @@ def _record_launch(case):
         v_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
         block_table=torch.empty(c["B"], blocks, dtype=torch.int32, device=meta),
         n_quant=torch.empty(c["B"], dtype=torch.int32, device=meta),
-        win_k=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
-        win_v=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
+        win_k=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=win_dtype, device=meta),
+        win_v=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=win_dtype, device=meta),
         win_len=torch.empty(c["B"], dtype=torch.int32, device=meta))
     sizes = dict(B=c["B"], H_q=c["H_q"], H_kv=c["H_kv"], d=c["d"], P=c["P"], NW=c["NW"],
-                 max_tokens=c["n_quant"], num_pages=pages[0])
+                 max_tokens=c.get("max_tokens", c["n_quant"]), num_pages=num_pages)
     recorders = {name: _Recorder(globals()[name]) for name in _KERNEL_NAMES}
     saved = {name: globals()[name] for name in recorders}
     globals().update(recorders)
     try:
-        _launch(*args.values(), c["G"], None, None, sizes)
+        _launch(*args.values(), c["G"], c.get("num_splits"), None, sizes)
     finally:
         globals().update(saved)
     return {name: rec.calls[0] for name, rec in recorders.items() if rec.calls}
@@ -850,20 +878,20 @@ _TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
              torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
 
 
-def _compile_recorded(fn, args, kw, arch):
-    """triton.compile the recorded call for sm_<arch>, specialised like a real launch:
+def _specialise(fn, args, kw):
+    """(signature, constexprs, attrs, options) of a call, specialised like a real launch:
     pointers and ints divisible by 16 get the divisibility hint, ints equal to 1 are
-    constants.  Returns the CompiledKernel (cubin in .asm['cubin'])."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    names = fn.arg_names
+    constants.  Two calls with equal results compile to the same kernel."""
+    import inspect
+    params = inspect.signature(fn.fn).parameters     # works compiled and interpreted
+    names = list(params)
     signature, constexprs, attrs = {}, {}, {}
     options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
     values = dict(zip(names, args))
     values.update({k: v for k, v in kw.items() if k not in options})
     for i, name in enumerate(names):
         v = values[name]
-        if fn.params[i].is_constexpr:
+        if params[name].annotation in (tl.constexpr, "tl.constexpr"):
             signature[name], constexprs[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             signature[name] = "*" + _TL_TYPES[v.dtype]
@@ -878,6 +906,14 @@ def _compile_recorded(fn, args, kw, arch):
             signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs, options
+
+
+def _compile_recorded(fn, args, kw, arch):
+    """triton.compile the recorded call for sm_<arch> (cubin in .asm['cubin'])."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature, constexprs, attrs, options = _specialise(fn, args, kw)
     target = GPUTarget("cuda", arch, 32)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=target, options=options)
@@ -887,8 +923,9 @@ def _nvidia_tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _sass_of(compiled):
-    """(resource usage dict, list of (offset, opcode, text) SASS lines, label -> offset)."""
+def _sass_of(compiled, disassemble=True):
+    """(resource usage dict, list of (offset, opcode, text, source line) SASS lines,
+    label -> offset).  Spills are the local-memory stores and loads in the SASS."""
     import re
     import subprocess
     import tempfile
@@ -949,12 +986,16 @@ _CLASSES = [("LDG", ("LDG",)), ("LDGSTS", ("LDGSTS",)), ("LDS", ("LDS", "LDSM"))
 _LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
+def _is(op, prefixes):
+    return any(op == p or op.startswith(p + ".") for p in prefixes)
+
+
 def _classify(ops):
     counts = {name: 0 for name, _ in _CLASSES}
     counts["other"] = 0
     for op in ops:
         for name, prefixes in _CLASSES:
-            if any(op == p or op.startswith(p + ".") for p in prefixes):
+            if _is(op, prefixes):
                 counts[name] += 1
                 break
         else:
@@ -962,30 +1003,104 @@ def _classify(ops):
     return counts
 
 
+def _lane_bytes(op):
+    """Bytes per lane of a load or store opcode (32-bit unless the opcode says otherwise)."""
+    return next((b for suffix, b in _LOAD_BYTES.items() if f".{suffix}" in op), 4)
+
+
 def _global_bytes(ops):
     """Bytes per warp that the LDG / LDGSTS instructions request (all 32 lanes active)."""
-    total = 0
-    for op in ops:
-        if op.startswith("LDG"):
-            width = next((b for suffix, b in _LOAD_BYTES.items() if f".{suffix}" in op), 4)
-            total += 32 * width
-    return total
+    return sum(32 * _lane_bytes(op) for op in ops if op.startswith("LDG"))
 
 
-def sass_report(arch=90, case=None, verbose=True, config=None):
-    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+# The pipe model: cycles each class of SASS instruction occupies its pipe, per warp
+# instruction.  Scheduler-side pipes (one of each per SM sub-partition, 4 per SM):
+#   integer/logic (ALU; LOP3, SHF, PRMT, IADD3, compares, selects, min/max, moves):
+#     16 lanes per cycle, 2 cycles a warp instruction;
+#   FMA: fp32 FFMA/FADD/FMUL and packed fp16 HFMA2/HADD2/HMUL2 on two 16-lane halves
+#     (1 cycle a warp instruction); IMAD only on one half (2 cycles), so the pipe needs
+#     max(2 * IMAD, fp + IMAD) cycles;
+#   special functions and conversions (MUFU, F2F, F2FP, I2F, F2I): 4 lanes, 8 cycles;
+#   tensor: mma.sync at the sm_80 rate per sub-partition, 512 fp16 (256 tf32) FLOP per
+#     cycle, so HMMA.16816 (m16 n8 k16, 4,096 FLOP) takes 8 cycles; Hopper's dense peak
+#     is twice that but only through wgmma, which Triton does not use for these shapes.
+# Shared memory, one per SM: 128 bytes per cycle for LDS/LDSM/STS/LDGSTS, one cycle per
+# shuffle.  Issue: one instruction per scheduler per cycle.
+_ALU_OPS = ("LOP3", "SHF", "PRMT", "IADD3", "ISETP", "FSETP", "HSETP2", "SEL", "FSEL", "MOV",
+            "FMNMX", "IMNMX", "LEA", "IABS", "PLOP3", "P2R", "R2P", "SGXT", "BMSK", "LOP",
+            "ISCADD", "FLO", "POPC", "VIADD", "VIMNMX", "UIADD3", "ULOP3", "USHF", "UMOV")
+_FP_OPS = ("FFMA", "FADD", "FMUL", "HFMA2", "HADD2", "HMUL2", "FSWZADD")
+_XU_OPS = ("MUFU", "F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP")
+_SHARED_OPS = ("LDS", "LDSM", "STS", "LDGSTS")
+_LDSM_BYTES = {"1": 128, "2": 256, "4": 512}
+_PIPES = ("issue", "integer/logic", "FMA", "special/convert", "tensor", "shared memory")
 
-    The INT2 loop is the innermost backward-branch loop holding the most instructions
-    of _codes_fp16 (the unpacking of the code bytes, found by the SASS line info).  Returns a dict of the figures; prints a table when verbose."""
-    case = dict(_SASS_CASE, **(case or {}))
+
+def _hmma_cycles(op):
+    """Tensor-pipe cycles of one HMMA (shape from the opcode, e.g. HMMA.16816.F32)."""
+    import re
+    m = re.match(r"HMMA\.(16)(8)(\d+)", op)
+    flop = 2 * 16 * 8 * int(m.group(3)) if m else 4096
+    rate = 256 if "TF32" in op else 512
+    return flop / rate
+
+
+def _shared_cycles(op):
+    """Shared-memory cycles of one warp instruction (128 bytes per SM-cycle)."""
+    import re
+    if op.startswith("SHFL"):
+        return 1.0
+    if op.startswith("LDSM"):
+        m = re.search(r"\.(\d)$", op)
+        return _LDSM_BYTES.get(m.group(1) if m else "4", 512) / 128
+    return 32 * _lane_bytes(op) / 128
+
+
+def _pipe_cycles(ops, warps, per_tile):
+    """SM cycles per 64-token tile that each pipe needs for the loop body `ops` (one
+    warp's instructions) run by `warps` warps, scaled by per_tile (64 / tokens per
+    iteration); the sub-partition pipes serve warps / 4 of the warps each."""
+    n = lambda prefixes: sum(1 for op in ops if _is(op, prefixes))
+    imad, fp = n(("IMAD", "IMUL")), n(_FP_OPS)
+    per_smsp = {
+        "issue": len(ops),
+        "integer/logic": 2 * n(_ALU_OPS),
+        "FMA": max(2 * imad, fp + imad),
+        "special/convert": 8 * n(_XU_OPS),
+        "tensor": sum(_hmma_cycles(op) for op in ops if op.startswith("HMMA")),
+    }
+    smsp_share = warps / _H200["schedulers"] * per_tile
+    cycles = {k: v * smsp_share for k, v in per_smsp.items()}
+    cycles["shared memory"] = warps * per_tile * sum(
+        _shared_cycles(op) for op in ops if _is(op, _SHARED_OPS + ("SHFL",)))
+    return cycles
+
+
+def _hbm_cycles(tile_bytes, clock_ghz):
+    """SM cycles the HBM needs for tile_bytes at clock_ghz (bandwidth shared by all SMs)."""
+    return tile_bytes / (_H200["hbm_gbs"] / _H200["sms"] / clock_ghz)
+
+
+def _compile_stage1(arch, case, config):
+    """Record stage 1's launch at `case`, compile it for sm_<arch>, return (kw, SASS)."""
     calls = _record_launch(case)
     grid, args, kw = calls["_int2_decode_split_kernel"]
     kw = dict(kw)
     if "DOT_PRECISION" in kw:
         kw["DOT_PRECISION"] = "tf32x3"     # what the launcher picks on sm80+
     kw.update(config or {})
-    compiled = _compile_recorded(_int2_decode_split_kernel, args, kw, arch)
-    usage, lines, labels = _sass_of(compiled)
+    return kw, _sass_of(_compile_recorded(_int2_decode_split_kernel, args, kw, arch))
+
+
+def sass_report(arch=90, case=None, verbose=True, config=None):
+    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+
+    The INT2 loop is the innermost backward-branch loop holding the most instructions
+    of _codes_fp16 (the unpacking of the code bytes, found by the SASS line info).
+    config overrides launch meta-parameters (BLOCK_N, num_warps, ...).  Returns a dict
+    of the figures, the issue/HBM ratio at the base clock; prints a table if verbose."""
+    case = dict(_SASS_CASE, **(case or {}))
+    kw, (usage, lines, labels) = _compile_stage1(arch, case, config)
     loops = _loops(lines, labels)
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
                                            for o in loops)]
@@ -997,22 +1112,22 @@ def sass_report(arch=90, case=None, verbose=True, config=None):
     body = [op for off, op, _, _ in lines if start <= off <= end]
     counts = _classify(body)
     warps = kw.get("num_warps", 4)
-    tokens = _loop_tokens(kw, case)
-    tile_tokens = 64
-    per_tile = tile_tokens / tokens
+    tokens = kw["BLOCK_N"]                  # tokens of one KV head per loop iteration
+    per_tile = 64 / tokens
     d, G = case["d"], case["G"]
-    tile_bytes = tile_tokens * 2 * (d // 4 + 2 * 4 * (d // G))
-    bytes_per_cycle = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
-    hbm_cycles = tile_bytes / bytes_per_cycle
-    issue_cycles = len(body) * warps / _H200["schedulers"] * per_tile
+    tile_bytes = 64 * 2 * (d // 4 + 2 * 4 * (d // G))
+    pipes = _pipe_cycles(body, warps, per_tile)
+    clocks = _H200["clocks_ghz"]
+    hbm = {ghz: _hbm_cycles(tile_bytes, ghz) for ghz in clocks}
     global_bytes = _global_bytes(body) * warps
     r = dict(arch=arch, regs=usage["regs"], spills=usage["spill_stores"] + usage["spill_loads"],
              spill_stores=usage["spill_stores"], spill_loads=usage["spill_loads"],
              stack=usage["stack"], smem=usage["smem"], total=len(lines), loop=len(body),
              counts=counts, warps=warps, tokens=tokens, global_bytes=global_bytes,
-             tile_bytes=tile_bytes, issue_cycles=issue_cycles, hbm_cycles=hbm_cycles,
-             ratio=issue_cycles / hbm_cycles,
-             instr_per_byte=len(body) * warps / max(1, global_bytes))
+             tile_bytes=tile_bytes, pipes=pipes, hbm_cycles=hbm[clocks[0]],
+             issue_cycles=pipes["issue"], ratio=pipes["issue"] / hbm[clocks[0]],
+             binding=max(pipes, key=pipes.get),
+             ratios={ghz: {k: v / hbm[ghz] for k, v in pipes.items()} for ghz in clocks})
     if verbose:
         print(f"sm_{arch}: {r['regs']} registers, {r['stack']} B stack, "
               f"{r['spill_stores']} spill stores + {r['spill_loads']} spill loads, "
@@ -1022,41 +1137,138 @@ def sass_report(arch=90, case=None, verbose=True, config=None):
               f"({tokens} tokens of one KV head)")
         print("  " + " | ".join(f"{k} {v}" for k, v in counts.items() if v))
         print(f"  global loads per iteration (all warps, all lanes): {global_bytes} B; "
-              f"the {tokens}-token K+V tile holds {tile_bytes * tokens // tile_tokens} B")
-        print(f"  per 64-token tile: issue {issue_cycles:.0f} cycles "
-              f"(= instructions x {warps} warps / {_H200['schedulers']} schedulers), "
-              f"HBM {hbm_cycles:.0f} cycles (= {tile_bytes} B / {bytes_per_cycle:.1f} B per "
-              f"SM-cycle); ratio {r['ratio']:.2f}")
+              f"the {tokens}-token K+V tile holds {tile_bytes * tokens // 64} B")
+        head = "".join(f" | / HBM at {ghz} GHz" for ghz in clocks)
+        print(f"  per 64-token tile ({tile_bytes} B; HBM "
+              + ", ".join(f"{hbm[ghz]:.0f} cycles at {ghz} GHz" for ghz in clocks) + ")")
+        print(f"  {'pipe':<16} | SM cycles{head}")
+        for name in _PIPES:
+            print(f"  {name:<16} | {pipes[name]:9.0f}"
+                  + "".join(f" | {pipes[name] / hbm[ghz]:16.2f}" for ghz in clocks))
+        print(f"  binding pipe: {r['binding']} ({pipes[r['binding']] / hbm[clocks[0]]:.2f}x "
+              f"the HBM time at {clocks[0]} GHz, "
+              f"{pipes[r['binding']] / hbm[clocks[1]]:.2f}x at {clocks[1]} GHz)")
     return r
-
-
-def _loop_tokens(kw, case):
-    """Tokens of one KV head handled by one iteration of the INT2 loop."""
-    return kw["BLOCK_N"]
 
 
 def _sass_main():
     """Print the --sass report; runs in a child process with the interpreter off."""
-    bpc = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
     c = _SASS_CASE
     print(f"case: d = {c['d']}, G = {c['G']}, page {c['P']}, {c['H_q'] // c['H_kv']} query "
           f"heads per KV head, bf16 q and windows, {c['n_quant'] + c['NW']} tokens")
-    print(f"H200 assumptions: {_H200['hbm_gbs']:.0f} GB/s HBM over {_H200['sms']} SMs at "
-          f"{_H200['clock_ghz']} GHz = {bpc:.1f} B per SM-cycle; {_H200['schedulers']} "
-          f"schedulers per SM issuing 1 instruction per cycle each; every SASS instruction "
-          f"counted as one issue slot; all loads full-width with no cache reuse")
+    bpc = ", ".join(f"{_H200['hbm_gbs'] / _H200['sms'] / ghz:.1f} B per SM-cycle at {ghz} GHz"
+                    for ghz in _H200["clocks_ghz"])
+    print(f"H200 assumptions: {_H200['hbm_gbs']:.0f} GB/s HBM over {_H200['sms']} SMs = "
+          f"{bpc}; {_H200['schedulers']} schedulers per SM issuing 1 instruction per cycle "
+          f"each; all loads full-width with no cache reuse; pipe rates in kernel._pipe_cycles")
     results = {arch: sass_report(arch) for arch in (80, 90)}
     r = results[90]
     print(f"SASS sm_90a: regs {r['regs']} | spills {r['spills']} | "
           f"issue/HBM cycles per tile {r['ratio']:.2f}")
 
 
-def _run_sass():
+def _compile_job(job):
+    """Compile one recorded call for one architecture; (registers, spills, smem) or the
+    error text.  Module-level so that a process pool can run it."""
+    name, args, kw, arch = job
+    try:
+        usage, _, _ = _sass_of(_compile_recorded(globals()[name], args, kw, arch))
+        return usage["regs"], usage["spill_stores"] + usage["spill_loads"], usage["smem"]
+    except Exception as e:                        # a compile failure is a result here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def config_key(name, args, kw):
+    """A string naming the compiled kernel that the call kernel `name`[grid](*args, **kw)
+    gets (equal keys, one compilation); the fp32 dot precision is left out (the launcher
+    picks it from the device)."""
+    kw = dict(kw, DOT_PRECISION="tf32x3") if "DOT_PRECISION" in kw else kw
+    sig, const, attrs, opts = _specialise(globals()[name], args, kw)
+    return repr((name, sorted(sig.items()), sorted(const.items()),
+                 sorted(attrs.items()), sorted(opts.items())))
+
+
+def sass_coverage(launches, archs=(90, 80), verbose=True, workers=1):
+    """Compile every distinct kernel configuration among `launches` (launch shapes as in
+    _record_launch) for each architecture; returns a list of rows (kernel, arch, the
+    specialisation's constexprs, registers, spills, shared memory, error or None) and
+    prints one line per row and the summary line if verbose."""
+    jobs, keys = [], set()
+    for case in launches:
+        for name, (grid, args, kw) in _record_launch(case).items():
+            kw = dict(kw)
+            if "DOT_PRECISION" in kw:
+                kw["DOT_PRECISION"] = "tf32x3"
+            key = config_key(name, args, kw)
+            for arch in archs:
+                if (key, arch) not in keys:
+                    keys.add((key, arch))
+                    jobs.append((name, args, kw, arch))
+    if workers > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            results = list(pool.map(_compile_job, jobs))
+    else:
+        results = [_compile_job(job) for job in jobs]
+    rows = []
+    for (name, args, kw, arch), res in zip(jobs, results):
+        shown = {k: v for k, v in kw.items() if k.isupper() or k.startswith("num_")}
+        err = res if isinstance(res, str) else None
+        regs, spills, smem = (0, 0, 0) if err else res
+        rows.append(dict(kernel=name, arch=arch, config=shown, regs=regs, spills=spills,
+                         smem=smem, error=err))
+        if verbose:
+            what = err or f"regs {regs:3d} | spills {spills:3d} | smem {smem:6d} B"
+            cfg = " ".join(f"{k}={v}" for k, v in shown.items())
+            print(f"sm_{arch} {name}: {what} | {cfg}", flush=True)
+    if verbose:
+        print(f"SASS coverage: {len(rows)} configurations | "
+              f"failures {sum(1 for r in rows if r['error'])} | "
+              f"with spills {sum(1 for r in rows if r['spills'])} | "
+              f"max regs {max((r['regs'] for r in rows), default=0)}")
+    return rows
+
+
+def _tested_launches(path):
+    """The launch shapes of the kernel tests: KERNEL_LAUNCHES of the test module at
+    `path` (None: the test_*.py file beside this one, or under tests/, that defines it),
+    plus the launcher's own small check (_tiny_check)."""
+    import glob
+    import importlib.util
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    if path is None:
+        files = sorted(glob.glob(os.path.join(here, "test_*.py"))
+                       + glob.glob(os.path.join(here, "tests", "test_*.py")))
+        path = next((f for f in files if "KERNEL_LAUNCHES" in open(f).read()), None)
+        if path is None:
+            raise SystemExit("no test file beside kernel.py defines KERNEL_LAUNCHES; "
+                             "pass --tests PATH")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    spec = importlib.util.spec_from_file_location("_kernel_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.KERNEL_LAUNCHES) + [_TINY_LAUNCH]
+
+
+def _sass_all_main(tests_path):
+    """--sass --all: every configuration the kernel tests launch, sm_90a and sm_80."""
+    launches = _tested_launches(tests_path)
+    print(f"{len(launches)} kernel-test launches; compiling each distinct configuration of "
+          f"both kernels for sm_90a and sm_80")
+    rows = sass_coverage(launches, workers=max(1, min(4, os.cpu_count() or 1)))
+    bad = any(r["error"] or r["spills"] for r in rows)
+    raise SystemExit(1 if bad else 0)
+
+
+def _run_sass(all_configs=False, tests_path=None):
     """--sass must compile the real kernel: re-run this file with the interpreter off."""
     import subprocess
     import sys
     env = dict(os.environ, TRITON_INTERPRET="0")
-    code = "import kernel; kernel._sass_main()"
+    code = (f"import kernel; kernel._sass_all_main({tests_path!r})" if all_configs
+            else "import kernel; kernel._sass_main()")
     r = subprocess.run([sys.executable, "-c", code], env=env,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     raise SystemExit(r.returncode)
@@ -1072,10 +1284,18 @@ def main():
                              "(default: looked up from the GPU name)")
     parser.add_argument("--sass", action="store_true",
                         help="compile stage 1 for sm_90a and sm_80 (no GPU needed) and print "
-                             "registers, spills and the INT2 loop's instruction mix")
+                             "registers, spills, the INT2 loop's instruction mix and its "
+                             "pipe model")
+    parser.add_argument("--all", action="store_true",
+                        help="with --sass: compile every configuration the kernel tests launch "
+                             "(KERNEL_LAUNCHES of the test file) for sm_90a and sm_80 and list "
+                             "registers, spills and shared memory of each")
+    parser.add_argument("--tests", default=None,
+                        help="with --sass --all: the test file that defines KERNEL_LAUNCHES "
+                             "(default: the test_*.py beside kernel.py that does)")
     args = parser.parse_args()
     if args.sass:
-        _run_sass()
+        _run_sass(args.all, args.tests)
     if not args.bench:
         parser.print_help()
         return
