@@ -140,65 +140,110 @@ def _split_fp16(x):
 
 
 @triton.jit
-def _quarter_logits(q_hi, q_lo,     # (BLOCK_H, W) fp16 split of the scaled query quarter
-                    q_sum,          # (BLOCK_H,) fp32 sum of the scaled query quarter
-                    q_full,         # (BLOCK_H, W) fp32 query quarter (general path)
-                    packed,         # (BLOCK_N, W) uint8 code bytes of the tile
-                    scale, zero,    # factored: (BLOCK_N,) group params; general: (BLOCK_N, W)
-                    SHIFT: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """Contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to q.k, (BLOCK_H, BLOCK_N).
-
-    Factored: the quarter lies in one group, so q.k = s * (q.c - z * sum(q)), the dot
-    over exact fp16 codes and a two-part fp16 query (fp32 accumulation).  General: the
-    quarter is dequantized in fp32 with per-dim scale and zero."""
-    codes = _codes_fp16(packed, SHIFT)
-    if FACTORED:
-        t = tl.dot(q_hi, tl.trans(codes), out_dtype=tl.float32)
-        t = tl.dot(q_lo, tl.trans(codes), t, out_dtype=tl.float32)
-        return scale[None, :] * (t - q_sum[:, None] * zero[None, :])
-    else:
-        k = (codes.to(tl.float32) - zero) * scale
-        if USE_DOT:
-            return tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            return tl.sum(q_full[:, None, :] * k[None, :, :], axis=2)
+def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
+                   S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The fp16 split of x as one (S, R, 2 * BLOCK_H) dot operand: column 2h holds hi of
+    head h, column 2h + 1 its lo.  One dot against it computes both parts of every head,
+    and the heads fill the 8-wide side of the MMA instead of padding its 16-row side."""
+    hi, lo = _split_fp16(x)
+    return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
 
 
 @triton.jit
-def _quarter_pv(acc,                # (BLOCK_H, W) fp32 running output of this quarter
-                alpha,              # (BLOCK_H,) rescale of the running output
-                p,                  # (BLOCK_H, BLOCK_N) fp32 softmax numerators
-                packed,             # (BLOCK_N, W) uint8 code bytes of the tile
-                scale, zero,        # as in _quarter_logits
-                SHIFT: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc * alpha + p @ v_quarter.  Factored: p @ ((c - z) s) = (p s) @ c - (p s) @ z, with
-    p s scaled into [0, 2^14] (by the tile's largest scale) and split into two fp16 parts."""
+def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
+               S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
+    hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
+    return hi + lo
+
+
+@triton.jit
+def _quarter_dot(packed,            # (S, T, W) uint8 code bytes of the tile
+                 q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
+                 acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
+                 SHIFT: tl.constexpr):  # 2 * quarter: the bit field of this quarter
+    """acc + codes @ q_cols in every sub-tile: the exact fp16 codes of one quarter against
+    both fp16 parts of the query quarter of every head (fp32 accumulation)."""
+    return tl.dot(_codes_fp16(packed, SHIFT), q_cols, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
+                    packed,         # (S, T, W) uint8 code bytes of the tile
+                    scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
+                    SHIFT: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                    BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """General path: the contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to
+    q.k, (S, T, BLOCK_H), with the quarter dequantized in fp32."""
+    k = (_codes_fp16(packed, SHIFT).to(tl.float32) - zero) * scale
+    if USE_DOT:
+        q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
+        return tl.dot(k, q_t, input_precision=DOT_PRECISION)
+    else:
+        return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
+
+
+@triton.jit
+def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
+                alpha,              # (S, BLOCK_H) rescale of the running output
+                p,                  # (S, T, BLOCK_H) fp32 softmax numerators
+                packed,             # (S, T, W) uint8 code bytes of the tile
+                scale, zero,        # factored: (S, T) group params; general: (S, T, W)
+                SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+                BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) =
+    c^T (p s) - sum(p s z), with p s scaled into [0, 2^14] (by the sub-tile's largest
+    scale) and split into hi / lo columns, one dot for both."""
     codes = _codes_fp16(packed, SHIFT)
     if FACTORED:
-        s_max = tl.max(scale, axis=0)
-        s_max = tl.where(s_max > 0, s_max, 1.0)
-        ps = p * (scale * (16384.0 / s_max))[None, :]          # in [0, 2^14]
-        ps_hi, ps_lo = _split_fp16(ps)
-        pc = tl.dot(ps_hi, codes, out_dtype=tl.float32)
-        pc = tl.dot(ps_lo, codes, pc, out_dtype=tl.float32)
-        psz = tl.sum(p * (scale * zero)[None, :], axis=1)       # (BLOCK_H,) sum of p s z
-        return acc * alpha[:, None] + pc * (s_max / 16384.0) - psz[:, None]
+        s_max = tl.max(scale, axis=1)
+        s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
+        ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
+        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
+                    out_dtype=tl.float32)
+        pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
+        psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
+        return acc * alpha[:, None, :] + pc * (s_max / 16384.0)[:, None, None] \
+            - psz[:, None, :]
     else:
         v = (codes.to(tl.float32) - zero) * scale
-        return acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
+                                                input_precision=DOT_PRECISION)
 
 
 @triton.jit
-def _softmax_update(logits,         # (BLOCK_H, N) fp32 logits in base-2 units, -inf if masked
-                    m_i, l_i):      # (BLOCK_H,) running max and sum of 2^(logit - m_i)
-    """Online softmax: returns (m_new, alpha, p, l_new); alpha rescales the old state."""
+def _softmax_update(logits,         # fp32 logits in base-2 units, -inf if masked: (S, N,
+                                    # BLOCK_H) if SUB_TILED, else (BLOCK_H, N)
+                    m_i, l_i,       # running max and sum of 2^(logit - m_i): (S, BLOCK_H)
+                                    # if SUB_TILED, else (BLOCK_H,)
+                    SUB_TILED: tl.constexpr):
+    """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
+    rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))
     # -inf only while no real token has been seen; shift by 0 then (not -inf - -inf).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
-    p = tl.exp2(logits - m_ref[:, None])         # 0 for masked tokens
+    if SUB_TILED:
+        p = tl.exp2(logits - m_ref[:, None, :])  # 0 for masked tokens
+    else:
+        p = tl.exp2(logits - m_ref[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
+                     acc0, acc1, acc2, acc3):  # (S, W, BLOCK_H) running outputs
+    """One softmax state from S: every sub-tile's state rescaled to the largest max and
+    summed; returns m, l (BLOCK_H,) and acc0..acc3 as (BLOCK_H, W)."""
+    m = tl.max(m_i, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
+    l = tl.sum(l_i * w, axis=0)
+    acc0 = tl.trans(tl.sum(acc0 * w[:, None, :], axis=0))
+    acc1 = tl.trans(tl.sum(acc1 * w[:, None, :], axis=0))
+    acc2 = tl.trans(tl.sum(acc2 * w[:, None, :], axis=0))
+    acc3 = tl.trans(tl.sum(acc3 * w[:, None, :], axis=0))
+    return m, l, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -233,6 +278,7 @@ def _int2_decode_split_kernel(
         QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
         BLOCK_H: tl.constexpr,        # query-head tile, power of two >= QUERIES_PER_KV
         BLOCK_N: tl.constexpr,        # INT2 tokens per tile (any page size), power of two >= 16
+        SUB_TILES: tl.constexpr,      # token sub-tiles per tile, each with its own softmax state
         BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
         FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
         DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
@@ -243,6 +289,8 @@ def _int2_decode_split_kernel(
     batch = pid_b.to(tl.int64)
     W: tl.constexpr = HEAD_DIM // 4        # dims per quarter-row
     USE_DOT: tl.constexpr = W >= 16        # tl.dot needs a reduction dim >= 16
+    S: tl.constexpr = SUB_TILES
+    T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
     # All query heads that share this KV head, as four quarter-rows: quarter c holds
     # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.
@@ -270,21 +318,25 @@ def _int2_decode_split_kernel(
     q1 = q1 * q_mul[:, None]
     q2 = q2 * q_mul[:, None]
     q3 = q3 * q_mul[:, None]
-    q0_hi, q0_lo = _split_fp16(q0)
-    q1_hi, q1_lo = _split_fp16(q1)
-    q2_hi, q2_lo = _split_fp16(q2)
-    q3_hi, q3_lo = _split_fp16(q3)
-    q0_sum = tl.sum(q0, axis=1)
-    q1_sum = tl.sum(q1, axis=1)
-    q2_sum = tl.sum(q2, axis=1)
-    q3_sum = tl.sum(q3, axis=1)
+    # Factored path: the (S, W, 2 * BLOCK_H) dot operands, hi and lo of every head side by
+    # side, the same for every sub-tile; and the sums of the quarters, for the zeros.
+    q0_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q0)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
+    q1_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q1)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
+    q2_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q2)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
+    q3_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q3)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
+    q0_sum = tl.sum(q0, axis=1)[None, None, :]
+    q1_sum = tl.sum(q1, axis=1)[None, None, :]
+    q2_sum = tl.sum(q2, axis=1)[None, None, :]
+    q3_sum = tl.sum(q3, axis=1)[None, None, :]
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    # Softmax state and outputs of each sub-tile of T tokens (a warp's share of a tile at
+    # the default sizes): no reduction crosses sub-tiles inside the loop; one merge after.
+    m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)   # output dims of quarter 0, transposed
+    acc1 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
+    acc2 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
+    acc3 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
 
     # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
     n_quant = tl.load(n_quant_ptr + pid_b)
@@ -292,7 +344,7 @@ def _int2_decode_split_kernel(
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
     first_tile = tl.minimum(split * tiles_per_split, n_tiles)
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
     bt_row = block_table_ptr + batch * stride_btb
     TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
     # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
@@ -304,10 +356,10 @@ def _int2_decode_split_kernel(
         page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
                             mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
     # General path: the group of every dim of each quarter (the same for every tile).
-    group_of_dim0 = (0 * W + offs_w) // GROUP_SIZE
-    group_of_dim1 = (1 * W + offs_w) // GROUP_SIZE
-    group_of_dim2 = (2 * W + offs_w) // GROUP_SIZE
-    group_of_dim3 = (3 * W + offs_w) // GROUP_SIZE
+    group_of_dim0 = ((0 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    group_of_dim1 = ((1 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    group_of_dim2 = ((2 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    group_of_dim3 = ((3 * W + offs_w) // GROUP_SIZE)[None, None, :]
     for tile in range(first_tile, last_tile):
         tok = tile * BLOCK_N + offs_n
         valid = tok < n_quant
@@ -317,21 +369,19 @@ def _int2_decode_split_kernel(
             page_next = tl.load(bt_row + ((tile + 1) * BLOCK_N) // PAGE_SIZE,
                                 mask=tile + 1 < last_tile, other=0)
             slot = (tile * BLOCK_N) % PAGE_SIZE + offs_n
-            code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
-            param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
         else:
             page_next = tl.load(bt_row + tok_next // PAGE_SIZE,
                                 mask=(tile + 1 < last_tile) & (tok_next < n_quant), other=0)
             slot = tok % PAGE_SIZE
-            code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
-            param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
+        code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn    # (S, T)
+        param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
         # One load of the packed rows per tile; the four quarters are its bit fields.
-        k_packed = tl.load(k_codes_ptr + code_rows[:, None] + offs_w[None, :],
-                           mask=valid[:, None], other=0)
-        v_packed = tl.load(v_codes_ptr + code_rows[:, None] + offs_w[None, :],
-                           mask=valid[:, None], other=0)
+        k_packed = tl.load(k_codes_ptr + code_rows[:, :, None] + offs_w[None, None, :],
+                           mask=valid[:, :, None], other=0)
+        v_packed = tl.load(v_codes_ptr + code_rows[:, :, None] + offs_w[None, None, :],
+                           mask=valid[:, :, None], other=0)
         if FACTORED:
-            # Quarter c lies in group c * NUM_GROUPS // 4: (BLOCK_N,) scale and zero each.
+            # Quarter c lies in group c * NUM_GROUPS // 4: (S, T) scale and zero each.
             ks0 = tl.load(k_scale_ptr + param_rows, mask=valid, other=0.0)
             kz0 = tl.load(k_zero_ptr + param_rows, mask=valid, other=0.0)
             vs0 = tl.load(v_scale_ptr + param_rows, mask=valid, other=0.0)
@@ -357,43 +407,62 @@ def _int2_decode_split_kernel(
                 vs3 = tl.load(v_scale_ptr + param_rows + g3, mask=valid, other=0.0)
                 vz3 = tl.load(v_zero_ptr + param_rows + g3, mask=valid, other=0.0)
         else:
-            # General path: per-dim scale and zero of each quarter, (BLOCK_N, W).
-            pm = valid[:, None]
-            pr0 = param_rows[:, None] + group_of_dim0[None, :]
-            ks0 = tl.load(k_scale_ptr + pr0, mask=pm, other=0.0)
-            kz0 = tl.load(k_zero_ptr + pr0, mask=pm, other=0.0)
-            vs0 = tl.load(v_scale_ptr + pr0, mask=pm, other=0.0)
-            vz0 = tl.load(v_zero_ptr + pr0, mask=pm, other=0.0)
-            pr1 = param_rows[:, None] + group_of_dim1[None, :]
-            ks1 = tl.load(k_scale_ptr + pr1, mask=pm, other=0.0)
-            kz1 = tl.load(k_zero_ptr + pr1, mask=pm, other=0.0)
-            vs1 = tl.load(v_scale_ptr + pr1, mask=pm, other=0.0)
-            vz1 = tl.load(v_zero_ptr + pr1, mask=pm, other=0.0)
-            pr2 = param_rows[:, None] + group_of_dim2[None, :]
-            ks2 = tl.load(k_scale_ptr + pr2, mask=pm, other=0.0)
-            kz2 = tl.load(k_zero_ptr + pr2, mask=pm, other=0.0)
-            vs2 = tl.load(v_scale_ptr + pr2, mask=pm, other=0.0)
-            vz2 = tl.load(v_zero_ptr + pr2, mask=pm, other=0.0)
-            pr3 = param_rows[:, None] + group_of_dim3[None, :]
-            ks3 = tl.load(k_scale_ptr + pr3, mask=pm, other=0.0)
-            kz3 = tl.load(k_zero_ptr + pr3, mask=pm, other=0.0)
-            vs3 = tl.load(v_scale_ptr + pr3, mask=pm, other=0.0)
-            vz3 = tl.load(v_zero_ptr + pr3, mask=pm, other=0.0)
+            # General path: per-dim scale and zero of each quarter, (S, T, W).
+            pm = valid[:, :, None]
+            pr = param_rows[:, :, None]
+            ks0 = tl.load(k_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            kz0 = tl.load(k_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            vs0 = tl.load(v_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            vz0 = tl.load(v_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            ks1 = tl.load(k_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            kz1 = tl.load(k_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            vs1 = tl.load(v_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            vz1 = tl.load(v_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            ks2 = tl.load(k_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            kz2 = tl.load(k_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            vs2 = tl.load(v_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            vz2 = tl.load(v_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            ks3 = tl.load(k_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
+            kz3 = tl.load(k_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
+            vs3 = tl.load(v_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
+            vz3 = tl.load(v_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
 
-        logits = _quarter_logits(q0_hi, q0_lo, q0_sum, q0, k_packed, ks0, kz0, 0,
-                                 FACTORED, USE_DOT, DOT_PRECISION)
-        logits += _quarter_logits(q1_hi, q1_lo, q1_sum, q1, k_packed, ks1, kz1, 2,
-                                  FACTORED, USE_DOT, DOT_PRECISION)
-        logits += _quarter_logits(q2_hi, q2_lo, q2_sum, q2, k_packed, ks2, kz2, 4,
-                                  FACTORED, USE_DOT, DOT_PRECISION)
-        logits += _quarter_logits(q3_hi, q3_lo, q3_sum, q3, k_packed, ks3, kz3, 6,
-                                  FACTORED, USE_DOT, DOT_PRECISION)
-        logits = tl.where(valid[None, :], logits * row_scale[:, None], float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i)
-        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, FACTORED, DOT_PRECISION)
-        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, FACTORED, DOT_PRECISION)
-        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, FACTORED, DOT_PRECISION)
-        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, FACTORED, DOT_PRECISION)
+        # Logits (S, T, BLOCK_H): tokens on the MMA's 16-row side, the hi / lo columns of
+        # the heads on its 8-column side.
+        if FACTORED:
+            # q.k = sum over quarters of s * (q.c - z * sum(q)), s and z of the quarter's group.
+            no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
+            if NUM_GROUPS == 1:
+                # One group: the four quarter dots chain into one accumulator.
+                t = _quarter_dot(k_packed, q0_cols, no_acc, 0)
+                t = _quarter_dot(k_packed, q1_cols, t, 2)
+                t = _quarter_dot(k_packed, q2_cols, t, 4)
+                t = _quarter_dot(k_packed, q3_cols, t, 6)
+                q_sum = q0_sum + q1_sum + q2_sum + q3_sum
+                logits = ks0[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - kz0[:, :, None] * q_sum)
+            else:
+                t = _add_hi_lo(_quarter_dot(k_packed, q0_cols, no_acc, 0), S, T, BLOCK_H)
+                logits = ks0[:, :, None] * (t - kz0[:, :, None] * q0_sum)
+                t = _add_hi_lo(_quarter_dot(k_packed, q1_cols, no_acc, 2), S, T, BLOCK_H)
+                logits += ks1[:, :, None] * (t - kz1[:, :, None] * q1_sum)
+                t = _add_hi_lo(_quarter_dot(k_packed, q2_cols, no_acc, 4), S, T, BLOCK_H)
+                logits += ks2[:, :, None] * (t - kz2[:, :, None] * q2_sum)
+                t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6), S, T, BLOCK_H)
+                logits += ks3[:, :, None] * (t - kz3[:, :, None] * q3_sum)
+        else:
+            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+        logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
+        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
+        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
+        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
+        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
+        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
+
+    # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
+    m_i, l_i, acc0, acc1, acc2, acc3 = _merge_sub_tiles(m_i, l_i, acc0, acc1, acc2, acc3)
 
     # ---- Full-precision window tokens, spread over the splits --------------
     # Window tile t (BLOCK_W tokens) belongs to split t % num_splits.
@@ -411,7 +480,7 @@ def _int2_decode_split_kernel(
         k = tl.load(win_k_ptr + rows + offs_d[None, :], mask=wm, other=0.0).to(tl.float32)
         logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i)
+        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
         v0 = tl.load(win_v_ptr + rows + (0 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
         v1 = tl.load(win_v_ptr + rows + (1 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
         v2 = tl.load(win_v_ptr + rows + (2 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
@@ -607,8 +676,10 @@ def _block_sizes(d, G, ratio, P):
     else:
         block_n = 64
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
-    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, BLOCK_W=block_w,
-                FACTORED=factored, num_warps=4, num_stages=2)
+    # Token sub-tiles of 16 (the MMA's row count) in the factored path, one per warp.
+    sub_tiles = block_n // 16 if factored else 1
+    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
+                BLOCK_W=block_w, FACTORED=factored, num_warps=4, num_stages=2)
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
