@@ -122,13 +122,39 @@ _MAX_SPLITS = 1024
 
 
 @triton.jit
-def _codes_fp16(packed,             # (BLOCK_N, W) uint8 packed code bytes
-                SHIFT: tl.constexpr):  # 2 * quarter: the bit field to extract
-    """The 2-bit field at SHIFT of every byte as exact fp16 0.0-3.0, with no int-to-float
-    instruction: 0x6400 is 1024.0 in fp16 and its mantissa's low bits count units, so the
-    bit pattern 0x6400 | c is 1024 + c; one subtraction (exact) leaves c."""
-    bits = ((packed >> SHIFT) & 3).to(tl.int16) | 0x6400
-    return bits.to(tl.float16, bitcast=True) - 1024.0
+def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
+                SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
+                S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte times
+    4^quarter = 2^SHIFT (exact: 0, 1, 2, 3 times 1, 4, 16 or 64).  No int-to-float
+    instruction, and each integer instruction makes two codes.
+
+    0x6400 is 1024.0 in fp16 and its 10 mantissa bits count units, so the bit pattern
+    0x6400 | m is 1024 + m for m < 1024.  Masking a word with 0x00030003 << SHIFT leaves
+    the fields of bytes 0 and 2 in place, as m = c * 2^SHIFT in the two 16-bit halves
+    (the word shifted right by 8 does the same for bytes 1 and 3); OR-ing 0x64006400 makes
+    both halves fp16 1024 + m at once.  The halves, taken as fp16, minus 1024 (exact, two
+    per HADD2) leave c * 2^SHIFT; the caller folds the power of two into the other
+    operand."""
+    mask: tl.constexpr = 0x00030003 << SHIFT
+    even = (words & mask) | 0x64006400                 # bytes 0 and 2
+    odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
+    b0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    # Joined as (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA
+    # operand wants it; the kernel keeps every quarter's dims in this order (_quarter_dims).
+    bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
+    return bits - 1024.0
+
+
+@triton.jit
+def _quarter_dims(W: tl.constexpr):
+    """(W,) int32: the dim (within its quarter) at each position of _codes_fp16's output:
+    positions 4i .. 4i+3 hold dims 4i, 4i+2, 4i+1, 4i+3 (bits 0 and 1 swapped)."""
+    pos = tl.arange(0, W)
+    return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
 
 
 @triton.jit
@@ -150,6 +176,15 @@ def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
 
 
 @triton.jit
+def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
+                   unit,            # power of two the quarter is multiplied by
+                   S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, W, 2 * BLOCK_H) fp16: q * unit transposed, as hi / lo columns, for every sub-tile."""
+    q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
+    return _hi_lo_columns(q_t, S, W, BLOCK_H)
+
+
+@triton.jit
 def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
                S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
     """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
@@ -158,24 +193,26 @@ def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_l
 
 
 @triton.jit
-def _quarter_dot(packed,            # (S, T, W) uint8 code bytes of the tile
+def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
                  q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
                  acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
-                 SHIFT: tl.constexpr):  # 2 * quarter: the bit field of this quarter
+                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
     """acc + codes @ q_cols in every sub-tile: the exact fp16 codes of one quarter against
     both fp16 parts of the query quarter of every head (fp32 accumulation)."""
-    return tl.dot(_codes_fp16(packed, SHIFT), q_cols, acc, out_dtype=tl.float32)
+    return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
 
 
 @triton.jit
 def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
-                    packed,         # (S, T, W) uint8 code bytes of the tile
+                    packed,         # (S, T, W // 4) uint32 code words of the tile
                     scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
-                    SHIFT: tl.constexpr, S: tl.constexpr, W: tl.constexpr,
+                    SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
                     BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """General path: the contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to
     q.k, (S, T, BLOCK_H), with the quarter dequantized in fp32."""
-    k = (_codes_fp16(packed, SHIFT).to(tl.float32) - zero) * scale
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
+    k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
     if USE_DOT:
         q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
         return tl.dot(k, q_t, input_precision=DOT_PRECISION)
@@ -187,14 +224,15 @@ def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
 def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
                 alpha,              # (S, BLOCK_H) rescale of the running output
                 p,                  # (S, T, BLOCK_H) fp32 softmax numerators
-                packed,             # (S, T, W) uint8 code bytes of the tile
+                packed,             # (S, T, W // 4) uint32 code words of the tile
                 scale, zero,        # factored: (S, T) group params; general: (S, T, W)
                 SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
                 BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) =
     c^T (p s) - sum(p s z), with p s scaled into [0, 2^14] (by the sub-tile's largest
     scale) and split into hi / lo columns, one dot for both."""
-    codes = _codes_fp16(packed, SHIFT)
+    codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
     if FACTORED:
         s_max = tl.max(scale, axis=1)
         s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
@@ -203,10 +241,10 @@ def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of thi
                     out_dtype=tl.float32)
         pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
         psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
-        return acc * alpha[:, None, :] + pc * (s_max / 16384.0)[:, None, None] \
+        return acc * alpha[:, None, :] + pc * (s_max * (unit / 16384.0))[:, None, None] \
             - psz[:, None, :]
     else:
-        v = (codes.to(tl.float32) - zero) * scale
+        v = (codes.to(tl.float32) * unit - zero) * scale
         return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
                                                 input_precision=DOT_PRECISION)
 
@@ -293,11 +331,14 @@ def _int2_decode_split_kernel(
     T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
     # All query heads that share this KV head, as four quarter-rows: quarter c holds
-    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.
+    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.  Within a
+    # quarter the dims are in the order _codes_fp16 unpacks them (offs_w): the query,
+    # the scales and zeros, the window values and the output all use that order, so the
+    # codes are never reordered.
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < QUERIES_PER_KV
     q_heads = pid_kv * QUERIES_PER_KV + offs_h
-    offs_w = tl.arange(0, W)
+    offs_w = _quarter_dims(W)              # dims of a quarter, in the order of the codes
     q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_w[None, :]
     q0 = tl.load(q_rows + 0 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
     q1 = tl.load(q_rows + 1 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
@@ -320,10 +361,11 @@ def _int2_decode_split_kernel(
     q3 = q3 * q_mul[:, None]
     # Factored path: the (S, W, 2 * BLOCK_H) dot operands, hi and lo of every head side by
     # side, the same for every sub-tile; and the sums of the quarters, for the zeros.
-    q0_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q0)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
-    q1_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q1)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
-    q2_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q2)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
-    q3_cols = _hi_lo_columns(tl.broadcast_to(tl.trans(q3)[None, :, :], (S, W, BLOCK_H)), S, W, BLOCK_H)
+    # Quarter c meets codes times 4^c (see _codes_fp16), so it is scaled by 4^-c (exact).
+    q0_cols = _query_columns(q0, 1.0, S, W, BLOCK_H)
+    q1_cols = _query_columns(q1, 1.0 / 4, S, W, BLOCK_H)
+    q2_cols = _query_columns(q2, 1.0 / 16, S, W, BLOCK_H)
+    q3_cols = _query_columns(q3, 1.0 / 64, S, W, BLOCK_H)
     q0_sum = tl.sum(q0, axis=1)[None, None, :]
     q1_sum = tl.sum(q1, axis=1)[None, None, :]
     q2_sum = tl.sum(q2, axis=1)[None, None, :]
@@ -346,6 +388,9 @@ def _int2_decode_split_kernel(
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
     offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
     bt_row = block_table_ptr + batch * stride_btb
+    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))
+    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))
+    offs_word = tl.arange(0, W // 4)
     TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
     # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
     if TILE_IN_PAGE:
@@ -375,11 +420,11 @@ def _int2_decode_split_kernel(
             slot = tok % PAGE_SIZE
         code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn    # (S, T)
         param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
-        # One load of the packed rows per tile; the four quarters are its bit fields.
-        k_packed = tl.load(k_codes_ptr + code_rows[:, :, None] + offs_w[None, None, :],
-                           mask=valid[:, :, None], other=0)
-        v_packed = tl.load(v_codes_ptr + code_rows[:, :, None] + offs_w[None, None, :],
-                           mask=valid[:, :, None], other=0)
+        # One load of the packed rows per tile, as 32-bit words (a row is d/4 bytes, a
+        # multiple of 4); the four quarters are the bit fields of its bytes.
+        words = (code_rows // 4)[:, :, None] + offs_word[None, None, :]
+        k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
+        v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
         if FACTORED:
             # Quarter c lies in group c * NUM_GROUPS // 4: (S, T) scale and zero each.
             ks0 = tl.load(k_scale_ptr + param_rows, mask=valid, other=0.0)
@@ -434,26 +479,26 @@ def _int2_decode_split_kernel(
             no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
             if NUM_GROUPS == 1:
                 # One group: the four quarter dots chain into one accumulator.
-                t = _quarter_dot(k_packed, q0_cols, no_acc, 0)
-                t = _quarter_dot(k_packed, q1_cols, t, 2)
-                t = _quarter_dot(k_packed, q2_cols, t, 4)
-                t = _quarter_dot(k_packed, q3_cols, t, 6)
+                t = _quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W)
+                t = _quarter_dot(k_packed, q1_cols, t, 2, S, T, W)
+                t = _quarter_dot(k_packed, q2_cols, t, 4, S, T, W)
+                t = _quarter_dot(k_packed, q3_cols, t, 6, S, T, W)
                 q_sum = q0_sum + q1_sum + q2_sum + q3_sum
                 logits = ks0[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - kz0[:, :, None] * q_sum)
             else:
-                t = _add_hi_lo(_quarter_dot(k_packed, q0_cols, no_acc, 0), S, T, BLOCK_H)
+                t = _add_hi_lo(_quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W), S, T, BLOCK_H)
                 logits = ks0[:, :, None] * (t - kz0[:, :, None] * q0_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q1_cols, no_acc, 2), S, T, BLOCK_H)
+                t = _add_hi_lo(_quarter_dot(k_packed, q1_cols, no_acc, 2, S, T, W), S, T, BLOCK_H)
                 logits += ks1[:, :, None] * (t - kz1[:, :, None] * q1_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q2_cols, no_acc, 4), S, T, BLOCK_H)
+                t = _add_hi_lo(_quarter_dot(k_packed, q2_cols, no_acc, 4, S, T, W), S, T, BLOCK_H)
                 logits += ks2[:, :, None] * (t - kz2[:, :, None] * q2_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6), S, T, BLOCK_H)
+                t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6, S, T, W), S, T, BLOCK_H)
                 logits += ks3[:, :, None] * (t - kz3[:, :, None] * q3_sum)
         else:
-            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
         logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
         m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
         acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)

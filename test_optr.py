@@ -1781,22 +1781,34 @@ def test_unchecked_path_matches_checked_path():
 
 
 def test_codes_fp16_bit_trick_is_exact():
-    """The no-I2F conversion (0x6400 | c as fp16, minus 1024) gives exactly the code c
-    of every 2-bit field of every byte value."""
+    """The no-I2F conversion (32-bit words masked in place, OR 0x64006400, each 16-bit
+    half as fp16 minus 1024) gives exactly code * 4^quarter for every 2-bit field of every
+    byte value at every byte position of a word, in the order kernel._quarter_dims names
+    (bytes 0, 2, 1, 3 of each word)."""
     import triton
     import triton.language as tl
 
     @triton.jit
     def unpack(src, dst, SHIFT: tl.constexpr):
-        offs = tl.arange(0, 256)
-        tl.store(dst + offs, kernel._codes_fp16(tl.load(src + offs), SHIFT))
+        words = tl.load(src + tl.arange(0, 256))[None, :, None]          # (1, 256, 1)
+        codes = kernel._codes_fp16(words, SHIFT, 1, 256, 4)              # (1, 256, 4)
+        offs = tl.arange(0, 256)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        tl.store(dst + offs, codes)
 
-    packed = torch.arange(256, dtype=torch.uint8, device=DEVICE)
-    for field in range(4):
-        out = torch.empty(256, dtype=torch.float16, device=DEVICE)
-        unpack[(1,)](packed, out, 2 * field)
-        want = ((packed.long() >> (2 * field)) & 3).to(torch.float16)
-        assert torch.equal(out, want), f"field {field}"
+    g = torch.Generator().manual_seed(0)
+    # word k: byte k in position 0, then a shuffled byte value in each other position, so
+    # every value appears at every position
+    byte_rows = torch.stack([torch.arange(256)] + [torch.randperm(256, generator=g)
+                                                   for _ in range(3)], dim=1)
+    for roll in range(4):
+        rows = byte_rows.roll(roll, dims=1).to(torch.uint8).contiguous()   # (256, 4) bytes
+        words = rows.view(torch.int32).view(-1).to(DEVICE)                 # little-endian
+        for field in range(4):
+            out = torch.empty(256, 4, dtype=torch.float16, device=DEVICE)
+            unpack[(1,)](words, out, 2 * field)
+            want = (((rows.long() >> (2 * field)) & 3) * 4 ** field).to(torch.float16)
+            want = want[:, [0, 2, 1, 3]]
+            assert torch.equal(out.cpu(), want), f"field {field}, roll {roll}"
 
 
 # ----------------------------------------------------------------------------
