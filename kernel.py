@@ -25,20 +25,27 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
     query heads (GQA), so every page is read once per KV head.  The INT2 tokens
     are cut into BLOCK_N-token tiles, independent of the page size; a split owns
     a contiguous range of tiles and fetches the next tile's block-table entries
-    one iteration ahead.  Per tile it loads the packed (BLOCK_N, d/4) bytes of K
-    and of V once and never reorders them: bit field c of byte j is dim
+    one iteration ahead.  Per tile it loads the packed rows of K and of V once,
+    as 32-bit words, and never reorders them: bit field c of byte j is dim
     c*d/4 + j, so the query is split into four quarter-rows instead and each
     quarter meets its bit field directly (q.k = sum over quarters).
-    Codes become fp16 by a bit trick, no int-to-float instruction: 0x6400 | c
-    is 1024 + c in fp16, minus 1024 is exactly c.
+    Codes become fp16 by a bit trick, two per integer instruction and no
+    int-to-float instruction: a word masked with 0x00030003 << 2c, OR 0x64006400,
+    holds two fp16 1024 + c * 4^c; minus 1024 leaves c * 4^c exactly, and 4^-c
+    goes into the other operand.  A tile is cut into sub-tiles of 16 tokens (one
+    per warp at the default sizes), each with its own softmax state, merged
+    once after the loop, so no reduction in the loop crosses warps.
     Scale and zero stay out of the tile when a quarter lies in one group
     (G a multiple of d/4, d >= 64; the production case d = G = 128):
         q.k = s * (q.c - z * sum(q))              (per group, per token)
         p.v = (p s).c - sum(p s z)
     The dots take exact fp16 codes; the other operand (the query, or p s) is
     scaled into [-2^14, 2^14] and split into two fp16 parts hi + lo, which
-    carry ~22 bits, with fp32 accumulation: two fp16 dots per product, near
-    fp32 accuracy.  Other group sizes (and d < 64) take a general path in the
+    carry ~22 bits, with fp32 accumulation: near fp32 accuracy.  The tokens
+    fill the MMA's 16 rows and the hi and lo parts of every head sit side by
+    side on its 8 columns, so one dot computes both; with one group per row
+    the four quarter dots chain into one accumulator.
+    Other group sizes (and d < 64) take a general path in the
     same loop: the quarter is dequantized in fp32 with per-dim scale and zero.
     The full-precision window tokens are spread over the splits (window tile t
     goes to split t % num_splits) and use fp32 dots (3xTF32 on sm80+).
@@ -241,8 +248,8 @@ def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of thi
                     out_dtype=tl.float32)
         pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
         psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
-        return acc * alpha[:, None, :] + pc * (s_max * (unit / 16384.0))[:, None, None] \
-            - psz[:, None, :]
+        pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
+        return acc * alpha[:, None, :] + pv                              # two FFMA each
     else:
         v = (codes.to(tl.float32) * unit - zero) * scale
         return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
@@ -495,16 +502,24 @@ def _int2_decode_split_kernel(
                 t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6, S, T, W), S, T, BLOCK_H)
                 logits += ks3[:, :, None] * (t - kz3[:, :, None] * q3_sum)
         else:
-            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
+            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, T, W, BLOCK_H,
+                                     USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
         logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
         m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
-        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
-        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
-        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
-        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, S, T, W, BLOCK_H, FACTORED, DOT_PRECISION)
+        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
 
     # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
     m_i, l_i, acc0, acc1, acc2, acc3 = _merge_sub_tiles(m_i, l_i, acc0, acc1, acc2, acc3)
@@ -706,25 +721,39 @@ def _dot_precision(device):
 
 
 def _block_sizes(d, G, ratio, P):
-    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning).  The token
-    tile is chosen so that no configuration spills on sm_80 or sm_90a
-    (python kernel.py --sass --all): 64 tokens in the factored path, 32 for d = 256 or
-    when a tile gathers its tokens from several pages with several groups per row
-    (a page index and d/G scale and zero addresses per token), 16 in the general path
-    (its per-dim scale and zero tiles and, for d < 64, its (heads, tokens, d/4) product)."""
+    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning), chosen with
+    the static model of python kernel.py --sass and checked spill-free on sm_80 and
+    sm_90a for every tested configuration (python kernel.py --sass --all).
+
+    Factored path, one group per row (the production case d = G = 128): 128-token tiles
+    of 8 sub-tiles, 4 warps, no software pipelining (at the bench case the model gives
+    2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages; 168 registers);
+    64 tokens when a page is shorter than 64.  Several groups per row: 64 tokens within
+    a page, 32 when a tile gathers its tokens from several pages (a page index and d/G
+    scale and zero addresses per token), 32 for d = 256.  General path: 16 tokens, one
+    sub-tile, no pipelining, up to 255 registers (its per-dim scale and zero tiles and,
+    for d < 64, its (tokens, heads, d/4) product)."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
         block_n = 16
-    elif d > 128 or (P % 64 and d // G > 1):
+    elif d > 128:
         block_n = 32
+    elif d // G > 1:
+        block_n = 64 if P % 64 == 0 else 32
     else:
-        block_n = 64
+        block_n = 128 if P % 64 == 0 else 64
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
-    # Token sub-tiles of 16 (the MMA's row count) in the factored path, one per warp.
+    # Token sub-tiles of 16 (the MMA's row count) in the factored path.
     sub_tiles = block_n // 16 if factored else 1
-    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
-                BLOCK_W=block_w, FACTORED=factored, num_warps=4, num_stages=2)
+    cfg = dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
+               BLOCK_W=block_w, FACTORED=factored, num_warps=4,
+               num_stages=1 if block_n == 128 or not factored else 2)
+    if not factored:
+        # Left to itself, ptxas settles the general path at 128 registers and spills a
+        # few on sm_90a; the explicit limit lets it take the 160-210 it needs.
+        cfg["maxnreg"] = 255
+    return cfg
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
@@ -1002,7 +1031,7 @@ def _specialise(fn, args, kw):
     params = inspect.signature(fn.fn).parameters     # works compiled and interpreted
     names = list(params)
     signature, constexprs, attrs = {}, {}, {}
-    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    options = {k: kw[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     values = dict(zip(names, args))
     values.update({k: v for k, v in kw.items() if k not in options})
     for i, name in enumerate(names):
