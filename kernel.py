@@ -29,7 +29,7 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
     as 32-bit words, and never reorders them: bit field c of byte j is dim
     c*d/4 + j, so the query is split into four quarter-rows instead and each
     quarter meets its bit field directly (q.k = sum over quarters).
-    Codes become fp16 by a bit trick, two per integer instruction and no
+    Codes become fp16 by a bit trick, two per mask-and-OR and no
     int-to-float instruction: a word masked with 0x00030003 << 2c, OR 0x64006400,
     holds two fp16 1024 + c * 4^c; minus 1024 leaves c * 4^c exactly, and 4^-c
     goes into the other operand.  A tile is cut into sub-tiles of 16 tokens (one
@@ -132,9 +132,9 @@ _MAX_SPLITS = 1024
 def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte times
-    4^quarter = 2^SHIFT (exact: 0, 1, 2, 3 times 1, 4, 16 or 64).  No int-to-float
-    instruction, and each integer instruction makes two codes.
+    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every
+    byte times 4^quarter = 2^SHIFT (exact: 0, 1, 2, 3 times 1, 4, 16 or 64).  No
+    int-to-float instruction; one mask and one OR (two LOP3) make two codes.
 
     0x6400 is 1024.0 in fp16 and its 10 mantissa bits count units, so the bit pattern
     0x6400 | m is 1024 + m for m < 1024.  Masking a word with 0x00030003 << SHIFT leaves
