@@ -25,20 +25,27 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
     query heads (GQA), so every page is read once per KV head.  The INT2 tokens
     are cut into BLOCK_N-token tiles, independent of the page size; a split owns
     a contiguous range of tiles and fetches the next tile's block-table entries
-    one iteration ahead.  Per tile it loads the packed (BLOCK_N, d/4) bytes of K
-    and of V once and never reorders them: bit field c of byte j is dim
+    one iteration ahead.  Per tile it loads the packed rows of K and of V once,
+    as 32-bit words, and never reorders them: bit field c of byte j is dim
     c*d/4 + j, so the query is split into four quarter-rows instead and each
     quarter meets its bit field directly (q.k = sum over quarters).
-    Codes become fp16 by a bit trick, no int-to-float instruction: 0x6400 | c
-    is 1024 + c in fp16, minus 1024 is exactly c.
+    Codes become fp16 by a bit trick, two per mask-and-OR and no
+    int-to-float instruction: a word masked with 0x00030003 << 2c, OR 0x64006400,
+    holds two fp16 1024 + c * 4^c; minus 1024 leaves c * 4^c exactly, and 4^-c
+    goes into the other operand.  A tile is cut into sub-tiles of 16 tokens (one
+    per warp at the default sizes), each with its own softmax state, merged
+    once after the loop, so no reduction in the loop crosses warps.
     Scale and zero stay out of the tile when a quarter lies in one group
     (G a multiple of d/4, d >= 64; the production case d = G = 128):
         q.k = s * (q.c - z * sum(q))              (per group, per token)
         p.v = (p s).c - sum(p s z)
     The dots take exact fp16 codes; the other operand (the query, or p s) is
     scaled into [-2^14, 2^14] and split into two fp16 parts hi + lo, which
-    carry ~22 bits, with fp32 accumulation: two fp16 dots per product, near
-    fp32 accuracy.  Other group sizes (and d < 64) take a general path in the
+    carry ~22 bits, with fp32 accumulation: near fp32 accuracy.  The tokens
+    fill the MMA's 16 rows and the hi and lo parts of every head sit side by
+    side on its 8 columns, so one dot computes both; with one group per row
+    the four quarter dots chain into one accumulator.
+    Other group sizes (and d < 64) take a general path in the
     same loop: the quarter is dequantized in fp32 with per-dim scale and zero.
     The full-precision window tokens are spread over the splits (window tile t
     goes to split t % num_splits) and use fp32 dots (3xTF32 on sm80+).
@@ -119,18 +126,42 @@ _MAX_SPLITS = 1024
 # ----------------------------------------------------------------------------
 # Triton kernels
 # ----------------------------------------------------------------------------
-_FP16_ONE_K = 1024.0   # 0x6400 in fp16; see _codes_fp16
-_OPERAND_RANGE = 16384.0  # dot operands are scaled into [-2^14, 2^14] before the fp16 split
 
 
 @triton.jit
-def _codes_fp16(packed,             # (BLOCK_N, W) uint8 packed code bytes
-                SHIFT: tl.constexpr):  # 2 * quarter: the bit field to extract
-    """The 2-bit field at SHIFT of every byte as exact fp16 0.0-3.0, with no int-to-float
-    instruction: 0x6400 is 1024.0 in fp16 and its mantissa's low bits count units, so the
-    bit pattern 0x6400 | c is 1024 + c; one subtraction (exact) leaves c."""
-    bits = ((packed >> SHIFT) & 3).to(tl.int16) | 0x6400
-    return bits.to(tl.float16, bitcast=True) - 1024.0
+def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
+                SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
+                S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every
+    byte times 4^quarter = 2^SHIFT (exact: 0, 1, 2, 3 times 1, 4, 16 or 64).  No
+    int-to-float instruction; one mask and one OR (two LOP3) make two codes.
+
+    0x6400 is 1024.0 in fp16 and its 10 mantissa bits count units, so the bit pattern
+    0x6400 | m is 1024 + m for m < 1024.  Masking a word with 0x00030003 << SHIFT leaves
+    the fields of bytes 0 and 2 in place, as m = c * 2^SHIFT in the two 16-bit halves
+    (the word shifted right by 8 does the same for bytes 1 and 3); OR-ing 0x64006400 makes
+    both halves fp16 1024 + m at once.  The halves, taken as fp16, minus 1024 (exact, two
+    per HADD2) leave c * 2^SHIFT; the caller folds the power of two into the other
+    operand."""
+    mask: tl.constexpr = 0x00030003 << SHIFT
+    even = (words & mask) | 0x64006400                 # bytes 0 and 2
+    odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
+    b0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    # Joined as (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA
+    # operand wants it; the kernel keeps every quarter's dims in this order (_quarter_dims).
+    bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
+    return bits - 1024.0
+
+
+@triton.jit
+def _quarter_dims(W: tl.constexpr):
+    """(W,) int32: the dim (within its quarter) at each position of _codes_fp16's output:
+    positions 4i .. 4i+3 hold dims 4i, 4i+2, 4i+1, 4i+3 (bits 0 and 1 swapped)."""
+    pos = tl.arange(0, W)
+    return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
 
 
 @triton.jit
@@ -142,65 +173,122 @@ def _split_fp16(x):
 
 
 @triton.jit
-def _quarter_logits(q_hi, q_lo,     # (BLOCK_H, W) fp16 split of the scaled query quarter
-                    q_sum,          # (BLOCK_H,) fp32 sum of the scaled query quarter
-                    q_full,         # (BLOCK_H, W) fp32 query quarter (general path)
-                    packed,         # (BLOCK_N, W) uint8 code bytes of the tile
-                    scale, zero,    # factored: (BLOCK_N,) group params; general: (BLOCK_N, W)
-                    SHIFT: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
-                    DOT_PRECISION: tl.constexpr):
-    """Contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to q.k, (BLOCK_H, BLOCK_N).
-
-    Factored: the quarter lies in one group, so q.k = s * (q.c - z * sum(q)), the dot
-    over exact fp16 codes and a two-part fp16 query (fp32 accumulation).  General: the
-    quarter is dequantized in fp32 with per-dim scale and zero."""
-    codes = _codes_fp16(packed, SHIFT)
-    if FACTORED:
-        t = tl.dot(q_hi, tl.trans(codes), out_dtype=tl.float32)
-        t = tl.dot(q_lo, tl.trans(codes), t, out_dtype=tl.float32)
-        return scale[None, :] * (t - q_sum[:, None] * zero[None, :])
-    else:
-        k = (codes.to(tl.float32) - zero) * scale
-        if USE_DOT:
-            return tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION)
-        else:
-            return tl.sum(q_full[:, None, :] * k[None, :, :], axis=2)
+def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
+                   S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """The fp16 split of x as one (S, R, 2 * BLOCK_H) dot operand: column 2h holds hi of
+    head h, column 2h + 1 its lo.  One dot against it computes both parts of every head,
+    and the heads fill the 8-wide side of the MMA instead of padding its 16-row side."""
+    hi, lo = _split_fp16(x)
+    return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
 
 
 @triton.jit
-def _quarter_pv(acc,                # (BLOCK_H, W) fp32 running output of this quarter
-                alpha,              # (BLOCK_H,) rescale of the running output
-                p,                  # (BLOCK_H, BLOCK_N) fp32 softmax numerators
-                packed,             # (BLOCK_N, W) uint8 code bytes of the tile
-                scale, zero,        # as in _quarter_logits
-                SHIFT: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc * alpha + p @ v_quarter.  Factored: p @ ((c - z) s) = (p s) @ c - (p s) @ z, with
-    p s scaled into [0, 2^14] (by the tile's largest scale) and split into two fp16 parts."""
-    codes = _codes_fp16(packed, SHIFT)
-    if FACTORED:
-        s_max = tl.max(scale, axis=0)
-        s_max = tl.where(s_max > 0, s_max, 1.0)
-        ps = p * (scale * (16384.0 / s_max))[None, :]          # in [0, 2^14]
-        ps_hi, ps_lo = _split_fp16(ps)
-        pc = tl.dot(ps_hi, codes, out_dtype=tl.float32)
-        pc = tl.dot(ps_lo, codes, pc, out_dtype=tl.float32)
-        psz = tl.sum(p * (scale * zero)[None, :], axis=1)       # (BLOCK_H,) sum of p s z
-        return acc * alpha[:, None] + pc * (s_max / 16384.0) - psz[:, None]
-    else:
-        v = (codes.to(tl.float32) - zero) * scale
-        return acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)
+def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
+                   unit,            # power of two the quarter is multiplied by
+                   S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, W, 2 * BLOCK_H) fp16: q * unit transposed, as hi / lo columns, for every sub-tile."""
+    q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
+    return _hi_lo_columns(q_t, S, W, BLOCK_H)
 
 
 @triton.jit
-def _softmax_update(logits,         # (BLOCK_H, N) fp32 logits in base-2 units, -inf if masked
-                    m_i, l_i):      # (BLOCK_H,) running max and sum of 2^(logit - m_i)
-    """Online softmax: returns (m_new, alpha, p, l_new); alpha rescales the old state."""
+def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
+               S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
+    hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
+    return hi + lo
+
+
+@triton.jit
+def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
+                 q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
+                 acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
+                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """acc + codes @ q_cols in every sub-tile: the exact fp16 codes of one quarter against
+    both fp16 parts of the query quarter of every head (fp32 accumulation)."""
+    return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
+
+
+@triton.jit
+def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
+                    packed,         # (S, T, W // 4) uint32 code words of the tile
+                    scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
+                    SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+                    BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """General path: the contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to
+    q.k, (S, T, BLOCK_H), with the quarter dequantized in fp32."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
+    k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
+    if USE_DOT:
+        q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
+        return tl.dot(k, q_t, input_precision=DOT_PRECISION)
+    else:
+        return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
+
+
+@triton.jit
+def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
+                alpha,              # (S, BLOCK_H) rescale of the running output
+                p,                  # (S, T, BLOCK_H) fp32 softmax numerators
+                packed,             # (S, T, W // 4) uint32 code words of the tile
+                scale, zero,        # factored: (S, T) group params; general: (S, T, W)
+                SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+                BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) =
+    c^T (p s) - sum(p s z), with p s scaled into [0, 2^14] (by the sub-tile's largest
+    scale) and split into hi / lo columns, one dot for both."""
+    codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
+    if FACTORED:
+        s_max = tl.max(scale, axis=1)
+        s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
+        ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
+        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
+                    out_dtype=tl.float32)
+        pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
+        psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
+        pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
+        return acc * alpha[:, None, :] + pv                              # two FFMA each
+    else:
+        v = (codes.to(tl.float32) * unit - zero) * scale
+        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
+                                                input_precision=DOT_PRECISION)
+
+
+@triton.jit
+def _softmax_update(logits,         # fp32 logits in base-2 units, -inf if masked: (S, N,
+                                    # BLOCK_H) if SUB_TILED, else (BLOCK_H, N)
+                    m_i, l_i,       # running max and sum of 2^(logit - m_i): (S, BLOCK_H)
+                                    # if SUB_TILED, else (BLOCK_H,)
+                    SUB_TILED: tl.constexpr):
+    """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
+    rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))
     # -inf only while no real token has been seen; shift by 0 then (not -inf - -inf).
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
-    p = tl.exp2(logits - m_ref[:, None])         # 0 for masked tokens
+    if SUB_TILED:
+        p = tl.exp2(logits - m_ref[:, None, :])  # 0 for masked tokens
+    else:
+        p = tl.exp2(logits - m_ref[:, None])
     return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
+                     acc0, acc1, acc2, acc3):  # (S, W, BLOCK_H) running outputs
+    """One softmax state from S: every sub-tile's state rescaled to the largest max and
+    summed; returns m, l (BLOCK_H,) and acc0..acc3 as (BLOCK_H, W)."""
+    m = tl.max(m_i, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
+    l = tl.sum(l_i * w, axis=0)
+    acc0 = tl.trans(tl.sum(acc0 * w[:, None, :], axis=0))
+    acc1 = tl.trans(tl.sum(acc1 * w[:, None, :], axis=0))
+    acc2 = tl.trans(tl.sum(acc2 * w[:, None, :], axis=0))
+    acc3 = tl.trans(tl.sum(acc3 * w[:, None, :], axis=0))
+    return m, l, acc0, acc1, acc2, acc3
 
 
 @triton.jit
@@ -235,6 +323,7 @@ def _int2_decode_split_kernel(
         QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
         BLOCK_H: tl.constexpr,        # query-head tile, power of two >= QUERIES_PER_KV
         BLOCK_N: tl.constexpr,        # INT2 tokens per tile (any page size), power of two >= 16
+        SUB_TILES: tl.constexpr,      # token sub-tiles per tile, each with its own softmax state
         BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
         FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
         DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
@@ -245,13 +334,18 @@ def _int2_decode_split_kernel(
     batch = pid_b.to(tl.int64)
     W: tl.constexpr = HEAD_DIM // 4        # dims per quarter-row
     USE_DOT: tl.constexpr = W >= 16        # tl.dot needs a reduction dim >= 16
+    S: tl.constexpr = SUB_TILES
+    T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
     # All query heads that share this KV head, as four quarter-rows: quarter c holds
-    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.
+    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.  Within a
+    # quarter the dims are in the order _codes_fp16 unpacks them (offs_w): the query,
+    # the scales and zeros, the window values and the output all use that order, so the
+    # codes are never reordered.
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < QUERIES_PER_KV
     q_heads = pid_kv * QUERIES_PER_KV + offs_h
-    offs_w = tl.arange(0, W)
+    offs_w = _quarter_dims(W)              # dims of a quarter, in the order of the codes
     q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_w[None, :]
     q0 = tl.load(q_rows + 0 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
     q1 = tl.load(q_rows + 1 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
@@ -272,21 +366,26 @@ def _int2_decode_split_kernel(
     q1 = q1 * q_mul[:, None]
     q2 = q2 * q_mul[:, None]
     q3 = q3 * q_mul[:, None]
-    q0_hi, q0_lo = _split_fp16(q0)
-    q1_hi, q1_lo = _split_fp16(q1)
-    q2_hi, q2_lo = _split_fp16(q2)
-    q3_hi, q3_lo = _split_fp16(q3)
-    q0_sum = tl.sum(q0, axis=1)
-    q1_sum = tl.sum(q1, axis=1)
-    q2_sum = tl.sum(q2, axis=1)
-    q3_sum = tl.sum(q3, axis=1)
+    # Factored path: the (S, W, 2 * BLOCK_H) dot operands, hi and lo of every head side by
+    # side, the same for every sub-tile; and the sums of the quarters, for the zeros.
+    # Quarter c meets codes times 4^c (see _codes_fp16), so it is scaled by 4^-c (exact).
+    q0_cols = _query_columns(q0, 1.0, S, W, BLOCK_H)
+    q1_cols = _query_columns(q1, 1.0 / 4, S, W, BLOCK_H)
+    q2_cols = _query_columns(q2, 1.0 / 16, S, W, BLOCK_H)
+    q3_cols = _query_columns(q3, 1.0 / 64, S, W, BLOCK_H)
+    q0_sum = tl.sum(q0, axis=1)[None, None, :]
+    q1_sum = tl.sum(q1, axis=1)[None, None, :]
+    q2_sum = tl.sum(q2, axis=1)[None, None, :]
+    q3_sum = tl.sum(q3, axis=1)[None, None, :]
 
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc1 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc2 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
-    acc3 = tl.zeros([BLOCK_H, W], dtype=tl.float32)
+    # Softmax state and outputs of each sub-tile of T tokens (a warp's share of a tile at
+    # the default sizes): no reduction crosses sub-tiles inside the loop; one merge after.
+    m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
+    acc0 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)   # output dims of quarter 0, transposed
+    acc1 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
+    acc2 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
+    acc3 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
 
     # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
     n_quant = tl.load(n_quant_ptr + pid_b)
@@ -294,8 +393,11 @@ def _int2_decode_split_kernel(
     tiles_per_split = tl.cdiv(n_tiles, num_splits)
     first_tile = tl.minimum(split * tiles_per_split, n_tiles)
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
-    offs_n = tl.arange(0, BLOCK_N)
+    offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
     bt_row = block_table_ptr + batch * stride_btb
+    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))
+    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))
+    offs_word = tl.arange(0, W // 4)
     TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
     # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
     if TILE_IN_PAGE:
@@ -306,10 +408,10 @@ def _int2_decode_split_kernel(
         page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
                             mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
     # General path: the group of every dim of each quarter (the same for every tile).
-    group_of_dim0 = (0 * W + offs_w) // GROUP_SIZE
-    group_of_dim1 = (1 * W + offs_w) // GROUP_SIZE
-    group_of_dim2 = (2 * W + offs_w) // GROUP_SIZE
-    group_of_dim3 = (3 * W + offs_w) // GROUP_SIZE
+    group_of_dim0 = ((0 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    group_of_dim1 = ((1 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    group_of_dim2 = ((2 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    group_of_dim3 = ((3 * W + offs_w) // GROUP_SIZE)[None, None, :]
     for tile in range(first_tile, last_tile):
         tok = tile * BLOCK_N + offs_n
         valid = tok < n_quant
@@ -319,21 +421,19 @@ def _int2_decode_split_kernel(
             page_next = tl.load(bt_row + ((tile + 1) * BLOCK_N) // PAGE_SIZE,
                                 mask=tile + 1 < last_tile, other=0)
             slot = (tile * BLOCK_N) % PAGE_SIZE + offs_n
-            code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
-            param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
         else:
             page_next = tl.load(bt_row + tok_next // PAGE_SIZE,
                                 mask=(tile + 1 < last_tile) & (tok_next < n_quant), other=0)
             slot = tok % PAGE_SIZE
-            code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn
-            param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
-        # One load of the packed rows per tile; the four quarters are its bit fields.
-        k_packed = tl.load(k_codes_ptr + code_rows[:, None] + offs_w[None, :],
-                           mask=valid[:, None], other=0)
-        v_packed = tl.load(v_codes_ptr + code_rows[:, None] + offs_w[None, :],
-                           mask=valid[:, None], other=0)
+        code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn    # (S, T)
+        param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
+        # One load of the packed rows per tile, as 32-bit words (a row is d/4 bytes, a
+        # multiple of 4); the four quarters are the bit fields of its bytes.
+        words = (code_rows // 4)[:, :, None] + offs_word[None, None, :]
+        k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
+        v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
         if FACTORED:
-            # Quarter c lies in group c * NUM_GROUPS // 4: (BLOCK_N,) scale and zero each.
+            # Quarter c lies in group c * NUM_GROUPS // 4: (S, T) scale and zero each.
             ks0 = tl.load(k_scale_ptr + param_rows, mask=valid, other=0.0)
             kz0 = tl.load(k_zero_ptr + param_rows, mask=valid, other=0.0)
             vs0 = tl.load(v_scale_ptr + param_rows, mask=valid, other=0.0)
@@ -359,43 +459,70 @@ def _int2_decode_split_kernel(
                 vs3 = tl.load(v_scale_ptr + param_rows + g3, mask=valid, other=0.0)
                 vz3 = tl.load(v_zero_ptr + param_rows + g3, mask=valid, other=0.0)
         else:
-            # General path: per-dim scale and zero of each quarter, (BLOCK_N, W).
-            pm = valid[:, None]
-            pr0 = param_rows[:, None] + group_of_dim0[None, :]
-            ks0 = tl.load(k_scale_ptr + pr0, mask=pm, other=0.0)
-            kz0 = tl.load(k_zero_ptr + pr0, mask=pm, other=0.0)
-            vs0 = tl.load(v_scale_ptr + pr0, mask=pm, other=0.0)
-            vz0 = tl.load(v_zero_ptr + pr0, mask=pm, other=0.0)
-            pr1 = param_rows[:, None] + group_of_dim1[None, :]
-            ks1 = tl.load(k_scale_ptr + pr1, mask=pm, other=0.0)
-            kz1 = tl.load(k_zero_ptr + pr1, mask=pm, other=0.0)
-            vs1 = tl.load(v_scale_ptr + pr1, mask=pm, other=0.0)
-            vz1 = tl.load(v_zero_ptr + pr1, mask=pm, other=0.0)
-            pr2 = param_rows[:, None] + group_of_dim2[None, :]
-            ks2 = tl.load(k_scale_ptr + pr2, mask=pm, other=0.0)
-            kz2 = tl.load(k_zero_ptr + pr2, mask=pm, other=0.0)
-            vs2 = tl.load(v_scale_ptr + pr2, mask=pm, other=0.0)
-            vz2 = tl.load(v_zero_ptr + pr2, mask=pm, other=0.0)
-            pr3 = param_rows[:, None] + group_of_dim3[None, :]
-            ks3 = tl.load(k_scale_ptr + pr3, mask=pm, other=0.0)
-            kz3 = tl.load(k_zero_ptr + pr3, mask=pm, other=0.0)
-            vs3 = tl.load(v_scale_ptr + pr3, mask=pm, other=0.0)
-            vz3 = tl.load(v_zero_ptr + pr3, mask=pm, other=0.0)
+            # General path: per-dim scale and zero of each quarter, (S, T, W).
+            pm = valid[:, :, None]
+            pr = param_rows[:, :, None]
+            ks0 = tl.load(k_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            kz0 = tl.load(k_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            vs0 = tl.load(v_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            vz0 = tl.load(v_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
+            ks1 = tl.load(k_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            kz1 = tl.load(k_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            vs1 = tl.load(v_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            vz1 = tl.load(v_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
+            ks2 = tl.load(k_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            kz2 = tl.load(k_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            vs2 = tl.load(v_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            vz2 = tl.load(v_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
+            ks3 = tl.load(k_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
+            kz3 = tl.load(k_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
+            vs3 = tl.load(v_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
+            vz3 = tl.load(v_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
 
-        logits = _quarter_logits(q0_hi, q0_lo, q0_sum, q0, k_packed, ks0, kz0, 0,
-                                 FACTORED, USE_DOT, DOT_PRECISION)
-        logits += _quarter_logits(q1_hi, q1_lo, q1_sum, q1, k_packed, ks1, kz1, 2,
-                                  FACTORED, USE_DOT, DOT_PRECISION)
-        logits += _quarter_logits(q2_hi, q2_lo, q2_sum, q2, k_packed, ks2, kz2, 4,
-                                  FACTORED, USE_DOT, DOT_PRECISION)
-        logits += _quarter_logits(q3_hi, q3_lo, q3_sum, q3, k_packed, ks3, kz3, 6,
-                                  FACTORED, USE_DOT, DOT_PRECISION)
-        logits = tl.where(valid[None, :], logits * row_scale[:, None], float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i)
-        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, FACTORED, DOT_PRECISION)
-        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, FACTORED, DOT_PRECISION)
-        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, FACTORED, DOT_PRECISION)
-        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, FACTORED, DOT_PRECISION)
+        # Logits (S, T, BLOCK_H): tokens on the MMA's 16-row side, the hi / lo columns of
+        # the heads on its 8-column side.
+        if FACTORED:
+            # q.k = sum over quarters of s * (q.c - z * sum(q)), s and z of the quarter's group.
+            no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
+            if NUM_GROUPS == 1:
+                # One group: the four quarter dots chain into one accumulator.
+                t = _quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W)
+                t = _quarter_dot(k_packed, q1_cols, t, 2, S, T, W)
+                t = _quarter_dot(k_packed, q2_cols, t, 4, S, T, W)
+                t = _quarter_dot(k_packed, q3_cols, t, 6, S, T, W)
+                q_sum = q0_sum + q1_sum + q2_sum + q3_sum
+                logits = ks0[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - kz0[:, :, None] * q_sum)
+            else:
+                t = _add_hi_lo(_quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W), S, T, BLOCK_H)
+                logits = ks0[:, :, None] * (t - kz0[:, :, None] * q0_sum)
+                t = _add_hi_lo(_quarter_dot(k_packed, q1_cols, no_acc, 2, S, T, W), S, T, BLOCK_H)
+                logits += ks1[:, :, None] * (t - kz1[:, :, None] * q1_sum)
+                t = _add_hi_lo(_quarter_dot(k_packed, q2_cols, no_acc, 4, S, T, W), S, T, BLOCK_H)
+                logits += ks2[:, :, None] * (t - kz2[:, :, None] * q2_sum)
+                t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6, S, T, W), S, T, BLOCK_H)
+                logits += ks3[:, :, None] * (t - kz3[:, :, None] * q3_sum)
+        else:
+            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, T, W, BLOCK_H,
+                                     USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+        logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
+        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
+        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, S, T, W, BLOCK_H,
+                           FACTORED, DOT_PRECISION)
+
+    # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
+    m_i, l_i, acc0, acc1, acc2, acc3 = _merge_sub_tiles(m_i, l_i, acc0, acc1, acc2, acc3)
 
     # ---- Full-precision window tokens, spread over the splits --------------
     # Window tile t (BLOCK_W tokens) belongs to split t % num_splits.
@@ -413,7 +540,7 @@ def _int2_decode_split_kernel(
         k = tl.load(win_k_ptr + rows + offs_d[None, :], mask=wm, other=0.0).to(tl.float32)
         logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
         logits = tl.where(valid[None, :], logits, float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i)
+        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
         v0 = tl.load(win_v_ptr + rows + (0 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
         v1 = tl.load(win_v_ptr + rows + (1 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
         v2 = tl.load(win_v_ptr + rows + (2 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
@@ -593,21 +720,47 @@ def _dot_precision(device):
     return "ieee"
 
 
-def _block_sizes(d, G, ratio):
-    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning)."""
+def _block_sizes(d, G, ratio, P):
+    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning), chosen with
+    the static model of python kernel.py --sass and checked spill-free on sm_80 and
+    sm_90a for every tested configuration (python kernel.py --sass --all).
+
+    Factored path, one group per row (the production case d = G = 128): 128-token tiles
+    of 8 sub-tiles, 4 warps, no software pipelining (at the bench case the model gives
+    2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages; 168 registers);
+    64 tokens when a page is shorter than 64.  Several groups per row: 64 tokens within
+    a page, 32 when a tile gathers its tokens from several pages (a page index and d/G
+    scale and zero addresses per token), 32 for d = 256.  General path: 16 tokens, one
+    sub-tile, no pipelining, up to 255 registers (its per-dim scale and zero tiles and,
+    for d < 64, its (tokens, heads, d/4) product)."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
-    block_n = 64 if d <= 128 else 32          # INT2 tokens per tile, any page size
+    if not factored:
+        block_n = 16
+    elif d > 128:
+        block_n = 32
+    elif d // G > 1:
+        block_n = 64 if P % 64 == 0 else 32
+    else:
+        block_n = 128 if P % 64 == 0 else 64
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
-    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, BLOCK_W=block_w,
-                FACTORED=factored, num_warps=4, num_stages=2)
+    # Token sub-tiles of 16 (the MMA's row count) in the factored path.
+    sub_tiles = block_n // 16 if factored else 1
+    cfg = dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
+               BLOCK_W=block_w, FACTORED=factored, num_warps=4,
+               num_stages=1 if block_n == 128 or not factored else 2)
+    if not factored:
+        # Left to itself, ptxas settles the general path at 128 registers and spills a
+        # few on sm_90a; the explicit limit lets it take the 160-210 it needs.
+        cfg["maxnreg"] = 255
+    return cfg
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
             win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes):
     """Launch both stages on already validated inputs; no host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
-    cfg = _block_sizes(d, group_size, H_q // H_kv)
+    cfg = _block_sizes(d, group_size, H_q // H_kv, P)
     if num_splits is None:
         max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
         num_splits = _default_num_splits(B, H_kv, max_tiles, q.device)
@@ -673,7 +826,7 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     if not _INTERPRETED and q.device.type != "cuda":
         _fail("q", "a CUDA tensor (Triton runs on the GPU; TRITON_INTERPRET=1 for CPU)",
               q.device)
-    if type(tl.zeros) is not type(_merge_splits_kernel):
+    if type(tl.zeros) is not type(_codes_fp16):
         raise RuntimeError("triton was imported before kernel.py without TRITON_INTERPRET=1 "
                            "on a machine without CUDA; import kernel first or set "
                            "TRITON_INTERPRET=1 in the environment")
@@ -711,13 +864,20 @@ def _random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
         group_size=G)
 
 
+# The launch shape of _tiny_check (as _record_launch takes it; --sass --all compiles it).
+_TINY_LAUNCH = dict(B=3, H_q=8, H_kv=2, d=64, G=16, P=16, NW=5, n_quant=40, num_splits=2,
+                    q_dtype="bf16", win_dtype="bf16")
+
+
 def _tiny_check(device):
     """Kernel vs torch reference on a small ragged case; returns the max abs error."""
     torch.manual_seed(0)
-    args = _random_inputs(3, 40, 8, 2, 64, 16, 16, 5, torch.bfloat16, device)
+    c = _TINY_LAUNCH
+    args = _random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
+                          c["NW"], torch.bfloat16, device)
     args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
     args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
-    out = int2_paged_decode(**args, num_splits=2)
+    out = int2_paged_decode(**args, num_splits=c["num_splits"])
     ref = paged_decode_reference(**args)
     return (out - ref).abs().max().item()
 
@@ -767,7 +927,7 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
             sizes = _check_inputs(*args.values(), None, None)
             sizes.update(_check_values(args["k_codes"], args["block_table"], args["n_quant"],
                                        args["win_len"], sizes))
-            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4)["BLOCK_N"]),
+            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4, P)["BLOCK_N"]),
                                          device)
             part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
@@ -800,8 +960,9 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
 # ----------------------------------------------------------------------------
 # Static analysis (python kernel.py --sass): compile for a GPU without one
 # ----------------------------------------------------------------------------
-# H200 figures the estimate rests on (printed with the result).
-_H200 = dict(hbm_gbs=4800.0, sms=132, clock_ghz=1.8, schedulers=4)
+# H200 figures the estimate rests on (printed with the result): HBM bandwidth, SMs, the
+# base and boost clocks (HBM bytes per SM-cycle depend on the clock), schedulers per SM.
+_H200 = dict(hbm_gbs=4800.0, sms=132, clocks_ghz=(1.755, 1.98), schedulers=4)
 _SASS_CASE = dict(B=1, H_q=32, H_kv=8, d=128, G=128, P=64, n_quant=32768 - 320, NW=320)
 
 
@@ -815,14 +976,26 @@ class _Recorder:
         return lambda *args, **kw: self.calls.append((grid, args, kw))
 
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
 def _record_launch(case):
-    """Run the launcher on meta tensors of the given case; return the recorded calls."""
+    """Run the launcher on meta tensors of a launch shape; return the recorded calls.
+
+    case: B, H_q, H_kv, d, G, P, NW, n_quant (longest INT2 length) and, optional,
+    q_dtype / win_dtype ("fp32" or "bf16", default bf16), num_splits (default None),
+    num_pages and max_blocks (default: just enough pages for n_quant tokens), and
+    max_tokens (what sizes the default splits: n_quant, or the block-table capacity on
+    the unchecked path)."""
     c = case
     meta = torch.device("meta")
-    blocks = triton.cdiv(c["n_quant"], c["P"])
-    pages = (blocks * c["B"], c["H_kv"], c["P"])
+    blocks = c.get("max_blocks", triton.cdiv(c["n_quant"], c["P"]))
+    num_pages = c.get("num_pages", blocks * c["B"])
+    pages = (num_pages, c["H_kv"], c["P"])
+    q_dtype = _DTYPES[c.get("q_dtype", "bf16")]
+    win_dtype = _DTYPES[c.get("win_dtype", "bf16")]
     args = dict(
-        q=torch.empty(c["B"], c["H_q"], c["d"], dtype=torch.bfloat16, device=meta),
+        q=torch.empty(c["B"], c["H_q"], c["d"], dtype=q_dtype, device=meta),
         k_codes=torch.empty(*pages, c["d"] // 4, dtype=torch.uint8, device=meta),
         k_scale=torch.empty(*pages, c["d"] // c["G"], device=meta),
         k_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
@@ -831,16 +1004,16 @@ def _record_launch(case):
         v_zero=torch.empty(*pages, c["d"] // c["G"], device=meta),
         block_table=torch.empty(c["B"], blocks, dtype=torch.int32, device=meta),
         n_quant=torch.empty(c["B"], dtype=torch.int32, device=meta),
-        win_k=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
-        win_v=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=torch.bfloat16, device=meta),
+        win_k=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=win_dtype, device=meta),
+        win_v=torch.empty(c["B"], c["H_kv"], c["NW"], c["d"], dtype=win_dtype, device=meta),
         win_len=torch.empty(c["B"], dtype=torch.int32, device=meta))
     sizes = dict(B=c["B"], H_q=c["H_q"], H_kv=c["H_kv"], d=c["d"], P=c["P"], NW=c["NW"],
-                 max_tokens=c["n_quant"], num_pages=pages[0])
+                 max_tokens=c.get("max_tokens", c["n_quant"]), num_pages=num_pages)
     recorders = {name: _Recorder(globals()[name]) for name in _KERNEL_NAMES}
     saved = {name: globals()[name] for name in recorders}
     globals().update(recorders)
     try:
-        _launch(*args.values(), c["G"], None, None, sizes)
+        _launch(*args.values(), c["G"], c.get("num_splits"), None, sizes)
     finally:
         globals().update(saved)
     return {name: rec.calls[0] for name, rec in recorders.items() if rec.calls}
@@ -850,20 +1023,20 @@ _TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16
              torch.uint8: "u8", torch.int32: "i32", torch.int64: "i64"}
 
 
-def _compile_recorded(fn, args, kw, arch):
-    """triton.compile the recorded call for sm_<arch>, specialised like a real launch:
+def _specialise(fn, args, kw):
+    """(signature, constexprs, attrs, options) of a call, specialised like a real launch:
     pointers and ints divisible by 16 get the divisibility hint, ints equal to 1 are
-    constants.  Returns the CompiledKernel (cubin in .asm['cubin'])."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    names = fn.arg_names
+    constants.  Two calls with equal results compile to the same kernel."""
+    import inspect
+    params = inspect.signature(fn.fn).parameters     # works compiled and interpreted
+    names = list(params)
     signature, constexprs, attrs = {}, {}, {}
-    options = {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}
+    options = {k: kw[k] for k in ("num_warps", "num_stages", "maxnreg") if k in kw}
     values = dict(zip(names, args))
     values.update({k: v for k, v in kw.items() if k not in options})
     for i, name in enumerate(names):
         v = values[name]
-        if fn.params[i].is_constexpr:
+        if params[name].annotation in (tl.constexpr, "tl.constexpr"):
             signature[name], constexprs[name] = "constexpr", v
         elif isinstance(v, torch.Tensor):
             signature[name] = "*" + _TL_TYPES[v.dtype]
@@ -878,6 +1051,14 @@ def _compile_recorded(fn, args, kw, arch):
             signature[name] = "i32" if -2**31 <= v < 2**31 else "i64"
             if v % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
+    return signature, constexprs, attrs, options
+
+
+def _compile_recorded(fn, args, kw, arch):
+    """triton.compile the recorded call for sm_<arch> (cubin in .asm['cubin'])."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    signature, constexprs, attrs, options = _specialise(fn, args, kw)
     target = GPUTarget("cuda", arch, 32)
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=target, options=options)
@@ -887,8 +1068,9 @@ def _nvidia_tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def _sass_of(compiled):
-    """(resource usage dict, list of (offset, opcode, text) SASS lines, label -> offset)."""
+def _sass_of(compiled, disassemble=True):
+    """(resource usage dict, list of (offset, opcode, text, source line) SASS lines,
+    label -> offset).  Spills are the local-memory stores and loads in the SASS."""
     import re
     import subprocess
     import tempfile
@@ -949,12 +1131,16 @@ _CLASSES = [("LDG", ("LDG",)), ("LDGSTS", ("LDGSTS",)), ("LDS", ("LDS", "LDSM"))
 _LOAD_BYTES = {"U8": 1, "S8": 1, "U16": 2, "S16": 2, "64": 8, "128": 16}
 
 
+def _is(op, prefixes):
+    return any(op == p or op.startswith(p + ".") for p in prefixes)
+
+
 def _classify(ops):
     counts = {name: 0 for name, _ in _CLASSES}
     counts["other"] = 0
     for op in ops:
         for name, prefixes in _CLASSES:
-            if any(op == p or op.startswith(p + ".") for p in prefixes):
+            if _is(op, prefixes):
                 counts[name] += 1
                 break
         else:
@@ -962,30 +1148,104 @@ def _classify(ops):
     return counts
 
 
+def _lane_bytes(op):
+    """Bytes per lane of a load or store opcode (32-bit unless the opcode says otherwise)."""
+    return next((b for suffix, b in _LOAD_BYTES.items() if f".{suffix}" in op), 4)
+
+
 def _global_bytes(ops):
     """Bytes per warp that the LDG / LDGSTS instructions request (all 32 lanes active)."""
-    total = 0
-    for op in ops:
-        if op.startswith("LDG"):
-            width = next((b for suffix, b in _LOAD_BYTES.items() if f".{suffix}" in op), 4)
-            total += 32 * width
-    return total
+    return sum(32 * _lane_bytes(op) for op in ops if op.startswith("LDG"))
 
 
-def sass_report(arch=90, case=None, verbose=True, config=None):
-    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+# The pipe model: cycles each class of SASS instruction occupies its pipe, per warp
+# instruction.  Scheduler-side pipes (one of each per SM sub-partition, 4 per SM):
+#   integer/logic (ALU; LOP3, SHF, PRMT, IADD3, compares, selects, min/max, moves):
+#     16 lanes per cycle, 2 cycles a warp instruction;
+#   FMA: fp32 FFMA/FADD/FMUL and packed fp16 HFMA2/HADD2/HMUL2 on two 16-lane halves
+#     (1 cycle a warp instruction); IMAD only on one half (2 cycles), so the pipe needs
+#     max(2 * IMAD, fp + IMAD) cycles;
+#   special functions and conversions (MUFU, F2F, F2FP, I2F, F2I): 4 lanes, 8 cycles;
+#   tensor: mma.sync at the sm_80 rate per sub-partition, 512 fp16 (256 tf32) FLOP per
+#     cycle, so HMMA.16816 (m16 n8 k16, 4,096 FLOP) takes 8 cycles; Hopper's dense peak
+#     is twice that but only through wgmma, which Triton does not use for these shapes.
+# Shared memory, one per SM: 128 bytes per cycle for LDS/LDSM/STS/LDGSTS, one cycle per
+# shuffle.  Issue: one instruction per scheduler per cycle.
+_ALU_OPS = ("LOP3", "SHF", "PRMT", "IADD3", "ISETP", "FSETP", "HSETP2", "SEL", "FSEL", "MOV",
+            "FMNMX", "IMNMX", "LEA", "IABS", "PLOP3", "P2R", "R2P", "SGXT", "BMSK", "LOP",
+            "ISCADD", "FLO", "POPC", "VIADD", "VIMNMX", "UIADD3", "ULOP3", "USHF", "UMOV")
+_FP_OPS = ("FFMA", "FADD", "FMUL", "HFMA2", "HADD2", "HMUL2", "FSWZADD")
+_XU_OPS = ("MUFU", "F2F", "F2FP", "I2F", "F2I", "I2FP", "F2IP")
+_SHARED_OPS = ("LDS", "LDSM", "STS", "LDGSTS")
+_LDSM_BYTES = {"1": 128, "2": 256, "4": 512}
+_PIPES = ("issue", "integer/logic", "FMA", "special/convert", "tensor", "shared memory")
 
-    The INT2 loop is the innermost backward-branch loop holding the most instructions
-    of _codes_fp16 (the unpacking of the code bytes, found by the SASS line info).  Returns a dict of the figures; prints a table when verbose."""
-    case = dict(_SASS_CASE, **(case or {}))
+
+def _hmma_cycles(op):
+    """Tensor-pipe cycles of one HMMA (shape from the opcode, e.g. HMMA.16816.F32)."""
+    import re
+    m = re.match(r"HMMA\.(16)(8)(\d+)", op)
+    flop = 2 * 16 * 8 * int(m.group(3)) if m else 4096
+    rate = 256 if "TF32" in op else 512
+    return flop / rate
+
+
+def _shared_cycles(op):
+    """Shared-memory cycles of one warp instruction (128 bytes per SM-cycle)."""
+    import re
+    if op.startswith("SHFL"):
+        return 1.0
+    if op.startswith("LDSM"):
+        m = re.search(r"\.(\d)$", op)
+        return _LDSM_BYTES.get(m.group(1) if m else "4", 512) / 128
+    return 32 * _lane_bytes(op) / 128
+
+
+def _pipe_cycles(ops, warps, per_tile):
+    """SM cycles per 64-token tile that each pipe needs for the loop body `ops` (one
+    warp's instructions) run by `warps` warps, scaled by per_tile (64 / tokens per
+    iteration); the sub-partition pipes serve warps / 4 of the warps each."""
+    n = lambda prefixes: sum(1 for op in ops if _is(op, prefixes))
+    imad, fp = n(("IMAD", "IMUL")), n(_FP_OPS)
+    per_smsp = {
+        "issue": len(ops),
+        "integer/logic": 2 * n(_ALU_OPS),
+        "FMA": max(2 * imad, fp + imad),
+        "special/convert": 8 * n(_XU_OPS),
+        "tensor": sum(_hmma_cycles(op) for op in ops if op.startswith("HMMA")),
+    }
+    smsp_share = warps / _H200["schedulers"] * per_tile
+    cycles = {k: v * smsp_share for k, v in per_smsp.items()}
+    cycles["shared memory"] = warps * per_tile * sum(
+        _shared_cycles(op) for op in ops if _is(op, _SHARED_OPS + ("SHFL",)))
+    return cycles
+
+
+def _hbm_cycles(tile_bytes, clock_ghz):
+    """SM cycles the HBM needs for tile_bytes at clock_ghz (bandwidth shared by all SMs)."""
+    return tile_bytes / (_H200["hbm_gbs"] / _H200["sms"] / clock_ghz)
+
+
+def _compile_stage1(arch, case, config):
+    """Record stage 1's launch at `case`, compile it for sm_<arch>, return (kw, SASS)."""
     calls = _record_launch(case)
     grid, args, kw = calls["_int2_decode_split_kernel"]
     kw = dict(kw)
     if "DOT_PRECISION" in kw:
         kw["DOT_PRECISION"] = "tf32x3"     # what the launcher picks on sm80+
     kw.update(config or {})
-    compiled = _compile_recorded(_int2_decode_split_kernel, args, kw, arch)
-    usage, lines, labels = _sass_of(compiled)
+    return kw, _sass_of(_compile_recorded(_int2_decode_split_kernel, args, kw, arch))
+
+
+def sass_report(arch=90, case=None, verbose=True, config=None):
+    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+
+    The INT2 loop is the innermost backward-branch loop holding the most instructions
+    of _codes_fp16 (the unpacking of the code bytes, found by the SASS line info).
+    config overrides launch meta-parameters (BLOCK_N, num_warps, ...).  Returns a dict
+    of the figures, the issue/HBM ratio at the base clock; prints a table if verbose."""
+    case = dict(_SASS_CASE, **(case or {}))
+    kw, (usage, lines, labels) = _compile_stage1(arch, case, config)
     loops = _loops(lines, labels)
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
                                            for o in loops)]
@@ -997,22 +1257,22 @@ def sass_report(arch=90, case=None, verbose=True, config=None):
     body = [op for off, op, _, _ in lines if start <= off <= end]
     counts = _classify(body)
     warps = kw.get("num_warps", 4)
-    tokens = _loop_tokens(kw, case)
-    tile_tokens = 64
-    per_tile = tile_tokens / tokens
+    tokens = kw["BLOCK_N"]                  # tokens of one KV head per loop iteration
+    per_tile = 64 / tokens
     d, G = case["d"], case["G"]
-    tile_bytes = tile_tokens * 2 * (d // 4 + 2 * 4 * (d // G))
-    bytes_per_cycle = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
-    hbm_cycles = tile_bytes / bytes_per_cycle
-    issue_cycles = len(body) * warps / _H200["schedulers"] * per_tile
+    tile_bytes = 64 * 2 * (d // 4 + 2 * 4 * (d // G))
+    pipes = _pipe_cycles(body, warps, per_tile)
+    clocks = _H200["clocks_ghz"]
+    hbm = {ghz: _hbm_cycles(tile_bytes, ghz) for ghz in clocks}
     global_bytes = _global_bytes(body) * warps
     r = dict(arch=arch, regs=usage["regs"], spills=usage["spill_stores"] + usage["spill_loads"],
              spill_stores=usage["spill_stores"], spill_loads=usage["spill_loads"],
              stack=usage["stack"], smem=usage["smem"], total=len(lines), loop=len(body),
              counts=counts, warps=warps, tokens=tokens, global_bytes=global_bytes,
-             tile_bytes=tile_bytes, issue_cycles=issue_cycles, hbm_cycles=hbm_cycles,
-             ratio=issue_cycles / hbm_cycles,
-             instr_per_byte=len(body) * warps / max(1, global_bytes))
+             tile_bytes=tile_bytes, pipes=pipes, hbm_cycles=hbm[clocks[0]],
+             issue_cycles=pipes["issue"], ratio=pipes["issue"] / hbm[clocks[0]],
+             binding=max(pipes, key=pipes.get),
+             ratios={ghz: {k: v / hbm[ghz] for k, v in pipes.items()} for ghz in clocks})
     if verbose:
         print(f"sm_{arch}: {r['regs']} registers, {r['stack']} B stack, "
               f"{r['spill_stores']} spill stores + {r['spill_loads']} spill loads, "
@@ -1022,41 +1282,138 @@ def sass_report(arch=90, case=None, verbose=True, config=None):
               f"({tokens} tokens of one KV head)")
         print("  " + " | ".join(f"{k} {v}" for k, v in counts.items() if v))
         print(f"  global loads per iteration (all warps, all lanes): {global_bytes} B; "
-              f"the {tokens}-token K+V tile holds {tile_bytes * tokens // tile_tokens} B")
-        print(f"  per 64-token tile: issue {issue_cycles:.0f} cycles "
-              f"(= instructions x {warps} warps / {_H200['schedulers']} schedulers), "
-              f"HBM {hbm_cycles:.0f} cycles (= {tile_bytes} B / {bytes_per_cycle:.1f} B per "
-              f"SM-cycle); ratio {r['ratio']:.2f}")
+              f"the {tokens}-token K+V tile holds {tile_bytes * tokens // 64} B")
+        head = "".join(f" | / HBM at {ghz} GHz" for ghz in clocks)
+        print(f"  per 64-token tile ({tile_bytes} B; HBM "
+              + ", ".join(f"{hbm[ghz]:.0f} cycles at {ghz} GHz" for ghz in clocks) + ")")
+        print(f"  {'pipe':<16} | SM cycles{head}")
+        for name in _PIPES:
+            print(f"  {name:<16} | {pipes[name]:9.0f}"
+                  + "".join(f" | {pipes[name] / hbm[ghz]:16.2f}" for ghz in clocks))
+        print(f"  binding pipe: {r['binding']} ({pipes[r['binding']] / hbm[clocks[0]]:.2f}x "
+              f"the HBM time at {clocks[0]} GHz, "
+              f"{pipes[r['binding']] / hbm[clocks[1]]:.2f}x at {clocks[1]} GHz)")
     return r
-
-
-def _loop_tokens(kw, case):
-    """Tokens of one KV head handled by one iteration of the INT2 loop."""
-    return kw["BLOCK_N"]
 
 
 def _sass_main():
     """Print the --sass report; runs in a child process with the interpreter off."""
-    bpc = _H200["hbm_gbs"] / _H200["sms"] / _H200["clock_ghz"]
     c = _SASS_CASE
     print(f"case: d = {c['d']}, G = {c['G']}, page {c['P']}, {c['H_q'] // c['H_kv']} query "
           f"heads per KV head, bf16 q and windows, {c['n_quant'] + c['NW']} tokens")
-    print(f"H200 assumptions: {_H200['hbm_gbs']:.0f} GB/s HBM over {_H200['sms']} SMs at "
-          f"{_H200['clock_ghz']} GHz = {bpc:.1f} B per SM-cycle; {_H200['schedulers']} "
-          f"schedulers per SM issuing 1 instruction per cycle each; every SASS instruction "
-          f"counted as one issue slot; all loads full-width with no cache reuse")
+    bpc = ", ".join(f"{_H200['hbm_gbs'] / _H200['sms'] / ghz:.1f} B per SM-cycle at {ghz} GHz"
+                    for ghz in _H200["clocks_ghz"])
+    print(f"H200 assumptions: {_H200['hbm_gbs']:.0f} GB/s HBM over {_H200['sms']} SMs = "
+          f"{bpc}; {_H200['schedulers']} schedulers per SM issuing 1 instruction per cycle "
+          f"each; all loads full-width with no cache reuse; pipe rates in kernel._pipe_cycles")
     results = {arch: sass_report(arch) for arch in (80, 90)}
     r = results[90]
     print(f"SASS sm_90a: regs {r['regs']} | spills {r['spills']} | "
           f"issue/HBM cycles per tile {r['ratio']:.2f}")
 
 
-def _run_sass():
+def _compile_job(job):
+    """Compile one recorded call for one architecture; (registers, spills, smem) or the
+    error text.  Module-level so that a process pool can run it."""
+    name, args, kw, arch = job
+    try:
+        usage, _, _ = _sass_of(_compile_recorded(globals()[name], args, kw, arch))
+        return usage["regs"], usage["spill_stores"] + usage["spill_loads"], usage["smem"]
+    except Exception as e:                        # a compile failure is a result here
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def config_key(name, args, kw):
+    """A string naming the compiled kernel that the call kernel `name`[grid](*args, **kw)
+    gets (equal keys, one compilation); the fp32 dot precision is left out (the launcher
+    picks it from the device)."""
+    kw = dict(kw, DOT_PRECISION="tf32x3") if "DOT_PRECISION" in kw else kw
+    sig, const, attrs, opts = _specialise(globals()[name], args, kw)
+    return repr((name, sorted(sig.items()), sorted(const.items()),
+                 sorted(attrs.items()), sorted(opts.items())))
+
+
+def sass_coverage(launches, archs=(90, 80), verbose=True, workers=1):
+    """Compile every distinct kernel configuration among `launches` (launch shapes as in
+    _record_launch) for each architecture; returns a list of rows (kernel, arch, the
+    specialisation's constexprs, registers, spills, shared memory, error or None) and
+    prints one line per row and the summary line if verbose."""
+    jobs, keys = [], set()
+    for case in launches:
+        for name, (grid, args, kw) in _record_launch(case).items():
+            kw = dict(kw)
+            if "DOT_PRECISION" in kw:
+                kw["DOT_PRECISION"] = "tf32x3"
+            key = config_key(name, args, kw)
+            for arch in archs:
+                if (key, arch) not in keys:
+                    keys.add((key, arch))
+                    jobs.append((name, args, kw, arch))
+    if workers > 1:
+        import concurrent.futures as cf
+        import multiprocessing as mp
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("fork")) as pool:
+            results = list(pool.map(_compile_job, jobs))
+    else:
+        results = [_compile_job(job) for job in jobs]
+    rows = []
+    for (name, args, kw, arch), res in zip(jobs, results):
+        shown = {k: v for k, v in kw.items() if k.isupper() or k.startswith("num_")}
+        err = res if isinstance(res, str) else None
+        regs, spills, smem = (0, 0, 0) if err else res
+        rows.append(dict(kernel=name, arch=arch, config=shown, regs=regs, spills=spills,
+                         smem=smem, error=err))
+        if verbose:
+            what = err or f"regs {regs:3d} | spills {spills:3d} | smem {smem:6d} B"
+            cfg = " ".join(f"{k}={v}" for k, v in shown.items())
+            print(f"sm_{arch} {name}: {what} | {cfg}", flush=True)
+    if verbose:
+        print(f"SASS coverage: {len(rows)} configurations | "
+              f"failures {sum(1 for r in rows if r['error'])} | "
+              f"with spills {sum(1 for r in rows if r['spills'])} | "
+              f"max regs {max((r['regs'] for r in rows), default=0)}")
+    return rows
+
+
+def _tested_launches(path):
+    """The launch shapes of the kernel tests: KERNEL_LAUNCHES of the test module at
+    `path` (None: the test_*.py file beside this one, or under tests/, that defines it),
+    plus the launcher's own small check (_tiny_check)."""
+    import glob
+    import importlib.util
+    import sys
+    here = os.path.dirname(os.path.abspath(__file__))
+    if path is None:
+        files = sorted(glob.glob(os.path.join(here, "test_*.py"))
+                       + glob.glob(os.path.join(here, "tests", "test_*.py")))
+        path = next((f for f in files if "KERNEL_LAUNCHES" in open(f).read()), None)
+        if path is None:
+            raise SystemExit("no test file beside kernel.py defines KERNEL_LAUNCHES; "
+                             "pass --tests PATH")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+    spec = importlib.util.spec_from_file_location("_kernel_tests", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return list(module.KERNEL_LAUNCHES) + [_TINY_LAUNCH]
+
+
+def _sass_all_main(tests_path):
+    """--sass --all: every configuration the kernel tests launch, sm_90a and sm_80."""
+    launches = _tested_launches(tests_path)
+    print(f"{len(launches)} kernel-test launches; compiling each distinct configuration of "
+          f"both kernels for sm_90a and sm_80")
+    rows = sass_coverage(launches, workers=max(1, min(4, os.cpu_count() or 1)))
+    bad = any(r["error"] or r["spills"] for r in rows)
+    raise SystemExit(1 if bad else 0)
+
+
+def _run_sass(all_configs=False, tests_path=None):
     """--sass must compile the real kernel: re-run this file with the interpreter off."""
     import subprocess
     import sys
     env = dict(os.environ, TRITON_INTERPRET="0")
-    code = "import kernel; kernel._sass_main()"
+    code = (f"import kernel; kernel._sass_all_main({tests_path!r})" if all_configs
+            else "import kernel; kernel._sass_main()")
     r = subprocess.run([sys.executable, "-c", code], env=env,
                        cwd=os.path.dirname(os.path.abspath(__file__)))
     raise SystemExit(r.returncode)
@@ -1072,10 +1429,18 @@ def main():
                              "(default: looked up from the GPU name)")
     parser.add_argument("--sass", action="store_true",
                         help="compile stage 1 for sm_90a and sm_80 (no GPU needed) and print "
-                             "registers, spills and the INT2 loop's instruction mix")
+                             "registers, spills, the INT2 loop's instruction mix and its "
+                             "pipe model")
+    parser.add_argument("--all", action="store_true",
+                        help="with --sass: compile every configuration the kernel tests launch "
+                             "(KERNEL_LAUNCHES of the test file) for sm_90a and sm_80 and list "
+                             "registers, spills and shared memory of each")
+    parser.add_argument("--tests", default=None,
+                        help="with --sass --all: the test file that defines KERNEL_LAUNCHES "
+                             "(default: the test_*.py beside kernel.py that does)")
     args = parser.parse_args()
     if args.sass:
-        _run_sass()
+        _run_sass(args.all, args.tests)
     if not args.bench:
         parser.print_help()
         return
