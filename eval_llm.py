@@ -2,7 +2,7 @@
 The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 by default.
 
     python eval_llm.py                       # the default run (see README for its time)
-    python eval_llm.py --quick               # a smoke run of every stage, about 3 minutes
+    python eval_llm.py --quick               # a smoke run of every stage, about 4 minutes
     python eval_llm.py --passkey-prompts 50  # the passkey at 50 prompts per length (hours)
     python eval_llm.py --model DIR_OR_GGUF   # any checkpoint optr.load_checkpoint reads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving

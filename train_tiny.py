@@ -1,8 +1,8 @@
 """
 The paper's ladder in miniature: train a tiny model, calibrate, evaluate, one command.
 
-    python train_tiny.py                   # about 3 minutes on 2 CPU cores
-    python train_tiny.py --quick           # under a minute: smaller everything
+    python train_tiny.py                   # about 5 minutes on 2 CPU cores
+    python train_tiny.py --quick           # about a minute: smaller everything
     python train_tiny.py --seeds 0,1,2     # the whole run per seed, mean +- std
     python train_tiny.py --attention-bias  # Qwen2-style q/k/v biases: keys may carry offsets
     python train_tiny.py --resume --clip-k 0.96  # reuse OUT's model, recalibrate, re-evaluate
@@ -535,7 +535,7 @@ class RunConfig(optr.Config):
     decode_attend: str = _f("kernel", "paged attention of the decode check: 'kernel' (the Triton "
                             "kernel, its CPU interpreter without a GPU) or 'reference' (pure torch)")
     # the run
-    quick: bool = _f(False, "small preset, under a minute: T=64, sink 2, window 8, fewer steps "
+    quick: bool = _f(False, "small preset, about a minute: T=64, sink 2, window 8, fewer steps "
                      "and sequences; flags given explicitly still win")
     out: str = _f("runs/tiny", "output directory: results.json and safetensors files")
     resume: bool = _f(False, "load OUT/model.safetensors instead of training")
