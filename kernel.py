@@ -887,7 +887,7 @@ def _paged_bf16_baseline(q, k_pages, v_pages, block_table, n_tokens):
     table, then scaled_dot_product_attention.  k_pages (num_pages, H_kv, P, d)."""
     import torch.nn.functional as F
     B, H_q, d = q.shape
-    H_kv, P = k_pages.shape[1], k_pages.shape[2]
+    H_kv = k_pages.shape[1]
     k = k_pages[block_table].permute(0, 2, 1, 3, 4).reshape(B, H_kv, -1, d)[:, :, :n_tokens]
     v = v_pages[block_table].permute(0, 2, 1, 3, 4).reshape(B, H_kv, -1, d)[:, :, :n_tokens]
     return F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, d), k, v)

@@ -968,7 +968,7 @@ class TinyLM(nn.Module):
             pos = torch.arange(idx.shape[1], device=idx.device)[None]
         x = self.model.embed_tokens(idx)
         for l, layer in enumerate(self.model.layers):
-            x, qkv = layer(x, pos, l, attention or exact_attention)
+            x, qkv = layer(x, pos, l, exact_attention if attention is None else attention)
             if capture is not None:
                 capture.append(qkv)
         return self.model.norm(x)

@@ -250,6 +250,19 @@ def _seqs(data):
     return [(q[n].permute(1, 0, 2), k[n].permute(1, 0, 2), v[n].permute(1, 0, 2)) for n in range(q.shape[0])]
 
 
+def _int2_theirs(x, R, clip, G, prefix, recent):
+    """calibrate_optr.py L28-39: rotate, quantize, rotate back, restore the static windows."""
+    return restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(x, R), clip, G), R),
+                                       x, prefix, recent)
+
+
+def _queries_theirs(L, qwin):
+    """calibrate_optr.py L50-53: queries lo .. L - 1 with lo = max(1, L - qwin), and the
+    causal mask (True = masked) of their rows."""
+    lo = max(1, L - qwin)
+    return lo, torch.arange(L)[None] > torch.arange(lo, L)[:, None]
+
+
 def key_loss_theirs(data, R_k, mu, WO, clip_k, G, prefix, recent, qwin, lam):
     """calibrate_optr.py L25-31 + L42-75: per KV head, the mean over sequences of the mean
     over the group's query heads of KL + lam * mean (dy_K)^2, queries max(1, L - qwin) .. L - 1."""
@@ -257,11 +270,9 @@ def key_loss_theirs(data, R_k, mu, WO, clip_k, G, prefix, recent, qwin, lam):
     vals = [[] for _ in range(kvh)]
     for q, k, v in _seqs(data):
         kc = k - mu[None]
-        keff = restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(kc, R_k), clip_k, G), R_k),
-                                           kc, prefix, recent)
-        L, d = keff.shape[0], keff.shape[-1]
-        g, lo = q.shape[1] // kvh, max(1, L - qwin)
-        m = torch.arange(L)[None] > torch.arange(lo, L)[:, None]
+        keff = _int2_theirs(kc, R_k, clip_k, G, prefix, recent)
+        L, d, g = keff.shape[0], keff.shape[-1], q.shape[1] // kvh
+        lo, m = _queries_theirs(L, qwin)
         for h in range(kvh):
             hv = []
             for gi in range(g):
@@ -280,14 +291,10 @@ def value_loss_theirs(data, R_k, R_v, mu, WO, clip_k, clip_v, G, prefix, recent,
     kvh = R_v.shape[0]
     vals = [[] for _ in range(kvh)]
     for q, k, v in _seqs(data):
-        kc = k - mu[None]
-        keff = restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(kc, R_k), clip_k, G), R_k),
-                                           kc, prefix, recent)
-        veff = restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(v, R_v), clip_v, G), R_v),
-                                           v, prefix, recent)
-        L, d = keff.shape[0], keff.shape[-1]
-        g, lo = q.shape[1] // kvh, max(1, L - qwin)
-        m = torch.arange(L)[None] > torch.arange(lo, L)[:, None]
+        keff = _int2_theirs(k - mu[None], R_k, clip_k, G, prefix, recent)
+        veff = _int2_theirs(v, R_v, clip_v, G, prefix, recent)
+        L, d, g = keff.shape[0], keff.shape[-1], q.shape[1] // kvh
+        lo, m = _queries_theirs(L, qwin)
         for h in range(kvh):
             dv = veff[:, h] - v[:, h]
             hv = []

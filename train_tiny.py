@@ -854,8 +854,8 @@ def print_summary(results: dict, std: dict | None = None, log=print):
     int2_bits = variants["int2"]["bits_int2_part"]
     log(f"KL(full || variant) in nats and the post-W_O errors |dy_K|^2, |dy_V|^2 (Eq. 8) at the "
         f"answer positions at T={lens[-1]},")
-    log(f"per query head, mean over layers; E_rec (Eq. 9) per token and KV head over the INT2 "
-        f"part; bits per K/V element")
+    log("per query head, mean over layers; E_rec (Eq. 9) per token and KV head over the INT2 "
+        "part; bits per K/V element")
     log(f"of the whole cache as stored (sink and window in bf16; the INT2 part alone "
         f"{int2_bits:.2f} bits).")
     fmt = lambda x: "n/a (no gap)" if x is None else f"{x:6.1%}"
