@@ -34,6 +34,7 @@ import json
 import math
 import os
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -166,17 +167,17 @@ def gqa_logits(q, k):
     """Eq. 1 logits. q (B, H_q, Tq, d), k (B, H_kv, T, d) -> (B, H_q, Tq, T)."""
     B, Hq, Tq, d = q.shape
     Hkv = k.shape[1]
-    qg = q.view(B, Hkv, Hq // Hkv, Tq, d)                     # (B, H_kv, n_rep, Tq, d)
-    a = qg @ k.unsqueeze(2).transpose(-1, -2) / math.sqrt(d)  # Eq. 1
-    return a.reshape(B, Hq, Tq, k.shape[2])
+    qg = q.reshape(B, Hkv, Hq // Hkv * Tq, d)                 # (B, H_kv, n_rep * Tq, d)
+    a = (qg / math.sqrt(d)) @ k.transpose(-1, -2)             # Eq. 1
+    return a.view(B, Hq, Tq, k.shape[2])
 
 
 def gqa_readout(p, v):
     """Eq. 2 readout. p (B, H_q, Tq, T), v (B, H_kv, T, d) -> o (B, H_q, Tq, d)."""
     B, Hq, Tq, T = p.shape
     Hkv = v.shape[1]
-    o = p.view(B, Hkv, Hq // Hkv, Tq, T) @ v.unsqueeze(2)       # Eq. 2
-    return o.reshape(B, Hq, Tq, v.shape[-1])
+    o = p.reshape(B, Hkv, Hq // Hkv * Tq, T) @ v              # Eq. 2, (B, H_kv, n_rep * Tq, d)
+    return o.view(B, Hq, Tq, v.shape[-1])
 
 
 def head_output(o, w_o):
@@ -228,7 +229,7 @@ def _q2_params(x, clip, G, eps):
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
     rank = min(max(int(math.floor(clip * G)), 0), G - 1)   # at c = 1 still the largest |x|
-    tau = xg.detach().abs().sort(dim=-1).values[..., rank:rank + 1]  # no grad through tau
+    tau = xg.detach().abs().topk(G - rank, dim=-1).values[..., -1:]  # sorted |x|[rank]; no grad
     xg = torch.maximum(torch.minimum(xg, tau), -tau)
     mn = xg.amin(dim=-1, keepdim=True)
     mx = xg.amax(dim=-1, keepdim=True)
@@ -463,6 +464,12 @@ def int2_mask(mask, fp=None):
     return mask if fp is None else mask & ~fp
 
 
+def int2_tokens(mask, fp=None) -> torch.Tensor:
+    """(T,) the tokens some query reads in INT2: the cache's INT2 part. The others are
+    read exactly by every query, so their INT2 copies never matter."""
+    return int2_mask(mask, fp).any(dim=0)
+
+
 @dataclass
 class KVQuant:
     """How one layer's KV cache is stored (Section 8 stores exactly this)."""
@@ -544,7 +551,7 @@ def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
     y_t = head_output(window_readout(p_t, v, v_tilde, quant), w_o)          # Eq. 7
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                        # Eq. 8, key term
     dy_v = head_output(gqa_readout(p_t * quant, v_tilde - v), w_o)          # Eq. 8, value term
-    stored = quant.any(dim=0)                                               # INT2 tokens (T,)
+    stored = int2_tokens(mask, fp)                                          # INT2 tokens (T,)
     e_rec = ((k - k_tilde)[:, :, stored] ** 2).sum() + ((v - v_tilde)[:, :, stored] ** 2).sum()  # Eq. 9
     e_out = ((dy_k + dy_v) ** 2).sum(-1)                                    # Eq. 10
     return dict(y=y, y_tilde=y_t, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_t, da=da,
@@ -632,7 +639,9 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
     check_rotation("r_k", r_k, cfg.n_kv_heads, cfg.head_dim)
     check_key_mean("k_mean", k_mean, cfg)
     check_query_mask(mask)
-    k_t = dequant_keys(k, k_mean, r_k, cfg)                                          # Eq. 4
+    stored = int2_tokens(mask, fp)                      # (T,) only these k~ are ever read
+    k_t = k.clone()
+    k_t[:, :, stored] = dequant_keys(k[:, :, stored], k_mean, r_k, cfg)              # Eq. 4
     p = torch.softmax(gqa_logits(q, k).masked_fill(~mask, float("-inf")), dim=-1)   # Eq. 1
     p_t = torch.softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)             # Eq. 5
     dy_k = head_output(gqa_readout(p_t - p, v), w_o)                                # Eq. 8, key term
@@ -644,8 +653,11 @@ def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
     (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d)."""
     check_rotation("r_v", r_v, cfg.n_kv_heads, cfg.head_dim)
     check_query_mask(mask)
-    v_t = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)          # Eq. 4
-    dy_v = head_output(gqa_readout(p_t * int2_mask(mask, fp), v_t - v), w_o)        # Eq. 8, value term
+    stored = int2_tokens(mask, fp)                      # (T,) only these v~ are ever read
+    v_s = v[:, :, stored]
+    dv = rotate_dequant(v_s, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) - v_s     # Eq. 4
+    p_int2 = (p_t * int2_mask(mask, fp))[..., stored]   # (B, H_q, Tq, n_stored)
+    dy_v = head_output(gqa_readout(p_int2, dv), w_o)                                # Eq. 8, value term
     return _per_head(output_error(dy_v, cfg), v.shape[1])
 
 
@@ -755,28 +767,41 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
 
 
 def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
-              query_positions=None, cfg: Config | None = None, log=None):
+              query_positions=None, cfg: Config | None = None, log=None, workers: int = 1):
     """Calibrate every layer of a frozen model (Section 7) from its full-precision q, k, v.
     calib_idx (N, T), heldout_idx (M, T') tokens (disjoint data). Returns per-layer KVQuant
-    and report rows (layer, head, part, base_loss, best_loss, best_step, kept)."""
+    and report rows (layer, head, part, base_loss, best_loss, best_step, kept). Layers are
+    independent given their captures: workers > 1 calibrates that many at once, in threads
+    with one torch thread each (the same numbers as workers=1; log lines interleave)."""
     cfg = cfg or model.cfg
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
     cal, held = [], []
     with torch.no_grad():
         model(calib_idx, capture=cal)
         model(heldout_idx, capture=held)
-    specs, report = [], []
-    for l in range(cfg.n_layers):
+
+    def layer(l):
         q, k, v = cal[l]
         mu = key_mean(k) if center else None                               # Section 4
         r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                    # Section 3
-        if learn:
-            r_k, r_v, rows = calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r_k0, r_v0,
-                                             mu, cfg, query_positions, tag=f"L{l} ", log=log)
-            report += [dict(r, layer=l) for r in rows]
-        else:
-            r_k, r_v = r_k0, r_v0
-        specs.append(KVQuant(k_mean=mu, r_k=r_k, r_v=r_v))
-    return specs, report
+        if not learn:
+            return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
+        r_k, r_v, rows = calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r_k0, r_v0,
+                                         mu, cfg, query_positions, tag=f"L{l} ", log=log)
+        return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
+
+    if workers == 1 or not learn:
+        done = [layer(l) for l in range(cfg.n_layers)]
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)                    # one core per layer, none waiting
+        try:
+            with ThreadPoolExecutor(workers) as pool:
+                done = list(pool.map(layer, range(cfg.n_layers)))
+        finally:
+            torch.set_num_threads(threads)
+    return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
 
 # ----------------------------------------------------------------------------------------

@@ -1686,6 +1686,19 @@ def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
     assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) for a, b in zip(specs, specs2))
 
 
+def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
+    """Layers are independent: calibrating two at once (workers=2) gives bit-identical
+    rotations, report rows in layer order, and torch's thread count back afterwards."""
+    model, data, specs, report = calibrated_tiny
+    threads = torch.get_num_threads()
+    specs2, report2 = optr.calibrate(model, data[0], data[1], base="quarot", workers=2)
+    assert torch.get_num_threads() == threads
+    assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) for a, b in zip(specs, specs2))
+    assert report2 == report
+    with pytest.raises(ValueError, match="workers"):
+        optr.calibrate(model, data[0], data[1], workers=0)
+
+
 def loss_args(**change):
     """Valid arguments of optr_key_loss (one layer, loss queries of T = 20), with changes."""
     cfg = small_cfg()
