@@ -68,7 +68,7 @@ MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size",
 # the harness's VARIANTS, in this ladder's order (the rows of its table)
 LADDER = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
           "quarot+optr-nocenter")
-BLOCK = 512                        # query block of the simulated cache on long texts
+BLOCK = 256                        # query block of the simulated cache on long texts
 
 
 @dataclass
@@ -101,6 +101,9 @@ class RunConfig:
     calib_queries: str = _f("last", "OptR loss queries: 'last' (the last qwin positions, the "
                             "authors' choice) or 'spread' (qwin positions evenly spaced past "
                             "sink + window)")
+    calib_propagate: bool = _f(False, "ours, not the paper's: calibrate layer l on the q, k, v "
+                               "it gets when the layers below already run their INT2 cache "
+                               "(optr.calibrate(propagate=True); one layer at a time)")
     gen_temperature: float = _f(0.8, "sampling temperature of the model-written text")
     gen_top_k: int = _f(50, "sample among the top-k tokens")
     # evaluation data and metrics
@@ -130,9 +133,9 @@ class RunConfig:
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
                       "calibration settings required where the file records them)")
-    threads: int = _f(1, "torch CPU threads; 1 because on cores shared with other jobs two "
-                      "threads wait on each other (measured 2-10x slower under load); 0 = "
-                      "torch's default, faster on an idle machine")
+    threads: int = _f(0, "torch CPU threads; 0 = torch's default (all cores); on cores shared "
+                      "with other jobs 1 is faster (threads wait on each other); calibration "
+                      "runs this many layers at once, one thread each")
     export: str = _f("", "write the best OptR variant (lowest KL at gap_ctx) with optr.export_hf "
                      "to this directory")
 
@@ -451,7 +454,7 @@ def query_positions(cfg: RunConfig):
 
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
-                               "calib_queries", "gen_temperature", "gen_top_k")
+                               "calib_queries", "calib_propagate", "gen_temperature", "gen_top_k")
 
 
 # ----------------------------------------------------------------------------------------
@@ -756,7 +759,9 @@ def main(argv=None) -> dict:
         log(f"resumed every variant's rotations and key means from {rot_path}")
     else:
         specs, reports = calibrate_variants(model, cal, held, cfg.variants, query_positions(cfg),
-                                            progress_every=10, timer=timer, log=log)
+                                            progress_every=10, timer=timer, log=log,
+                                            workers=torch.get_num_threads(),
+                                            propagate=cfg.calib_propagate)
         save_ladder(rot_path, specs, c, meta=dict(calibration=settings, report=reports))
     first_q = next(n for n in specs if specs[n] is not None)
     T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])

@@ -767,19 +767,26 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
 
 
 def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
-              query_positions=None, cfg: Config | None = None, log=None, workers: int = 1):
+              query_positions=None, cfg: Config | None = None, log=None, workers: int = 1,
+              propagate: bool = False):
     """Calibrate every layer of a frozen model (Section 7) from its full-precision q, k, v.
     calib_idx (N, T), heldout_idx (M, T') tokens (disjoint data). Returns per-layer KVQuant
     and report rows (layer, head, part, base_loss, best_loss, best_step, kept). Layers are
     independent given their captures: workers > 1 calibrates that many at once, in threads
-    with one torch thread each (the same numbers as workers=1; log lines interleave)."""
+    with one torch thread each (the same numbers as workers=1; log lines interleave).
+    propagate=True (ours, not the paper's): layer l is calibrated on the q, k, v it gets
+    when the layers below it already run their calibrated INT2 cache, one layer at a time."""
     cfg = cfg or model.cfg
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
-    cal, held = [], []
-    with torch.no_grad():
-        model(calib_idx, capture=cal)
-        model(heldout_idx, capture=held)
+
+    def captures(idx, kv_below):
+        out = []
+        with torch.no_grad():
+            model(idx, None if kv_below is None else SimulatedINT2(kv_below, cfg), capture=out)
+        return out
+
+    cal, held = captures(calib_idx, None), captures(heldout_idx, None)
 
     def layer(l):
         q, k, v = cal[l]
@@ -791,7 +798,14 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
                                          mu, cfg, query_positions, tag=f"L{l} ", log=log)
         return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
 
-    if workers == 1 or not learn:
+    if propagate:
+        done, exact = [], KVQuant(quant_k=False, quant_v=False)
+        for l in range(cfg.n_layers):
+            below = [spec for spec, _ in done] + [exact] * (cfg.n_layers - l)
+            if l:                                  # layer 0's input is exact either way
+                cal[l], held[l] = captures(calib_idx, below)[l], captures(heldout_idx, below)[l]
+            done.append(layer(l))
+    elif workers == 1 or not learn:
         done = [layer(l) for l in range(cfg.n_layers)]
     else:
         threads = torch.get_num_threads()

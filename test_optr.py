@@ -1699,6 +1699,26 @@ def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
         optr.calibrate(model, data[0], data[1], workers=0)
 
 
+def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
+    """propagate=True (ours): layer 0 is calibrated as before; layer 1 exactly as
+    calibrate_layer does on the q, k, v a forward gives when layer 0 runs its INT2 cache."""
+    model, data, specs, _ = calibrated_tiny
+    cfg = model.cfg
+    prop, _ = optr.calibrate(model, data[0], data[1], base="quarot", propagate=True)
+    assert torch.equal(prop[0].r_k, specs[0].r_k) and torch.equal(prop[0].r_v, specs[0].r_v)
+    exact = optr.KVQuant(quant_k=False, quant_v=False)
+    below = optr.SimulatedINT2([prop[0]] + [exact] * (cfg.n_layers - 1), cfg)
+    cal, held = [], []
+    with torch.no_grad():
+        model(data[0], below, capture=cal)
+        model(data[1], below, capture=held)
+    mu = optr.key_mean(cal[1][1])
+    r0 = optr.quarot_rotation(cfg.n_kv_heads, cfg.head_dim)
+    r_k, r_v, _ = optr.calibrate_layer(cal[1], held[1], model.o_proj_heads(1), r0, r0, mu, cfg)
+    assert torch.equal(prop[1].r_k, r_k) and torch.equal(prop[1].r_v, r_v)
+    assert not torch.equal(prop[1].k_mean, specs[1].k_mean)      # its inputs did change
+
+
 def loss_args(**change):
     """Valid arguments of optr_key_loss (one layer, loss queries of T = 20), with changes."""
     cfg = small_cfg()

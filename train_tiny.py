@@ -160,13 +160,15 @@ VARIANTS = {                       # name: (base rotation, key centering, OptR c
 
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
-                       progress_every=0, timer=None, log=print) -> tuple[dict, dict]:
+                       progress_every=0, timer=None, log=print, workers=1,
+                       propagate=False) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
     per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
     variant: the held-out loss of the base -> OptR, summed over heads, and the heads that
     kept their OptR rotation; per_head: then one line per layer and part with each head's
-    losses ("(base)": the base rotation kept); progress_every=n: a line every n layers."""
+    losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
+    workers, propagate: as in optr.calibrate."""
     timer = timer or Timer()
     L, steps = model.cfg.n_layers, model.cfg.steps
     specs, reports = {}, {}
@@ -186,7 +188,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
 
         specs[name], reports[name] = optr.calibrate(
             model, cal, held, base=base, center=center, learn=learn,
-            query_positions=query_positions, cfg=model.cfg,
+            query_positions=query_positions, cfg=model.cfg, workers=workers, propagate=propagate,
             log=progress if learn and progress_every else None)
         line = f"calibrated {name:<21} | {timer.lap('calibrate', t0):6.1f} s"
         for part in ("k", "v") if learn else ():
