@@ -272,7 +272,7 @@ def model_written(model, tok, cfg: RunConfig, n: int, log=print) -> torch.Tensor
     """n sequences of calib_len tokens the model writes after GEN_PROMPTS (cycled), sampled
     with the seed; cached in OUT/calib_text.json and reused while the settings match."""
     path = os.path.join(cfg.out, "calib_text.json")
-    key = dict(model=os.path.abspath(cfg.model), n=n, calib_len=cfg.calib_len, seed=cfg.seed,
+    key = dict(model=os.path.abspath(cfg.model) if cfg.model else MODEL_NAME, n=n, calib_len=cfg.calib_len, seed=cfg.seed,
                temperature=cfg.gen_temperature, top_k=cfg.gen_top_k, prompts=list(GEN_PROMPTS))
     if os.path.exists(path):
         with open(path) as f:
