@@ -3249,15 +3249,21 @@ def test_eval_llm_smoke(tmp_path):
             "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
-            "--passkey-prompts", "2", "--decode-prompts", "1"]
+            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1"]
     results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
     for name, v in on_disk["variants"].items():
-        for key in ("passkey", "kl", "top1", "nll", "e_out_key", "e_out_value", "e_rec",
-                    "bits_per_element"):
+        for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
+                    "e_rec", "bits_per_element"):
             assert key in v, (name, key)
-        assert set(v["passkey"]) == {"320", "384"}
+        ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
+        assert set(v["passkey"]) == ({"320", "384"} if ran else set())
+        if ran:
+            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 2
+    paired = on_disk["retrieval_paired"]
+    assert list(paired) == ["quarot+optr - quarot"]                    # the only pair in the run
+    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 4
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
     assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
     assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
