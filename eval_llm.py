@@ -414,14 +414,16 @@ def min_passkey_context(sink: int, window: int) -> int:
 
 
 def needle_fits(L: int, sink: int, window: int) -> bool:
-    """Whether an L-token passkey prompt leaves the needle room in the INT2 region (after
-    the sink and the header, ending before the recent window), with token counts bounded
-    by tokens_at_most, so it holds for any byte-level tokenizer."""
+    """Whether an L-token passkey prompt holds header, needle, question and answer and
+    leaves the needle room in the INT2 region (after the sink and the header, ending before
+    the recent window), with token counts bounded by tokens_at_most, so it holds for any
+    byte-level tokenizer."""
     key = str(PK_KEYS[1] - 1)
     needle = tokens_at_most(PK_NEEDLE.format(key=key))
     n_ans = tokens_at_most(PK_ANSWER.format(key=key))
-    lo = max(sink, tokens_at_most(PK_HEADER))
-    return L - n_ans - 1 - window - needle > lo
+    head, question = tokens_at_most(PK_HEADER), tokens_at_most(PK_QUESTION)
+    return (L >= head + needle + question + n_ans
+            and L - n_ans - 1 - window - needle > max(sink, head))
 
 
 def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
