@@ -544,15 +544,21 @@ def passkey_summary(by_ctx: dict) -> dict:
             "passkey_per_prompt": {str(L): s for L, s in by_ctx.items()}}
 
 
+def clipped(x: dict, lo: float, hi: float) -> dict:
+    """A t_interval's result with its interval cut to [lo, hi], the range the mean can take."""
+    return x if x["ci"] is None else {**x, "ci": (max(lo, x["ci"][0]), min(hi, x["ci"][1]))}
+
+
 def paired_difference(base: dict, better: dict) -> dict:
     """Per-prompt differences better - base of two variants' scores on the same prompts
     {ctx: dict(correct, logprob)}: for the log-prob and the correct indicator, the mean and
-    t interval (t_interval) per length and pooled over the lengths."""
+    t interval (t_interval) per length and pooled over the lengths; the correct
+    difference's interval cut to [-1, 1]."""
     def diffs(L, key):                                                 # (n,) float64
         return (torch.tensor(better[L][key], dtype=torch.float64)
                 - torch.tensor(base[L][key], dtype=torch.float64))
-    one = lambda Ls: {key: t_interval(torch.cat([diffs(L, key) for L in Ls]))
-                      for key in ("logprob", "correct")}
+    both = lambda Ls, key: t_interval(torch.cat([diffs(L, key) for L in Ls]))
+    one = lambda Ls: {"logprob": both(Ls, "logprob"), "correct": clipped(both(Ls, "correct"), -1, 1)}
     return {"by_ctx": {str(L): one([L]) for L in base}, "pooled": one(list(base))}
 
 

@@ -3363,8 +3363,8 @@ def paired_scores(draw):
 def test_eval_llm_paired_interval_matches_numpy(scores):
     """eval_llm.paired_difference gives, per length and pooled over lengths, the mean of the
     per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
-    n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it; no interval for
-    one prompt."""
+    n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
+    the correct indicator; no interval for one prompt."""
     import eval_llm
     base, better = scores
     got = eval_llm.paired_difference(base, better)
@@ -3378,8 +3378,10 @@ def test_eval_llm_paired_interval_matches_numpy(scores):
                 assert r["ci"] is None
                 continue
             half = _t975_by_integration(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-            assert (r["ci"][1] - r["ci"][0]) / 2 == pytest.approx(half, rel=1e-3, abs=1e-9)
-            assert (r["ci"][1] + r["ci"][0]) / 2 == pytest.approx(x.mean(), abs=1e-9)
+            want = x.mean() + np.array([-half, half])
+            if key == "correct":
+                want = np.clip(want, -1, 1)
+            assert r["ci"] == pytest.approx(tuple(want), rel=0, abs=1e-3 * half + 1e-9)  # t table
 
 
 def test_eval_llm_wilson_at_known_values():
