@@ -3,7 +3,7 @@ The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 b
 
     python eval_llm.py                       # the default run (see README for its time)
     python eval_llm.py --quick               # a smoke run of every stage, about 4 minutes
-    python eval_llm.py --passkey-prompts 50  # the passkey at 50 prompts per length (hours)
+    python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
     python eval_llm.py --model DIR_OR_GGUF   # any checkpoint optr.load_checkpoint reads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
     python eval_llm.py --help                # one flag per config field
@@ -23,13 +23,20 @@ What it shows:
   4. Metrics: KL(full || variant), NLL and top-1 agreement of the next-token distribution at
      positions past sink + recent, at 1k, 2k and 4k tokens of context (one 4k forward gives
      all three: with causal attention, the first L positions of a long text are exactly an
-     L-token text); passkey retrieval at 1k, 2k, 4k with Wilson 95% intervals; the Eq. 8
-     split and E_rec; bits per element measured from the paged cache's tensors.
-  5. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
+     L-token text), with a rough interval over blocks of positions; the Eq. 8 split and
+     E_rec; bits per element measured from the paged cache's tensors.
+  5. Passkey retrieval at 1k and 2k, one needle per prompt, the same prompts for every
+     variant of --passkey-variants: per prompt whether the answer is right and the mean
+     log-probability of its tokens (teacher-forced); accuracy with Wilson 95% intervals, and
+     OptR minus its base paired prompt by prompt, with Student t 95% intervals, per length
+     and pooled over the lengths.
+  6. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
      optr.decode_step), compared with the simulated cache every other number comes from.
-  6. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
-     after centering, KL and passkey accuracy vs context length.
-Results go to OUT/results.json (the schema of train_tiny.write_results), every variant's
+  7. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
+     after centering, KL, passkey accuracy and answer log-prob vs context length.
+Results go to OUT/results.json (the schema of train_tiny.write_results; per variant also the
+passkey's accuracy, Wilson interval, answer log-prob and per-prompt arrays, and at the top
+retrieval_paired, the paired intervals), every variant's
 rotations and key means to OUT/kv_rotations.safetensors (optr.save_kv_rotations, with the
 calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
 itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
@@ -69,6 +76,9 @@ MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size",
 LADDER = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
           "quarot+optr-nocenter")
 BLOCK = 256                        # query block of the simulated cache on long texts
+# the passkey stage's variants: each OptR variant with its base, and the end-to-end ones
+PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e",
+               "oscar+optr+e2e")
 
 
 @dataclass
@@ -110,16 +120,21 @@ class RunConfig:
     eval_text: str = _f("", "text file for evaluation; empty = the Python documentation topics "
                         "shipped with the standard library (pydoc_data.topics)")
     eval_seqs: int = _f(1, "evaluation sequences of max(contexts) tokens")
-    contexts: tuple[int, ...] = _f((1024, 2048, 4096), "context lengths (tokens) for KL, NLL, "
-                                   "top-1 and passkey")
+    contexts: tuple[int, ...] = _f((1024, 2048, 4096), "context lengths (tokens) for KL, NLL "
+                                   "and top-1")
     gap_ctx: int = _f(2048, "context length at which the gap closed is reported")
     err_queries: int = _f(64, "query positions (evenly spaced past sink + window) of the Eq. 8 "
                           "split, at context gap_ctx")
-    passkey_prompts: int = _f(2, "passkey prompts per context length (0 = no passkey); the "
-                              "default fits the time budget, 50 gives usable intervals (hours)")
+    passkey_prompts: int = _f(8, "passkey prompts per context length, the same for every "
+                              "variant (0 = no passkey)")
+    passkey_contexts: tuple[int, ...] = _f((1024, 2048), "context lengths (tokens) of the "
+                                           "passkey prompts; each must leave the needle room "
+                                           "between sink and window")
+    passkey_variants: tuple[str, ...] = _f(PK_VARIANTS, "variants that run the passkey stage "
+                                           "(names not in the run are skipped)")
     passkey_batch: int = _f(1, "passkey prompts per forward")
     decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache, at the "
-                             "shortest context, for the OptR variants")
+                             "shortest passkey context, for the OptR variants")
     decode_attend: str = _f("reference", "paged attention of the decode check: 'reference' (pure "
                             "torch) or 'kernel' (the Triton kernel; its CPU interpreter without "
                             "a GPU is slow at this size)")
@@ -159,6 +174,11 @@ class RunConfig:
         need(len(self.contexts) >= 1 and all(c > self.sink + self.window for c in self.contexts),
              f"contexts: expected lengths > sink + window = {self.sink + self.window}, "
              f"got {self.contexts}")
+        short = [L for L in self.passkey_contexts if not needle_fits(L, self.sink, self.window)]
+        need(len(self.passkey_contexts) >= 1 and not short,
+             f"passkey_contexts: expected one or more lengths that leave the needle an INT2 "
+             f"region, each >= {min_passkey_context(self.sink, self.window)} (sink {self.sink} or "
+             f"the header, needle, window {self.window}, answer), got {self.passkey_contexts}")
         need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the "
              f"contexts {self.contexts}")
         need(self.calib_len > self.sink + self.window, f"calib_len ({self.calib_len}) must exceed "
@@ -172,8 +192,8 @@ class RunConfig:
 
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
-             calib_len=384, steps=10, eval_every=5, passkey_prompts=1, decode_prompts=1, err_queries=32,
-             out="runs/llm-quick")
+             calib_len=384, steps=10, eval_every=5, passkey_prompts=1, passkey_contexts=(512, 1024),
+             decode_prompts=1, err_queries=32, out="runs/llm-quick")
 
 
 def parse_config(argv=None) -> RunConfig:
@@ -355,16 +375,21 @@ def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
 
 
 # ----------------------------------------------------------------------------------------
-# 4. Passkey retrieval, teacher-forced
+# 4. Passkey retrieval, teacher-forced, scored per prompt and compared in pairs
 # ----------------------------------------------------------------------------------------
 """
     header  filler ... NEEDLE ... filler  question  answer
 The needle ("The pass key is 71432. Remember it. 71432 is the pass key.") starts at a
 filler-sentence boundary; over the prompts of one length its position is spread evenly
 across the INT2 part of the cache as seen from the answer (after the sink, before the
-recent window). Greedy decoding returns the passkey iff the argmax at every answer
-position equals the true token given the true tokens before it, so one forward over
-prompt + answer scores a prompt exactly.
+recent window). One needle per prompt: this model retrieves one reliably in full
+precision, several in one prompt poorly. Greedy decoding returns the passkey iff the
+argmax at every answer position equals the true token given the true tokens before it, so
+one forward over prompt + answer scores a prompt exactly: `correct`, and a continuous
+score, the mean log-probability of the true answer tokens.
+Every variant reads the same prompts, so OptR and its base are compared in pairs: the
+per-prompt difference OptR - base, its mean and a Student t 95% interval, per length and
+pooled over the lengths. Proportions get Wilson 95% intervals.
 """
 
 PK_HEADER = ("There is an important piece of information hidden inside a lot of irrelevant "
@@ -373,6 +398,35 @@ PK_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go
 PK_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PK_QUESTION = "\nWhat is the pass key? The pass key is"
 PK_ANSWER = " {key}"
+PK_KEYS = (10_000, 100_000)        # passkeys are drawn from [10000, 100000): five digits
+
+# (base, improved) pairs of the paired comparison, kept where both variants ran the stage
+PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"),
+            ("quarot+optr", "quarot+optr+e2e"), ("oscar+optr", "oscar+optr+e2e"))
+
+
+def tokens_at_most(text: str) -> int:
+    """An upper bound on the tokens of `text` under a byte-level tokenizer: one per UTF-8
+    byte, plus one for a prefix token."""
+    return len(text.encode()) + 1
+
+
+def min_passkey_context(sink: int, window: int) -> int:
+    """The shortest context for which needle_fits holds."""
+    return next(L for L in range(sink + window, 1 << 20) if needle_fits(L, sink, window))
+
+
+def needle_fits(L: int, sink: int, window: int) -> bool:
+    """Whether an L-token passkey prompt holds header, needle, question and answer and
+    leaves the needle room in the INT2 region (after the sink and the header, ending before
+    the recent window), with token counts bounded by tokens_at_most, so it holds for any
+    byte-level tokenizer."""
+    key = str(PK_KEYS[1] - 1)
+    needle = tokens_at_most(PK_NEEDLE.format(key=key))
+    n_ans = tokens_at_most(PK_ANSWER.format(key=key))
+    head, question = tokens_at_most(PK_HEADER), tokens_at_most(PK_QUESTION)
+    return (L >= head + needle + question + n_ans
+            and L - n_ans - 1 - window - needle > max(sink, head))
 
 
 def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
@@ -382,7 +436,7 @@ def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
     head, unit, question = enc(PK_HEADER), enc(PK_FILLER), enc(PK_QUESTION)
     rows, starts, n_ans = [], [], None
     for i in range(n):
-        key = str(int(torch.randint(10_000, 100_000, (1,), generator=gen)))
+        key = str(int(torch.randint(*PK_KEYS, (1,), generator=gen)))
         needle, answer = enc(PK_NEEDLE.format(key=key)), enc(PK_ANSWER.format(key=key))
         n_ans = len(answer)
         n_fill = L - len(head) - len(needle) - len(question) - n_ans
@@ -418,10 +472,47 @@ def wilson(k: int, n: int, z: float = 1.96):
     return (max(0.0, mid - half), min(1.0, mid + half))
 
 
+# t_{0.975, df} for df = 1..30 (two-sided 95%), from the standard tables
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with df degrees of freedom: the table up to 30,
+    beyond it the Cornish-Fisher series in 1/df around the normal's 1.96 (error < 1e-4)."""
+    assert df >= 1, df
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def t_interval(x) -> dict:
+    """The mean of the values x and its Student t 95% interval (None for fewer than two)."""
+    x = torch.as_tensor(x, dtype=torch.float64).flatten()
+    n = len(x)
+    mean = x.mean().item() if n else None
+    if n < 2:
+        return {"n": n, "mean": mean, "ci": None}
+    half = t975(n - 1) * x.std().item() / math.sqrt(n)              # std: n - 1 in the divisor
+    return {"n": n, "mean": mean, "ci": (mean - half, mean + half)}
+
+
+def answer_scores(logits: torch.Tensor, target: torch.Tensor):
+    """Per prompt, from the answer logits (n, n_ans, vocab) and the true tokens (n, n_ans):
+    whether every argmax is the true token (n,), and the mean log-probability of the true
+    tokens (n,)."""
+    logp = logits.float().log_softmax(-1).gather(-1, target[..., None])[..., 0]   # (n, n_ans)
+    return (logits.argmax(-1) == target).all(-1), logp.mean(-1)
+
+
 def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
-    """{variant: {ctx: correct count}} and the answer logits at the shortest context
-    {variant: (n, n_ans, vocab)} for the decode check."""
-    correct, keep = {name: {} for name in specs}, {}
+    """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt
+    scores {variant: {ctx: dict(correct=[bool], logprob=[float])}}, and the answer logits
+    at the shortest context {variant: (n, n_ans, vocab)} for the decode check."""
+    scores, keep = {name: {} for name in specs}, {}
     L_min = min(prompts)
     for L, (idx, n_ans, _) in prompts.items():
         pos = torch.arange(L - n_ans - 1, L - 1)
@@ -431,14 +522,54 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
             logits = torch.cat([logits_at(model, model.hidden_states(
                 idx[i:i + cfg.passkey_batch], simulated(kv, model.cfg)), pos)
                 for i in range(0, len(idx), cfg.passkey_batch)])
-            ok = (logits.argmax(-1) == target).all(-1)
-            correct[name][L] = int(ok.sum())
+            ok, logp = answer_scores(logits, target)
+            scores[name][L] = {"correct": ok.tolist(), "logprob": logp.tolist()}
             if L == L_min:
                 keep[name] = logits
             dt = timer.lap("passkey", t0)
             log(f"passkey {L:5d} tok | {name:<21} | {int(ok.sum()):3d}/{len(idx):<3d} correct | "
-                f"{dt:6.1f} s | {1000 * dt / (len(idx) * L):5.2f} ms/token")
-    return correct, keep
+                f"answer log-prob {logp.mean().item():8.3f} | {dt:6.1f} s | "
+                f"{1000 * dt / (len(idx) * L):5.2f} ms/token")
+    return scores, keep
+
+
+def passkey_summary(by_ctx: dict) -> dict:
+    """A variant's results from its scores {ctx: dict(correct, logprob)}: accuracy, its
+    Wilson interval, the mean answer log-prob and its t interval per length, and the
+    per-prompt arrays."""
+    acc = {str(L): sum(s["correct"]) / len(s["correct"]) for L, s in by_ctx.items()}
+    lp = {str(L): t_interval(s["logprob"]) for L, s in by_ctx.items()}
+    return {"passkey": acc,
+            "passkey_ci": {str(L): wilson(sum(s["correct"]), len(s["correct"]))
+                           for L, s in by_ctx.items()},
+            "passkey_logprob": {L: x["mean"] for L, x in lp.items()},
+            "passkey_logprob_ci": {L: x["ci"] for L, x in lp.items()},
+            "passkey_per_prompt": {str(L): s for L, s in by_ctx.items()}}
+
+
+def clipped(x: dict, lo: float, hi: float) -> dict:
+    """A t_interval's result with its interval cut to [lo, hi], the range the mean can take."""
+    return x if x["ci"] is None else {**x, "ci": (max(lo, x["ci"][0]), min(hi, x["ci"][1]))}
+
+
+def paired_difference(base: dict, better: dict) -> dict:
+    """Per-prompt differences better - base of two variants' scores on the same prompts
+    {ctx: dict(correct, logprob)}: for the log-prob and the correct indicator, the mean and
+    t interval (t_interval) per length and pooled over the lengths; the correct
+    difference's interval cut to [-1, 1]."""
+    def diffs(L, key):                                                 # (n,) float64
+        return (torch.tensor(better[L][key], dtype=torch.float64)
+                - torch.tensor(base[L][key], dtype=torch.float64))
+    both = lambda Ls, key: t_interval(torch.cat([diffs(L, key) for L in Ls]))
+    one = lambda Ls: {"logprob": both(Ls, "logprob"), "correct": clipped(both(Ls, "correct"), -1, 1)}
+    return {"by_ctx": {str(L): one([L]) for L in base}, "pooled": one(list(base))}
+
+
+def retrieval_paired(scores: dict) -> dict:
+    """paired_difference for each pair of PK_PAIRS whose two variants both have scores:
+    {"better - base": dict(base, better, by_ctx, pooled)}."""
+    return {f"{b} - {a}": {"base": a, "better": b, **paired_difference(scores[a], scores[b])}
+            for a, b in PK_PAIRS if a in scores and b in scores}
 
 
 # ----------------------------------------------------------------------------------------
@@ -488,6 +619,23 @@ def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) 
 def by_context(per_pos: torch.Tensor, start: int, contexts) -> dict:
     """Mean over positions [start, L - 1) for each context L: what an L-token text gives."""
     return {str(L): per_pos[:, :L - 1 - start].mean().item() for L in contexts}
+
+
+def block_interval_by_context(per_pos: torch.Tensor, start: int, contexts,
+                              n_blocks: int = 16) -> dict:
+    """A rough 95% interval of by_context's mean for each context L: a t interval over the
+    means of n_blocks contiguous blocks of positions [start, L - 1) of each sequence. Rough:
+    neighbouring positions are correlated, so blocks are closer to independent than
+    positions, yet not independent."""
+    out = {}
+    for L in contexts:
+        x = per_pos[:, :L - 1 - start]                                  # (B, n_pos)
+        blocks = x.tensor_split(min(n_blocks, x.shape[1]), dim=1)
+        means = torch.cat([b.mean(1) for b in blocks])                  # (B * n_blocks,)
+        ci = t_interval(means)["ci"]
+        mid = x.mean().item()                      # centred on the mean over positions
+        out[str(L)] = None if ci is None else (mid - (ci[1] - ci[0]) / 2, mid + (ci[1] - ci[0]) / 2)
+    return out
 
 
 def error_positions(cfg: RunConfig, T: int) -> torch.Tensor:
@@ -607,37 +755,48 @@ def plot_key_channels(captured, k_means, layer, head, T, model_name, path):
     plt.close(fig)
 
 
-def plot_vs_context(variants: dict, contexts, n_prompts: int, model_name, path):
+def errorbar(ax, xs, mean, ci, **kw):
+    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
+    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
+    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
+    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
+
+
+def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, model_name, path):
+    """KL against context (rough block intervals), and for the variants that ran the passkey
+    stage its accuracy (Wilson) and mean answer log-prob (t over prompts) against context."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
     for i, (name, v) in enumerate(variants.items()):
-        color = f"C{LADDER.index(name)}"                         # one colour per variant
-        xs = [int(L) for L in v["kl_by_ctx"]]
+        color = f"C{i % 10}"                                     # one colour per variant
+        shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
         if name != "full":
-            a.plot(xs, list(v["kl_by_ctx"].values()), "o-", color=color, label=name)
+            xs = [int(L) * shift for L in v["kl_by_ctx"]]
+            kl = list(v["kl_by_ctx"].values())
+            ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
+            errorbar(a, xs, kl, ci, color=color, label=name)     # log axis: bars cut at m / 2
         if v.get("passkey"):
-            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)   # side by side, not on top
             xp = [int(L) * shift for L in v["passkey"]]
-            lo = [v["passkey"][L] - v["passkey_ci"][L][0] for L in v["passkey"]]
-            hi = [v["passkey_ci"][L][1] - v["passkey"][L] for L in v["passkey"]]
-            b.errorbar(xp, list(v["passkey"].values()), yerr=[lo, hi], fmt="o-", capsize=3,
-                       color=color, label=name, alpha=0.85)
-    a.set_xscale("log", base=2)
+            errorbar(b, xp, list(v["passkey"].values()), list(v["passkey_ci"].values()),
+                     color=color, label=name)
+            errorbar(c, xp, list(v["passkey_logprob"].values()),
+                     list(v["passkey_logprob_ci"].values()), color=color, label=name)
     a.set_yscale("log")
-    a.set_xticks(contexts, [str(c) for c in contexts])
-    a.set_xlabel("context (tokens)")
     a.set_ylabel("KL(full ‖ variant), nats per token")
-    a.set_title("next-token KL past sink + recent window", fontsize=9)
-    a.legend(fontsize=7)
-    b.set_xscale("log", base=2)
-    b.set_xticks(contexts, [str(c) for c in contexts])
+    a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of "
+                "positions)", fontsize=9)
     b.set_ylim(-0.05, 1.05)
-    b.set_xlabel("context (tokens)")
     b.set_ylabel("passkey accuracy (Wilson 95%)")
-    b.set_title(f"passkey retrieval, {n_prompts} prompts per length", fontsize=9)
-    b.legend(fontsize=7)
+    b.set_title(f"passkey retrieval, the same {n_prompts} prompts per length", fontsize=9)
+    c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
+    c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
+    for ax, xs in ((a, contexts), (b, passkey_contexts), (c, passkey_contexts)):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("context (tokens)")
+        ax.legend(fontsize=7)
     fig.suptitle(model_name, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -650,26 +809,42 @@ def plot_vs_context(variants: dict, contexts, n_prompts: int, model_name, path):
 
 def llm_gap_closed(variants: dict, cfg: RunConfig) -> dict:
     """For each base with its OptR variant (train_tiny.gap_closed): the KL gap closed at
-    gap_ctx, (KL_base - KL_optr) / KL_base, the same for NLL against full, and the passkey
-    accuracy of OptR minus its base's at each context."""
+    gap_ctx, (KL_base - KL_optr) / KL_base, and the same for NLL against full. (Retrieval's
+    OptR - base is the paired comparison, retrieval_paired.)"""
     C = str(cfg.gap_ctx)
-    out = gap_closed(variants, dict(kl=(lambda v: v["kl"], -1),
-                                    nll=(lambda v: v["nll_by_ctx"][C], -1)))
-    for base, g in out.items():
-        b, o = variants[base]["passkey"], variants[base + "+optr"]["passkey"]
-        g["passkey_change"] = {L: o[L] - b[L] for L in o}
-    return out
+    return gap_closed(variants, dict(kl=(lambda v: v["kl"], -1),
+                                     nll=(lambda v: v["nll_by_ctx"][C], -1)))
+
+
+def mean_ci(x: dict, f: str = "+.2f") -> str:
+    """A t_interval's result as 'mean [lo, hi]' ('[n/a]' without an interval)."""
+    ci = "[n/a]" if x["ci"] is None else f"[{x['ci'][0]:{f}}, {x['ci'][1]:{f}}]"
+    return f"{x['mean']:{f}} {ci}"
+
+
+def retrieval_lines(paired: dict) -> list:
+    """One line per pair and length, and one pooled over the lengths: the paired
+    difference of the answer log-prob and of the correct indicator, with 95% intervals."""
+    lines = []
+    for pair, r in paired.items():
+        for where, d in [(f"@{L}", d) for L, d in r["by_ctx"].items()] + [("pooled", r["pooled"])]:
+            lines.append(f"retrieval {where:<7} paired over {d['logprob']['n']:3d} prompts: "
+                         f"{pair:<30} | log-prob {mean_ci(d['logprob'])} | "
+                         f"correct {mean_ci(d['correct'])}")
+    return lines
 
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
-    ctx = [str(L) for L in cfg.contexts]
+    ctx, pk_ctx = [str(L) for L in cfg.contexts], [str(L) for L in cfg.passkey_contexts]
     C = str(cfg.gap_ctx)
-    pk, n = cfg.passkey_prompts > 0, cfg.passkey_prompts
+    pk, n = bool(results["retrieval_ran"]), cfg.passkey_prompts
     col = lambda head, w, f, get: (head, w, lambda name, v: format(get(v), f))
+    ran = lambda key, L, f: lambda name, v: format(v[key][L], f) if L in v.get(key, {}) else ""
     columns = [col(f"KL@{L}", 9, ".4f", lambda v, L=L: v["kl_by_ctx"][L]) for L in ctx]
     columns += [col(f"NLL@{C}", 10, ".4f", lambda v: v["nll_by_ctx"][C]),
                 col(f"top1@{C}", 10, ".4f", lambda v: v["top1_by_ctx"][C])]
-    columns += [col(f"pk@{L}", 8, ".2f", lambda v, L=L: v["passkey"][L]) for L in ctx if pk]
+    columns += [(f"pk@{L}", 8, ran("passkey", L, ".2f")) for L in pk_ctx if pk]
+    columns += [(f"lp@{L}", 8, ran("passkey_logprob", L, ".2f")) for L in pk_ctx if pk]
     columns += [col(h, w, f, lambda v, k=k: v[k]) for k, h, w, f in (
         ("e_out_key", "E_out,K", 9, ".4f"), ("e_out_value", "E_out,V", 9, ".4f"),
         ("e_rec", "E_rec", 8, ".2f"), ("bits_per_element", "bits", 6, ".2f"))]
@@ -683,23 +858,26 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
     log(f"  ({', '.join(f'{n} positions at {L}' for L, n in n_tok.items())}; text: "
         f"{results['eval']['source']}).")
     if pk:
-        log(f"pk@L: passkey accuracy, {cfg.passkey_prompts} prompts per length, needle spread over "
-            f"the INT2 region; Wilson 95% intervals in results.json (at n = {n}, {n}/{n} "
-            f"correct gives {wilson(n, n)[0]:.2f}..1, {n // 2}/{n} gives "
+        log(f"pk@L: passkey accuracy, lp@L: mean log-prob of the true answer tokens (teacher-"
+            f"forced), over the same {n} prompts per length for {', '.join(results['retrieval_ran'])};")
+        log(f"  needle spread over the INT2 region; Wilson 95% intervals in results.json (at n = "
+            f"{n}, {n}/{n} correct gives {wilson(n, n)[0]:.2f}..1, {n // 2}/{n} gives "
             f"{wilson(n // 2, n)[0]:.2f}..{wilson(n // 2, n)[1]:.2f}).")
     else:
-        log("pk: passkey skipped (--passkey-prompts 0).")
+        log("pk: passkey skipped (--passkey-prompts 0 or no variant of --passkey-variants in the run).")
     log(f"E_out,K / E_out,V: |dy_K|^2, |dy_V|^2 (Eq. 8) per query head at {cfg.err_queries} "
         f"positions of a {C}-token text, mean over layers; E_rec (Eq. 9) per token and KV head over")
     log(f"  the INT2 part; bits per K/V element of the cache as stored at {results['bits_context']} "
         f"tokens (sink and window in bf16; the INT2 part alone {results['bits_int2_part']:.2f} bits).")
     for base, g in results["gap_closed"].items():
         fmt = lambda x: "n/a" if x is None else f"{x:6.1%}"
-        line = (f"gap closed by OptR over {base:<6}: KL@{C} {fmt(g['kl'])} | NLL@{C} {fmt(g['nll'])}")
-        if pk:
-            line += " | passkey change " + " ".join(f"{x:+.2f}@{L}" for L, x in g["passkey_change"].items())
-        log(line)
+        log(f"gap closed by OptR over {base:<6}: KL@{C} {fmt(g['kl'])} | NLL@{C} {fmt(g['nll'])}")
     log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)")
+    for line in retrieval_lines(results["retrieval_paired"]):
+        log(line)
+    if results["retrieval_paired"]:
+        log("  retrieval: per-prompt difference (first minus second variant) on the same prompts, "
+            "mean and Student t 95% interval; correct is 0/1 per prompt")
 
 
 def main(argv=None) -> dict:
@@ -789,7 +967,8 @@ def main(argv=None) -> dict:
         per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
         v = {f"{k}_by_ctx": by_context(x, start, cfg.contexts) for k, x in per.items()}
         v.update(kl=v["kl_by_ctx"][str(cfg.gap_ctx)], top1=v["top1_by_ctx"][str(cfg.gap_ctx)],
-                 nll=v["nll_by_ctx"][str(cfg.gap_ctx)])
+                 nll=v["nll_by_ctx"][str(cfg.gap_ctx)],
+                 kl_ci_by_ctx=block_interval_by_context(per["kl"], start, cfg.contexts))
         dt_fwd = time.perf_counter() - t0
         v.update(output_errors(model, captured, kv, err_pos))
         variants[name] = v
@@ -797,28 +976,31 @@ def main(argv=None) -> dict:
         log(f"evaluated {name:<21} | KL " + " ".join(f"{x:.4f}@{L}" for L, x in v["kl_by_ctx"].items())
             + f" | forward {1000 * dt_fwd / eval_idx.numel():5.2f} ms/token | {dt:6.1f} s")
 
-    # passkey, decoded answers, bits
-    prompts = {}
+    # passkey on the same prompts for every variant of the stage, decoded answers, bits
+    prompts, scores, sim_logits = {}, {}, {}
+    pk_specs = {n: specs[n] for n in cfg.passkey_variants if n in specs}
     if cfg.passkey_prompts:
         gen = generator(cfg.seed, "passkey")
-        prompts = {L: passkey_prompts(tok, L, cfg.passkey_prompts, c, gen) for L in cfg.contexts}
-        correct, sim_logits = passkey_eval(model, specs, prompts, cfg, timer, log)
-        for name, v in variants.items():
-            v["passkey"] = {str(L): correct[name][L] / cfg.passkey_prompts for L in cfg.contexts}
-            v["passkey_ci"] = {str(L): wilson(correct[name][L], cfg.passkey_prompts)
-                               for L in cfg.contexts}
-            v["passkey_correct"] = {str(L): correct[name][L] for L in cfg.contexts}
+        prompts = {L: passkey_prompts(tok, L, cfg.passkey_prompts, c, gen)
+                   for L in cfg.passkey_contexts}
+        absent = [n for n in cfg.passkey_variants if n not in specs]
+        log(f"passkey | {cfg.passkey_prompts} prompts at each of {list(cfg.passkey_contexts)} "
+            f"tokens, the same for {', '.join(pk_specs) or 'no variant'}"
+            + (f" | not in this run: {', '.join(absent)}" if absent else ""))
+        scores, sim_logits = passkey_eval(model, pk_specs, prompts, cfg, timer, log)
     else:
         log("passkey | skipped: --passkey-prompts 0")
-        for v in variants.values():
-            v["passkey"] = {}
+    for name, v in variants.items():
+        v.update(passkey_summary(scores[name]) if name in scores else {"passkey": {}})
+    paired = retrieval_paired(scores)
     decode = {}
     names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
     if prompts and cfg.decode_prompts and names:
         idx, n_ans, _ = prompts[min(prompts)]
         L = idx.shape[1]
+        sim = sim_logits if all(n in sim_logits for n in names) else None   # else recomputed
         decode = decode_check(model, specs, names, idx[:cfg.decode_prompts], L - n_ans - 1,
-                              torch.arange(L - n_ans - 1, L - 1), attend, simulated=sim_logits,
+                              torch.arange(L - n_ans - 1, L - 1), attend, simulated=sim,
                               block=BLOCK, timer=timer, log=log)
     else:
         log("decode check | skipped: needs passkey prompts, --decode-prompts > 0 and an OptR variant")
@@ -835,8 +1017,8 @@ def main(argv=None) -> dict:
                         cfg.gap_ctx, cfg, model_name, os.path.join(cfg.out, plots["figure2"]))
     plot_key_channels(captured, k_means, layer, head, cfg.gap_ctx, model_name,
                       os.path.join(cfg.out, plots["key_channels"]))
-    plot_vs_context(variants, list(cfg.contexts), cfg.passkey_prompts, model_name,
-                    os.path.join(cfg.out, plots["vs_context"]))
+    plot_vs_context(variants, list(cfg.contexts), list(cfg.passkey_contexts), cfg.passkey_prompts,
+                    model_name, os.path.join(cfg.out, plots["vs_context"]))
     log(f"plots | layer {layer}, KV head {head} | " + ", ".join(plots.values())
         + f" | {timer.lap('plots', t0):5.1f} s")
     log("  Figure 2, summed key-induced error per token: "
@@ -858,7 +1040,8 @@ def main(argv=None) -> dict:
         key_stats_summary=key_stats_summary(stats), bits_context=L_bits,
         bits_int2_part=bits_int2, simulation_check=diff,
         plots=dict(plots, layer=layer, head=head, figure2_sums=fig2),
-        passkey_needles={str(L): p[2] for L, p in prompts.items()}, **extra)
+        passkey_needles={str(L): p[2] for L, p in prompts.items()}, retrieval_ran=list(scores),
+        retrieval_paired=paired, **extra)
     print_summary(results, cfg, log)
     log("time | " + " | ".join(f"{k} {x:.0f} s" for k, x in results["timing_s"].items()))
     log(f"wrote {os.path.join(cfg.out, 'results.json')}, kv_rotations.safetensors and plots | "

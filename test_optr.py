@@ -3282,15 +3282,21 @@ def test_eval_llm_smoke(tmp_path):
             "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
-            "--passkey-prompts", "2", "--decode-prompts", "1"]
+            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1"]
     results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
     for name, v in on_disk["variants"].items():
-        for key in ("passkey", "kl", "top1", "nll", "e_out_key", "e_out_value", "e_rec",
-                    "bits_per_element"):
+        for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
+                    "e_rec", "bits_per_element"):
             assert key in v, (name, key)
-        assert set(v["passkey"]) == {"320", "384"}
+        ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
+        assert set(v["passkey"]) == ({"320", "384"} if ran else set())
+        if ran:
+            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 2
+    paired = on_disk["retrieval_paired"]
+    assert list(paired) == ["quarot+optr - quarot"]                    # the only pair in the run
+    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 4
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
     assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
     assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
@@ -3352,6 +3358,132 @@ def test_eval_llm_generate_matches_recomputing_each_prompt():
                 logits[0] = float("-inf")
                 ids.append(int(logits.argmax()))
         assert got == ids
+
+
+def _t975_by_integration(df: int) -> float:
+    """The 0.975 quantile of Student's t, from its density integrated numerically (numpy):
+    where the integral from 0 reaches 0.475."""
+    x = np.linspace(0.0, 16.0, 320_001)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
+    cdf = np.concatenate([[0.0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
+    return float(np.interp(0.475, cdf, x))
+
+
+@pytest.mark.parametrize("df", list(range(1, 31)) + [31, 35, 40, 60, 100, 1000])
+def test_eval_llm_t_quantile_matches_the_t_density(df):
+    """eval_llm.t975(df), the two-sided 95% quantile of Student's t, equals the point where
+    the numerically integrated t density reaches 0.975, to the table's three decimals."""
+    import eval_llm
+    assert abs(eval_llm.t975(df) - _t975_by_integration(df)) < 1e-3
+
+
+@st.composite
+def paired_scores(draw):
+    """Two variants' per-prompt scores on the same prompts at two lengths: log-probs in
+    [-20, 0] and correct flags, 1 to 12 prompts per length."""
+    lp = st.floats(-20, 0, allow_nan=False, allow_subnormal=False, width=32)
+    out = ({}, {})
+    for L in (512, 1024):
+        n = draw(st.integers(1, 12))
+        for s in out:
+            s[L] = {"logprob": draw(st.lists(lp, min_size=n, max_size=n)),
+                    "correct": draw(st.lists(st.booleans(), min_size=n, max_size=n))}
+    return out
+
+
+@given(paired_scores())
+def test_eval_llm_paired_interval_matches_numpy(scores):
+    """eval_llm.paired_difference gives, per length and pooled over lengths, the mean of the
+    per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
+    n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
+    the correct indicator; no interval for one prompt."""
+    import eval_llm
+    base, better = scores
+    got = eval_llm.paired_difference(base, better)
+    for key in ("logprob", "correct"):
+        d = {L: np.asarray(better[L][key], float) - np.asarray(base[L][key], float) for L in base}
+        for where, x in [(str(L), d[L]) for L in d] + [("pooled", np.concatenate(list(d.values())))]:
+            r = got["pooled" if where == "pooled" else "by_ctx"]
+            r = (r if where == "pooled" else r[where])[key]
+            assert r["n"] == len(x) and r["mean"] == pytest.approx(x.mean(), abs=1e-9)
+            if len(x) == 1:
+                assert r["ci"] is None
+                continue
+            half = _t975_by_integration(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+            want = x.mean() + np.array([-half, half])
+            if key == "correct":
+                want = np.clip(want, -1, 1)
+            assert r["ci"] == pytest.approx(tuple(want), rel=0, abs=1e-3 * half + 1e-9)  # t table
+
+
+def test_eval_llm_wilson_at_known_values():
+    """eval_llm.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
+    0..0.2775, 2/2: 0.3424..1), and each bound it does not clip solves the score equation
+    (k/n - p)^2 = z^2 p (1 - p) / n."""
+    import eval_llm
+    for (k, n), want in {(5, 10): (0.2366, 0.7634), (0, 10): (0.0, 0.2775),
+                         (2, 2): (0.3424, 1.0)}.items():
+        assert eval_llm.wilson(k, n) == pytest.approx(want, abs=1e-4)
+    z = 1.96
+    for k, n in ((1, 7), (3, 8), (13, 40)):
+        for p in eval_llm.wilson(k, n):
+            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
+    assert eval_llm.wilson(0, 0) == (None, None)
+
+
+def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
+    """RunConfig refuses a passkey context that leaves the needle no INT2 region between the
+    sink (or the header) and the recent window; the shortest length it accepts does build
+    passkey prompts with a byte-level tokenizer (the bound is not looser than the prompts)."""
+    import eval_llm
+    tok = _byte_tokenizer()
+    for sink, window in ((64, 256), (4, 16)):
+        L = eval_llm.min_passkey_context(sink, window)
+        with pytest.raises(ValueError, match=r"passkey_contexts: expected .* each >= " + str(L)):
+            eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L - 1, 2048))
+        eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
+        cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
+        idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
+        assert idx.shape == (3, L) and all(s >= sink for s in starts)
+    with pytest.raises(ValueError, match="passkey_contexts"):
+        eval_llm.RunConfig(passkey_contexts=())
+    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (512, 1024)   # fits
+
+
+def test_eval_llm_passkey_prompts_are_paired_across_variants():
+    """Every variant of the passkey stage reads the same prompts: the same seed builds the
+    same ids, the needle starts past the sink and ends before the recent window, two
+    variants with the same attention score every prompt identically (paired differences
+    all zero, whatever the batch), and a pair is formed only where both variants ran."""
+    import eval_llm
+    import train_tiny
+    tok = _byte_tokenizer()
+    c = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                    n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
+    model = optr.TinyLM(c).eval()
+    L, n = 512, 3                          # room for three filler-aligned needle starts
+    build = lambda: eval_llm.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
+    (idx, n_ans, starts), (again, _, _) = build(), build()
+    assert torch.equal(idx, again)
+    needle = len(tok.encode(eval_llm.PK_NEEDLE.format(key="12345")).ids)
+    assert all(c.sink <= s and s + needle <= L - n_ans - 1 - c.window for s in starts)
+    assert len(set(starts)) == n                                        # spread, not stacked
+    scores = {}
+    for batch in (1, 3):
+        cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
+        specs = {"quarot": None, "quarot+optr": None, "oscar+optr+e2e": None}
+        got, logits = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
+                                            train_tiny.Timer(), log=lambda *_: None)
+        assert logits["quarot"].shape == (n, n_ans, c.vocab_size)
+        scores[batch] = got
+    assert scores[1]["quarot"] == scores[1]["quarot+optr"]
+    for name in scores[1]:
+        assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
+    paired = eval_llm.retrieval_paired(scores[1])
+    assert list(paired) == ["quarot+optr - quarot"]                      # no oscar+optr: no e2e pair
+    for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
+        assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
 
 
 # ----------------------------------------------------------------------------------------
