@@ -21,6 +21,8 @@ and serve it from a paged cache; the appendices are infrastructure a learner may
   A. Long texts            the simulated cache block by block; bulk prefill
   B. Rotation files        one format for every variant; export as a Hugging Face checkpoint
   C. Real checkpoints      GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+  D. Beyond the paper      ours, not the paper's: every layer's rotations refined jointly
+                           on the end-to-end KL of the next-token distribution
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
@@ -33,6 +35,7 @@ import importlib.util
 import json
 import math
 import os
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
@@ -77,6 +80,9 @@ class Config:
     out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
     eval_every: int = 20         # score heads on held-out data after updates 1, 1 + this, ..., last
     calib_windows: str = "static"  # loss windows: "static" (the authors') or "relative" (as served)
+    # end-to-end refinement (appendix D; ours, not in the paper)
+    e2e_steps: int = 10          # full-batch Adam steps on the end-to-end KL (0: keep OptR's result)
+    e2e_lr: float = 2e-3         # Adam learning rate on every layer's A in the end-to-end refinement
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):
@@ -107,6 +113,8 @@ class Config:
         need(self.rope_theta > 0 and self.rms_eps > 0,
              f"rope_theta and rms_eps must be > 0, got {self.rope_theta}, {self.rms_eps}")
         need(self.lr > 0 and self.lam >= 0, f"lr must be > 0 and lam >= 0, got {self.lr}, {self.lam}")
+        need(self.e2e_steps >= 0, f"e2e_steps must be >= 0, got {self.e2e_steps}")
+        need(self.e2e_lr > 0, f"e2e_lr must be > 0, got {self.e2e_lr}")
         need(self.out_reduce in ("mean", "sum"),
              f"out_reduce must be 'mean' or 'sum', got {self.out_reduce!r}")
         need(self.calib_windows in ("static", "relative"),
@@ -1016,10 +1024,10 @@ class TinyLM(nn.Module):
         """Logits (B, T, vocab) of idx (B, T); arguments as in hidden_states."""
         return self.lm_head(self.hidden_states(idx, attention, pos, capture))
 
-    def _check_idx(self, idx):
-        check_tensor("idx", idx, ndim=2, dtype=INDEX_DTYPES)
+    def _check_idx(self, idx, name: str = "idx"):
+        check_tensor(name, idx, ndim=2, dtype=INDEX_DTYPES)
         if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"idx: expected token ids in [0, {self.cfg.vocab_size}), got "
+            raise ValueError(f"{name}: expected token ids in [0, {self.cfg.vocab_size}), got "
                              f"[{int(idx.min())}, {int(idx.max())}]")
 
     def o_proj_heads(self, layer: int) -> torch.Tensor:
@@ -1909,3 +1917,116 @@ def load_checkpoint(path: str, dtype=torch.float32):
     load_state_dict_strict(model, sd, path)
     return model.eval().requires_grad_(False), tok
 
+
+# ----------------------------------------------------------------------------------------
+# D. Beyond the paper (ours): end-to-end refinement of every layer's rotations
+# ----------------------------------------------------------------------------------------
+"""
+Not in the paper: an extension of this project, labelled as ours wherever it appears.
+OptR fits each layer on a loss of its own (Section 6). Starting from its result R_l
+(keys and values of every layer l), this refinement trains every layer's correction at
+once on what the model finally outputs, the next-token distribution:
+
+    L_e2e(A) = mean_{b, t in P} KL( p_full(. | x_b,<=t) || p_int2(. | x_b,<=t) ),
+    p_int2 read through the simulated INT2 cache with R_l,K exp(A_l,K - A_l,K^T) and
+    R_l,V exp(A_l,V - A_l,V^T) in every layer l (SimulatedINT2, Section 7).
+
+P: every position from sink + window (the first query that reads an INT2 token under
+the served windows) to T - 2 (the last that predicts a token of the text), or the
+positions given. A_l,K and A_l,V (H_kv, d, d) start at zero, so step 0 is exactly the
+per-layer result; key means stay fixed and the model frozen. Adam at e2e_lr, full batch,
+e2e_steps steps; gradients cross the rounding by Q2's straight-through estimator. The
+held-out L_e2e is scored at the start and after every step, and the best step's A (all
+layers jointly) is kept; if no step beats the start, the input comes back unchanged.
+Each step is a forward and a backward of the whole model over the calibration tokens.
+"""
+
+def e2e_positions(T: int, cfg: Config, positions=None, name: str = "idx") -> torch.Tensor:
+    """The positions P of L_e2e in sequences of T tokens: sink + window .. T - 2, or the
+    given ones, each in [sink + window, T) (a query before sink + window reads no INT2
+    token: its KL is 0). ValueError naming `name` if T is too short for any."""
+    first = cfg.sink + cfg.window                     # the first query with an INT2 key
+    need_T = first + (2 if positions is None else 1)
+    _need(T >= need_T, f"{name}: expected at least {need_T} tokens per sequence (position "
+                       f"sink + window = {first} is the first that reads an INT2 token), got T = {T}")
+    if positions is None:
+        return torch.arange(first, T - 1)
+    check_tensor("positions", positions, ndim=1, dtype=INDEX_DTYPES)
+    _need(positions.numel() > 0 and positions.min() >= first and positions.max() < T,
+          f"positions: expected positions in [sink + window, T) = [{first}, {T}), got "
+          f"{positions.tolist()}")
+    return positions
+
+
+def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config | None = None):
+    """L_e2e: mean over the batch and `positions` of KL(p_full || p_int2), p_int2 the
+    next-token distribution of model(idx, SimulatedINT2(kv, cfg, block)). idx (B, T);
+    positions (P,); logp_full (B, P, vocab) the full-precision log-probabilities there,
+    computed once by the caller. Written directly in log space, sum p_full (log p_full -
+    log p_int2), the KL the ladders report (kl_divergence of Section 6 takes probabilities
+    clamped at 1e-12, the authors' layer loss). Differentiable w.r.t. kv's rotations."""
+    cfg = cfg or model.cfg
+    model._check_idx(idx)
+    positions = e2e_positions(idx.shape[1], cfg, positions)
+    check_tensor("logp_full", logp_full, shape=(idx.shape[0], len(positions), cfg.vocab_size),
+                 dtype="float", finite=True)
+    logits = model(idx, SimulatedINT2(kv, cfg, block))[:, positions]           # (B, P, vocab)
+    logp = logits.float().log_softmax(-1)                                      # (B, P, vocab)
+    return (logp_full.exp() * (logp_full - logp)).sum(-1).mean()
+
+
+def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = None,
+                      positions=None, block=None, log=None):
+    """Appendix D on a frozen model. kv: per-layer KVQuant (from calibrate); calib_idx
+    (N, T) and heldout_idx (M, T') tokens; positions (P,) for both, or None (each split's
+    sink + window .. T - 2); block: SimulatedINT2's query block (None: dense). Returns the
+    refined kv and report {steps: [{step, cal_kl, held_kl}] (step 0 the start, step s after
+    s updates), kept_step}; kept_step 0 returns kv's own tensors."""
+    cfg = cfg or model.cfg
+    check_kv_list("kv", kv, cfg)
+    data = {}
+    with torch.no_grad():
+        for split, idx, name in (("cal", calib_idx, "calib_idx"), ("held", heldout_idx, "heldout_idx")):
+            model._check_idx(idx, name)
+            pos = e2e_positions(idx.shape[1], cfg, positions, name)
+            logp_full = model(idx)[:, pos].float().log_softmax(-1)              # (B, P, vocab)
+            data[split] = (idx, pos, logp_full)
+    H, d, dev = cfg.n_kv_heads, cfg.head_dim, model.lm_head.weight.device
+    eye = identity_rotation(H, d, dev)                    # a part without a rotation: R = I
+    r_layer = [(eye if s.r_k is None else s.r_k.float(), eye if s.r_v is None else s.r_v.float())
+               for s in kv]                               # R_l,K, R_l,V (H_kv, d, d)
+    A = [torch.zeros(H, d, d, device=dev, requires_grad=True) for _ in range(2 * len(kv))]
+
+    def refined(A):                                       # R = R_layer exp(A - A^T), mu fixed
+        return [replace(s, r_k=optr_rotation(r_k, A[2 * l]), r_v=optr_rotation(r_v, A[2 * l + 1]))
+                for l, (s, (r_k, r_v)) in enumerate(zip(kv, r_layer))]
+
+    def kl(split, A):
+        idx, pos, logp_full = data[split]
+        return end_to_end_kl(model, refined(A), idx, logp_full, pos, block, cfg)
+
+    opt = torch.optim.Adam(A, lr=cfg.e2e_lr)
+    rows, best_step, best_A = [], 0, [a.detach().clone() for a in A]
+    for step in range(cfg.e2e_steps + 1):                 # step s: the A after s updates
+        t0, update = time.perf_counter(), step < cfg.e2e_steps
+        with torch.set_grad_enabled(update):
+            cal = kl("cal", A)
+        if update:                                        # only A: the model gets no .grad
+            grads = torch.autograd.grad(cal, A)
+        with torch.no_grad():
+            held = kl("held", A).item()
+        rows.append({"step": step, "cal_kl": cal.item(), "held_kl": held})
+        if held < rows[best_step]["held_kl"]:             # early stopping on held-out data
+            best_step, best_A = step, [a.detach().clone() for a in A]
+        if log:
+            log(f"  e2e step {step:3d} | cal KL {cal.item():.5f} | held KL {held:.5f}"
+                f"{' (best)' if best_step == step else ''} | {time.perf_counter() - t0:5.1f} s")
+        if update:
+            for a, g in zip(A, grads):
+                a.grad = g
+            opt.step()
+    report = {"steps": rows, "kept_step": best_step}
+    if best_step == 0:                                    # no step beat the start
+        return [replace(s) for s in kv], report
+    with torch.no_grad():
+        return refined(best_A), report

@@ -381,16 +381,18 @@ CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 
 @pytest.mark.parametrize("field, value", [("group_size", 24), ("n_heads", 3), ("clip_k", 1.5),
                                           ("clip_v", 0.0), ("head_dim", 10), ("window", -1),
-                                          ("calib_windows", "sliding"), ("out_reduce", "max")])
+                                          ("calib_windows", "sliding"), ("out_reduce", "max"),
+                                          ("e2e_steps", -1), ("e2e_lr", 0.0)])
 def test_config_refuses_settings_that_make_no_sense(field, value):
     """A group size that does not divide head_dim, query heads that are not a multiple of
     the KV heads, a clip outside (0, 1], a head_dim that breaks INT2 packing, a negative
-    window or an unknown mode is a ValueError naming the field."""
+    window, an unknown mode, a negative number of end-to-end steps or a learning rate that
+    is not positive is a ValueError naming the field."""
     with pytest.raises(ValueError, match=field):
         optr.Config(**{field: value})
 
 
-@pytest.mark.parametrize("field", ["scale_eps", "lam", "lr", "rope_theta", "clip_k"])
+@pytest.mark.parametrize("field", ["scale_eps", "lam", "lr", "rope_theta", "clip_k", "e2e_lr"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_config_refuses_non_finite_floats(field, value):
     """scale_eps = inf (every group's scale infinite), lam = inf (an infinite loss) or any
@@ -2645,6 +2647,240 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
+# D. Beyond the paper (ours): end-to-end refinement
+# ----------------------------------------------------------------------------------------
+# calibrated_tiny (section 6): T = 24, sink 2, window 4, so the default positions of the
+# end-to-end KL are 6 .. 22 (the first query reading an INT2 key .. the last predicting one).
+P_TINY = torch.arange(6, 23)
+
+
+def e2e_kl_float64(model, kv, idx, positions=P_TINY):
+    """The oracle of the end-to-end KL: the full-precision and the simulated INT2
+    forwards' logits at `positions`, log-softmax in float64, sum_v p (log p - log q),
+    mean over the batch and the positions."""
+    with torch.no_grad():
+        lp = model(idx)[:, positions].double().log_softmax(-1)
+        lq = model(idx, optr.SimulatedINT2(kv, model.cfg))[:, positions].double().log_softmax(-1)
+    return (lp.exp() * (lp - lq)).sum(-1).mean().item()
+
+
+def e2e_run(tiny, held=None, **cfg_changes):
+    """refine_end_to_end on calibrated_tiny's model and per-layer specs (held-out tokens
+    `held`, default the fixture's), with these Config changes."""
+    model, (cal, held0), specs, _ = tiny
+    cfg = replace_cfg(model.cfg, **cfg_changes)
+    kv, report = optr.refine_end_to_end(model, specs, cal, held0 if held is None else held, cfg=cfg)
+    return model, cal, held0 if held is None else held, specs, kv, report
+
+
+def rotations_with(specs, A):
+    """Per-layer specs with R = R_layer exp(A - A^T), A[2l] for keys and A[2l + 1] for values."""
+    return [optr.KVQuant(k_mean=s.k_mean, r_k=optr.optr_rotation(s.r_k, A[2 * l]),
+                         r_v=optr.optr_rotation(s.r_v, A[2 * l + 1])) for l, s in enumerate(specs)]
+
+
+def check_e2e_kl_is_the_float64_kl(tiny, kl_fn=optr.end_to_end_kl):
+    model, (cal, _), specs, _ = tiny
+    for pos in (P_TINY, torch.tensor([6, 15, 23])):
+        with torch.no_grad():
+            logp_full = model(cal)[:, pos].log_softmax(-1)                   # (B, P, vocab)
+        ours = kl_fn(model, specs, cal, logp_full, pos).item()
+        assert ours == pytest.approx(e2e_kl_float64(model, specs, cal, pos), rel=1e-4, abs=1e-8)
+        assert ours > 1e-3                                             # INT2 is really there
+
+
+def check_gradient_reaches_every_layer(tiny, kl_fn=optr.end_to_end_kl, block=None):
+    model, (cal, _), specs, _ = tiny
+    A = [torch.zeros(2, 16, 16, requires_grad=True) for _ in range(2 * len(specs))]
+    with torch.no_grad():
+        logp_full = model(cal)[:, P_TINY].log_softmax(-1)
+    kl_fn(model, rotations_with(specs, A), cal, logp_full, P_TINY, block).backward()
+    for i, a in enumerate(A):
+        assert a.grad is not None and a.grad.abs().max() > 1e-6, f"layer {i // 2} {'KV'[i % 2]}"
+    return [a.grad for a in A]
+
+
+def test_end_to_end_kl_is_the_float64_kl_of_the_two_forwards(calibrated_tiny):
+    """end_to_end_kl is KL(p_full || p_int2) of the next-token distribution, mean over the
+    batch and the positions given: the float64 KL of the full-precision forward's and the
+    simulated INT2 forward's log-softmax, to fp32 round-off."""
+    check_e2e_kl_is_the_float64_kl(calibrated_tiny)
+
+
+def test_zero_steps_return_the_input_and_the_start_is_the_per_layer_result(calibrated_tiny):
+    """With e2e_steps = 0 the input rotations and key means come back exactly; step 0 of
+    every run is the per-layer OptR result itself (A = 0): its calibration and held-out
+    KL are the oracle's at the default positions sink + window .. T - 2."""
+    model, cal, held, specs, kv, report = e2e_run(calibrated_tiny, e2e_steps=0)
+    assert report["kept_step"] == 0 and len(report["steps"]) == 1
+    for a, b in zip(kv, specs):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
+    *_, report2 = e2e_run(calibrated_tiny, e2e_steps=1)
+    for start in (report["steps"][0], report2["steps"][0]):
+        assert start["step"] == 0
+        assert start["cal_kl"] == pytest.approx(e2e_kl_float64(model, specs, cal), rel=1e-4)
+        assert start["held_kl"] == pytest.approx(e2e_kl_float64(model, specs, held), rel=1e-4)
+
+
+def test_early_stopping_keeps_the_best_held_out_step_with_orthogonal_rotations(calibrated_tiny):
+    """The held-out KL is scored at the start and after every step, and the step with the
+    lowest (start included) is kept, here step 1 of 2 (not the last): the returned kv's
+    held-out KL (by the oracle) is that minimum; its rotations are orthogonal and the key
+    means are the input's."""
+    model, _, held, specs, kv, report = e2e_run(calibrated_tiny, e2e_steps=2, e2e_lr=2e-3)
+    held_kl = [r["held_kl"] for r in report["steps"]]
+    assert [r["step"] for r in report["steps"]] == [0, 1, 2]
+    assert report["kept_step"] == held_kl.index(min(held_kl)) == 1
+    assert e2e_kl_float64(model, kv, held) == pytest.approx(min(held_kl), rel=1e-4)
+    for a, b in zip(kv, specs):
+        assert torch.equal(a.k_mean, b.k_mean)
+        for R in (a.r_k, a.r_v):
+            assert (R.transpose(-1, -2) @ R - torch.eye(16)).abs().max() <= 1e-5
+
+
+def test_when_no_step_beats_the_start_kv_comes_back_unchanged(calibrated_tiny):
+    """Adam at lr 1 moves every entry of A by about 1 per step, far from the per-layer
+    optimum: every step's held-out KL is above the start's, so the per-layer rotations
+    come back unchanged (kept_step 0)."""
+    _, _, _, specs, kv, report = e2e_run(calibrated_tiny, e2e_steps=3, e2e_lr=1.0)
+    start, *steps = report["steps"]
+    assert all(r["held_kl"] > start["held_kl"] for r in steps) and report["kept_step"] == 0
+    assert all(r["cal_kl"] != start["cal_kl"] for r in steps)            # it did move
+    for a, b in zip(kv, specs):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v)
+
+
+def test_the_refinement_lowers_the_calibration_kl(calibrated_tiny):
+    """Two steps at the default lr lower the end-to-end KL on the calibration tokens (by
+    the oracle) by more than 5% below the per-layer OptR result's (held-out = calibration
+    tokens here, so the kept step is the best on them). A refinement whose gradient does
+    not reach A cannot pass."""
+    model, cal, _, specs, kv, report = e2e_run(calibrated_tiny, held=calibrated_tiny[1][0], e2e_steps=2)
+    assert report["kept_step"] > 0
+    assert e2e_kl_float64(model, kv, cal) < 0.95 * e2e_kl_float64(model, specs, cal)
+
+
+def test_the_gradient_of_the_end_to_end_kl_reaches_every_layers_A_K_and_A_V(calibrated_tiny):
+    """d KL / d A is nonzero for the key and the value correction of every layer: each
+    layer's INT2 error reaches the model's output."""
+    check_gradient_reaches_every_layer(calibrated_tiny)
+
+
+def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
+    """After one kept step, R_K and R_V of every layer differ from the per-layer result:
+    refine_end_to_end trains the corrections of all layers, not of some."""
+    _, _, _, specs, kv, report = e2e_run(calibrated_tiny, held=calibrated_tiny[1][0], e2e_steps=1)
+    assert report["kept_step"] == 1
+    for l, (a, b) in enumerate(zip(kv, specs)):
+        for part in ("r_k", "r_v"):
+            assert (getattr(a, part) - getattr(b, part)).abs().max() > 1e-4, (l, part)
+
+
+@pytest.mark.parametrize("block", [1, 5])
+def test_block_wise_end_to_end_kl_and_its_gradient_equal_the_dense_ones(calibrated_tiny, block):
+    """Through SimulatedINT2's block-wise path (appendix A) the KL and its gradient with
+    respect to every layer's A are the dense path's, up to round-off."""
+    model, (cal, _), specs, _ = calibrated_tiny
+    with torch.no_grad():
+        logp_full = model(cal)[:, P_TINY].log_softmax(-1)
+    kl = lambda b: optr.end_to_end_kl(model, specs, cal, logp_full, P_TINY, block=b).item()
+    assert kl(block) == pytest.approx(kl(None), rel=1e-5)
+    dense = check_gradient_reaches_every_layer(calibrated_tiny)
+    blocks = check_gradient_reaches_every_layer(calibrated_tiny, block=block)
+    for g, h in zip(dense, blocks):
+        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
+
+
+def e2e_args(tiny, **change):
+    model, (cal, held), specs, _ = tiny
+    args = dict(model=model, kv=specs, calib_idx=cal, heldout_idx=held,
+                cfg=replace_cfg(model.cfg, e2e_steps=1), positions=None)
+    return args | {n: f(args) for n, f in change.items()}
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(calib_idx=lambda a: a["calib_idx"].float()), "calib_idx: expected dtype"),
+    (dict(heldout_idx=lambda a: a["heldout_idx"] + 64), r"heldout_idx: expected token ids in \[0, 64\)"),
+    (dict(heldout_idx=lambda a: a["heldout_idx"][0]), "heldout_idx: expected 2 dims"),
+    (dict(calib_idx=lambda a: a["calib_idx"][:, :7]), "calib_idx: expected at least 8 tokens"),
+    (dict(kv=lambda a: a["kv"][:1]), "kv: expected a list of 2 KVQuant"),
+    (dict(kv=lambda a: [optr.KVQuant(r_k=2 * a["kv"][0].r_k), a["kv"][1]]), r"kv\[0\].r_k: expected orthogonal"),
+    (dict(positions=lambda a: torch.tensor([5, 10])), r"positions: expected positions in \[sink \+ window, T\) = \[6, 24\)"),
+    (dict(positions=lambda a: torch.tensor([24])), r"positions: expected positions in"),
+    (dict(positions=lambda a: torch.tensor([[10]])), "positions: expected 1 dims"),
+    (dict(positions=lambda a: torch.tensor([10.0])), "positions: expected dtype")])
+def test_refine_end_to_end_refuses_arguments_that_do_not_fit(calibrated_tiny, change, match):
+    """Token tensors that are not 2-D integer ids of the vocabulary, sequences too short to
+    hold a query that reads an INT2 token, specs that do not fit the model and positions
+    outside [sink + window, T) (or not 1-D integers): a ValueError naming the argument."""
+    with pytest.raises(ValueError, match=match):
+        optr.refine_end_to_end(**e2e_args(calibrated_tiny, **change))
+
+
+def test_end_to_end_kl_refuses_full_precision_log_probabilities_of_another_shape(calibrated_tiny):
+    """logp_full must be (B, len(positions), vocab): a mismatch is a ValueError naming it."""
+    model, (cal, _), specs, _ = calibrated_tiny
+    with pytest.raises(ValueError, match=r"logp_full: expected shape \(4, 17, 64\)"):
+        optr.end_to_end_kl(model, specs, cal, torch.zeros(4, 16, 64), P_TINY)
+
+
+def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(calibrated_tiny,
+                                                                            monkeypatch):
+    """The harness's quarot+optr+e2e is optr.refine_end_to_end of quarot+optr's specs, with
+    the refinement's report and its own 'e2e' timing stage; its per-layer variant is
+    calibrated once, whether it is listed too or not."""
+    import copy
+
+    import train_tiny
+    model, (cal, held), _, _ = calibrated_tiny
+    model = copy.deepcopy(model).reconfigure(e2e_steps=2)
+    real, calls = optr.calibrate, []
+    monkeypatch.setattr(optr, "calibrate", lambda *a, **k: calls.append(k["base"]) or real(*a, **k))
+    for names in (["quarot+optr+e2e"], ["quarot+optr+e2e", "quarot+optr"]):
+        calls.clear()
+        timer = train_tiny.Timer()
+        specs, reports = train_tiny.calibrate_variants(model, cal, held, names, timer=timer,
+                                                       log=lambda line: None)
+        assert list(specs) == names and calls == ["quarot"] and "e2e" in timer.stages
+    per_layer, _ = real(model, cal, held, base="quarot", center=True, learn=True)
+    direct, report = optr.refine_end_to_end(model, per_layer, cal, held)
+    assert reports["quarot+optr+e2e"] == report and report["kept_step"] > 0
+    for a, b in zip(specs["quarot+optr+e2e"], direct):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
+
+
+def test_save_ladder_and_load_ladder_round_trip_the_e2e_variants(calibrated_tiny, tmp_path):
+    """The rotation file holds the e2e variants like any other: load_ladder gives back
+    every tensor bit for bit."""
+    import train_tiny
+    model, (cal, _), specs, _ = calibrated_tiny
+    kv, _ = optr.refine_end_to_end(model, specs, cal, cal, cfg=replace_cfg(model.cfg, e2e_steps=1))
+    ladder = {"full": None, "quarot+optr": specs, "quarot+optr+e2e": kv, "oscar+optr+e2e": specs}
+    path = train_tiny.save_ladder(str(tmp_path / "r.safetensors"), ladder, model.cfg)
+    back, _ = train_tiny.load_ladder(path, list(ladder), model.cfg)
+    assert back["full"] is None
+    for name in ("quarot+optr", "quarot+optr+e2e", "oscar+optr+e2e"):
+        for a, b in zip(back[name], ladder[name]):
+            assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_end_to_end_checks_can_fail(calibrated_tiny):
+    """The oracle check fails for the KL the other way round, KL(p_int2 || p_full), and
+    the gradient check fails when one layer's value rotation is detached from A."""
+    def reversed_kl(model, kv, idx, logp_full, positions, block=None):
+        logp = model(idx, optr.SimulatedINT2(kv, model.cfg, block))[:, positions].log_softmax(-1)
+        return (logp.exp() * (logp - logp_full)).sum(-1).mean()
+
+    def detached_layer_1_values(model, kv, *args):
+        kv = kv[:1] + [optr.KVQuant(k_mean=kv[1].k_mean, r_k=kv[1].r_k, r_v=kv[1].r_v.detach())]
+        return optr.end_to_end_kl(model, kv, *args)
+    assert fails(check_e2e_kl_is_the_float64_kl, calibrated_tiny, reversed_kl)
+    assert fails(check_gradient_reaches_every_layer, calibrated_tiny, detached_layer_1_values)
+
+
+# ----------------------------------------------------------------------------------------
 # 9. The Triton INT2 paged decode kernel (interpreter on CPU, small shapes)
 # ----------------------------------------------------------------------------------------
 # Every case is checked three ways: Triton kernel == optr.paged_decode_reference (reads
@@ -3199,10 +3435,10 @@ def test_triton_imported_first_gives_clear_error():
 
 def test_train_tiny_quick_smoke(tmp_path):
     """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
-    minute; results.json has the documented schema, every variant is present, full
-    precision answers >= 95% correctly, the paged Triton decode agrees with the
-    simulated cache, and every variant's rotations are in one file that
-    optr.load_kv_rotations reads."""
+    minute; results.json has the documented schema, every variant (the e2e ones, ours,
+    included, with their gap closed and report) is present, full precision answers >= 95%
+    correctly, the paged Triton decode agrees with the simulated cache, and every
+    variant's rotations are in one file that optr.load_kv_rotations reads."""
     import json
     import train_tiny
     results = train_tiny.main(["--quick", "--out", str(tmp_path)])
@@ -3211,8 +3447,12 @@ def test_train_tiny_quick_smoke(tmp_path):
         assert key in on_disk
     assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
     names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
-             "quarot+center", "quarot+optr-nocenter"}
+             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e"}
     assert set(on_disk["variants"]) == names
+    assert set(on_disk["timing_s"]) >= {"e2e"}
+    for base in ("quarot", "oscar"):                       # the e2e variants (ours) too
+        assert {"kl", "accuracy", "kl_e2e", "accuracy_e2e"} <= set(on_disk["gap_closed"][base])
+        assert on_disk["report"][base + "+optr+e2e"]["steps"][0]["step"] == 0
     for v in on_disk["variants"].values():
         assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
         assert len(v["accuracy"]) >= 3

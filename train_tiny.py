@@ -17,10 +17,12 @@ What it shows, on a model small enough to train on a laptop CPU:
      what rotations and centering are meant to fix, measured rather than assumed.
   3. The ladder: full precision, naive INT2, QuaRot and OSCAR base rotations, each with
      OptR's output-oriented correction, plus two ablations (centering alone; OptR without
-     centering). For each: answer accuracy at several context lengths, KL(full || variant)
-     at answer positions, the post-W_O output error at answer positions split into its
-     key- and value-induced parts (Eq. 8), the reconstruction error E_rec (Eq. 9), and the
-     bits per element of the cache as stored in the paged cache.
+     centering) and, beyond the paper (ours), each OptR variant refined end to end on the
+     model's next-token KL (+e2e, optr appendix D). For each: answer accuracy at several
+     context lengths, KL(full || variant) at answer positions, the post-W_O output error at
+     answer positions split into its key- and value-induced parts (Eq. 8), the
+     reconstruction error E_rec (Eq. 9), and the bits per element of the cache as stored
+     in the paged cache.
   4. A real decode check: the paged INT2 cache, token by token, with the Triton kernel
      (its CPU interpreter when there is no GPU), against the simulated path.
 Training, calibration, held-out and evaluation data come from separate random streams of
@@ -46,6 +48,7 @@ import re
 import textwrap
 import time
 from dataclasses import dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -144,39 +147,65 @@ class Timer:
 
 
 # ----------------------------------------------------------------------------------------
-# H2. The variants, and calibration of every one through optr.calibrate
+# H2. The variants, and calibration of every one through optr.calibrate (and, for the
+# e2e variants, ours, optr.refine_end_to_end)
 # ----------------------------------------------------------------------------------------
 
-VARIANTS = {                       # name: (base rotation, key centering, OptR correction)
-    "full": None,                  # no quantization
-    "int2": ("identity", False, False),
-    "quarot": ("quarot", False, False),
-    "quarot+optr": ("quarot", True, True),
-    "oscar": ("oscar", False, False),
-    "oscar+optr": ("oscar", True, True),
-    "quarot+center": ("quarot", True, False),           # ablation: centering alone
-    "quarot+optr-nocenter": ("quarot", False, True),    # ablation: OptR without centering
+class Variant(NamedTuple):
+    base: str                      # base rotation: identity, quarot or oscar (optr.base_rotations)
+    center: bool                   # key centering (Section 4)
+    learn: bool                    # OptR's per-layer correction (Section 6)
+    e2e: bool = False              # then every layer refined on the end-to-end KL (optr appendix D)
+
+
+VARIANTS = {                       # name: how its cache is stored, or None: not quantized
+    "full": None,
+    "int2": Variant("identity", False, False),
+    "quarot": Variant("quarot", False, False),
+    "quarot+optr": Variant("quarot", True, True),
+    "oscar": Variant("oscar", False, False),
+    "oscar+optr": Variant("oscar", True, True),
+    "quarot+center": Variant("quarot", True, False),          # ablation: centering alone
+    "quarot+optr-nocenter": Variant("quarot", False, True),   # ablation: OptR without centering
+    # beyond the paper (ours): NAME+e2e starts from NAME's rotations (optr.refine_end_to_end)
+    "quarot+optr+e2e": Variant("quarot", True, True, e2e=True),
+    "oscar+optr+e2e": Variant("oscar", True, True, e2e=True),
 }
 
 
+def per_layer_variant(name: str) -> str:
+    """The variant an e2e variant refines: its name without "+e2e" (the same cache)."""
+    src = name.removesuffix("+e2e")
+    assert VARIANTS[name].e2e and VARIANTS[src] == VARIANTS[name]._replace(e2e=False), name
+    return src
+
+
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
-                       progress_every=0, timer=None, log=print, workers=1,
-                       propagate=False) -> tuple[dict, dict]:
+                       progress_every=0, timer=None, log=print, workers=1, propagate=False,
+                       e2e_positions=None, block=None) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
     per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
     variant: the held-out loss of the base -> OptR, summed over heads, and the heads that
     kept their OptR rotation; per_head: then one line per layer and part with each head's
     losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
-    workers, propagate: as in optr.calibrate."""
+    workers, propagate: as in optr.calibrate.
+    An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
+    call, listed or not) by optr.refine_end_to_end on the same tokens at e2e_positions (None:
+    every position past the windows), `block` its simulated cache's query block; its report
+    is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
+    held-out KL at the start -> the kept step's."""
     timer = timer or Timer()
     L, steps = model.cfg.n_layers, model.cfg.steps
-    specs, reports = {}, {}
-    for name in names:
-        if VARIANTS[name] is None:
-            specs[name] = None
-            continue
-        base, center, learn = VARIANTS[name]
+    specs, reports, per_layer = {}, {}, {}
+
+    def calibrated(name):            # a per-layer variant, calibrated once per call
+        if name not in per_layer:
+            per_layer[name] = calibrate_one(name)
+        return per_layer[name]
+
+    def calibrate_one(name):
+        base, center, learn, _ = VARIANTS[name]
         t0, done = time.perf_counter(), set()
 
         def progress(line):          # optr.calibrate logs each held-out score; the last V one
@@ -186,23 +215,38 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
                 log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | "
                     f"{time.perf_counter() - t0:6.1f} s")
 
-        specs[name], reports[name] = optr.calibrate(
+        kv, report = optr.calibrate(
             model, cal, held, base=base, center=center, learn=learn,
             query_positions=query_positions, cfg=model.cfg, workers=workers, propagate=propagate,
             log=progress if learn and progress_every else None)
         line = f"calibrated {name:<21} | {timer.lap('calibrate', t0):6.1f} s"
         for part in ("k", "v") if learn else ():
-            r = [x for x in reports[name] if x["part"] == part]
+            r = [x for x in report if x["part"] == part]
             line += (f" | {part.upper()} held-out loss {sum(x['base_loss'] for x in r):.4g} -> "
                      f"{sum(x['best_loss'] for x in r):.4g}, "
                      f"{sum(x['kept'] for x in r)}/{len(r)} heads learned")
         log(line)
         for l in range(L) if learn and per_head else ():
             for part in ("k", "v"):
-                rows = [r for r in reports[name] if r["layer"] == l and r["part"] == part]
+                rows = [r for r in report if r["layer"] == l and r["part"] == part]
                 log(f"    layer {l} {part.upper()}: " + "  ".join(
                     f"{r['base_loss']:.5f} -> {r['best_loss']:.5f}"
                     f"{'' if r['kept'] else ' (base)'}" for r in rows))
+        return kv, report
+
+    for name in names:
+        if VARIANTS[name] is None:
+            specs[name] = None
+        elif not VARIANTS[name].e2e:
+            specs[name], reports[name] = calibrated(name)
+        else:                        # beyond the paper (ours): end-to-end refinement
+            kv, _ = calibrated(per_layer_variant(name))
+            t0 = time.perf_counter()
+            specs[name], reports[name] = optr.refine_end_to_end(
+                model, kv, cal, held, cfg=model.cfg, positions=e2e_positions, block=block, log=log)
+            rows, k = reports[name]["steps"], reports[name]["kept_step"]
+            log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
+                f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")
     return specs, reports
 
 
@@ -453,16 +497,18 @@ def gap_closed(variants: dict, metrics: dict) -> dict:
     gap to full precision that OptR closes, (optr - base) / (full - base), for each metric
     {name: (value of a variant's results, +1 if higher is better, -1 if lower is)}; None
     where full is not better than the base (no gap). For KL (full 0) that is
-    (KL_base - KL_optr) / KL_base."""
+    (KL_base - KL_optr) / KL_base. With the base's +optr+e2e variant (ours) present, the
+    same fraction for it under the key METRIC_e2e (e.g. kl_e2e)."""
     out = {}
     for base in ("quarot", "oscar"):
         if base not in variants or base + "+optr" not in variants:
             continue
-        f, b, o = variants["full"], variants[base], variants[base + "+optr"]
+        f, b = variants["full"], variants[base]
         out[base] = {}
-        for m, (get, sign) in metrics.items():
-            gap = get(f) - get(b)
-            out[base][m] = (get(o) - get(b)) / gap if gap * sign > 0 else None
+        for suffix, name in (("", base + "+optr"), ("_e2e", base + "+optr+e2e")):
+            for m, (get, sign) in metrics.items() if name in variants else ():
+                gap = get(f) - get(b)
+                out[base][m + suffix] = (get(variants[name]) - get(b)) / gap if gap * sign > 0 else None
     return out
 
 
@@ -485,7 +531,8 @@ def write_results(out_dir: str, cfg, timing: dict, key_stats: dict, variants: di
       gap_closed   {base: {metric: fraction or None}} (gap_closed)
       decode_check {name: decode_check's result}
       report       {name: OptR's per-head rows (layer, head, part, base_loss, best_loss,
-                   best_step, kept)}
+                   best_step, kept); an e2e variant: optr.refine_end_to_end's report
+                   {steps: [{step, cal_kl, held_kl}], kept_step}}
     then the script's own keys (`extra`). Returns the dict written."""
     results = dict(config=config_dict(cfg), timing_s=timing, key_stats=key_stats,
                    variants=variants, gap_closed=gap, decode_check=decode, report=report, **extra)
@@ -816,8 +863,10 @@ def run_once(cfg: RunConfig, attend, log=print) -> dict:
     stats = key_stats(cfg, captured, [optr.key_mean(k) for _, k, _ in cal_captured])
     print_key_stats(stats, log)
 
+    # e2e variants (ours): the KL at OptR's loss queries, the answer positions the ladder
+    # scores (calib_queries "answers"), or with "last" every position past the windows
     specs, reports = calibrate_variants(model, cal, held, list(VARIANTS), qpos, per_head=True,
-                                        timer=timer, log=log)
+                                        timer=timer, log=log, e2e_positions=qpos)
     save_ladder(os.path.join(cfg.out, "kv_rotations.safetensors"), specs, cfg,
                 meta=dict(config=config_dict(cfg)))
 
@@ -868,6 +917,9 @@ def print_summary(results: dict, std: dict | None = None, log=print):
             line += "  (of the means; per seed: " + ", ".join(
                 fmt(r[base]["accuracy"]).strip() for r in results["gap_closed_per_seed"]) + ")"
         log(line)
+        if "kl_e2e" in g:
+            log(f"gap closed by OptR+e2e over {base:<6}: accuracy@{lens[-1]} "
+                f"{fmt(g['accuracy_e2e'])} | KL {fmt(g['kl_e2e'])}  (e2e: ours, not the paper's)")
     log("  gap closed = (optr - base) / (full - base); for KL, (KL_base - KL_optr) / KL_base")
     if results["config"]["quick"]:
         log("  (--quick is a smoke run: at T=64 INT2 costs about a point, within this run's noise)")
