@@ -78,7 +78,7 @@ MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size",
 # the harness's VARIANTS, in this ladder's order (the rows of its table); +e2e: ours
 LADDER = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
           "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e")
-DEFAULT_VARIANTS = tuple(n for n in LADDER if n != "quarot+optr-nocenter")   # the ablation: opt in
+DEFAULT_VARIANTS = tuple(n for n in LADDER if n not in ("quarot+optr-nocenter", "oscar+optr+e2e"))
 BLOCK = 256                        # query block of the simulated cache on long texts
 # the passkey stage's variants: each OptR variant with its base, and the end-to-end ones
 PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e",
@@ -145,7 +145,7 @@ class RunConfig:
                             "torch) or 'kernel' (the Triton kernel; its CPU interpreter without "
                             "a GPU is slow at this size)")
     variants: tuple[str, ...] = _f(DEFAULT_VARIANTS, "variants to evaluate (full is always "
-                                   "in); add quarot+optr-nocenter for the centering ablation")
+                                   "in); add quarot+optr-nocenter (the centering ablation) and oscar+optr+e2e")
     fig_layer: int = _f(-1, "layer of the plots; -1 = the layer whose post-RoPE keys have the "
                         "most channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
