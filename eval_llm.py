@@ -879,6 +879,9 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
     for base, g in results["gap_closed"].items():
         fmt = lambda x: "n/a" if x is None else f"{x:6.1%}"
         log(f"gap closed by OptR over {base:<6}: KL@{C} {fmt(g['kl'])} | NLL@{C} {fmt(g['nll'])}")
+        if "kl_e2e" in g:
+            log(f"gap closed by OptR+e2e over {base:<6}: KL@{C} {fmt(g['kl_e2e'])} | NLL@{C} "
+                f"{fmt(g['nll_e2e'])}  (e2e: ours, not the paper's)")
     log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)")
     for line in retrieval_lines(results["retrieval_paired"]):
         log(line)
