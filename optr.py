@@ -39,6 +39,7 @@ import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -640,20 +641,52 @@ def check_query_mask(mask):
                          f"{tuple(mask.shape)} with none")
 
 
-def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config):
+class KeyLossTerms(NamedTuple):
+    """The full-precision side of L_K, which does not move with R_K (calibration computes it
+    once per split). Keys split into S = int2_tokens (some query reads their INT2 copy) and
+    the rest C, which every query reads exactly, so there p~ = c p with one factor c per
+    query: KL and dy_K need only the columns of S and three per-query sums over C."""
+    stored: torch.Tensor      # (T,) bool, S
+    int2: torch.Tensor        # (Tq, |S|) bool, the query reads key s's INT2 copy
+    a: torch.Tensor           # (B, H_q, Tq, |S|) exact logits on S, -inf where masked (Eq. 1)
+    p: torch.Tensor           # (B, H_q, Tq, |S|) exact attention p on S
+    lse: torch.Tensor         # (B, H_q, Tq) log sum_s exp(a_s) over all keys
+    lse_rest: torch.Tensor    # (B, H_q, Tq) the same over C (-inf if none)
+    o_rest: torch.Tensor      # (B, H_q, Tq, d) sum over C of p_s v_s (Eq. 2)
+
+
+def key_loss_terms(q, k, v, mask, fp) -> KeyLossTerms:
+    """KeyLossTerms of the queries q (B, H_q, Tq, d) on k, v (B, H_kv, T, d); mask, fp (Tq, T)."""
+    stored = int2_tokens(mask, fp)
+    a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                        # Eq. 1
+    lse = a.logsumexp(-1)
+    a_rest = a[..., ~stored]
+    o_rest = gqa_readout((a_rest - lse[..., None]).exp(), v[:, :, ~stored])        # Eq. 2
+    a_s = a[..., stored]
+    return KeyLossTerms(stored, int2_mask(mask, fp)[:, stored], a_s, (a_s - lse[..., None]).exp(),
+                        lse, a_rest.logsumexp(-1), o_rest)
+
+
+def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config, terms=None):
     """Per-head L_K = KL(p || p~) + lambda * mean (dy_K)^2  (H_kv,). Values exact.
     q (B, H_q, Tq, d); k, v (B, H_kv, T, d); w_o (H_q, d_model, d); r_k (H_kv, d, d);
-    k_mean (H_kv, d) or None; mask, fp (Tq, T)."""
+    k_mean (H_kv, d) or None; mask, fp (Tq, T); terms: key_loss_terms(q, k, v, mask, fp),
+    computed here if None. On C (see KeyLossTerms) p~ = c p with c = exp(lse - lse~), so
+    KL there is (sum_C p) log(1 / c) and dy_K gets (c - 1) o_rest; the 1e-12 clamp applies
+    on S (on C it could only matter where p~ < 1e-12)."""
     check_rotation("r_k", r_k, cfg.n_kv_heads, cfg.head_dim)
     check_key_mean("k_mean", k_mean, cfg)
     check_query_mask(mask)
-    stored = int2_tokens(mask, fp)                      # (T,) only these k~ are ever read
-    k_t = k.clone()
-    k_t[:, :, stored] = dequant_keys(k[:, :, stored], k_mean, r_k, cfg)              # Eq. 4
-    p = torch.softmax(gqa_logits(q, k).masked_fill(~mask, float("-inf")), dim=-1)   # Eq. 1
-    p_t = torch.softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)             # Eq. 5
-    dy_k = head_output(gqa_readout(p_t - p, v), w_o)                                # Eq. 8, key term
-    return _per_head(kl_divergence(p, p_t) + cfg.lam * output_error(dy_k, cfg), k.shape[1])
+    t = key_loss_terms(q, k, v, mask, fp) if terms is None else terms
+    k_t = dequant_keys(k[:, :, t.stored], k_mean, r_k, cfg)                         # Eq. 4
+    a_t = torch.where(t.int2, gqa_logits(q, k_t), t.a)                             # Eq. 5 on S
+    lse_t = torch.logaddexp(t.lse_rest, a_t.logsumexp(-1))                         # (B, H_q, Tq)
+    p_t = (a_t - lse_t[..., None]).exp()                                           # Eq. 5: p~ on S
+    c = (t.lse - lse_t).exp()                                                      # p~ = c p on C
+    kl = kl_divergence(t.p, p_t) + (t.lse_rest - t.lse).exp() * (lse_t - t.lse)
+    o_k = gqa_readout(p_t - t.p, v[:, :, t.stored]) + (c - 1)[..., None] * t.o_rest
+    dy_k = head_output(o_k, w_o)                                                   # Eq. 8, key term
+    return _per_head(kl + cfg.lam * output_error(dy_k, cfg), k.shape[1])
 
 
 def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
@@ -754,9 +787,11 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
     k_mean = None if k_mean is None else k_mean.float().to(dev)
     r_k0, r_v0 = r_k0.float().to(dev), r_v0.float().to(dev)
 
+    terms = {split: key_loss_terms(q, k, v, mask, fp) for split, (q, k, v, mask, fp) in data.items()}
+
     def key_loss(R, split):
         q, k, v, mask, fp = data[split]
-        return optr_key_loss(q, k, v, w_o, R, k_mean, mask, fp, cfg)
+        return optr_key_loss(q, k, v, w_o, R, k_mean, mask, fp, cfg, terms[split])
 
     r_k, rows_k = fit_rotation(key_loss, r_k0, cfg, f"{tag}K", log) if learn_k else (r_k0, [])
 
