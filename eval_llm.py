@@ -151,7 +151,7 @@ class RunConfig:
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
     # the run
     quick: bool = _f(False, "smoke preset: contexts 512,1024, short calibration on pydoc text (no "
-                     "generation), 6 steps, one e2e step, one passkey prompt per length; flags given explicitly still win")
+                     "generation), 6 steps, one e2e step, two passkey prompts at 512; flags given explicitly still win")
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
                       "calibration settings required where the file records them)")
@@ -199,7 +199,7 @@ class RunConfig:
 
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
-             calib_len=384, steps=6, eval_every=5, passkey_prompts=1, passkey_contexts=(512, 1024),
+             calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(512,),
              decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick")
 
 

@@ -659,12 +659,12 @@ def key_loss_terms(q, k, v, mask, fp) -> KeyLossTerms:
     """KeyLossTerms of the queries q (B, H_q, Tq, d) on k, v (B, H_kv, T, d); mask, fp (Tq, T)."""
     stored = int2_tokens(mask, fp)
     a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                        # Eq. 1
-    lse = a.logsumexp(-1)
-    a_rest = a[..., ~stored]
+    a_s, a_rest = a[..., stored], a[..., ~stored]
+    lse_rest = a_rest.logsumexp(-1)
+    lse = torch.logaddexp(lse_rest, a_s.logsumexp(-1))     # as the loss forms lse~: equal at k~ = k
     o_rest = gqa_readout((a_rest - lse[..., None]).exp(), v[:, :, ~stored])        # Eq. 2
-    a_s = a[..., stored]
     return KeyLossTerms(stored, int2_mask(mask, fp)[:, stored], a_s, (a_s - lse[..., None]).exp(),
-                        lse, a_rest.logsumexp(-1), o_rest)
+                        lse, lse_rest, o_rest)
 
 
 def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config, terms=None):
@@ -809,16 +809,42 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
     return r_k, r_v, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
 
 
+def check_captures(captured, calib_idx, heldout_idx, cfg: Config):
+    """ValueError unless captured = (cal, held) holds per layer the (q, k, v) of calib_idx
+    and heldout_idx, each passing check_layer_data."""
+    if not (isinstance(captured, (tuple, list)) and len(captured) == 2
+            and all(isinstance(c, list) and len(c) == cfg.n_layers for c in captured)):
+        raise ValueError(f"captured: expected (cal, held), two lists of {cfg.n_layers} "
+                         f"(q, k, v), got {type(captured).__name__}")
+    for split, c, idx in (("cal", captured[0], calib_idx), ("held", captured[1], heldout_idx)):
+        for l, data in enumerate(c):
+            check_layer_data(f"captured {split}[{l}]", data, cfg)
+            if (data[0].shape[0], data[0].shape[2]) != tuple(idx.shape):
+                raise ValueError(f"captured {split}[{l}]: expected the q, k, v of "
+                                 f"{tuple(idx.shape)} tokens, got q of {tuple(data[0].shape)}")
+
+
+@torch.no_grad()
+def full_precision_captures(model, calib_idx, heldout_idx):
+    """Per layer, the full-precision (q, k, v) that calibration learns from: two lists."""
+    cal, held = [], []
+    model(calib_idx, capture=cal)
+    model(heldout_idx, capture=held)
+    return cal, held
+
+
 def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
               query_positions=None, cfg: Config | None = None, log=None, workers: int = 1,
-              propagate: bool = False):
+              propagate: bool = False, captured=None):
     """Calibrate every layer of a frozen model (Section 7) from its full-precision q, k, v.
     calib_idx (N, T), heldout_idx (M, T') tokens (disjoint data). Returns per-layer KVQuant
     and report rows (layer, head, part, base_loss, best_loss, best_step, kept). Layers are
     independent given their captures: workers > 1 calibrates that many at once, in threads
     with one torch thread each (the same numbers as workers=1; log lines interleave).
     propagate=True (ours, not the paper's): layer l is calibrated on the q, k, v it gets
-    when the layers below it already run their calibrated INT2 cache, one layer at a time."""
+    when the layers below it already run their calibrated INT2 cache, one layer at a time.
+    captured: (cal, held), the per-layer full-precision (q, k, v) of calib_idx and heldout_idx
+    from full_precision_captures, to share them between calls; None captures them here."""
     cfg = cfg or model.cfg
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
@@ -829,7 +855,10 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
             model(idx, None if kv_below is None else SimulatedINT2(kv_below, cfg), capture=out)
         return out
 
-    cal, held = captures(calib_idx, None), captures(heldout_idx, None)
+    if captured is None:
+        captured = full_precision_captures(model, calib_idx, heldout_idx)
+    check_captures(captured, calib_idx, heldout_idx, cfg)
+    cal, held = list(captured[0]), list(captured[1])             # propagate replaces entries
 
     def layer(l):
         q, k, v = cal[l]

@@ -1707,6 +1707,24 @@ def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
         optr.calibrate(model, data[0], data[1], workers=0)
 
 
+def test_shared_captures_give_the_same_rotations_and_must_match_the_tokens(calibrated_tiny):
+    """calibrate(captured=...) with the model's own full-precision q, k, v (captured by a
+    forward here) gives the rotations of capturing inside; captures of other tokens are
+    refused, naming the argument."""
+    model, data, specs, _ = calibrated_tiny
+    cal, held = [], []
+    with torch.no_grad():
+        model(data[0], capture=cal)
+        model(data[1], capture=held)
+    shared, _ = optr.calibrate(model, data[0], data[1], base="quarot", captured=(cal, held))
+    assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and
+               torch.equal(a.k_mean, b.k_mean) for a, b in zip(shared, specs))
+    with pytest.raises(ValueError, match=r"captured cal\[0\].*tokens"):
+        optr.calibrate(model, data[0][:1], data[1], captured=(cal, held))
+    with pytest.raises(ValueError, match="captured: expected"):
+        optr.calibrate(model, data[0], data[1], captured=(cal,))
+
+
 def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
     """propagate=True (ours): layer 0 is calibrated as before; layer 1 exactly as
     calibrate_layer does on the q, k, v a forward gives when layer 0 runs its INT2 cache."""
@@ -3695,7 +3713,7 @@ def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
         assert idx.shape == (3, L) and all(s >= sink for s in starts)
     with pytest.raises(ValueError, match="passkey_contexts"):
         eval_llm.RunConfig(passkey_contexts=())
-    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (512, 1024)   # fits
+    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (512,)   # fits
 
 
 def test_eval_llm_passkey_prompts_are_paired_across_variants():

@@ -197,7 +197,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     held-out KL at the start -> the kept step's."""
     timer = timer or Timer()
     L, steps = model.cfg.n_layers, model.cfg.steps
-    specs, reports, per_layer = {}, {}, {}
+    specs, reports, per_layer, captured = {}, {}, {}, []
 
     def calibrated(name):            # a per-layer variant, calibrated once per call
         if name not in per_layer:
@@ -215,10 +215,12 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
                 log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | "
                     f"{time.perf_counter() - t0:6.1f} s")
 
+        if not captured:             # one full-precision forward, shared by every variant
+            captured.extend(optr.full_precision_captures(model, cal, held))
         kv, report = optr.calibrate(
             model, cal, held, base=base, center=center, learn=learn,
             query_positions=query_positions, cfg=model.cfg, workers=workers, propagate=propagate,
-            log=progress if learn and progress_every else None)
+            log=progress if learn and progress_every else None, captured=captured)
         line = f"calibrated {name:<21} | {timer.lap('calibrate', t0):6.1f} s"
         for part in ("k", "v") if learn else ():
             r = [x for x in report if x["part"] == part]
