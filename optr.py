@@ -678,6 +678,9 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config, terms=None):
     check_key_mean("k_mean", k_mean, cfg)
     check_query_mask(mask)
     t = key_loss_terms(q, k, v, mask, fp) if terms is None else terms
+    if not torch.equal(t.stored, int2_tokens(mask, fp)) or t.a.shape[:3] != q.shape[:3]:
+        raise ValueError(f"terms: expected key_loss_terms of these queries, mask and fp, got "
+                         f"logits {tuple(t.a.shape)} for q {tuple(q.shape)}")
     k_t = dequant_keys(k[:, :, t.stored], k_mean, r_k, cfg)                         # Eq. 4
     a_t = torch.where(t.int2, gqa_logits(q, k_t), t.a)                             # Eq. 5 on S
     lse_t = torch.logaddexp(t.lse_rest, a_t.logsumexp(-1))                         # (B, H_q, Tq)

@@ -1769,6 +1769,14 @@ def test_the_key_loss_refuses_rotations_means_or_masks_that_do_not_fit(change, m
         optr.optr_key_loss(**loss_args(**change))
 
 
+def test_the_key_loss_refuses_terms_of_other_queries():
+    """Terms computed for other queries (here: fewer) are refused, naming the argument."""
+    a = loss_args()
+    terms = optr.key_loss_terms(a["q"][:, :, 1:], a["k"], a["v"], a["mask"][1:], a["fp"][1:])
+    with pytest.raises(ValueError, match="terms: expected"):
+        optr.optr_key_loss(**a, terms=terms)
+
+
 def test_the_value_loss_refuses_a_rotation_with_one_head_where_there_are_two():
     """optr_value_loss checks R_V like the key loss checks R_K: one head for two is refused."""
     a = loss_args()
