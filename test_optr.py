@@ -1707,18 +1707,23 @@ def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
         optr.calibrate(model, data[0], data[1], workers=0)
 
 
-def test_shared_captures_give_the_same_rotations_and_must_match_the_tokens(calibrated_tiny):
-    """calibrate(captured=...) with the model's own full-precision q, k, v (captured by a
-    forward here) gives the rotations of capturing inside; captures of other tokens are
-    refused, naming the argument."""
-    model, data, specs, _ = calibrated_tiny
+def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_tiny):
+    """calibrate(captured=(cal, held)) learns layer l from cal[l] and held[l] exactly as
+    calibrate_layer does on them (captures of other tokens of the same shape here, so
+    ignoring them or swapping the splits shows); captures of another shape are refused."""
+    model, data, _, _ = calibrated_tiny
+    cfg = model.cfg
     cal, held = [], []
     with torch.no_grad():
-        model(data[0], capture=cal)
-        model(data[1], capture=held)
-    shared, _ = optr.calibrate(model, data[0], data[1], base="quarot", captured=(cal, held))
-    assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and
-               torch.equal(a.k_mean, b.k_mean) for a, b in zip(shared, specs))
+        model(data[0].flip(1), capture=cal)
+        model(data[1].roll(1, dims=0), capture=held)
+    got, _ = optr.calibrate(model, data[0], data[1], base="quarot", captured=(cal, held))
+    r0 = optr.quarot_rotation(cfg.n_kv_heads, cfg.head_dim)
+    for l in range(cfg.n_layers):
+        mu = optr.key_mean(cal[l][1])
+        r_k, r_v, _ = optr.calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r0, r0, mu, cfg)
+        assert torch.equal(got[l].k_mean, mu)
+        assert torch.equal(got[l].r_k, r_k) and torch.equal(got[l].r_v, r_v)
     with pytest.raises(ValueError, match=r"captured cal\[0\].*tokens"):
         optr.calibrate(model, data[0][:1], data[1], captured=(cal, held))
     with pytest.raises(ValueError, match="captured: expected"):
