@@ -645,7 +645,8 @@ class KeyLossTerms(NamedTuple):
     """The full-precision side of L_K, which does not move with R_K (calibration computes it
     once per split). Keys split into S = int2_tokens (some query reads their INT2 copy) and
     the rest C, which every query reads exactly, so there p~ = c p with one factor c per
-    query: KL and dy_K need only the columns of S and three per-query sums over C."""
+    query: KL and dy_K need only the columns of S, the log-normaliser lse and two per-query
+    sums over C (lse_rest, o_rest)."""
     stored: torch.Tensor      # (T,) bool, S
     int2: torch.Tensor        # (Tq, |S|) bool, the query reads key s's INT2 copy
     a: torch.Tensor           # (B, H_q, Tq, |S|) exact logits on S, -inf where masked (Eq. 1)
