@@ -2038,7 +2038,10 @@ def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config 
     positions = e2e_positions(idx.shape[1], cfg, positions)
     check_tensor("logp_full", logp_full, shape=(idx.shape[0], len(positions), cfg.vocab_size),
                  dtype="float", finite=True)
-    logits = model(idx, SimulatedINT2(kv, cfg, block))[:, positions]           # (B, P, vocab)
+    simulated = SimulatedINT2(kv, cfg, block)
+    def attention(layer, q, k, v):    # recomputed in the backward: no layer keeps its (T, T) tensors
+        return torch.utils.checkpoint.checkpoint(simulated, layer, q, k, v, use_reentrant=False)
+    logits = model(idx, attention if torch.is_grad_enabled() else simulated)[:, positions]  # (B, P, vocab)
     logp = logits.float().log_softmax(-1)                                      # (B, P, vocab)
     return (logp_full.exp() * (logp_full - logp)).sum(-1).mean()
 

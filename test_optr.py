@@ -2813,6 +2813,22 @@ def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
             assert (getattr(a, part) - getattr(b, part)).abs().max() > 1e-4, (l, part)
 
 
+def test_the_end_to_end_gradient_is_plain_autograds_through_the_simulated_forward(calibrated_tiny):
+    """end_to_end_kl recomputes each layer's attention in the backward instead of keeping
+    its (T, T) tensors; d KL / d A of every layer is still what autograd gives through the
+    float64 oracle's two forwards run with gradients, nothing recomputed."""
+    model, (cal, _), specs, _ = calibrated_tiny
+    ours = check_gradient_reaches_every_layer(calibrated_tiny)
+    A = [torch.zeros(2, 16, 16, requires_grad=True) for _ in range(2 * len(specs))]
+    kv = rotations_with(specs, A)
+    with torch.no_grad():
+        lp = model(cal)[:, P_TINY].double().log_softmax(-1)
+    lq = model(cal, optr.SimulatedINT2(kv, model.cfg))[:, P_TINY].double().log_softmax(-1)
+    (lp.exp() * (lp - lq)).sum(-1).mean().backward()
+    for i, (g, a) in enumerate(zip(ours, A)):
+        assert torch.allclose(g, a.grad, rtol=1e-4, atol=1e-7), f"layer {i // 2} {'KV'[i % 2]}"
+
+
 @pytest.mark.parametrize("block", [1, 5])
 def test_block_wise_end_to_end_kl_and_its_gradient_equal_the_dense_ones(calibrated_tiny, block):
     """Through SimulatedINT2's block-wise path (appendix A) the KL and its gradient with
