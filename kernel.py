@@ -932,13 +932,13 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
             part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
             t_int2 = do_bench_cudagraph(
-                lambda: _launch(*args.values(), splits, None, sizes)) * 1e3
+                lambda args=args: _launch(*args.values(), splits, None, sizes)) * 1e3
             del args
             # Contiguous bf16 cache: the query heads of a KV head act as its query rows.
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
             v = torch.randn_like(k)
             qb = torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
-            t_bf16 = do_bench_cudagraph(lambda: F.scaled_dot_product_attention(qb, k, v)) * 1e3
+            t_bf16 = do_bench_cudagraph(lambda qb=qb, k=k, v=v: F.scaled_dot_product_attention(qb, k, v)) * 1e3
             del k, v
             # Paged bf16 cache, same shuffled-page layout as the INT2 one.
             blocks = triton.cdiv(ctx, P)
@@ -946,8 +946,8 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
             v_pages = torch.randn_like(k_pages)
             table = torch.randperm(B * blocks, device=device).view(B, blocks)
             qp = qb.reshape(B, H_q, d)
-            t_paged = do_bench_cudagraph(
-                lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx)) * 1e3
+            t_paged = do_bench_cudagraph(lambda qp=qp, k_pages=k_pages, v_pages=v_pages:
+                                         _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx)) * 1e3
             del k_pages, v_pages, qb, qp
             torch.cuda.empty_cache()
             gbs = (int2_bytes + win_bytes + part_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
