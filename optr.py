@@ -2006,7 +2006,8 @@ per-layer result; key means stay fixed and the model frozen. Adam at e2e_lr, ful
 e2e_steps steps; gradients cross the rounding by Q2's straight-through estimator. The
 held-out L_e2e is scored at the start and after every step, and the best step's A (all
 layers jointly) is kept; if no step beats the start, the input comes back unchanged.
-Each step is a forward and a backward of the whole model over the calibration tokens.
+Each step is a forward and a backward of the whole model over the calibration tokens;
+the backward recomputes each layer's attention instead of keeping its (T, T) tensors.
 """
 
 def e2e_positions(T: int, cfg: Config, positions=None, name: str = "idx") -> torch.Tensor:
