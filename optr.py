@@ -853,10 +853,10 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
 
-    def captures(idx, kv_below):
+    def captures(idx, kv_below):                  # propagate: the layers below in INT2
         out = []
         with torch.no_grad():
-            model(idx, None if kv_below is None else SimulatedINT2(kv_below, cfg), capture=out)
+            model(idx, SimulatedINT2(kv_below, cfg), capture=out)
         return out
 
     if captured is None:
