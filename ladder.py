@@ -1,0 +1,543 @@
+"""
+The ladder harness both scripts share (train_tiny.py on the tiny model, eval_llm.py on a
+real LLM): what both do the same way, whatever the model and the data. The run config and
+its command line, the variants, calibration of every variant, key statistics, the Eq. 8
+split and E_rec, bits per element measured from the paged cache, the decode check through
+the paged cache, the gap closed, the table, the rotation file and results.json. Each
+script keeps only its data, its model and its metrics.
+kernel.py is not imported here: without a GPU it switches Triton to its CPU interpreter
+on import. A run that decodes with the kernel imports it at its start (decode_attention).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import math
+import os
+import re
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import field, fields
+from typing import NamedTuple
+
+import torch
+
+import optr
+
+
+# ----------------------------------------------------------------------------------------
+# H1. Run config: one CLI flag per dataclass field, the resolved config printed, timing
+# ----------------------------------------------------------------------------------------
+
+def _f(default, help):
+    return field(default=default, metadata={"help": help})
+
+
+def _inherited_help() -> dict:
+    """Help of optr.Config's fields: the trailing comment on each field's line."""
+    return dict(re.findall(r"^\s+(\w+): [^=\n]+=[^#\n]+#\s*(.+)$",
+                           inspect.getsource(optr.Config), re.M))
+
+
+def build_parser(cls, description: str) -> argparse.ArgumentParser:
+    """One flag per field of the run config dataclass `cls`; a field with no help of its
+    own takes the comment of optr.Config's field of the same name."""
+    p = argparse.ArgumentParser(description=description)
+    inherited = _inherited_help()
+    for f in fields(cls):
+        flag = "--" + f.name.replace("_", "-")
+        help = f.metadata.get("help") or inherited.get(f.name, f.name)
+        kw = dict(dest=f.name, default=argparse.SUPPRESS)
+        if f.type == "bool":
+            p.add_argument(flag, action=argparse.BooleanOptionalAction,
+                           help=f"{help} (default {f.default})", **kw)
+        elif f.type.startswith("tuple"):
+            elem = {"int": int, "float": float, "str": str}[re.search(r"\[(\w+)", f.type)[1]]
+            p.add_argument(flag, metavar="A,B,...",
+                           type=lambda s, e=elem: tuple(e(x.strip()) for x in s.split(",") if x.strip()),
+                           help=f"{help} (default {','.join(map(str, f.default)) or 'none'})", **kw)
+        else:
+            p.add_argument(flag, type={"int": int, "float": float, "str": str}[f.type],
+                           help=f"{help} (default {f.default})", **kw)
+    return p
+
+
+def parse_run_config(argv, cls, quick: dict, description: str):
+    """The run config `cls` from the command line; --quick applies the `quick` preset
+    first, so flags given explicitly still win."""
+    parser = build_parser(cls, description)
+    given = vars(parser.parse_args(argv))
+    try:
+        return cls(**{**(quick if given.get("quick") else {}), **given})
+    except (ValueError, AssertionError) as e:  # RunConfig's ValueErrors, optr.Config's asserts
+        parser.error(str(e))                 # exits with the usage line and the message
+
+
+def run_cli(main):
+    """A script's entry point: what a bad file or flag raises once the command line is
+    parsed (a ValueError naming it, a missing file) ends as `script: error: message`,
+    exit status 2, no traceback, as argparse answers a bad flag."""
+    try:
+        main()
+    except (ValueError, FileNotFoundError) as e:
+        print(f"{os.path.basename(sys.argv[0])}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def print_config(cfg, log=print, tag="config"):
+    items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
+             for k, v in config_dict(cfg).items()]
+    for line in textwrap.wrap("  ".join(items), width=96, break_on_hyphens=False):
+        log(f"{tag} | " + line)
+
+
+def config_dict(cfg) -> dict:
+    return {f.name: (list(v) if isinstance(v := getattr(cfg, f.name), tuple) else v)
+            for f in fields(cfg)}
+
+
+class Timer:
+    """Wall-clock seconds per stage, for the timing lines and results.json's timing_s."""
+
+    def __init__(self):
+        self.t0, self.stages = time.perf_counter(), {}
+
+    def lap(self, name: str, since: float) -> float:
+        """Add the seconds since `since` to stage `name`; returns them."""
+        dt = time.perf_counter() - since
+        self.stages[name] = self.stages.get(name, 0.0) + dt
+        return dt
+
+    def timing(self) -> dict:
+        return dict(self.stages, total=time.perf_counter() - self.t0)
+
+
+# ----------------------------------------------------------------------------------------
+# H2. The variants, and calibration of every one through optr.calibrate (and, for the
+# e2e variants, ours, optr.refine_end_to_end)
+# ----------------------------------------------------------------------------------------
+
+class Variant(NamedTuple):
+    base: str                      # base rotation: identity, quarot or oscar (optr.base_rotations)
+    center: bool                   # key centering (Section 4)
+    learn: bool                    # OptR's per-layer correction (Section 6)
+    e2e: bool = False              # then every layer refined on the end-to-end KL (optr appendix D)
+
+
+VARIANTS = {                       # name: how its cache is stored, or None: not quantized
+    "full": None,
+    "int2": Variant("identity", False, False),
+    "quarot": Variant("quarot", False, False),
+    "quarot+optr": Variant("quarot", True, True),
+    "oscar": Variant("oscar", False, False),
+    "oscar+optr": Variant("oscar", True, True),
+    "quarot+center": Variant("quarot", True, False),          # ablation: centering alone
+    "quarot+optr-nocenter": Variant("quarot", False, True),   # ablation: OptR without centering
+    # beyond the paper (ours): NAME+e2e starts from NAME's rotations (optr.refine_end_to_end)
+    "quarot+optr+e2e": Variant("quarot", True, True, e2e=True),
+    "oscar+optr+e2e": Variant("oscar", True, True, e2e=True),
+}
+
+
+def per_layer_variant(name: str) -> str:
+    """The variant an e2e variant refines: its name without "+e2e" (the same cache)."""
+    src = name.removesuffix("+e2e")
+    assert VARIANTS[name].e2e and VARIANTS[src] == VARIANTS[name]._replace(e2e=False), name
+    return src
+
+
+def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
+                       progress_every=0, timer=None, log=print, workers=1, propagate=False,
+                       e2e_positions=None, block=None) -> tuple[dict, dict]:
+    """Every variant in `names` through optr.calibrate on the frozen model, from the
+    calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
+    per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
+    variant: the held-out loss of the base -> OptR, summed over heads, and the heads that
+    kept their OptR rotation; per_head: then one line per layer and part with each head's
+    losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
+    workers > 1: that many layers at once, in threads with one torch thread each (the same
+    numbers; log lines interleave); propagate: optr.calibrate_propagated (ours) instead.
+    An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
+    call, listed or not) by optr.refine_end_to_end on the same tokens at e2e_positions (None:
+    every position past the windows), `block` its simulated cache's query block; its report
+    is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
+    held-out KL at the start -> the kept step's."""
+    timer = timer or Timer()
+    L, steps = model.cfg.n_layers, model.cfg.steps
+    specs, reports, per_layer, captured = {}, {}, {}, []
+
+    def calibrated(name):            # a per-layer variant, calibrated once per call
+        if name not in per_layer:
+            per_layer[name] = calibrate_one(name)
+        return per_layer[name]
+
+    def calibrate_one(name):
+        base, center, learn, _ = VARIANTS[name]
+        t0, done = time.perf_counter(), set()
+
+        def progress(line):          # optr.calibrate logs each held-out score; the last V one
+            m = re.match(rf"\s*L(\d+) V step\s+{steps}\b", line)       # ends a layer
+            if m and (int(m[1]) + 1) % progress_every == 0 and m[1] not in done:
+                done.add(m[1])
+                log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | "
+                    f"{time.perf_counter() - t0:6.1f} s")
+
+        if not captured:             # one full-precision forward, shared by every variant
+            captured.extend(optr.full_precision_captures(model, cal, held))
+        args = dict(base=base, center=center, learn=learn, query_positions=query_positions,
+                    cfg=model.cfg, log=progress if learn and progress_every else None,
+                    captured=captured)
+        if propagate:                # ours: layer l sees the INT2 layers below
+            kv, report = optr.calibrate_propagated(model, cal, held, **args)
+        elif workers > 1 and learn:  # layers at once, one torch thread each
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                with ThreadPoolExecutor(workers) as pool:
+                    kv, report = optr.calibrate(model, cal, held, layer_map=pool.map, **args)
+            finally:
+                torch.set_num_threads(threads)
+        else:
+            kv, report = optr.calibrate(model, cal, held, **args)
+        line = f"calibrated {name:<21} | {timer.lap('calibrate', t0):6.1f} s"
+        for part in ("k", "v") if learn else ():
+            r = [x for x in report if x["part"] == part]
+            line += (f" | {part.upper()} held-out loss {sum(x['base_loss'] for x in r):.4g} -> "
+                     f"{sum(x['best_loss'] for x in r):.4g}, "
+                     f"{sum(x['kept'] for x in r)}/{len(r)} heads learned")
+        log(line)
+        for l in range(L) if learn and per_head else ():
+            for part in ("k", "v"):
+                rows = [r for r in report if r["layer"] == l and r["part"] == part]
+                log(f"    layer {l} {part.upper()}: " + "  ".join(
+                    f"{r['base_loss']:.5f} -> {r['best_loss']:.5f}"
+                    f"{'' if r['kept'] else ' (base)'}" for r in rows))
+        return kv, report
+
+    for name in names:
+        if VARIANTS[name] is None:
+            specs[name] = None
+        elif not VARIANTS[name].e2e:
+            specs[name], reports[name] = calibrated(name)
+        else:                        # beyond the paper (ours): end-to-end refinement
+            kv, _ = calibrated(per_layer_variant(name))
+            t0 = time.perf_counter()
+            specs[name], reports[name] = optr.refine_end_to_end(
+                model, kv, cal, held, cfg=model.cfg, positions=e2e_positions, block=block, log=log)
+            rows, k = reports[name]["steps"], reports[name]["kept_step"]
+            log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
+                f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")
+    return specs, reports
+
+
+def save_ladder(path: str, specs: dict, cfg, meta: dict | None = None) -> str:
+    """Every quantized variant of the ladder into one rotation file (optr.save_kv_rotations;
+    full precision has nothing to store). `meta`: the script's JSON dict stored beside."""
+    return optr.save_kv_rotations(path, {n: kv for n, kv in specs.items() if kv is not None},
+                                  cfg, meta=meta)
+
+
+def load_ladder(path: str, names, cfg, settings: dict | None = None) -> tuple[dict, dict]:
+    """The specs save_ladder wrote, for the variants `names` (full: None), validated by
+    optr.load_kv_rotations against the model's geometry, and the file's meta. Refuses a
+    missing variant, other quantizer settings than cfg's, and other calibration
+    `settings` than the file's meta["calibration"] records."""
+    if not os.path.isfile(path):
+        raise ValueError(f"resume: expected {path} from an earlier run, found none")
+    variants, info = optr.load_kv_rotations(path, cfg)
+    diff = {k: (v, getattr(cfg, k)) for k, v in info["settings"].items() if getattr(cfg, k) != v}
+    saved = info["meta"].get("calibration", {})
+    diff.update({k: (saved.get(k), v) for k, v in (settings or {}).items() if saved.get(k) != v})
+    if diff:
+        raise ValueError(f"resume: {path} was calibrated with other settings (saved, now): {diff}")
+    missing = [n for n in names if VARIANTS[n] is not None and n not in variants]
+    if missing:
+        raise ValueError(f"resume: {path} holds no rotations for {missing}; it has {list(variants)}")
+    return {n: None if VARIANTS[n] is None else variants[n] for n in names}, info["meta"]
+
+
+# ----------------------------------------------------------------------------------------
+# H3. Key statistics: is there anything for centering and rotations to fix?
+# ----------------------------------------------------------------------------------------
+
+def channel_stats(k: torch.Tensor) -> dict:
+    """k (B, H_kv, T, d) keys of one layer, statistics over all B*T tokens, per KV head:
+    per-channel |mean|/std (mean and max over channels), channels with |mean| > std,
+    largest / median per-channel max-abs, BOS (position 0) key norm / median key norm."""
+    x = k.double()
+    mean, std = x.mean(dim=(0, 2)), x.std(dim=(0, 2))                 # (H_kv, d)
+    ratio = mean.abs() / std
+    maxabs = x.abs().amax(dim=(0, 2))                                 # (H_kv, d)
+    norm = x.norm(dim=-1)                                             # (B, H_kv, T)
+    return dict(
+        mean_over_std_mean=ratio.mean(-1).tolist(),
+        mean_over_std_max=ratio.amax(-1).tolist(),
+        channels_mean_gt_std=(mean.abs() > std).sum(-1).tolist(),
+        maxabs_max_over_median=(maxabs.amax(-1) / maxabs.median(-1).values).tolist(),
+        bos_norm_over_median=(norm[:, :, 0].mean(0) / norm[:, :, 1:].transpose(0, 1)
+                              .flatten(1).median(-1).values).tolist(),
+    )
+
+
+KEY_STATS = (("pre_rope", "pre-RoPE"), ("post_rope", "post-RoPE"), ("post_rope_centered", "centered"))
+
+
+@torch.no_grad()
+def key_stats(cfg, captured: list, k_means: list) -> dict:
+    """Per layer, from each layer's (q, k, v) in `captured` (k post-RoPE, from positions
+    0 .. T-1): the pre-RoPE keys (rotated back by RoPE^-1), the post-RoPE keys (what the
+    cache stores) and the post-RoPE keys minus the calibration mean mu (what a centered
+    cache stores)."""
+    T = captured[0][1].shape[2]
+    cos, sin = optr.rope_cos_sin(torch.arange(T)[None], cfg.head_dim, cfg.rope_theta)
+    return {f"layer{l}": dict(pre_rope=channel_stats(optr.apply_rope(k, cos, -sin)),
+                              post_rope=channel_stats(k),
+                              post_rope_centered=channel_stats(optr.center_keys(k, mu)))
+            for l, ((_, k, _), mu) in enumerate(zip(captured, k_means))}
+
+
+def print_key_stats(stats: dict, log=print):
+    log("key statistics per layer and KV head (h0/h1/...); centered: post-RoPE minus the "
+        "calibration mean mu")
+    log(f"  {'layer':<8}{'keys':<10}{'|mean|/std mean':>20}{'max':>20}{'#|mean|>std':>14}"
+        f"{'maxabs max/med':>20}{'BOS norm/med':>20}")
+    fmt = lambda xs, f: "/".join(f.format(x) for x in xs)
+    for layer, s in stats.items():
+        for where, label in KEY_STATS:
+            c = s[where]
+            log(f"  {layer:<8}{label:<10}"
+                f"{fmt(c['mean_over_std_mean'], '{:.2f}'):>20}"
+                f"{fmt(c['mean_over_std_max'], '{:.2f}'):>20}"
+                f"{fmt(c['channels_mean_gt_std'], '{:d}'):>14}"
+                f"{fmt(c['maxabs_max_over_median'], '{:.2f}'):>20}"
+                f"{fmt(c['bos_norm_over_median'], '{:.2f}'):>20}")
+    log("  " + key_stats_summary(stats))
+
+
+def key_stats_summary(stats: dict) -> str:
+    mean = lambda where, key: sum(sum(s[where][key]) / len(s[where][key])
+                                  for s in stats.values()) / len(stats)
+    n = lambda where: mean(where, "channels_mean_gt_std")
+    m = lambda where: mean(where, "maxabs_max_over_median")
+    return (f"mean over layers and heads: channels with |mean| > std {n('pre_rope'):.1f} "
+            f"pre-RoPE, {n('post_rope'):.1f} post-RoPE, {n('post_rope_centered'):.1f} centered "
+            f"(of d); max-abs largest/median {m('post_rope'):.1f} post-RoPE, "
+            f"{m('post_rope_centered'):.1f} centered")
+
+
+# ----------------------------------------------------------------------------------------
+# H4. Where the output error comes from (Eq. 8-10), and E_rec (Eq. 9)
+# ----------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def output_errors(model, captured: list, kv, positions: torch.Tensor) -> dict:
+    """Eq. 8-10 per layer from the full-precision (q, k, v) of every layer in `captured`
+    (k, v (B, H_kv, T, d)), at the query `positions`, with the variant's effective keys
+    and values (sink and recent window exact per query), by optr.error_decomposition.
+    e_out_key, e_out_value: mean |dy_K|^2, |dy_V|^2 per query head and query position;
+    e_out: mean |dy_K + dy_V|^2; e_rec: |k - k~|^2 + |v - v~|^2 per KV head and token, mean
+    over the cache's INT2 part (the tokens some query reads in INT2). Means over layers."""
+    c = model.cfg
+    sums = dict(e_out_key=0.0, e_out_value=0.0, e_out=0.0, e_rec=0.0)
+    if kv is None:
+        return sums
+    for l, (q, k, v) in enumerate(captured):
+        B, H, T, _ = k.shape
+        mask, exact = optr.causal_mask(positions, T), optr.exact_window_mask(positions, T, c.sink, c.window)
+        k_tilde, v_tilde = optr.effective_kv(k, v, kv[l], c)                                  # Eq. 4
+        r = optr.error_decomposition(q[:, :, positions], k, v, k_tilde, v_tilde, model.o_proj_heads(l),
+                                     mask, exact)
+        n_int2 = int(optr.int2_mask(mask, exact).any(0).sum())                  # INT2 tokens
+        sums["e_out_key"] += r["dy_k"].pow(2).sum(-1).mean().item()                  # Eq. 8
+        sums["e_out_value"] += r["dy_v"].pow(2).sum(-1).mean().item()                # Eq. 8
+        sums["e_out"] += r["e_out"].mean().item()                                    # Eq. 10
+        sums["e_rec"] += r["e_rec"].item() / max(1, B * H * n_int2)                  # Eq. 9
+    return {name: s / len(captured) for name, s in sums.items()}
+
+
+# ----------------------------------------------------------------------------------------
+# H5. Serving: bits as stored, and the decode check through the paged INT2 cache
+# ----------------------------------------------------------------------------------------
+
+DECODE_ATTENDS = ("kernel", "reference")
+
+
+def decode_attention(name: str):
+    """The paged attention decode_step calls: 'kernel' (kernel.int2_paged_decode, Triton;
+    its CPU interpreter without a GPU) or 'reference' (optr.paged_decode_reference, pure
+    torch). Resolve it at the start of a run: kernel.py must be imported before anything
+    imports triton (torch's optimizers do), or it cannot switch to the interpreter."""
+    if name not in DECODE_ATTENDS:
+        raise ValueError(f"decode_attend: expected one of {DECODE_ATTENDS}, got {name!r}")
+    if name == "reference":
+        return optr.paged_decode_reference
+    import kernel                     # here, not at the top: see this part's docstring
+    if not torch.cuda.is_available():
+        return kernel.int2_paged_decode               # the interpreter reads CPU tensors
+
+    def int2_paged_decode_on_gpu(q, **view):
+        """The kernel on the GPU, for a cache these scripts keep in CPU memory."""
+        moved = {k: v.cuda() if torch.is_tensor(v) else v for k, v in view.items()}
+        return kernel.int2_paged_decode(q.cuda(), **moved).to(q.device)
+    return int2_paged_decode_on_gpu
+
+
+def serving_setup(model, kv, T: int):
+    """The model as served from a paged cache for contexts of up to T tokens, and the
+    cache's per-layer specs: R_V folded into v_proj and o_proj; full precision (kv None)
+    as one recent window covering the context, with nothing in INT2."""
+    if kv is None:
+        full = optr.reconfigure(copy.deepcopy(model), sink=0, window=T)
+        return full, [optr.KVQuant()] * model.cfg.n_layers
+    return optr.fold_value_rotation(model, kv), kv
+
+
+@torch.no_grad()
+def bits_per_element(cache: optr.PagedKVCache, seq: int, int2_only: bool = False) -> float:
+    """Bits per cached K/V element of `seq` as stored, measured from the cache's tensors:
+    INT2 tokens cost their codes + scales + zeros, window tokens their window dtype."""
+    c = cache.cfg
+    per_tok_int2 = sum(t[0, 0, :, 0].numel() * t.element_size()    # one token, all heads
+                       for t in (cache.k_codes, cache.k_scale, cache.k_zero,
+                                 cache.v_codes, cache.v_scale, cache.v_zero))
+    per_tok_win = 2 * cache.win_k[0, 0, :, 0].numel() * cache.win_k.element_size()
+    elems_per_tok = 2 * c.n_kv_heads * c.head_dim
+    if int2_only:
+        return 8.0 * per_tok_int2 / elems_per_tok
+    n = cache.length[:, seq]
+    n_q, n_w = (n - c.sink - c.window).clamp_min(0), n.clamp_max(c.sink + c.window)
+    total_bytes = (n_q * per_tok_int2 + n_w * per_tok_win).sum().item()
+    return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
+
+
+def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:
+    """Bits per cached K/V element of idx (1, T) as stored in optr.PagedKVCache with bf16
+    windows (as served), and of its INT2 part alone (None for full precision)."""
+    T = idx.shape[1]
+    served, specs = serving_setup(model, kv, T)
+    cache = optr.PagedKVCache(served.cfg, num_pages=math.ceil(T / served.cfg.page_size),
+                              max_seqs=1, kv=specs, window_dtype=torch.bfloat16)
+    seq = cache.add_sequence()
+    optr.prefill(served, cache, [seq], idx)
+    return bits_per_element(cache, seq), None if kv is None else bits_per_element(cache, seq, True)
+
+
+def ladder_bits(model, specs: dict, variants: dict, idx: torch.Tensor, timer, log=print) -> float:
+    """bits_per_element and bits_int2_part of every variant, measured on idx (1, T). Every
+    INT2 variant stores the same tensors, so one of them is measured. Returns the INT2
+    part's bits."""
+    t0 = time.perf_counter()
+    bits_full, _ = measured_bits(model, None, idx)
+    first_q = next(n for n, kv in specs.items() if kv is not None)
+    bits_q, bits_int2 = measured_bits(model, specs[first_q], idx)
+    for name, v in variants.items():
+        v["bits_per_element"] = bits_full if specs[name] is None else bits_q
+        v["bits_int2_part"] = None if specs[name] is None else bits_int2
+    log(f"bits per element at {idx.shape[1]} tokens, measured from optr.PagedKVCache's "
+        f"tensors: full {bits_full:.2f}, INT2 variants {bits_q:.2f} (INT2 part "
+        f"{bits_int2:.2f}) | {timer.lap('bits', t0):5.1f} s")
+    return bits_int2
+
+
+@torch.no_grad()
+def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
+                 positions: torch.Tensor, attend, simulated: dict | None = None,
+                 block: int | None = None, timer=None, log=print) -> dict:
+    """Prefill idx[:, :first] (n, first) into optr.PagedKVCache (optr.prefill), then decode
+    the tokens first .. max(positions) one at a time (optr.decode_step with `attend`,
+    R_V folded into the weights), teacher-forced. Compare the logits at `positions` (each
+    predicting the next token of idx) with the simulated cache every other number comes
+    from: simulated {name: (n, len(positions), vocab)}, or model(idx, SimulatedINT2)."""
+    timer = timer or Timer()
+    n, T = idx.shape
+    assert first >= 1 and int(positions.min()) >= first and int(positions.max()) < T - 1
+    target = idx[:, positions + 1]
+    out = {}
+    for name in names:
+        t0, kv = time.perf_counter(), specs[name]
+        served, cache_kv = serving_setup(model, kv, T)
+        c = served.cfg
+        cache = optr.PagedKVCache(c, num_pages=n * math.ceil(T / c.page_size), max_seqs=n,
+                                  kv=cache_kv)
+        seqs = [cache.add_sequence() for _ in range(n)]
+        optr.prefill(served, cache, seqs, idx[:, :first], block=block)
+        steps = [optr.decode_step(served, cache, seqs, idx[:, t], attend=attend)
+                 for t in range(first, int(positions.max()) + 1)]
+        dec = torch.stack(steps, 1)[:, positions - first]                  # (n, n_pos, vocab)
+        if simulated is not None:
+            sim = simulated[name][:n]
+        else:
+            sim = model(idx, None if kv is None else optr.SimulatedINT2(kv, model.cfg, block))[:, positions]
+        ok_dec, ok_sim = dec.argmax(-1) == target, sim.argmax(-1) == target
+        res = dict(seqs=n, context=T, answer_tokens=target.numel(), attend=attend.__name__,
+                   same_argmax=int((dec.argmax(-1) == sim.argmax(-1)).sum()),
+                   correct_decoded=int(ok_dec.sum()), correct_simulated=int(ok_sim.sum()),
+                   seqs_correct_decoded=int(ok_dec.all(-1).sum()),
+                   seqs_correct_simulated=int(ok_sim.all(-1).sum()),
+                   max_abs_logit_diff=(dec - sim).abs().max().item())
+        out[name] = res
+        log(f"decode check {name:<13} | {res['same_argmax']}/{res['answer_tokens']} answer tokens "
+            f"match the simulated argmax | correct {res['correct_decoded']} decoded, "
+            f"{res['correct_simulated']} simulated (all of a sequence's: "
+            f"{res['seqs_correct_decoded']}/{n}, {res['seqs_correct_simulated']}/{n}) | "
+            f"max |logit diff| {res['max_abs_logit_diff']:.2e} | {res['attend']} | "
+            f"{timer.lap('decode', t0):5.1f} s")
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# H6. Gap closed, the table, results.json
+# ----------------------------------------------------------------------------------------
+
+def gap_closed(variants: dict, metrics: dict) -> dict:
+    """For each base (quarot, oscar) present with its +optr variant: the fraction of the
+    gap to full precision that OptR closes, (optr - base) / (full - base), for each metric
+    {name: (value of a variant's results, +1 if higher is better, -1 if lower is)}; None
+    where full is not better than the base (no gap). For KL (full 0) that is
+    (KL_base - KL_optr) / KL_base. With the base's +optr+e2e variant (ours) present, the
+    same fraction for it under the key METRIC_e2e (e.g. kl_e2e)."""
+    out = {}
+    for base in ("quarot", "oscar"):
+        if base not in variants or base + "+optr" not in variants:
+            continue
+        f, b = variants["full"], variants[base]
+        out[base] = {}
+        for suffix, name in (("", base + "+optr"), ("_e2e", base + "+optr+e2e")):
+            for m, (get, sign) in metrics.items() if name in variants else ():
+                gap = get(f) - get(b)
+                out[base][m + suffix] = (get(variants[name]) - get(b)) / gap if gap * sign > 0 else None
+    return out
+
+
+def print_table(variants: dict, columns: list, log=print):
+    """One row per variant: its name, then each column (header, width, cell(name,
+    variant's results) -> str), right-aligned."""
+    log(f"{'variant':<22}" + "".join(f"{h:>{w}}" for h, w, _ in columns))
+    for name, v in variants.items():
+        log(f"{name:<22}" + "".join(f"{cell(name, v):>{w}}" for _, w, cell in columns))
+
+
+def write_results(out_dir: str, cfg, timing: dict, key_stats: dict, variants: dict,
+                  gap: dict, decode: dict, report: dict, **extra) -> dict:
+    """OUT/results.json, one schema for both ladders:
+      config       the resolved run config (config_dict)
+      timing_s     seconds per stage (train or load, calibrate, evaluate, decode, ...) and total
+      key_stats    {layerN: {pre_rope, post_rope, post_rope_centered: channel_stats}}
+      variants     {name: {kl, e_out_key, e_out_value, e_out, e_rec, bits_per_element,
+                   bits_int2_part, and the script's metrics}}
+      gap_closed   {base: {metric: fraction or None}} (gap_closed)
+      decode_check {name: decode_check's result}
+      report       {name: OptR's per-head rows (layer, head, part, base_loss, best_loss,
+                   best_step, kept); an e2e variant: optr.refine_end_to_end's report
+                   {steps: [{step, cal_kl, held_kl}], kept_step}}
+    then the script's own keys (`extra`). Returns the dict written."""
+    results = dict(config=config_dict(cfg), timing_s=timing, key_stats=key_stats,
+                   variants=variants, gap_closed=gap, decode_check=decode, report=report, **extra)
+    with open(os.path.join(out_dir, "results.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    return results
