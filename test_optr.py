@@ -4244,3 +4244,20 @@ def test_serving_checks_can_fail(hf_served, monkeypatch):
     oracle's per-row clip is not our per-group clip (checked above at G < d)."""
     monkeypatch.setattr(optr, "rotate_rows", lambda x, R: x)
     assert fails(check_hf_cache_is_decode_step, hf_served)
+
+
+def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
+    """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint and
+    reads them back equal; --hf-generate N prints transformers' greedy tokens (hf_cache, the
+    prompt token by token) beside optr's own decode, and they are the same."""
+    import eval_llm
+    model, kv = served_model("llama")
+    optr.export_hf(model, kv, str(tmp_path / "x"))
+    cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), export_sglang=True, hf_generate=6)
+    text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
+    lines = []
+    out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
+    assert out["sglang"]["reloaded_equal"] and (tmp_path / "x" / "sglang" / "serve.env").exists()
+    gen = out["hf_generate"]
+    assert len(gen["optr"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["optr"]
+    assert sum(line.startswith("generate |") for line in lines) == 3
