@@ -2114,19 +2114,17 @@ Aware-INT2-KV-Cache-Quantization). It reads torch.save dicts of plain tensors:
       (or _v), "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
       fp32 (H_kv, d, d)}}}; their loader also takes one (d, d) per layer, for every head
   k_mean.pt  {"format_version": 1, "layers": {l: {"layer_id": l, "mu": fp32 (H_kv, d)}}}
-and the rest from flags and environment (serve.env). Same orientation and packing as ours:
-rows x @ R, keys stored as k R_K - mu R_K, queries rotated by R_K. Where it differs: it
-folds R_V into v_proj only and applies o R_V^T at run time, so beside our folded checkpoint
-(export_hf) the V file must be the identity (folded=True), or V is rotated twice; it clips
-per row (rank floor(c d)) where we clip per group: equal only at G = d; its windows move to
-INT2 eight tokens at a time (the recent window jitters by up to 7 tokens), so sink and
-window must be multiples of 8, and d a power of two. export_sglang refuses the rest.
-hf_cache is a transformers Cache for generate(past_key_values=...): per layer the sink and
-the recent window stay exact; a token leaving the window is centered, rotated, quantized
-once with q2_quantize and kept packed; update() returns every key and value de-rotated
-(k~ = Q2((k - mu) R_K) R_K^T + mu), so HF's attention runs unchanged. A prompt arrives in
-one update, so all its queries read the INT2 copies the last one reads; generate(...,
-prefill_chunk_size=1) writes it token by token, as decode_step does.
+and the rest from flags and environment (serve.env). Same orientation and packing as ours
+(rows x @ R, keys stored as k R_K - mu R_K). Where it differs: it folds R_V into v_proj only
+and applies o R_V^T at run time, so beside export_hf's folded checkpoint the V file must be
+the identity (folded=True); it clips per row (rank floor(c d)), we per group: equal at G = d;
+its windows move to INT2 eight tokens at a time (the recent one jitters by up to 7 tokens),
+so sink and window must be multiples of 8, and d a power of two.
+hf_cache: a transformers Cache for generate(past_key_values=...). Sink and recent window stay
+exact; a token leaving the window is centered, rotated, quantized once (q2_quantize) and kept
+packed; update() returns keys and values de-rotated (Q2((k - mu) R_K) R_K^T + mu), so HF's
+attention runs unchanged. A prompt arrives in one update: all its queries read the INT2 copies
+the last one reads (generate(..., prefill_chunk_size=1) writes token by token, as decode_step).
 """
 
 def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> str:
@@ -2196,10 +2194,8 @@ def import_sglang(k_path: str, v_path: str, cfg: Config, mean_path: str | None =
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{path}: layers[{l}][{key!r}]: expected a finite float tensor "
                                  f"of shape {' or '.join(map(str, shapes))}, got {got}")
-            t = t.float().expand(*shapes[0]).clone()
-            err = (t.double().mT @ t.double() - torch.eye(d, dtype=torch.float64)).abs().max() \
-                if key == "rotation" else 0.0
-            if err > ORTHO_TOL:
+            t, eye = t.float().expand(*shapes[0]).clone(), torch.eye(d, dtype=torch.float64)
+            if key == "rotation" and (err := (t.double().mT @ t.double() - eye).abs().max()) > ORTHO_TOL:
                 raise ValueError(f"{path}: layers[{l}]['rotation']: expected orthogonal "
                                  f"matrices (max |R^T R - I| <= {ORTHO_TOL}), got {err:.3g}")
             out.append(t)
@@ -2258,12 +2254,9 @@ def hf_cache(kv: list, cfg: Config, folded: bool = False):
                 return self.keys, self.values
             k = q2_dequantize(*self.packed[:3], G)                   # (B, H_kv, n_int2, d)
             v = q2_dequantize(*self.packed[3:], G)
-            if sp.r_k is not None:
-                k = k @ sp.r_k.mT.to(k)                               # back to the model's basis
-            if sp.k_mean is not None:
-                k = k + sp.k_mean[None, :, None, :].to(k)
-            if sp.r_v is not None and not folded:
-                v = v @ sp.r_v.mT.to(v)
+            k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)          # back to the model's basis
+            k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
+            v = v if sp.r_v is None or folded else v @ sp.r_v.mT.to(v)
             cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
             return cat(self.keys, k), cat(self.values, v)
 
