@@ -161,6 +161,10 @@ class RunConfig:
                       "runs this many layers at once, one thread each")
     export: str = _f("", "write the best OptR variant (lowest KL at gap_ctx) with optr.export_hf "
                      "to this directory")
+    export_sglang: bool = _f(False, "with --export: also write the authors' SGLang files "
+                             "(optr.export_sglang, folded) to EXPORT/sglang and read them back")
+    hf_generate: int = _f(0, "with --export: greedy-generate this many tokens in transformers "
+                          "from the exported checkpoint with optr.hf_cache, beside optr's decode")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -926,6 +930,48 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
             "mean and Student t 95% interval; correct is 0/1 per prompt")
 
 
+@torch.no_grad()
+def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
+    """--export-sglang: the authors' SGLang files beside the checkpoint, read back with
+    optr.import_sglang. --hf-generate N: greedy generate() in transformers from the exported
+    checkpoint with optr.hf_cache, the prompt (sink + window + 32 tokens of `text`) written
+    at once and token by token (prefill_chunk_size=1), beside optr's own decode (prefill,
+    then decode_step through the paged cache)."""
+    out, c = {}, model.cfg
+    if cfg.export_sglang:
+        d = optr.export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
+        mean = os.path.join(d, "k_mean.pt")
+        back = optr.import_sglang(os.path.join(d, "k_rotation.pt"), os.path.join(d, "v_rotation.pt"),
+                                  c, mean if os.path.exists(mean) else None)
+        same = all(torch.equal(a.r_k, b.r_k) and (a.k_mean is None or torch.equal(a.k_mean, b.k_mean))
+                   for a, b in zip(kv, back))
+        out["sglang"] = dict(dir=os.path.abspath(d), reloaded_equal=same)
+        log(f"export | SGLang files -> {d} (serve.env) | read back equal: {same}")
+    if cfg.hf_generate:
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True,
+                                                  dtype=torch.float32).eval()
+        P, n = c.sink + c.window + 32, cfg.hf_generate
+        prompt = text[:, :P]
+        folded = optr.fold_value_rotation(model, kv)
+        cache = optr.PagedKVCache(c, (P + n) // c.page_size + 2, 1,
+                                  [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in kv])
+        seqs = [cache.add_sequence()]
+        logits, ids = optr.prefill(folded, cache, seqs, prompt)[:, -1], {"optr": []}
+        for _ in range(n):
+            ids["optr"].append(int(logits.argmax()))
+            logits = optr.decode_step(folded, cache, seqs, torch.tensor([ids["optr"][-1]]))
+        for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
+            ids[name] = hf.generate(prompt, past_key_values=optr.hf_cache(kv, c, folded=True),
+                                    max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                    prefill_chunk_size=chunk)[0, P:].tolist()
+        for name, x in ids.items():
+            log(f"generate | {name:17s} | {tok.decode(x)!r}")
+        out["hf_generate"] = dict(prompt_tokens=P, **ids,
+                                  same=[ids[k] == ids["optr"] for k in ("hf_token_by_token", "hf_one_prefill")])
+    return out
+
+
 def main(argv=None) -> dict:
     timer = Timer()
     cfg = parse_config(argv)
@@ -1078,6 +1124,7 @@ def main(argv=None) -> dict:
         optr.export_hf(model, specs[best], cfg.export, tokenizer=tok)
         extra["export"] = dict(dir=os.path.abspath(cfg.export), variant=best)
         log(f"export | {best} -> {cfg.export} | {timer.lap('export', t0):5.1f} s")
+        extra["serve"] = serve_elsewhere(model, specs[best], cfg, eval_idx[:1], tok, log)
     results = write_results(
         cfg.out, cfg, timer.timing(), stats, variants, llm_gap_closed(variants, cfg), decode,
         reports, model=model_name, checkpoint=os.path.abspath(path), group_size=G,

@@ -836,11 +836,15 @@ The page pool is shared by all sequences and all layers use the same block table
 leaving the recent window is quantized, packed and written to its page.
 """
 
+def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
+    """x (n, H, T, d) @ R (H, d, d) per head, one (1, d) x (d, d) product per token, so that
+    writing T tokens at once stores what T appends of one token store, bit for bit."""
+    return x if R is None else (x.unsqueeze(-2) @ R[:, None].to(x.dtype)).squeeze(-2)
+
+
 def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
-    """(k - mu) R_K, the keys as cached; k (n, H_kv, T, d). One (1, d) x (d, d) product per
-    token, so writing T tokens at once (Appendix A) stores what T appends store, bit for bit."""
-    kc = center_keys(k, spec.k_mean)
-    return kc if spec.r_k is None else (kc.unsqueeze(-2) @ spec.r_k[:, None].to(kc.dtype)).squeeze(-2)
+    """(k - mu) R_K, the keys as cached; k (n, H_kv, T, d)."""
+    return rotate_rows(center_keys(k, spec.k_mean), spec.r_k)
 
 
 def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
@@ -1388,7 +1392,7 @@ rotate each query by R_K (<q R_K, (k - mu) R_K> = <q, k> - <q, mu>: softmax unch
 Tokens other than the first `sink` and the `window` most recent are stored in INT2:
 groups of `group_size` channels, clipped at the |x| of rank floor(clip * group_size)
 (clip_k for keys, clip_v for values), asymmetric 4-level affine with fp32 scale and
-zero. These settings are in the file's metadata. Load with optr.load_checkpoint(dir)
+zero. These settings are in the file's metadata. Load with eval_llm.load_checkpoint(dir)
 and optr.load_kv_rotations(dir), then optr.reconfigure(model, **info["settings"]).
 """
 
@@ -1564,3 +1568,159 @@ def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=Tr
         done.append(calibrate_one_layer(model, l, cal, held, base, center, learn, query_positions,
                                         cfg, log))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
+# ----------------------------------------------------------------------------------------
+# E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
+# ----------------------------------------------------------------------------------------
+"""
+The authors serve OptR from an SGLang fork (engine/sglang-research of daniel-eai/Output-
+Aware-INT2-KV-Cache-Quantization). It reads torch.save dicts of plain tensors:
+  k_rotation.pt, v_rotation.pt  {"format_version": 2, "objective": "optr_output_aware_k"
+      (or _v), "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
+      fp32 (H_kv, d, d)}}}; their loader also takes one (d, d) per layer, for every head
+  k_mean.pt  {"format_version": 1, "layers": {l: {"layer_id": l, "mu": fp32 (H_kv, d)}}}
+and the rest from flags and environment (serve.env). Same orientation and packing as ours
+(rows x @ R, keys stored as k R_K - mu R_K). Where it differs: it folds R_V into v_proj only
+and applies o R_V^T at run time, so beside export_hf's folded checkpoint the V file must be
+the identity (folded=True); it clips per row (rank floor(c d)), we per group: equal at G = d;
+its windows move to INT2 eight tokens at a time (the recent one jitters by up to 7 tokens),
+so sink and window must be multiples of 8, and d a power of two.
+hf_cache: a transformers Cache for generate(past_key_values=...). Sink and recent window stay
+exact; a token leaving the window is centered, rotated, quantized once (q2_quantize) and kept
+packed; update() returns keys and values de-rotated (Q2((k - mu) R_K) R_K^T + mu), so HF's
+attention runs unchanged. A prompt arrives in one update: all its queries read the INT2 copies
+the last one reads (generate(..., prefill_chunk_size=1) writes token by token, as decode_step).
+"""
+
+def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> str:
+    """Write k_rotation.pt, v_rotation.pt (R_V for the original weights; the identity with
+    folded=True, beside export_hf's checkpoint), k_mean.pt when the variant centers, and
+    serve.env (the engine's flags and environment, from cfg). Returns out_dir."""
+    L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
+    refused = [(G != d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
+               (cfg.sink % 8 or cfg.window % 8,
+                f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
+               (d & (d - 1), f"head_dim {d}: expected a power of two"),
+               (cfg.scale_eps != 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
+               (len(kv) != L, f"kv: expected {L} layers, got {len(kv)}")]
+    refused += [(not (s.quant_k and s.quant_v), f"kv[{l}]: keys or values kept in full "
+                 "precision (the engine stores every layer in INT2)") for l, s in enumerate(kv)]
+    for bad, msg in refused:
+        if bad:
+            raise ValueError(f"export_sglang: {msg}")
+    os.makedirs(out_dir, exist_ok=True)
+    eye = torch.eye(d).expand(H, d, d)
+    f32 = lambda t, default: (default if t is None else t).detach().float().contiguous().clone()
+    for side, Rs in (("k", [s.r_k for s in kv]), ("v", [None if folded else s.r_v for s in kv])):
+        torch.save({"format_version": 2, "objective": f"optr_output_aware_{side}",
+                    "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
+                    f32(R, eye)} for l, R in enumerate(Rs)}}, os.path.join(out_dir, f"{side}_rotation.pt"))
+    center = any(s.k_mean is not None for s in kv)
+    if center:                                      # a layer without mu gets mu = 0
+        torch.save({"format_version": 1, "layers": {l: {"layer_id": l, "mu": f32(s.k_mean,
+                    torch.zeros(H, d))} for l, s in enumerate(kv)}}, os.path.join(out_dir, "k_mean.pt"))
+    path = lambda n: os.path.abspath(os.path.join(out_dir, n))
+    env = dict(SGLANG_ENABLE_MIXED_KV_WINDOWS=1, SGLANG_OSCAR_ABSORB_V_ROTATION=1,
+               SGLANG_MIXED_KV_PREFIX_TOKENS=cfg.sink, SGLANG_MIXED_KV_RECENT_TOKENS=cfg.window,
+               SGLANG_MIXED_KV_HP_DTYPE="bfloat16", SGLANG_MIXED_KV_SCALE_DTYPE="float32",
+               SGLANG_OSCAR_K_ROTATION_PATH=path("k_rotation.pt"),
+               SGLANG_OSCAR_V_ROTATION_PATH=path("v_rotation.pt"),
+               SGLANG_OSCAR_K_CLIP_RATIO=cfg.clip_k, SGLANG_OSCAR_V_CLIP_RATIO=cfg.clip_v,
+               SGLANG_OSCAR_K_MEAN_IN_POOL=int(center),
+               SGLANG_OSCAR_K_MEAN_PATH=path("k_mean.pt") if center else "")
+    with open(os.path.join(out_dir, "serve.env"), "w") as f:
+        f.write(f"# optr.export_sglang: source this, then python -m sglang.launch_server "
+                f"--model-path MODEL $SGLANG_SERVER_ARGS\n# MODEL: "
+                f"{'optr.export_hf' if folded else 'the original'} checkpoint\n"
+                f'SGLANG_SERVER_ARGS="--kv-cache-dtype int2 --kv-cache-quant-group-size {G} '
+                f'--page-size 8"\n' + "".join(f"export {k}={v}\n" for k, v in env.items()))
+    return out_dir
+
+
+def import_sglang(k_path: str, v_path: str, cfg: Config, mean_path: str | None = None) -> list:
+    """The engine's files -> a KVQuant per layer (a (d, d) rotation is expanded per head).
+    Everything read is checked as data from outside: ValueError naming file and tensor."""
+    L, H, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+
+    def read(path, key, shapes):
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(f"{path}: expected a torch.save file of plain tensors ({e})") from None
+        layers = state.get("layers") if isinstance(state, dict) else None
+        if not isinstance(layers, dict):
+            raise ValueError(f"{path}: expected a dict with a 'layers' mapping")
+        out = []
+        for l in range(L):
+            e = layers.get(l, layers.get(str(l)))
+            t = e.get(key) if isinstance(e, dict) else None
+            ok = isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) in shapes
+            if not (ok and torch.isfinite(t).all()):
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{path}: layers[{l}][{key!r}]: expected a finite float tensor "
+                                 f"of shape {' or '.join(map(str, shapes))}, got {got}")
+            t, eye = t.float().expand(*shapes[0]).clone(), torch.eye(d, dtype=torch.float64)
+            if key == "rotation" and (err := (t.double().mT @ t.double() - eye).abs().max()) > ORTHO_TOL:
+                raise ValueError(f"{path}: layers[{l}]['rotation']: expected orthogonal "
+                                 f"matrices (max |R^T R - I| <= {ORTHO_TOL}), got {err:.3g}")
+            out.append(t)
+        return out
+    r_k, r_v = (read(p, "rotation", [(H, d, d), (d, d)]) for p in (k_path, v_path))
+    mu = read(mean_path, "mu", [(H, d)]) if mean_path else [None] * L
+    return [KVQuant(k_mean=m, r_k=a, r_v=b) for m, a, b in zip(mu, r_k, r_v)]
+
+
+def hf_cache(kv: list, cfg: Config, folded: bool = False):
+    """A transformers Cache for generate(past_key_values=...) that stores this calibration's
+    INT2 cache: folded=True for a checkpoint with R_V in its weights (export_hf's), False
+    for the original weights (the cache rotates v by R_V and returns it de-rotated)."""
+    from transformers.cache_utils import Cache, DynamicLayer
+    assert len(kv) == cfg.n_layers, "one KVQuant per layer"
+    for l, s in enumerate(kv):
+        if not (s.quant_k and s.quant_v):
+            raise ValueError(f"kv[{l}]: hf_cache stores keys and values in INT2")
+    S, W, G, eps = cfg.sink, cfg.window, cfg.group_size, cfg.scale_eps
+
+    class OptRLayer(DynamicLayer):
+        def __init__(self, spec):
+            super().__init__()
+            self.spec, self.n, self.packed = spec, 0, None    # packed: k (codes, scale, zero), v (...)
+
+        def get_seq_length(self) -> int:
+            return self.n
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values."""
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            sp, self.n = self.spec, self.n + key_states.shape[-2]
+            self.keys = torch.cat([self.keys, key_states], -2)       # exact: sink, then recent
+            self.values = torch.cat([self.values, value_states], -2)
+            out = max(0, self.keys.shape[-2] - S - W)                # tokens leaving the window
+            if out:
+                k, v = (x[..., S:S + out, :].float() for x in (self.keys, self.values))
+                new = (*q2_quantize(rotate_rows(center_keys(k, sp.k_mean), sp.r_k), cfg.clip_k, G, eps),
+                       *q2_quantize(v if folded else rotate_rows(v, sp.r_v), cfg.clip_v, G, eps))
+                self.packed = new if self.packed is None else \
+                    tuple(torch.cat([a, b], -2) for a, b in zip(self.packed, new))
+                self.keys, self.values = (torch.cat([x[..., :S, :], x[..., S + out:, :]], -2)
+                                          for x in (self.keys, self.values))
+            if self.packed is None:
+                return self.keys, self.values
+            k = q2_dequantize(*self.packed[:3], G)                   # (B, H_kv, n_int2, d)
+            v = q2_dequantize(*self.packed[3:], G)
+            k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)          # back to the model's basis
+            k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
+            v = v if sp.r_v is None or folded else v @ sp.r_v.mT.to(v)
+            cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
+            return cat(self.keys, k), cat(self.values, v)
+
+        def nbytes(self) -> int:
+            """Bytes held: the packed INT2 tokens (codes, scales, zeros) and the exact ones."""
+            ts = [self.keys, self.values] + list(self.packed or []) if self.is_initialized else []
+            return sum(t.numel() * t.element_size() for t in ts)
+
+    class OptRCache(Cache):
+        def nbytes(self) -> int:
+            return sum(layer.nbytes() for layer in self.layers)
+
+    return OptRCache(layers=[OptRLayer(s) for s in kv])

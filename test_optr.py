@@ -1426,7 +1426,7 @@ def small_cfg(**kw):
 
 def authors_losses(data, w_o, r_k, r_v, mu, cfg):
     """Per-head L_K and L_V of given rotations on data (q, k, v), by the authors' code as
-    transcribed above (static windows, queries from max(1, T - qwin)): independent of optr."""
+    transcribed above (static windows, queries from max(1, T - n_loss_queries)): independent of optr."""
     mu0 = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
     lk = key_loss_theirs(data, r_k, mu0, w_o, cfg.clip_k, cfg.group_size, cfg.sink, cfg.window,
                          cfg.n_loss_queries, cfg.lam)
@@ -1496,7 +1496,7 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
 def test_key_and_value_losses_are_the_authors_per_head_losses(lam):
     """With the default static windows and queries, optr's L_K and L_V of every KV head
     equal the authors' k_loss_by_head / v_loss_by_head (transcribed above), also when the
-    sequence is shorter than qwin (queries then start at 1, not 0)."""
+    sequence is shorter than n_loss_queries (queries then start at 1, not 0)."""
     check_losses_are_the_authors(small_cfg(n_loss_queries=24, lam=lam), T=20)
     check_losses_are_the_authors(small_cfg(n_loss_queries=8, lam=lam), T=20)
 
@@ -3831,3 +3831,420 @@ def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
         with torch.no_grad():
             pred = model(idx)[0, -n - 1:-1].argmax(-1)
         assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
+
+
+# ----------------------------------------------------------------------------------------
+# E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
+# ----------------------------------------------------------------------------------------
+# The oracles below restate, in plain torch and without calling optr, what the authors'
+# engine does with the files (engine/sglang-research of daniel-eai/Output-Aware-INT2-KV-
+# Cache-Quantization: mem_cache/memory_pool.py load_oscar_rotations, mem_cache/
+# unified_kv_pool.py _load_oscar_k_means and its K write, QuantKernel/
+# oscar_rotation_clip_int2_kv.py, mem_cache/kv_quant_kernels.py's dequantize, scripts/
+# validate_rotation_artifact.py, run.sh). Their GPU kernels run in bf16 on the HP tier; the
+# oracles run the same steps in fp32 (their SGLANG_MIXED_KV_HP_DTYPE=float32).
+
+def sglang_rotations(path, n_layers, d, n_heads):
+    """Their loader and validator: a 'layers' mapping keyed by int or str layer id; each
+    rotation (d, d) for every head or (n_heads, d, d) per head, not mixed; finite, square,
+    max |R^T R - I| <= 5e-3 in fp32. Returns (n_layers, n_heads, d, d) fp32."""
+    layers = torch.load(path, map_location="cpu", weights_only=True)["layers"]
+    mats, kinds = [], set()
+    for l in range(n_layers):
+        R = layers[l if l in layers else str(l)]["rotation"].float()
+        assert torch.isfinite(R).all() and R.ndim in (2, 3) and R.shape[-1] == R.shape[-2] == d
+        assert (R.transpose(-1, -2) @ R - torch.eye(d)).abs().max() <= 5e-3
+        kinds.add(R.ndim)
+        mats.append(R.expand(n_heads, d, d) if R.ndim == 2 else R)
+    assert len(kinds) == 1, "layerwise and headwise layers mixed"
+    return torch.stack(mats)
+
+
+def sglang_k_means(path, n_layers, d):
+    """Their key-mean loader: a 'layers' mapping, each 'mu' 2-D with d columns."""
+    layers = torch.load(path, map_location="cpu", weights_only=True)["layers"]
+    mus = [layers[l if l in layers else str(l)]["mu"].float() for l in range(n_layers)]
+    assert all(m.dim() == 2 and m.shape[1] == d for m in mus)
+    return torch.stack(mus)
+
+
+def sglang_env(path):
+    """serve.env as their engine reads it, with their launch-time rules: both rotation paths
+    set, clip ratios in [0, 1], windows multiples of N_Q = 4 * bytes(bf16) = 8, the key mean
+    active only with K_MEAN_IN_POOL and a path. Returns (env, server flags)."""
+    env, args = {}, {}
+    for line in Path(path).read_text().splitlines():
+        if line.startswith("export "):
+            k, v = line[len("export "):].split("=", 1)
+            env[k] = v
+        elif line.startswith("SGLANG_SERVER_ARGS="):
+            words = line.split("=", 1)[1].strip('"').split()
+            args = dict(zip(words[::2], words[1::2]))
+    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] and env["SGLANG_OSCAR_V_ROTATION_PATH"]
+    assert all(0 <= float(env[f"SGLANG_OSCAR_{s}_CLIP_RATIO"]) <= 1 for s in "KV")
+    assert all(int(env[f"SGLANG_MIXED_KV_{w}_TOKENS"]) % 8 == 0 for w in ("PREFIX", "RECENT"))
+    env["k_mean_active"] = env["SGLANG_OSCAR_K_MEAN_IN_POOL"] == "1" and bool(env["SGLANG_OSCAR_K_MEAN_PATH"])
+    return env, args
+
+
+def sglang_quantize(rows, clip, G):
+    """Their clip + pack kernel on rotated rows (..., d): per-ROW clip at the sorted |x| of
+    index min(max(int(c d), 0), d - 1), then per group of G: scale = max(max - min, 1e-8)/3,
+    zero = -min/scale, code = uint8(x/scale + zero + 0.5) (truncation, no clamp); byte j holds
+    the codes of dims j, j + d/4, j + d/2, j + 3d/4; scales and zeros interleaved per group."""
+    d = rows.shape[-1]
+    idx = min(max(int(clip * d), 0), d - 1)
+    thr = rows.abs().sort(dim=-1).values[..., idx:idx + 1]
+    x = torch.minimum(torch.maximum(rows, -thr), thr).reshape(*rows.shape[:-1], d // G, G)
+    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    scale = torch.clamp(mx - mn, min=1e-8) / 3.0
+    zero = -mn / scale
+    q = (x / scale + zero + 0.5).to(torch.uint8).reshape(rows.shape)
+    Q = d // 4
+    packed = q[..., :Q] | (q[..., Q:2 * Q] << 2) | (q[..., 2 * Q:3 * Q] << 4) | (q[..., 3 * Q:] << 6)
+    return packed, torch.stack([scale[..., 0], zero[..., 0]], -1).flatten(-2)
+
+
+def sglang_dequantize(packed, sz, G):
+    """Their dequantize: the four 2-bit fields of byte j are dims j, j + d/4, ...; value =
+    (code - zero) * scale of the code's group."""
+    q = torch.cat([((packed >> s) & 3).float() for s in (0, 2, 4, 6)], -1)
+    scale, zero = sz[..., 0::2, None], sz[..., 1::2, None]
+    return ((q.reshape(*q.shape[:-1], -1, G) - zero) * scale).reshape(q.shape)
+
+
+def sglang_write(k, v, R_k, R_v, mu, clip_k, clip_v, G, absorbed):
+    """Their K/V write for k, v (B, H, T, d): keys k R_K - mu R_K, values v R_V (or v as the
+    absorbed projection made it), then sglang_quantize."""
+    k_rows = k @ R_k[None] - (mu[:, None, :] @ R_k)[None]
+    v_rows = v if absorbed else v @ R_v[None]
+    return sglang_quantize(k_rows, clip_k, G), sglang_quantize(v_rows, clip_v, G)
+
+
+def engine_attention(files, cfg):
+    """The model's attention as their engine serves it with no exact windows (every token
+    through INT2, itself included): keys and values written and dequantized by the oracles
+    above, queries rotated by R_K, o R_V^T after attention (V absorbed into v_proj only)."""
+    R_k, R_v, mu = files
+
+    def attention(layer, q, k, v):
+        (kp, ksz), (vp, vsz) = sglang_write(k, v, R_k[layer], R_v[layer], mu[layer],
+                                            cfg.clip_k, cfg.clip_v, cfg.group_size, absorbed=False)
+        K, V = sglang_dequantize(kp, ksz, cfg.group_size), sglang_dequantize(vp, vsz, cfg.group_size)
+        qr = q @ R_k[layer].repeat_interleave(cfg.n_rep, 0)[None]
+        o = F.scaled_dot_product_attention(qr, K, V, is_causal=True, enable_gqa=True)
+        return o @ R_v[layer].repeat_interleave(cfg.n_rep, 0).transpose(-1, -2)[None]
+    return attention
+
+
+IDX_E = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(8))
+
+
+def served_model(kind="qwen2", seed=3, **kw):
+    """A random model the engine can serve as calibrated (G = d = 16, windows of 8), and specs."""
+    model = random_model(kind, seed=seed, sink=8, window=8, page_size=8, **kw)
+    return model, quarot_specs(model.cfg, seed=seed)
+
+
+def exported(tmp_path, kv, cfg, folded=False, name="sglang"):
+    out = optr.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
+    return [os.path.join(out, f) for f in ("k_rotation.pt", "v_rotation.pt", "k_mean.pt")]
+
+
+def test_sglang_files_load_in_their_loaders_with_the_flags_they_need(tmp_path):
+    """export_sglang writes plain-tensor files their loaders and validator accept, holding
+    R_K, R_V and mu per layer and KV head, and a serve.env that passes their launch rules with
+    group size d, page size 8, our windows and clips, V absorption and the key mean on."""
+    model, kv = served_model()
+    c = model.cfg
+    k_path, v_path, mu_path = exported(tmp_path, kv, c)
+    for p in (k_path, v_path, mu_path):
+        torch.load(p, weights_only=True)
+    assert torch.equal(sglang_rotations(k_path, c.n_layers, 16, 2), torch.stack([s.r_k for s in kv]))
+    assert torch.equal(sglang_rotations(v_path, c.n_layers, 16, 2), torch.stack([s.r_v for s in kv]))
+    assert torch.equal(sglang_k_means(mu_path, c.n_layers, 16), torch.stack([s.k_mean for s in kv]))
+    env, args = sglang_env(tmp_path / "sglang" / "serve.env")
+    assert args == {"--kv-cache-dtype": "int2", "--kv-cache-quant-group-size": "16", "--page-size": "8"}
+    assert (env["SGLANG_MIXED_KV_PREFIX_TOKENS"], env["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("8", "8")
+    assert (float(env["SGLANG_OSCAR_K_CLIP_RATIO"]), float(env["SGLANG_OSCAR_V_CLIP_RATIO"])) == (c.clip_k, c.clip_v)
+    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1" and env["k_mean_active"]
+    assert Path(env["SGLANG_OSCAR_K_MEAN_PATH"]).samefile(mu_path)
+    kv_plain = [optr.KVQuant(r_k=s.r_k) for s in kv]               # no centering, no R_V
+    exported(tmp_path, kv_plain, c, name="plain")
+    env, _ = sglang_env(tmp_path / "plain" / "serve.env")
+    assert not env["k_mean_active"] and not (tmp_path / "plain" / "k_mean.pt").exists()
+    assert torch.equal(sglang_rotations(env["SGLANG_OSCAR_V_ROTATION_PATH"], c.n_layers, 16, 2),
+                       torch.eye(16).expand(c.n_layers, 2, 16, 16))
+
+
+def test_their_write_path_stores_our_codes_bit_for_bit_at_G_equal_d():
+    """On the same rotated rows their clip, affine and packing give our codes, scales and
+    zeros bit for bit when G = d (their per-row clip is our per-group clip), and their
+    dequantization our values; through their whole write path (k R_K - mu R_K, ours
+    (k - mu) R_K) the dequantized keys agree to round-off. With G < d they clip per row and
+    we per group, and the codes differ."""
+    H, d = 2, 16
+    spec = quarot_specs(optr.Config(n_kv_heads=H, head_dim=d, group_size=d), seed=4)[0]
+    k, v = rand(3, H, 20, d, seed=5), rand(3, H, 20, d, seed=6)
+    k[..., 2] = k[..., 2] * 5 + 3                                           # an offset outlier channel
+    rows = optr.rotate_rows(optr.center_keys(k, spec.k_mean), spec.r_k)
+    for G in (d, d // 2):
+        ours = optr.q2_quantize(rows, 0.9, G)
+        packed, sz = sglang_quantize(rows, 0.9, G)
+        same = torch.equal(packed, ours[0]) and torch.equal(sz[..., 0::2], ours[1]) \
+            and torch.equal(sz[..., 1::2], ours[2])
+        assert same == (G == d), G
+        if G == d:
+            assert torch.equal(sglang_dequantize(packed, sz, G), optr.q2_dequantize(*ours, G))
+    (kp, ksz), (vp, vsz) = sglang_write(k, v, spec.r_k, spec.r_v, spec.k_mean, 0.9, 0.9, d, absorbed=False)
+    ours_k = optr.q2_dequantize(*optr.q2_quantize(rows, 0.9, d), d)
+    assert torch.allclose(sglang_dequantize(kp, ksz, d), ours_k, atol=1e-5)
+    ours_v = optr.q2_quantize(optr.rotate_rows(v, spec.r_v), 0.9, d)
+    assert torch.equal(vp, ours_v[0])
+
+
+def test_import_sglang_of_export_sglang_is_the_specs_exactly(tmp_path):
+    """import_sglang(export_sglang(kv)) gives back every layer's mu, R_K and R_V bit for bit;
+    with folded=True R_V comes back as the identity; a file of one (d, d) rotation per layer
+    (their V1 format) is expanded per head."""
+    model, kv = served_model()
+    c = model.cfg
+    k_path, v_path, mu_path = exported(tmp_path, kv, c)
+    back = optr.import_sglang(k_path, v_path, c, mu_path)
+    for a, b in zip(kv, back):
+        assert torch.equal(a.k_mean, b.k_mean) and torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v)
+    k_path, v_path, _ = exported(tmp_path, kv, c, folded=True, name="folded")
+    assert all(torch.equal(s.r_v, torch.eye(16).expand(2, 16, 16)) and s.k_mean is None
+               for s in optr.import_sglang(k_path, v_path, c))
+    R = random_orthogonal(16, seed=9)
+    torch.save({"layers": {str(l): {"rotation": R} for l in range(c.n_layers)}}, tmp_path / "v1.pt")
+    assert all(torch.equal(s.r_k, R.expand(2, 16, 16)) for s in optr.import_sglang(tmp_path / "v1.pt", v_path, c))
+
+
+def test_the_v_file_matches_the_weights_it_is_served_with(tmp_path):
+    """Served by their engine (the oracle: INT2 everywhere), the original weights with R_V in
+    the V file and our folded weights (export_hf) with the identity there both give optr's
+    simulated INT2 outputs; our folded weights with R_V in the file rotate V twice."""
+    model, kv = served_model("llama")
+    c = model.cfg
+    files = lambda folded, name: (sglang_rotations(exported(tmp_path, kv, c, folded, name)[0], 2, 16, 2),
+                                  sglang_rotations(str(tmp_path / name / "v_rotation.pt"), 2, 16, 2),
+                                  sglang_k_means(str(tmp_path / name / "k_mean.pt"), 2, 16))
+    ours = model(IDX, optr.SimulatedINT2(kv, replace_cfg(c, sink=0, window=0)))
+    folded = optr.fold_value_rotation(model, kv)
+    original = model(IDX, engine_attention(files(False, "orig"), c))
+    served_folded = folded(IDX, engine_attention(files(True, "fold"), c))
+    twice = folded(IDX, engine_attention(files(False, "orig"), c))
+    assert torch.allclose(original, ours, atol=1e-3) and torch.allclose(served_folded, ours, atol=1e-3)
+    assert (twice - ours).abs().max() > 0.1
+
+
+def _kv_with(kv, l, **change):
+    return [replace_cfg(s, **change) if i == l else s for i, s in enumerate(kv)]
+
+
+@pytest.mark.parametrize("change,kv_change,match", [
+    (dict(group_size=8), {}, "group_size 8 != head_dim 16"),
+    (dict(sink=4), {}, "sink 4 and window 8: expected multiples of 8"),
+    (dict(window=12), {}, "window 12: expected multiples of 8"),
+    (dict(head_dim=24, group_size=24, d_model=24), {}, "head_dim 24: expected a power of two"),
+    (dict(scale_eps=1e-6), {}, "scale_eps"),
+    ({}, dict(quant_v=False), r"kv\[1\]: keys or values kept in full precision"),
+])
+def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_path, change, kv_change, match):
+    """G != d (per-row clip), windows that are not multiples of 8, d not a power of two, an
+    epsilon other than theirs, or a layer left in full precision: a ValueError naming it."""
+    model, kv = served_model()
+    cfg = replace_cfg(model.cfg, **change)
+    kv = quarot_specs(cfg) if "head_dim" in change else kv
+    with pytest.raises(ValueError, match=match):
+        optr.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda s: {"nolayers": 1}, "expected a dict with a 'layers' mapping"),
+    (lambda s: (s["layers"].pop(1), s)[1], r"layers\[1\]\['rotation'\]: expected a finite float"),
+    (lambda s: s["layers"][0].update(rotation=torch.eye(8)) or s, r"layers\[0\].*got \(8, 8\)"),
+    (lambda s: (s["layers"][1]["rotation"][0, 0, 0].fill_(float("nan")), s)[1], r"layers\[1\].*finite"),
+    (lambda s: (s["layers"][0]["rotation"].mul_(1.1), s)[1], r"layers\[0\]\['rotation'\]: expected orthogonal"),
+    (lambda s: dict(s, extra=Path(".")), "expected a torch.save file of plain tensors"),
+], ids=["no-layers", "missing-layer", "wrong-shape", "nan", "not-orthogonal", "not-plain-tensors"])
+def test_import_sglang_refuses_files_it_cannot_trust(tmp_path, edit, match):
+    """Files from outside are checked before use: the layout, every layer present, shapes,
+    finite values, orthogonality, and nothing but plain tensors (weights_only loading)."""
+    model, kv = served_model()
+    k_path, v_path, mu_path = exported(tmp_path, kv, model.cfg)
+    torch.save(edit(torch.load(k_path, weights_only=True)), tmp_path / "bad.pt")
+    with pytest.raises(ValueError, match=match):
+        optr.import_sglang(str(tmp_path / "bad.pt"), v_path, model.cfg, mu_path)
+    torch.save({"layers": {l: {"mu": torch.zeros(3, 16)} for l in range(2)}}, tmp_path / "mu.pt")
+    with pytest.raises(ValueError, match=r"mu.pt: layers\[0\]\['mu'\]: .*shape \(2, 16\), got \(3, 16\)"):
+        optr.import_sglang(k_path, v_path, model.cfg, str(tmp_path / "mu.pt"))
+
+
+def hf_load(path):
+    from transformers import AutoModelForCausalLM
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.mark.parametrize("kind,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_export_hf_loads_in_transformers_with_optrs_logits(tmp_path, kind, tie):
+    """optr.export_hf's checkpoint (R_V folded in) loads in transformers'
+    AutoModelForCausalLM, offline, and gives optr's full-precision logits."""
+    model, kv = served_model(kind, tie=tie)
+    hf = hf_load(optr.export_hf(model, kv, str(tmp_path / "hf")))
+    with torch.no_grad():
+        assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def hf_served(tmp_path_factory):
+    """A model, its specs, its folded copy and export_hf's checkpoint in transformers."""
+    model, kv = served_model("qwen2")
+    out = optr.export_hf(model, kv, str(tmp_path_factory.mktemp("hf") / "x"))
+    return model, kv, optr.fold_value_rotation(model, kv), hf_load(out)
+
+
+def ours_paged(folded, kv, n_seqs):
+    cache = optr.PagedKVCache(folded.cfg, 32, n_seqs, [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in kv])
+    return cache, [cache.add_sequence() for _ in range(n_seqs)]
+
+
+def paged_rows(cache, layer, seq, n, codes, *rest):
+    """INT2 tokens 0..n-1 of a sequence as stored, (H_kv, n, ...), for each tensor named."""
+    pages = cache.block_table[seq, :(n + 7) // 8].long()
+    return [getattr(cache, t)[layer][pages].transpose(0, 1).flatten(1, 2)[:, :n] for t in (codes, *rest)]
+
+
+@torch.no_grad()
+def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
+    """While every token fits in the sink and the recent window, hf_cache holds the tokens
+    exactly and its logits are DynamicCache's, bit for bit."""
+    from transformers import DynamicCache
+    model, kv, _, hf = hf_served
+    idx = IDX_E[:, :16]
+    a = hf(idx[:, :10], past_key_values=(ca := optr.hf_cache(kv, model.cfg, folded=True))).logits
+    b = hf(idx[:, :10], past_key_values=(cb := DynamicCache())).logits
+    assert torch.equal(a, b)
+    for t in range(10, 16):
+        assert torch.equal(hf(idx[:, t:t + 1], past_key_values=ca).logits,
+                           hf(idx[:, t:t + 1], past_key_values=cb).logits)
+    assert all(layer.packed is None for layer in ca.layers) and ca.get_seq_length() == 16
+
+
+def check_hf_cache_is_decode_step(hf_served, T=30):
+    """Fed token by token, hf_cache's logits are optr.decode_step's through PagedKVCache and
+    its packed codes are the paged cache's, bit for bit (scales and zeros to the last bit of
+    transformers' RoPE); fed optr's own keys and values, all of it is, bit for bit."""
+    model, kv, folded, hf = hf_served
+    captured, n = [], T - 16
+    folded(IDX_E[:, :T], capture=captured)
+    cache, seqs = ours_paged(folded, kv, 2)
+    mine = optr.hf_cache(kv, model.cfg, folded=True)
+    for l, (_, k, v) in enumerate(captured):
+        optr.extend_cache(cache, l, seqs, k, v)
+        mine.update(k, v, l)
+        for s in seqs:
+            stored = paged_rows(cache, l, s, n, "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+            assert all(torch.equal(a[s], b) for a, b in zip(mine.layers[l].packed, stored)), (l, s)
+    cache, seqs = ours_paged(folded, kv, 2)
+    mine = optr.hf_cache(kv, model.cfg, folded=True)
+    with torch.no_grad():
+        for t in range(T):
+            ours = optr.decode_step(folded, cache, seqs, IDX_E[:, t])
+            theirs = hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1]
+            assert torch.allclose(theirs, ours, atol=1e-4, rtol=1e-5), t
+    for l, layer in enumerate(mine.layers):
+        for s in seqs:
+            stored = paged_rows(cache, l, s, n, "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
+            assert torch.equal(layer.packed[0][s], stored[0]) and torch.equal(layer.packed[3][s], stored[3])
+            assert all(torch.allclose(a[s], b, rtol=1e-6, atol=0) for a, b in zip(layer.packed, stored))
+
+
+def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
+    """Token by token, hf_cache in transformers gives optr.decode_step's logits (within
+    round-off) and stores the paged cache's codes, scales and zeros."""
+    check_hf_cache_is_decode_step(hf_served)
+
+
+@torch.no_grad()
+def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp_path):
+    """folded=False: transformers runs the original weights (export_hf of specs without R_V)
+    and hf_cache rotates each value by R_V before quantizing and back after: the logits are
+    decode_step's on the folded model, within round-off."""
+    model, kv, folded, _ = hf_served
+    hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], str(tmp_path / "o")))
+    cache, seqs = ours_paged(folded, kv, 2)
+    mine = optr.hf_cache(kv, model.cfg, folded=False)
+    for t in range(26):
+        assert torch.allclose(hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1],
+                              optr.decode_step(folded, cache, seqs, IDX_E[:, t]), atol=1e-4, rtol=1e-5), t
+
+
+@torch.no_grad()
+def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
+    """Greedy generate() with hf_cache gives the tokens of optr's own loop (prefill, then
+    decode_step through the paged cache, argmax): with a prompt inside the windows, and
+    with a longer prompt written token by token (prefill_chunk_size=1)."""
+    model, kv, folded, hf = hf_served
+    for P, chunk in ((12, None), (23, 1)):
+        cache, seqs = ours_paged(folded, kv, 2)
+        logits = optr.prefill(folded, cache, seqs, IDX_E[:, :P])[:, -1]
+        ours = []
+        for _ in range(20):
+            ours.append(logits.argmax(-1))
+            logits = optr.decode_step(folded, cache, seqs, ours[-1])
+        out = hf.generate(IDX_E[:, :P], past_key_values=optr.hf_cache(kv, model.cfg, folded=True),
+                          max_new_tokens=20, do_sample=False, prefill_chunk_size=chunk)
+        assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
+
+
+def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_caches():
+    """hf_cache keeps the INT2 tokens packed: its bytes (codes, scales, zeros, bf16 windows)
+    equal PagedKVCache.bits_per_element's account of the same tokens; printed at 4k tokens
+    beside DynamicCache's bf16."""
+    from transformers import DynamicCache
+    cfg = optr.Config(n_layers=2, n_kv_heads=2, head_dim=64, group_size=64, sink=64, window=256)
+    kv = [optr.KVQuant()] * 2
+    N, elems = 4096, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
+    mine, dyn = optr.hf_cache(kv, cfg), DynamicCache()
+    paged = optr.PagedKVCache(cfg, N // 16 + 1, 1, kv, window_dtype=torch.bfloat16)
+    s = paged.add_sequence()
+    for l in range(cfg.n_layers):
+        k, v = rand(1, 2, N, 64, seed=l), rand(1, 2, N, 64, seed=10 + l)
+        mine.update(k.bfloat16(), v.bfloat16(), l)
+        dyn.update(k.bfloat16(), v.bfloat16(), l)
+        optr.extend_cache(paged, l, [s], k, v)
+    assert mine.nbytes() * 8 == pytest.approx(ladder.bits_per_element(paged, s) * N * elems, rel=1e-12)
+    dyn_bytes = sum(x.numel() * x.element_size() for layer in dyn.layers for x in (layer.keys, layer.values))
+    assert dyn_bytes == N * elems * 2
+    print(f"\n4k tokens, d 64, G 64, sink 64, window 256: hf_cache {mine.nbytes() / N:.0f} B/token "
+          f"({ladder.bits_per_element(paged, s):.2f} bits/element), DynamicCache bf16 {dyn_bytes / N:.0f} "
+          f"B/token: {dyn_bytes / mine.nbytes():.1f}x")
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_serving_checks_can_fail(hf_served, monkeypatch):
+    """The hf_cache check fails on a cache that quantizes without the key rotation, and the
+    oracle's per-row clip is not our per-group clip (checked above at G < d)."""
+    monkeypatch.setattr(optr, "rotate_rows", lambda x, R: x)
+    assert fails(check_hf_cache_is_decode_step, hf_served)
+
+
+def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
+    """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint and
+    reads them back equal; --hf-generate N prints transformers' greedy tokens (hf_cache, the
+    prompt token by token) beside optr's own decode, and they are the same."""
+    import eval_llm
+    model, kv = served_model("llama")
+    optr.export_hf(model, kv, str(tmp_path / "x"))
+    cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), export_sglang=True, hf_generate=6)
+    text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
+    lines = []
+    out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
+    assert out["sglang"]["reloaded_equal"] and (tmp_path / "x" / "sglang" / "serve.env").exists()
+    gen = out["hf_generate"]
+    assert len(gen["optr"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["optr"]
+    assert sum(line.startswith("generate |") for line in lines) == 3
