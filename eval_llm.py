@@ -1143,7 +1143,7 @@ def main(argv=None) -> dict:
 
 
 # ----------------------------------------------------------------------------------------
-# A. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3)
+# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3) (optr.py's appendix C, here beside its one caller)
 # ----------------------------------------------------------------------------------------
 """
 optr's model uses Hugging Face parameter names, so a checkpoint loads into it by name,
