@@ -4273,3 +4273,60 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
         ours.append(int(logits.argmax(-1)))
         logits = optr.decode_step(folded, cache, seqs, torch.tensor(ours[-1:]))
     assert env["ids"][0, 12:].tolist() == ours
+
+
+# ----------------------------------------------------------------------------------------
+# R. Bad input at the command line: `script: error: ...`, exit status 2, no traceback
+# ----------------------------------------------------------------------------------------
+
+def tiny_hf_checkpoint(path):
+    """A tiny random Llama in Hugging Face layout with a byte-level tokenizer, for the scripts."""
+    from safetensors.torch import save_file
+    tok = _byte_tokenizer()
+    cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
+    path.mkdir()
+    save_file({k: v.contiguous() for k, v in optr.TinyLM(cfg).state_dict().items()},
+              str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)))
+    tok.save(str(path / "tokenizer.json"))
+    return path
+
+
+def run_script(*args, cwd):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+@pytest.mark.parametrize("eval_text", ["missing", "short", "binary"])
+def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text):
+    """A missing, too short or binary --eval-text file ends as `eval_llm.py: error:` naming
+    the flag, exit status 2, no traceback."""
+    ckpt = tiny_hf_checkpoint(tmp_path / "ckpt")
+    (tmp_path / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    (tmp_path / "short").write_text("too short")
+    (tmp_path / "binary").write_bytes(bytes(range(256)) * 40)
+    here = Path(__file__).parent
+    r = run_script(str(here / "eval_llm.py"), "--model", str(ckpt), "--calib-text", str(tmp_path / "calib.txt"),
+                   "--eval-text", str(tmp_path / eval_text), "--out", str(tmp_path / "out"),
+                   "--sink", "4", "--window", "16", "--contexts", "320,384", "--gap-ctx", "384",
+                   "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
+                   "--passkey-contexts", "320,384", cwd=here)
+    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("eval_llm.py: error: eval_text:"), r.stderr[-500:]
+
+
+def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_errors(tmp_path):
+    """--resume without a trained model, and a group size that does not divide head_dim,
+    end as `train_tiny.py: error:`, exit status 2, no traceback."""
+    here = Path(__file__).parent
+    for args, said in ((["--resume", "--out", str(tmp_path / "none")], "train_tiny.py: error:"),
+                       (["--group-size", "24"], "train_tiny.py: error: head_dim must be a multiple of 4")):
+        r = run_script(str(here / "train_tiny.py"), *args, cwd=here)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+        assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
