@@ -184,9 +184,11 @@ def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
 
 @triton.jit
 def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
-                   unit,            # power of two the quarter is multiplied by
+                   SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
                    S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(S, W, 2 * BLOCK_H) fp16: q * unit transposed, as hi / lo columns, for every sub-tile."""
+    """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns, for
+    every sub-tile."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
     q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
     return _hi_lo_columns(q_t, S, W, BLOCK_H)
 
@@ -276,19 +278,172 @@ def _softmax_update(logits,         # fp32 logits in base-2 units, -inf if maske
 
 
 @triton.jit
+def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
+                    rows,           # (S, T) int64 element offset of each token's row
+                    valid,          # (S, T) tokens that exist
+                    offs_w,         # (W,) dims of a quarter, in the order of the codes
+                    C: tl.constexpr,  # the quarter, 0 .. 3
+                    W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
+    """(scale, zero) of quarter C of every token: (S, T) each when the quarter lies in one
+    group (FACTORED), else (S, T, W), the group of every dim.  0 for missing tokens."""
+    if FACTORED:
+        group: tl.constexpr = C * W // GROUP_SIZE
+        return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
+                tl.load(zero_ptr + rows + group, mask=valid, other=0.0))
+    else:
+        cols = rows[:, :, None] + ((C * W + offs_w) // GROUP_SIZE)[None, None, :]
+        return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
+                tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
+
+
+@triton.jit
+def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
+                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 FACTORED: tl.constexpr):
+    """The four quarters' (scale, zero), a tuple indexed by quarter (one load per group
+    when a row is one group: every quarter shares it)."""
+    if FACTORED and NUM_GROUPS == 1:
+        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
+                                 FACTORED)
+        return params, params, params, params
+    else:
+        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
+                                FACTORED) for c in (0, 1, 2, 3)]
+
+
+@triton.jit
+def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
+                 q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
+                 q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
+                 packed,            # (S, T, W // 4) uint32 key code words of the tile
+                 params,            # tuple of 4 (scale, zero), as _tile_params
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                 NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """(S, T, BLOCK_H) logits of the tile, before row_scale: the sum over the quarters of
+    q.k.  Factored: s * (q.c - z * sum(q)) with the codes' tokens on the MMA's 16-row side
+    and the heads' hi / lo columns on its 8-column side."""
+    if FACTORED:
+        no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
+        if NUM_GROUPS == 1:
+            # One group: the four quarter dots chain into one accumulator.
+            t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
+            for c in tl.static_range(1, 4):
+                t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
+            scale, zero = params[0]
+            q_total = q_sum[0] + q_sum[1] + q_sum[2] + q_sum[3]
+            return scale[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - zero[:, :, None] * q_total)
+        else:
+            logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
+            for c in tl.static_range(4):
+                scale, zero = params[c]
+                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
+                               S, T, BLOCK_H)
+                logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
+            return logits
+    else:
+        logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
+        for c in tl.static_range(4):
+            scale, zero = params[c]
+            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+        return logits
+
+
+@triton.jit
+def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
+               m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
+               q, q_cols, q_sum,    # the query, as _tile_logits takes it
+               row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
+               k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
+               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
+               code_rows,           # (S, T) int64 byte offset of each token's code row
+               param_rows,          # (S, T) int64 element offset of its scale / zero row
+               valid,               # (S, T) tokens that exist (the rest read nothing)
+               offs_w,              # (W,) dims of a quarter, in the order of the codes
+               S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of S x T INT2 tokens: load its codes (one load of the packed rows of K
+    and of V, as 32-bit words; the quarters are the bit fields of their bytes) and its
+    scales and zeros, compute the logits, update the online softmax of every sub-tile
+    and add P.V to each quarter's output.  Returns (acc, m_i, l_i)."""
+    words = (code_rows // 4)[:, :, None] + tl.arange(0, W // 4)[None, None, :]
+    k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
+    v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
+    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
+                          NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
+    logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
+    acc = [_quarter_pv(acc[c], alpha, p, v_packed, v_params[c][0], v_params[c][1], 2 * c,
+                       S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
+                 m_i, l_i,          # (BLOCK_H,) softmax state
+                 q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
+                 win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
+                 rows,              # (BLOCK_W, 1) element offset of each window token's row
+                 valid,             # (BLOCK_W,) window slots that hold a token
+                 offs_w,            # (W,) dims of a quarter, in the order of the codes
+                 qk_scale,          # sm_scale * log2(e)
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of full-precision window tokens, fp32 dots (3xTF32 on sm80+); the output
+    is kept per quarter in the order of the INT2 tokens'.  Returns (acc, m_i, l_i)."""
+    W: tl.constexpr = HEAD_DIM // 4
+    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
+    v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
+                 other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
+    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
+           for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
-                     acc0, acc1, acc2, acc3):  # (S, W, BLOCK_H) running outputs
+                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
     """One softmax state from S: every sub-tile's state rescaled to the largest max and
-    summed; returns m, l (BLOCK_H,) and acc0..acc3 as (BLOCK_H, W)."""
+    summed; returns m, l (BLOCK_H,) and acc as 4 (BLOCK_H, W)."""
     m = tl.max(m_i, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
     l = tl.sum(l_i * w, axis=0)
-    acc0 = tl.trans(tl.sum(acc0 * w[:, None, :], axis=0))
-    acc1 = tl.trans(tl.sum(acc1 * w[:, None, :], axis=0))
-    acc2 = tl.trans(tl.sum(acc2 * w[:, None, :], axis=0))
-    acc3 = tl.trans(tl.sum(acc3 * w[:, None, :], axis=0))
-    return m, l, acc0, acc1, acc2, acc3
+    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
+
+
+@triton.jit
+def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
+                head_mask,          # (BLOCK_H,) query heads that exist
+                qk_scale,           # sm_scale * log2(e)
+                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                FACTORED: tl.constexpr):
+    """The query as the INT2 loop takes it: (q, q_cols, q_sum, row_scale), tuples over the
+    quarters.  Factored: each head scaled into [-2^14, 2^14] (row_scale undoes it), and the
+    dot operands, hi and lo of every head side by side (_query_columns), quarter c times
+    4^-c, as it meets codes times 4^c (_codes_fp16); the sums serve the zeros."""
+    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+         for c in (0, 1, 2, 3)]
+    if FACTORED:
+        q_max = tl.maximum(tl.maximum(tl.max(tl.abs(q[0]), axis=1), tl.max(tl.abs(q[1]), axis=1)),
+                           tl.maximum(tl.max(tl.abs(q[2]), axis=1), tl.max(tl.abs(q[3]), axis=1)))
+        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
+        q = [x * q_mul[:, None] for x in q]
+        row_scale = qk_scale / q_mul
+    else:
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
+    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
+    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
+    return q, q_cols, q_sum, row_scale
 
 
 @triton.jit
@@ -328,64 +483,29 @@ def _int2_decode_split_kernel(
         FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
         DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
 ):
-    pid_b = tl.program_id(0)
-    pid_kv = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch = pid_b.to(tl.int64)
-    W: tl.constexpr = HEAD_DIM // 4        # dims per quarter-row
-    USE_DOT: tl.constexpr = W >= 16        # tl.dot needs a reduction dim >= 16
+    W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
     S: tl.constexpr = SUB_TILES
     T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
-    # All query heads that share this KV head, as four quarter-rows: quarter c holds
-    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.  Within a
-    # quarter the dims are in the order _codes_fp16 unpacks them (offs_w): the query,
-    # the scales and zeros, the window values and the output all use that order, so the
-    # codes are never reordered.
+    # All query heads that share this KV head, as four quarter-rows: quarter c holds dims
+    # c*W .. c*W + W-1, the dims stored in bit field c of the code bytes, in the order
+    # _codes_fp16 unpacks them (offs_w).  The query, the scales and zeros, the window
+    # values and the output all use that order, so the codes are never reordered.
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < QUERIES_PER_KV
     q_heads = pid_kv * QUERIES_PER_KV + offs_h
-    offs_w = _quarter_dims(W)              # dims of a quarter, in the order of the codes
-    q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_w[None, :]
-    q0 = tl.load(q_rows + 0 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    q1 = tl.load(q_rows + 1 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(q_rows + 2 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    q3 = tl.load(q_rows + 3 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    # Factored path: scale each head's query into [-2^14, 2^14] and split it into two
-    # fp16 parts; the logits are scaled back by row_scale.
-    q_max = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=1), tl.max(tl.abs(q1), axis=1)),
-                       tl.maximum(tl.max(tl.abs(q2), axis=1), tl.max(tl.abs(q3), axis=1)))
-    q_max = tl.where(q_max > 0, q_max, 1.0)
-    if FACTORED:
-        q_mul = 16384.0 / q_max
-        row_scale = qk_scale / q_mul                        # (BLOCK_H,)
-    else:
-        q_mul = tl.full([BLOCK_H], 1.0, tl.float32)
-        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
-    q0 = q0 * q_mul[:, None]
-    q1 = q1 * q_mul[:, None]
-    q2 = q2 * q_mul[:, None]
-    q3 = q3 * q_mul[:, None]
-    # Factored path: the (S, W, 2 * BLOCK_H) dot operands, hi and lo of every head side by
-    # side, the same for every sub-tile; and the sums of the quarters, for the zeros.
-    # Quarter c meets codes times 4^c (see _codes_fp16), so it is scaled by 4^-c (exact).
-    q0_cols = _query_columns(q0, 1.0, S, W, BLOCK_H)
-    q1_cols = _query_columns(q1, 1.0 / 4, S, W, BLOCK_H)
-    q2_cols = _query_columns(q2, 1.0 / 16, S, W, BLOCK_H)
-    q3_cols = _query_columns(q3, 1.0 / 64, S, W, BLOCK_H)
-    q0_sum = tl.sum(q0, axis=1)[None, None, :]
-    q1_sum = tl.sum(q1, axis=1)[None, None, :]
-    q2_sum = tl.sum(q2, axis=1)[None, None, :]
-    q3_sum = tl.sum(q3, axis=1)[None, None, :]
+    offs_w = _quarter_dims(W)
+    q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh
+    q, q_cols, q_sum, row_scale = _load_query(q_rows + offs_w[None, :], head_mask, qk_scale,
+                                              S, W, BLOCK_H, FACTORED)
 
     # Softmax state and outputs of each sub-tile of T tokens (a warp's share of a tile at
     # the default sizes): no reduction crosses sub-tiles inside the loop; one merge after.
     m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)   # output dims of quarter 0, transposed
-    acc1 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
-    acc2 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
-    acc3 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
+    acc = [tl.zeros([S, W, BLOCK_H], dtype=tl.float32) for _ in (0, 1, 2, 3)]  # transposed
 
     # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
     n_quant = tl.load(n_quant_ptr + pid_b)
@@ -395,9 +515,8 @@ def _int2_decode_split_kernel(
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
     offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
     bt_row = block_table_ptr + batch * stride_btb
-    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))
-    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))
-    offs_word = tl.arange(0, W // 4)
+    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))   # a code row is d/4 bytes,
+    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))   # loaded as 32-bit words
     TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
     # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
     if TILE_IN_PAGE:
@@ -407,161 +526,46 @@ def _int2_decode_split_kernel(
         tok0 = first_tile * BLOCK_N + offs_n
         page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
                             mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
-    # General path: the group of every dim of each quarter (the same for every tile).
-    group_of_dim0 = ((0 * W + offs_w) // GROUP_SIZE)[None, None, :]
-    group_of_dim1 = ((1 * W + offs_w) // GROUP_SIZE)[None, None, :]
-    group_of_dim2 = ((2 * W + offs_w) // GROUP_SIZE)[None, None, :]
-    group_of_dim3 = ((3 * W + offs_w) // GROUP_SIZE)[None, None, :]
     for tile in range(first_tile, last_tile):
         tok = tile * BLOCK_N + offs_n
-        valid = tok < n_quant
         page = page_next.to(tl.int64)
-        tok_next = tok + BLOCK_N
         if TILE_IN_PAGE:
             page_next = tl.load(bt_row + ((tile + 1) * BLOCK_N) // PAGE_SIZE,
                                 mask=tile + 1 < last_tile, other=0)
             slot = (tile * BLOCK_N) % PAGE_SIZE + offs_n
         else:
-            page_next = tl.load(bt_row + tok_next // PAGE_SIZE,
-                                mask=(tile + 1 < last_tile) & (tok_next < n_quant), other=0)
+            page_next = tl.load(bt_row + (tok + BLOCK_N) // PAGE_SIZE,
+                                mask=(tile + 1 < last_tile) & (tok + BLOCK_N < n_quant), other=0)
             slot = tok % PAGE_SIZE
-        code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn    # (S, T)
-        param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
-        # One load of the packed rows per tile, as 32-bit words (a row is d/4 bytes, a
-        # multiple of 4); the four quarters are the bit fields of its bytes.
-        words = (code_rows // 4)[:, :, None] + offs_word[None, None, :]
-        k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
-        v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
-        if FACTORED:
-            # Quarter c lies in group c * NUM_GROUPS // 4: (S, T) scale and zero each.
-            ks0 = tl.load(k_scale_ptr + param_rows, mask=valid, other=0.0)
-            kz0 = tl.load(k_zero_ptr + param_rows, mask=valid, other=0.0)
-            vs0 = tl.load(v_scale_ptr + param_rows, mask=valid, other=0.0)
-            vz0 = tl.load(v_zero_ptr + param_rows, mask=valid, other=0.0)
-            if NUM_GROUPS == 1:
-                ks1, kz1, vs1, vz1 = ks0, kz0, vs0, vz0
-                ks2, kz2, vs2, vz2 = ks0, kz0, vs0, vz0
-                ks3, kz3, vs3, vz3 = ks0, kz0, vs0, vz0
-            else:
-                g1: tl.constexpr = NUM_GROUPS // 4
-                g2: tl.constexpr = 2 * NUM_GROUPS // 4
-                g3: tl.constexpr = 3 * NUM_GROUPS // 4
-                ks1 = tl.load(k_scale_ptr + param_rows + g1, mask=valid, other=0.0)
-                kz1 = tl.load(k_zero_ptr + param_rows + g1, mask=valid, other=0.0)
-                vs1 = tl.load(v_scale_ptr + param_rows + g1, mask=valid, other=0.0)
-                vz1 = tl.load(v_zero_ptr + param_rows + g1, mask=valid, other=0.0)
-                ks2 = tl.load(k_scale_ptr + param_rows + g2, mask=valid, other=0.0)
-                kz2 = tl.load(k_zero_ptr + param_rows + g2, mask=valid, other=0.0)
-                vs2 = tl.load(v_scale_ptr + param_rows + g2, mask=valid, other=0.0)
-                vz2 = tl.load(v_zero_ptr + param_rows + g2, mask=valid, other=0.0)
-                ks3 = tl.load(k_scale_ptr + param_rows + g3, mask=valid, other=0.0)
-                kz3 = tl.load(k_zero_ptr + param_rows + g3, mask=valid, other=0.0)
-                vs3 = tl.load(v_scale_ptr + param_rows + g3, mask=valid, other=0.0)
-                vz3 = tl.load(v_zero_ptr + param_rows + g3, mask=valid, other=0.0)
-        else:
-            # General path: per-dim scale and zero of each quarter, (S, T, W).
-            pm = valid[:, :, None]
-            pr = param_rows[:, :, None]
-            ks0 = tl.load(k_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            kz0 = tl.load(k_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            vs0 = tl.load(v_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            vz0 = tl.load(v_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            ks1 = tl.load(k_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            kz1 = tl.load(k_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            vs1 = tl.load(v_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            vz1 = tl.load(v_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            ks2 = tl.load(k_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            kz2 = tl.load(k_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            vs2 = tl.load(v_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            vz2 = tl.load(v_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            ks3 = tl.load(k_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-            kz3 = tl.load(k_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-            vs3 = tl.load(v_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-            vz3 = tl.load(v_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-
-        # Logits (S, T, BLOCK_H): tokens on the MMA's 16-row side, the hi / lo columns of
-        # the heads on its 8-column side.
-        if FACTORED:
-            # q.k = sum over quarters of s * (q.c - z * sum(q)), s and z of the quarter's group.
-            no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
-            if NUM_GROUPS == 1:
-                # One group: the four quarter dots chain into one accumulator.
-                t = _quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W)
-                t = _quarter_dot(k_packed, q1_cols, t, 2, S, T, W)
-                t = _quarter_dot(k_packed, q2_cols, t, 4, S, T, W)
-                t = _quarter_dot(k_packed, q3_cols, t, 6, S, T, W)
-                q_sum = q0_sum + q1_sum + q2_sum + q3_sum
-                logits = ks0[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - kz0[:, :, None] * q_sum)
-            else:
-                t = _add_hi_lo(_quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W), S, T, BLOCK_H)
-                logits = ks0[:, :, None] * (t - kz0[:, :, None] * q0_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q1_cols, no_acc, 2, S, T, W), S, T, BLOCK_H)
-                logits += ks1[:, :, None] * (t - kz1[:, :, None] * q1_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q2_cols, no_acc, 4, S, T, W), S, T, BLOCK_H)
-                logits += ks2[:, :, None] * (t - kz2[:, :, None] * q2_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6, S, T, W), S, T, BLOCK_H)
-                logits += ks3[:, :, None] * (t - kz3[:, :, None] * q3_sum)
-        else:
-            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, T, W, BLOCK_H,
-                                     USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-        logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
-        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
-        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
-        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
-        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
+        acc, m_i, l_i = _int2_tile(
+            acc, m_i, l_i, q, q_cols, q_sum, row_scale, k_words_ptr, v_words_ptr,
+            k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+            page * stride_cp + pid_kv * stride_ch + slot * stride_cn,
+            page * stride_sp + pid_kv * stride_sh + slot * stride_sn, tok < n_quant, offs_w,
+            S, T, W, BLOCK_H, GROUP_SIZE, NUM_GROUPS, FACTORED, W >= 16, DOT_PRECISION)
 
     # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
-    m_i, l_i, acc0, acc1, acc2, acc3 = _merge_sub_tiles(m_i, l_i, acc0, acc1, acc2, acc3)
+    m_i, l_i, acc = _merge_sub_tiles(m_i, l_i, acc)
 
-    # ---- Full-precision window tokens, spread over the splits --------------
-    # Window tile t (BLOCK_W tokens) belongs to split t % num_splits.
+    # ---- Full-precision window tokens: window tile t goes to split t % num_splits ----
     win_len = tl.load(win_len_ptr + pid_b)
-    offs_wn = tl.arange(0, BLOCK_W)
-    offs_d = tl.arange(0, HEAD_DIM)
-    win_base = batch * stride_wb + pid_kv * stride_wh
-    q_full = tl.load(q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-                     mask=head_mask[:, None], other=0.0).to(tl.float32)
+    q_full = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None],
+                     other=0.0).to(tl.float32)
     for w_tile in range(split, tl.cdiv(win_len, BLOCK_W), num_splits):
-        slot = w_tile * BLOCK_W + offs_wn
-        valid = slot < win_len
-        rows = win_base + slot[:, None] * stride_wn
-        wm = valid[:, None]
-        k = tl.load(win_k_ptr + rows + offs_d[None, :], mask=wm, other=0.0).to(tl.float32)
-        logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        logits = tl.where(valid[None, :], logits, float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
-        v0 = tl.load(win_v_ptr + rows + (0 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        v1 = tl.load(win_v_ptr + rows + (1 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        v2 = tl.load(win_v_ptr + rows + (2 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        v3 = tl.load(win_v_ptr + rows + (3 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=DOT_PRECISION)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
-        acc3 = acc3 * alpha[:, None] + tl.dot(p, v3, input_precision=DOT_PRECISION)
+        slot = w_tile * BLOCK_W + tl.arange(0, BLOCK_W)
+        rows = batch * stride_wb + pid_kv * stride_wh + slot[:, None] * stride_wn
+        acc, m_i, l_i = _window_tile(acc, m_i, l_i, q_full, win_k_ptr, win_v_ptr, rows,
+                                     slot < win_len, offs_w, qk_scale, HEAD_DIM, DOT_PRECISION)
 
     # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
     has_tokens = l_i > 0
     l_safe = tl.where(has_tokens, l_i, 1.0)
-    lse = tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf"))
     out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh \
         + split * stride_os + offs_w[None, :]
-    hm = head_mask[:, None]
-    tl.store(out_rows + 0 * W, acc0 / l_safe[:, None], mask=hm)
-    tl.store(out_rows + 1 * W, acc1 / l_safe[:, None], mask=hm)
-    tl.store(out_rows + 2 * W, acc2 / l_safe[:, None], mask=hm)
-    tl.store(out_rows + 3 * W, acc3 / l_safe[:, None], mask=hm)
-    tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split, lse, mask=head_mask)
+    for c in tl.static_range(4):
+        tl.store(out_rows + c * W, acc[c] / l_safe[:, None], mask=head_mask[:, None])
+    tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split,
+             tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf")), mask=head_mask)
 
 
 @triton.jit
