@@ -77,6 +77,7 @@ if not torch.cuda.is_available():
 import argparse
 import functools
 import math
+import sys
 
 import triton
 import triton.language as tl
@@ -84,41 +85,6 @@ import triton.language as tl
 from optr import paged_decode_reference  # the pure-torch decode this kernel must match
 
 _INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit below will use
-
-
-def _memoize_interpreter_scan():
-    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
-
-    On every call of a @triton.jit helper from a kernel (our _codes_fp16, _quarter_pv, ...,
-    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
-    re-patches triton.language, finding its builtins with inspect.getmembers over each
-    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
-    builtin names of a module never changes, so it is found once per module here; each
-    call still re-checks and patches every one of them exactly as before."""
-    import inspect
-    from triton.runtime import interpreter
-    original = getattr(interpreter, "_patch_builtin", None)
-    if original is None or getattr(original, "memoized", False) \
-            or not hasattr(interpreter, "_patch_attr"):
-        return                                    # another Triton layout: leave it alone
-    names = {}
-
-    def patch_builtin(pkg, builder, scope):
-        if id(pkg) not in names:
-            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
-                                    if tl.core.is_builtin(m)])
-        for name in names[id(pkg)][1]:
-            member = getattr(pkg, name)
-            if tl.core.is_builtin(member):
-                interpreter._patch_attr(pkg, name, member, builder, scope)
-
-    patch_builtin.memoized = True
-    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
-    interpreter._patch_builtin = patch_builtin
-
-
-if _INTERPRETED:
-    _memoize_interpreter_scan()
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 1024
 
@@ -351,13 +317,29 @@ def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query 
 
 
 @triton.jit
+def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
+                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(block, slot) of every token of a tile: its logical block (block-table column) and
+    its slot in that page.  A scalar block when a tile lies in one page; when a tile
+    holds whole pages the slots are the same for every tile (and leave the loop)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
+    elif BLOCK_N % PAGE_SIZE == 0:
+        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
+    else:
+        tok = tile * BLOCK_N + offs_n
+        return tok // PAGE_SIZE, tok % PAGE_SIZE
+
+
+@triton.jit
 def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
                m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
                q, q_cols, q_sum,    # the query, as _tile_logits takes it
                row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
                k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
-               code_rows,           # (S, T) int64 byte offset of each token's code row
+               code_rows,           # (S, T) int64 offset of each token's code row, in words
                param_rows,          # (S, T) int64 element offset of its scale / zero row
                valid,               # (S, T) tokens that exist (the rest read nothing)
                offs_w,              # (W,) dims of a quarter, in the order of the codes
@@ -368,7 +350,7 @@ def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running ou
     and of V, as 32-bit words; the quarters are the bit fields of their bytes) and its
     scales and zeros, compute the logits, update the online softmax of every sub-tile
     and add P.V to each quarter's output.  Returns (acc, m_i, l_i)."""
-    words = (code_rows // 4)[:, :, None] + tl.arange(0, W // 4)[None, None, :]
+    words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
     k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
     v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
     k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
@@ -517,31 +499,22 @@ def _int2_decode_split_kernel(
     bt_row = block_table_ptr + batch * stride_btb
     k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))   # a code row is d/4 bytes,
     v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))   # loaded as 32-bit words
-    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
+    n_blocks = tl.cdiv(n_quant, PAGE_SIZE)                   # block-table entries in use
     # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
-    if TILE_IN_PAGE:
-        page_next = tl.load(bt_row + (first_tile * BLOCK_N) // PAGE_SIZE,
-                            mask=first_tile < last_tile, other=0)
-    else:
-        tok0 = first_tile * BLOCK_N + offs_n
-        page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
-                            mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
+    blk = _tile_blocks(first_tile, offs_n, BLOCK_N, PAGE_SIZE)[0]
+    page_next = tl.load(bt_row + blk, mask=(first_tile < last_tile) & (blk < n_blocks), other=0)
     for tile in range(first_tile, last_tile):
-        tok = tile * BLOCK_N + offs_n
         page = page_next.to(tl.int64)
-        if TILE_IN_PAGE:
-            page_next = tl.load(bt_row + ((tile + 1) * BLOCK_N) // PAGE_SIZE,
-                                mask=tile + 1 < last_tile, other=0)
-            slot = (tile * BLOCK_N) % PAGE_SIZE + offs_n
-        else:
-            page_next = tl.load(bt_row + (tok + BLOCK_N) // PAGE_SIZE,
-                                mask=(tile + 1 < last_tile) & (tok + BLOCK_N < n_quant), other=0)
-            slot = tok % PAGE_SIZE
+        blk_next = _tile_blocks(tile + 1, offs_n, BLOCK_N, PAGE_SIZE)[0]
+        page_next = tl.load(bt_row + blk_next, mask=(tile + 1 < last_tile) & (blk_next < n_blocks),
+                            other=0)
+        slot = _tile_blocks(tile, offs_n, BLOCK_N, PAGE_SIZE)[1]
         acc, m_i, l_i = _int2_tile(
             acc, m_i, l_i, q, q_cols, q_sum, row_scale, k_words_ptr, v_words_ptr,
             k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-            page * stride_cp + pid_kv * stride_ch + slot * stride_cn,
-            page * stride_sp + pid_kv * stride_sh + slot * stride_sn, tok < n_quant, offs_w,
+            page * (stride_cp // 4) + pid_kv * (stride_ch // 4) + slot * (stride_cn // 4),
+            page * stride_sp + pid_kv * stride_sh + slot * stride_sn,
+            tile * BLOCK_N + offs_n < n_quant, offs_w,
             S, T, W, BLOCK_H, GROUP_SIZE, NUM_GROUPS, FACTORED, W >= 16, DOT_PRECISION)
 
     # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
@@ -611,7 +584,7 @@ _KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
 
 
 # ----------------------------------------------------------------------------
-# Input checks
+# Launcher: input checks
 # ----------------------------------------------------------------------------
 def _fail(name, expected, got):
     raise ValueError(f"{name}: expected {expected}, got {got}")
@@ -699,7 +672,7 @@ def _check_values(k_codes, block_table, n_quant, win_len, sizes):
 
 
 # ----------------------------------------------------------------------------
-# Launcher
+# Launcher: block sizes and launch
 # ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
@@ -727,16 +700,20 @@ def _dot_precision(device):
 def _block_sizes(d, G, ratio, P):
     """Tile sizes, warps and stages for stage 1 (explicit; no autotuning), chosen with
     the static model of python kernel.py --sass and checked spill-free on sm_80 and
-    sm_90a for every tested configuration (python kernel.py --sass --all).
+    sm_90a for every tested configuration (python kernel.py --sass --all), with
+    triton 3.7.1 (the pin) and 3.6.0.
 
     Factored path, one group per row (the production case d = G = 128): 128-token tiles
     of 8 sub-tiles, 4 warps, no software pipelining (at the bench case the model gives
-    2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages; 168 registers);
-    64 tokens when a page is shorter than 64.  Several groups per row: 64 tokens within
-    a page, 32 when a tile gathers its tokens from several pages (a page index and d/G
-    scale and zero addresses per token), 32 for d = 256.  General path: 16 tokens, one
-    sub-tile, no pipelining, up to 255 registers (its per-dim scale and zero tiles and,
-    for d < 64, its (tokens, heads, d/4) product)."""
+    about 2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages); 64 tokens
+    when a page is shorter than 64.  Several groups per row: 64 tokens within a page, 32
+    when a tile gathers its tokens from several pages (a page index and d/G scale and
+    zero addresses per token), 32 for d = 256.  General path: 16 tokens, one sub-tile,
+    no pipelining (its per-dim scale and zero tiles and, for d < 64, its (tokens, heads,
+    d/4) product are large).  Every path may take up to 255 registers: left to itself,
+    ptxas settles at 168 on sm_90a and spills a few (in the factored path too, with the
+    ptxas of triton 3.7.1), and the extra instructions of a tighter limit cost more than
+    the occupancy they buy in the static model."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
@@ -750,14 +727,9 @@ def _block_sizes(d, G, ratio, P):
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
     # Token sub-tiles of 16 (the MMA's row count) in the factored path.
     sub_tiles = block_n // 16 if factored else 1
-    cfg = dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
-               BLOCK_W=block_w, FACTORED=factored, num_warps=4,
-               num_stages=1 if block_n == 128 or not factored else 2)
-    if not factored:
-        # Left to itself, ptxas settles the general path at 128 registers and spills a
-        # few on sm_90a; the explicit limit lets it take the 160-210 it needs.
-        cfg["maxnreg"] = 255
-    return cfg
+    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
+                BLOCK_W=block_w, FACTORED=factored, num_warps=4,
+                num_stages=1 if block_n == 128 or not factored else 2, maxnreg=255)
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
@@ -839,11 +811,15 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
 
 # ----------------------------------------------------------------------------
-# Benchmark (python kernel.py --bench)
+# Benchmark (python kernel.py --bench) and the device check (--gpu-check)
 # ----------------------------------------------------------------------------
 # Peak HBM bandwidth in GB/s, matched in order against torch.cuda.get_device_name().
 _PEAK_GBS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
              ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0)]
+# The decode shape that --bench and --gpu-check time (Qwen3-8B-like attention) and the
+# small one a CPU dry run of --gpu-check uses instead.
+_BENCH_SHAPE = dict(H_q=32, H_kv=8, d=128, G=128, P=64, sink=64, recent=256)
+_DRY_SHAPE = dict(H_q=4, H_kv=2, d=64, G=64, P=16, sink=2, recent=6)
 
 
 def _random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
@@ -897,73 +873,291 @@ def _paged_bf16_baseline(q, k_pages, v_pages, block_table, n_tokens):
     return F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, d), k, v)
 
 
-def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
-           device="cuda", H_kv=8, H_q=32, d=128, G=128, P=64, sink=64, recent=256):
-    """Times one decode step with CUDA graphs (triton.testing.do_bench_cudagraph): the
-    INT2 kernel through the unchecked launcher, a contiguous bf16 cache with SDPA, and a
-    paged bf16 cache (torch gather + SDPA).  Bytes moved count the INT2 codes, scales and
-    zeros, the windows, the query, the stage-1 partials (written and read back) and the
-    output."""
-    import torch.nn.functional as F
-    from triton.testing import do_bench_cudagraph
+def _timer(device):
+    """fn -> microseconds per call: CUDA graphs on a GPU (triton.testing's
+    do_bench_cudagraph), the median of 3 wall-clock calls elsewhere (the dry run)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench_cudagraph
+        return lambda fn: do_bench_cudagraph(fn) * 1e3
+    import time
 
-    device = torch.device(device)
-    name = torch.cuda.get_device_name(device)
-    if peak_gbs is None:
-        peak_gbs = next((gbs for key, gbs in _PEAK_GBS if key in name), None)
-    print(f"device: {name}; peak HBM: {peak_gbs or 'unknown'} GB/s")
-    print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
-    print(f"H_q={H_q} H_kv={H_kv} d={d} G={G} page={P} window=bf16 sink {sink} + recent {recent}")
-    print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
-          f" {'bf16 us':>9} {'x bf16':>7} {'paged us':>9} {'x paged':>7}")
-    NW = sink + recent
+    def wall(fn):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1] * 1e6
+    return wall
+
+
+def _sdpa(q, k, v):
+    """(name, fn): bf16 attention of q over k, v with the first SDPA backend that runs
+    this shape (flash, cuDNN, memory-efficient, math), so the table can name it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        try:
+            fn()
+        except RuntimeError:
+            continue
+        return backend.name.lower(), fn
+    raise RuntimeError("no SDPA backend runs this shape")
+
+
+def _bench_rows(batches, contexts, device, shape, paged=True, deadline=None):
+    """Time one decode step per (batch, context): the INT2 kernel through the unchecked
+    launcher, a contiguous bf16 cache with SDPA (backend named) and, if paged, a paged
+    bf16 cache (torch gather + SDPA).  Yields a dict per row.  Bytes moved count the
+    INT2 codes, scales and zeros, the windows, the query, the stage-1 partials (written
+    and read back) and the output; the bf16 cache reads its K and V."""
+    import time
+    H_q, H_kv, d, G, P = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P"))
+    NW = shape["sink"] + shape["recent"]
+    bench = _timer(device)
     for B in batches:
         for ctx in contexts:
+            row = dict(batch=B, ctx=ctx)
             n = ctx - NW
             int2_bytes = 2 * B * H_kv * n * (d // 4 + 2 * 4 * d // G)   # codes + scales + zeros
             win_bytes = 2 * B * H_kv * NW * d * 2
             bf16_bytes = 2 * B * H_kv * ctx * d * 2
-            free, _ = torch.cuda.mem_get_info(device)
-            if 2.5 * (int2_bytes + win_bytes + bf16_bytes) > free:
-                print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)")
+            if deadline is not None and time.monotonic() > deadline:
+                yield dict(row, skipped="out of time")
+                continue
+            if device.type == "cuda" and \
+                    2.5 * (int2_bytes + win_bytes + bf16_bytes) > torch.cuda.mem_get_info(device)[0]:
+                yield dict(row, skipped="does not fit in memory")
                 continue
             args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
             sizes = _check_inputs(*args.values(), None, None)
             sizes.update(_check_values(args["k_codes"], args["block_table"], args["n_quant"],
                                        args["win_len"], sizes))
-            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4, P)["BLOCK_N"]),
-                                         device)
+            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, H_q // H_kv, P)
+                                                             ["BLOCK_N"]), device)
             part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
-            t_int2 = do_bench_cudagraph(
-                lambda args=args: _launch(*args.values(), splits, None, sizes)) * 1e3
+            row["splits"] = splits
+            row["int2_us"] = bench(lambda: _launch(*args.values(), splits, None, sizes))
+            row["gbs"] = (int2_bytes + win_bytes + part_bytes + io_bytes) / (row["int2_us"] * 1e-6) / 1e9
             del args
             # Contiguous bf16 cache: the query heads of a KV head act as its query rows.
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
             v = torch.randn_like(k)
             qb = torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
-            t_bf16 = do_bench_cudagraph(lambda qb=qb, k=k, v=v: F.scaled_dot_product_attention(qb, k, v)) * 1e3
-            del k, v
-            # Paged bf16 cache, same shuffled-page layout as the INT2 one.
-            blocks = triton.cdiv(ctx, P)
-            k_pages = torch.randn(B * blocks, H_kv, P, d, dtype=torch.bfloat16, device=device)
-            v_pages = torch.randn_like(k_pages)
-            table = torch.randperm(B * blocks, device=device).view(B, blocks)
-            qp = qb.reshape(B, H_q, d)
-            t_paged = do_bench_cudagraph(lambda qp=qp, k_pages=k_pages, v_pages=v_pages:
-                                         _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx)) * 1e3
-            del k_pages, v_pages, qb, qp
-            torch.cuda.empty_cache()
-            gbs = (int2_bytes + win_bytes + part_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
-            pct = f"{100 * gbs / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
-            print(f"{B:>5} {ctx:>7} {splits:>6} {t_int2:>9.1f} {gbs:>7.0f} {pct}"
-                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x {t_paged:>9.1f}"
-                  f" {t_paged / t_int2:>6.2f}x")
+            row["backend"], attend = _sdpa(qb, k, v)
+            row["bf16_us"] = bench(attend)
+            row["bf16_gbs"] = bf16_bytes / (row["bf16_us"] * 1e-6) / 1e9
+            del k, v, attend
+            if paged:
+                # Paged bf16 cache, same shuffled-page layout as the INT2 one.
+                blocks = triton.cdiv(ctx, P)
+                k_pages = torch.randn(B * blocks, H_kv, P, d, dtype=torch.bfloat16, device=device)
+                v_pages = torch.randn_like(k_pages)
+                table = torch.randperm(B * blocks, device=device).view(B, blocks)
+                qp = qb.reshape(B, H_q, d)
+                row["paged_us"] = bench(lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx))
+                del k_pages, v_pages
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            yield row
 
 
-# ----------------------------------------------------------------------------
-# Static analysis (python kernel.py --sass): compile for a GPU without one
-# ----------------------------------------------------------------------------
+def _print_bench(rows, peak_gbs):
+    """One table, a line per row as it comes (GB/s of the INT2 kernel, % of peak, speed-up
+    over the bf16 SDPA decode, whose backend is named, and over the paged bf16 one)."""
+    print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
+          f" {'bf16 us':>9} {'x bf16':>7} {'SDPA backend':>17} {'paged us':>9} {'x paged':>7}",
+          flush=True)
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['batch']:>5} {r['ctx']:>7}  skipped ({r['skipped']})", flush=True)
+            continue
+        pct = f"{100 * r['gbs'] / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
+        paged = (f" {r['paged_us']:>9.1f} {r['paged_us'] / r['int2_us']:>6.2f}x"
+                 if "paged_us" in r else f" {'-':>9} {'-':>7}")
+        print(f"{r['batch']:>5} {r['ctx']:>7} {r['splits']:>6} {r['int2_us']:>9.1f} "
+              f"{r['gbs']:>7.0f} {pct} {r['bf16_us']:>9.1f} {r['bf16_us'] / r['int2_us']:>6.2f}x "
+              f"{r['backend']:>17}{paged}", flush=True)
+
+
+def _peak_gbs(device, peak_gbs=None):
+    """(device name, peak HBM GB/s or None) for the %peak column."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
+    if peak_gbs is None:
+        peak_gbs = next((gbs for key, gbs in _PEAK_GBS if key in name), None)
+    return name, peak_gbs
+
+
+def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
+           device="cuda"):
+    """python kernel.py --bench: the tiny correctness check, then the table."""
+    device = torch.device(device)
+    name, peak_gbs = _peak_gbs(device, peak_gbs)
+    s = _BENCH_SHAPE
+    print(f"device: {name}; peak HBM: {peak_gbs or 'unknown'} GB/s; triton {triton.__version__}, "
+          f"torch {torch.__version__}")
+    print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
+    print(f"H_q={s['H_q']} H_kv={s['H_kv']} d={s['d']} G={s['G']} page={s['P']} "
+          f"window=bf16 sink {s['sink']} + recent {s['recent']}")
+    _print_bench(_bench_rows(batches, contexts, device, s), peak_gbs)
+
+
+# ---- python kernel.py --gpu-check: everything a lent GPU should confirm, in one command ----
+_GPU_CHECK_SECONDS = 480          # the whole check, start-up of the tests included
+
+
+def _check_decode_step(device, small):
+    """optr.decode_step through optr.PagedKVCache on `device` with bf16 windows: every
+    layer's kernel output equals optr.paged_decode_reference on the same paged view, token
+    after token, as INT2 tokens fill several pages.  Returns (ok, detail)."""
+    import optr
+    d = 64 if small else 128
+    cfg = optr.Config(n_heads=8, n_kv_heads=2, head_dim=d, d_model=128, group_size=d,
+                      sink=2, window=6, page_size=4 if small else 16)
+    torch.manual_seed(0)
+    model = optr.TinyLM(cfg)
+    kv = [optr.KVQuant(r_k=optr.quarot_rotation(cfg.n_kv_heads, d),
+                       r_v=optr.quarot_rotation(cfg.n_kv_heads, d)) for _ in range(cfg.n_layers)]
+    folded = optr.fold_value_rotation(model, kv).to(device)
+    kv = [optr.KVQuant(r_k=s.r_k.to(device), r_v=s.r_v.to(device)) for s in kv]
+    steps, B = (16 if small else 120), 3
+    num_pages = B * triton.cdiv(steps, cfg.page_size) + 2
+    cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device,
+                              page_order=torch.randperm(num_pages).tolist())
+    seqs = [cache.add_sequence() for _ in range(B)]
+    worst = [0.0]
+
+    def both(q, **view):
+        out = int2_paged_decode(q, **view)
+        ref = paged_decode_reference(q, **view)
+        worst[0] = max(worst[0], ((out - ref).abs() / (1e-5 + 1e-4 * ref.abs())).max().item())
+        return out
+
+    tokens = torch.randint(0, cfg.vocab_size, (steps, B), device=device)
+    for t in range(steps):
+        logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=both)
+    ok = worst[0] <= 1.0 and bool(torch.isfinite(logits).all())
+    return ok, (f"{steps} steps x {cfg.n_layers} layers, B={B}, d={d}, "
+                f"{int(cache.layer_view(0, seqs)['n_quant'][0])} INT2 tokens; max |err| / "
+                f"(1e-5 + 1e-4 |ref|) = {worst[0]:.2f} (pass <= 1)")
+
+
+def _check_cuda_graph(device, small):
+    """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
+    in place (new queries, shorter sequences) equals the eager reference on the new
+    inputs.  Without CUDA (the dry run) the launch is simply called again."""
+    torch.manual_seed(1)
+    s = _DRY_SHAPE if small else _BENCH_SHAPE
+    n, NW = (40 if small else 3000), s["sink"] + s["recent"]
+    args = _random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW,
+                          torch.bfloat16, device)
+    run = lambda: int2_paged_decode(**args, checked=False)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()                                   # compile and warm up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        replay = lambda: (graph.replay(), out)[1]
+    else:
+        replay = run
+    errors = []
+    for step in range(3):
+        args["q"].copy_(torch.randn_like(args["q"]))
+        args["n_quant"].copy_(torch.tensor([n - 7 * step, n // 2 + step], dtype=torch.int32))
+        args["win_len"].copy_(torch.tensor([NW, NW - step], dtype=torch.int32))
+        got = replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ref = paged_decode_reference(**args)
+        errors.append((got - ref).abs().max().item())
+    ok = max(errors) <= 2e-5
+    return ok, f"3 replays with new q and lengths; max abs error vs reference {max(errors):.2e}"
+
+
+def _kernel_tests(small, seconds):
+    """The kernel tests of the test file (its KERNEL_TESTS), run by pytest in a child
+    process on this machine's device.  The dry run only collects them.  (ok, detail)."""
+    import subprocess
+    path = _kernel_test_file(None)
+    names = _test_module(path).KERNEL_TESTS
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+    cmd += ["--collect-only"] if small else []
+    cmd += [f"{path}::{name}" for name in names]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds,
+                           cwd=os.path.dirname(path))
+    except subprocess.TimeoutExpired:
+        return False, f"{len(names)} test functions: timed out after {seconds:.0f} s"
+    lines = [l for l in r.stdout.strip().splitlines() if l.strip()]
+    summary = lines[-1] if lines else r.stderr.strip()[-300:]
+    if r.returncode != 0:
+        print(r.stdout[-6000:] + r.stderr[-2000:], flush=True)
+    return r.returncode == 0, f"{len(names)} test functions: {summary}"
+
+
+def gpu_check(small=False, peak_gbs=None):
+    """python kernel.py --gpu-check, for a lent GPU (at most _GPU_CHECK_SECONDS): a tiny
+    kernel-vs-reference check, optr.decode_step on the device, a CUDA-graph capture and
+    replay, the kernel tests on the device and the bench table (batch 1 and 8, 4k to 128k
+    tokens; rows past the time limit are skipped), then a summary.  small=True is the dry run on the CPU interpreter: the same
+    steps at small sizes, the tests collected but not run.  Returns the exit status."""
+    import time
+    start = time.monotonic()
+    device = torch.device("cpu" if small else "cuda")
+    name, peak_gbs = _peak_gbs(device, peak_gbs)
+    print(f"gpu-check on {name}: triton {triton.__version__}, torch {torch.__version__}, "
+          f"peak HBM {peak_gbs or 'unknown'} GB/s", flush=True)
+    results = []
+
+    def step(what, fn):
+        t0 = time.monotonic()
+        try:
+            ok, detail = fn()
+        except Exception as e:                       # a failure is a result here
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        results.append((what, ok, detail, time.monotonic() - t0))
+        print(f"[{'ok' if ok else 'FAIL'}] {what} ({time.monotonic() - t0:.0f} s): {detail}",
+              flush=True)
+
+    step("tiny kernel vs reference", lambda: ((e := _tiny_check(device)) < 1e-5, f"max abs err {e:.2e}"))
+    step("decode_step via PagedKVCache, bf16 windows", lambda: _check_decode_step(device, small))
+    step("CUDA graph capture + replay", lambda: _check_cuda_graph(device, small))
+
+    def bench():
+        s = _DRY_SHAPE if small else _BENCH_SHAPE
+        print(f"bench: H_q={s['H_q']} H_kv={s['H_kv']} d={s['d']} G={s['G']} page={s['P']} "
+              f"window=bf16 sink {s['sink']} + recent {s['recent']}; x bf16 = bf16 SDPA time / "
+              f"INT2 time", flush=True)
+        contexts = (24, 40) if small else (4096, 16384, 32768, 65536, 131072)
+        rows = []
+        _print_bench((rows.append(r) or r for r in _bench_rows(
+            (1, 2) if small else (1, 8), contexts, device, s, paged=False,
+            deadline=start + _GPU_CHECK_SECONDS - 20)), peak_gbs)
+        done = [r for r in rows if "skipped" not in r]
+        return len(done) == len(rows), f"{len(done)} of {len(rows)} rows timed"
+    left = _GPU_CHECK_SECONDS - (time.monotonic() - start)
+    step("kernel tests on the device", lambda: _kernel_tests(small, max(30.0, min(260.0, left - 120))))
+    step("bench", bench)
+
+    print(f"\n{'check':<45} {'result':<6} {'s':>5}  detail")
+    for what, ok, detail, seconds in results:
+        print(f"{what:<45} {'ok' if ok else 'FAIL':<6} {seconds:>5.0f}  {detail}")
+    print(f"total {time.monotonic() - start:.0f} s")
+    return 0 if all(ok for _, ok, _, _ in results) else 1
+
+
+# ============================================================================
+# Appendix A. Static analysis (python kernel.py --sass): compile for a GPU without one
+# ============================================================================
 # H200 figures the estimate rests on (printed with the result): HBM bandwidth, SMs, the
 # base and boost clocks (HBM bytes per SM-cycle depend on the clock), schedulers per SM.
 _H200 = dict(hbm_gbs=4800.0, sms=132, clocks_ghz=(1.755, 1.98), schedulers=4)
@@ -1379,26 +1573,54 @@ def sass_coverage(launches, archs=(90, 80), verbose=True, workers=1):
     return rows
 
 
-def _tested_launches(path):
-    """The launch shapes of the kernel tests: KERNEL_LAUNCHES of the test module at
-    `path` (None: the test_*.py file beside this one, or under tests/, that defines it),
-    plus the launcher's own small check (_tiny_check)."""
+def _kernel_test_file(path):
+    """The test file of the kernel: `path`, or (None) the test_*.py file beside this one,
+    or under tests/, that defines KERNEL_LAUNCHES."""
     import glob
-    import importlib.util
-    import sys
+    if path is not None:
+        return os.path.abspath(path)
     here = os.path.dirname(os.path.abspath(__file__))
+    files = sorted(glob.glob(os.path.join(here, "test_*.py"))
+                   + glob.glob(os.path.join(here, "tests", "test_*.py")))
+    path = next((f for f in files if "KERNEL_LAUNCHES" in open(f).read()), None)
     if path is None:
-        files = sorted(glob.glob(os.path.join(here, "test_*.py"))
-                       + glob.glob(os.path.join(here, "tests", "test_*.py")))
-        path = next((f for f in files if "KERNEL_LAUNCHES" in open(f).read()), None)
-        if path is None:
-            raise SystemExit("no test file beside kernel.py defines KERNEL_LAUNCHES; "
-                             "pass --tests PATH")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        raise SystemExit("no test file beside kernel.py defines KERNEL_LAUNCHES; "
+                         "pass --tests PATH")
+    return path
+
+
+def _test_module(path):
+    """The test module at `path`, imported (its KERNEL_LAUNCHES and KERNEL_TESTS)."""
+    import importlib.util
+    sys.path.insert(0, os.path.dirname(path))
     spec = importlib.util.spec_from_file_location("_kernel_tests", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(module.KERNEL_LAUNCHES) + [_TINY_LAUNCH]
+    return module
+
+
+def _gpu_check_launches():
+    """The launch shapes of --gpu-check at its full sizes: the bench rows, the CUDA-graph
+    launch (unchecked: splits sized from the block table) and the decode_step check (fp32
+    queries from the model, a block table as wide as the page pool, 1 or 2 splits)."""
+    s = _BENCH_SHAPE
+    NW = s["sink"] + s["recent"]
+    shape = dict(H_q=s["H_q"], H_kv=s["H_kv"], d=s["d"], G=s["G"], P=s["P"], NW=NW)
+    bench = [dict(shape, B=B, n_quant=ctx - NW) for B in (1, 8)
+             for ctx in (4096, 16384, 32768, 65536, 131072)]
+    blocks = triton.cdiv(3000, s["P"])
+    graph = [dict(shape, B=2, n_quant=3000, max_tokens=blocks * s["P"])]
+    decode = [dict(B=3, H_q=8, H_kv=2, d=128, G=128, P=16, NW=8, n_quant=n, num_pages=26,
+                   max_blocks=26, q_dtype="fp32") for n in (1, 112)]
+    return bench + graph + decode
+
+
+def _tested_launches(path):
+    """The launch shapes of the kernel tests (KERNEL_LAUNCHES of the test module at
+    `path`, see _kernel_test_file), of the launcher's own small check (_tiny_check) and
+    of --gpu-check."""
+    module = _test_module(_kernel_test_file(path))
+    return list(module.KERNEL_LAUNCHES) + [_TINY_LAUNCH] + _gpu_check_launches()
 
 
 def _sass_all_main(tests_path):
@@ -1423,6 +1645,44 @@ def _run_sass(all_configs=False, tests_path=None):
     raise SystemExit(r.returncode)
 
 
+# ============================================================================
+# Appendix B. Interpreter set-up (the switch itself is at the top, before triton is imported)
+# ============================================================================
+def _memoize_interpreter_scan():
+    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
+
+    On every call of a @triton.jit helper from a kernel (our _codes_fp16, _quarter_pv, ...,
+    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
+    re-patches triton.language, finding its builtins with inspect.getmembers over each
+    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
+    builtin names of a module never changes, so it is found once per module here; each
+    call still re-checks and patches every one of them exactly as before."""
+    import inspect
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "memoized", False) \
+            or not hasattr(interpreter, "_patch_attr"):
+        return                                    # another Triton layout: leave it alone
+    names = {}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
+                                    if tl.core.is_builtin(m)])
+        for name in names[id(pkg)][1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.memoized = True
+    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
+    interpreter._patch_builtin = patch_builtin
+
+
+if _INTERPRETED:
+    _memoize_interpreter_scan()
+
+
 def main():
     parser = argparse.ArgumentParser(description="INT2 paged decode attention kernel.")
     parser.add_argument("--bench", action="store_true",
@@ -1442,9 +1702,22 @@ def main():
     parser.add_argument("--tests", default=None,
                         help="with --sass --all: the test file that defines KERNEL_LAUNCHES "
                              "(default: the test_*.py beside kernel.py that does)")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="on a CUDA GPU (at most 8 minutes): a tiny check, optr.decode_step "
+                             "on the GPU, a CUDA-graph replay, the bench table (batch 1 and 8, "
+                             "4k-128k tokens) and the kernel tests; exits 2 without CUDA")
+    parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # CPU test
     args = parser.parse_args()
     if args.sass:
         _run_sass(args.all, args.tests)
+    if args.gpu_check:
+        if args.dry_run:
+            raise SystemExit(gpu_check(small=True, peak_gbs=args.peak_gbs))
+        if not torch.cuda.is_available() or _INTERPRETED:
+            print("--gpu-check needs a CUDA GPU and there is none here (or TRITON_INTERPRET=1 "
+                  "is set); nothing was checked", file=sys.stderr)
+            raise SystemExit(2)
+        raise SystemExit(gpu_check(peak_gbs=args.peak_gbs))
     if not args.bench:
         parser.print_help()
         return
