@@ -56,6 +56,13 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
         out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
 
+Reading order
+    The kernels first: _int2_decode_split_kernel (set-up, the loop over INT2 tiles,
+    the window tokens, the partial result) after the helpers it calls, the per-tile
+    body _int2_tile among them; then _merge_splits_kernel.  Then the launcher
+    (int2_paged_decode), --bench and --gpu-check, and two appendices: the static SASS
+    analysis (--sass) and the interpreter set-up.
+
 Launch paths
     int2_paged_decode(..., checked=True) also checks lengths and block-table
     entries on the host (a device sync); checked=False checks only shapes,
@@ -244,6 +251,48 @@ def _softmax_update(logits,         # fp32 logits in base-2 units, -inf if maske
 
 
 @triton.jit
+def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
+                head_mask,          # (BLOCK_H,) query heads that exist
+                qk_scale,           # sm_scale * log2(e)
+                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                FACTORED: tl.constexpr):
+    """The query as the INT2 loop takes it: (q, q_cols, q_sum, row_scale), tuples over the
+    quarters.  Factored: each head scaled into [-2^14, 2^14] (row_scale undoes it), and the
+    dot operands, hi and lo of every head side by side (_query_columns), quarter c times
+    4^-c, as it meets codes times 4^c (_codes_fp16); the sums serve the zeros."""
+    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+         for c in (0, 1, 2, 3)]
+    if FACTORED:
+        row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
+        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]),
+                           tl.maximum(row_max[2], row_max[3]))
+        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
+        q = [x * q_mul[:, None] for x in q]
+        row_scale = qk_scale / q_mul
+    else:
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
+    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
+    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
+    return q, q_cols, q_sum, row_scale
+
+
+@triton.jit
+def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
+                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(block, slot) of every token of a tile: its logical block (block-table column) and
+    its slot in that page.  A scalar block when a tile lies in one page; when a tile
+    holds whole pages the slots are the same for every tile (and leave the loop)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
+    elif BLOCK_N % PAGE_SIZE == 0:
+        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
+    else:
+        tok = tile * BLOCK_N + offs_n
+        return tok // PAGE_SIZE, tok % PAGE_SIZE
+
+
+@triton.jit
 def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
                     rows,           # (S, T) int64 element offset of each token's row
                     valid,          # (S, T) tokens that exist
@@ -317,22 +366,6 @@ def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query 
 
 
 @triton.jit
-def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
-                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """(block, slot) of every token of a tile: its logical block (block-table column) and
-    its slot in that page.  A scalar block when a tile lies in one page; when a tile
-    holds whole pages the slots are the same for every tile (and leave the loop)."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
-    elif BLOCK_N % PAGE_SIZE == 0:
-        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
-    else:
-        tok = tile * BLOCK_N + offs_n
-        return tok // PAGE_SIZE, tok % PAGE_SIZE
-
-
-@triton.jit
 def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
                m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
                q, q_cols, q_sum,    # the query, as _tile_logits takes it
@@ -367,6 +400,18 @@ def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running ou
 
 
 @triton.jit
+def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
+                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
+    """One softmax state from S: every sub-tile's state rescaled to the largest max and
+    summed; returns m, l (BLOCK_H,) and acc as 4 (BLOCK_H, W)."""
+    m = tl.max(m_i, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
+    l = tl.sum(l_i * w, axis=0)
+    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
+
+
+@triton.jit
 def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
                  m_i, l_i,          # (BLOCK_H,) softmax state
                  q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
@@ -389,43 +434,6 @@ def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outpu
     acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
            for c in (0, 1, 2, 3)]
     return acc, m_i, l_i
-
-
-@triton.jit
-def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
-                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
-    """One softmax state from S: every sub-tile's state rescaled to the largest max and
-    summed; returns m, l (BLOCK_H,) and acc as 4 (BLOCK_H, W)."""
-    m = tl.max(m_i, axis=0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
-    l = tl.sum(l_i * w, axis=0)
-    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
-
-
-@triton.jit
-def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
-                head_mask,          # (BLOCK_H,) query heads that exist
-                qk_scale,           # sm_scale * log2(e)
-                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                FACTORED: tl.constexpr):
-    """The query as the INT2 loop takes it: (q, q_cols, q_sum, row_scale), tuples over the
-    quarters.  Factored: each head scaled into [-2^14, 2^14] (row_scale undoes it), and the
-    dot operands, hi and lo of every head side by side (_query_columns), quarter c times
-    4^-c, as it meets codes times 4^c (_codes_fp16); the sums serve the zeros."""
-    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-         for c in (0, 1, 2, 3)]
-    if FACTORED:
-        q_max = tl.maximum(tl.maximum(tl.max(tl.abs(q[0]), axis=1), tl.max(tl.abs(q[1]), axis=1)),
-                           tl.maximum(tl.max(tl.abs(q[2]), axis=1), tl.max(tl.abs(q[3]), axis=1)))
-        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
-        q = [x * q_mul[:, None] for x in q]
-        row_scale = qk_scale / q_mul
-    else:
-        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
-    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
-    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
-    return q, q_cols, q_sum, row_scale
 
 
 @triton.jit
@@ -929,8 +937,8 @@ def _bench_rows(batches, contexts, device, shape, paged=True, deadline=None):
             if deadline is not None and time.monotonic() > deadline:
                 yield dict(row, skipped="out of time")
                 continue
-            if device.type == "cuda" and \
-                    2.5 * (int2_bytes + win_bytes + bf16_bytes) > torch.cuda.mem_get_info(device)[0]:
+            need = 2.5 * (int2_bytes + win_bytes + bf16_bytes)
+            if device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0]:
                 yield dict(row, skipped="does not fit in memory")
                 continue
             args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
@@ -943,7 +951,8 @@ def _bench_rows(batches, contexts, device, shape, paged=True, deadline=None):
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
             row["splits"] = splits
             row["int2_us"] = bench(lambda: _launch(*args.values(), splits, None, sizes))
-            row["gbs"] = (int2_bytes + win_bytes + part_bytes + io_bytes) / (row["int2_us"] * 1e-6) / 1e9
+            moved = int2_bytes + win_bytes + part_bytes + io_bytes
+            row["gbs"] = moved / (row["int2_us"] * 1e-6) / 1e9
             del args
             # Contiguous bf16 cache: the query heads of a KV head act as its query rows.
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
@@ -960,7 +969,8 @@ def _bench_rows(batches, contexts, device, shape, paged=True, deadline=None):
                 v_pages = torch.randn_like(k_pages)
                 table = torch.randperm(B * blocks, device=device).view(B, blocks)
                 qp = qb.reshape(B, H_q, d)
-                row["paged_us"] = bench(lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx))
+                row["paged_us"] = bench(
+                    lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx))
                 del k_pages, v_pages
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -1108,8 +1118,9 @@ def gpu_check(small=False, peak_gbs=None):
     """python kernel.py --gpu-check, for a lent GPU (at most _GPU_CHECK_SECONDS): a tiny
     kernel-vs-reference check, optr.decode_step on the device, a CUDA-graph capture and
     replay, the kernel tests on the device and the bench table (batch 1 and 8, 4k to 128k
-    tokens; rows past the time limit are skipped), then a summary.  small=True is the dry run on the CPU interpreter: the same
-    steps at small sizes, the tests collected but not run.  Returns the exit status."""
+    tokens; rows past the time limit are skipped), then a summary.  small=True is the dry
+    run on the CPU interpreter: the same steps at small sizes, the tests collected but not
+    run.  Returns the exit status."""
     import time
     start = time.monotonic()
     device = torch.device("cpu" if small else "cuda")
@@ -1128,7 +1139,8 @@ def gpu_check(small=False, peak_gbs=None):
         print(f"[{'ok' if ok else 'FAIL'}] {what} ({time.monotonic() - t0:.0f} s): {detail}",
               flush=True)
 
-    step("tiny kernel vs reference", lambda: ((e := _tiny_check(device)) < 1e-5, f"max abs err {e:.2e}"))
+    step("tiny kernel vs reference",
+         lambda: ((e := _tiny_check(device)) < 1e-5, f"max abs err {e:.2e}"))
     step("decode_step via PagedKVCache, bf16 windows", lambda: _check_decode_step(device, small))
     step("CUDA graph capture + replay", lambda: _check_cuda_graph(device, small))
 
@@ -1145,7 +1157,8 @@ def gpu_check(small=False, peak_gbs=None):
         done = [r for r in rows if "skipped" not in r]
         return len(done) == len(rows), f"{len(done)} of {len(rows)} rows timed"
     left = _GPU_CHECK_SECONDS - (time.monotonic() - start)
-    step("kernel tests on the device", lambda: _kernel_tests(small, max(30.0, min(260.0, left - 120))))
+    step("kernel tests on the device",
+         lambda: _kernel_tests(small, max(30.0, min(260.0, left - 120))))
     step("bench", bench)
 
     print(f"\n{'check':<45} {'result':<6} {'s':>5}  detail")
