@@ -3440,16 +3440,17 @@ def test_sass_stage1_has_no_spills(sass_sm90):
 
 def test_sass_int2_loop_instruction_budget(sass_sm90):
     """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
-    tokens (the hi / lo split does not double the dots); at most 0.45 issued instructions
-    (all warps) per byte of the K+V tile it reads (0.39 measured; 0.78 before the
+    tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
+    (all warps) per byte of the K+V tile it reads (0.38 measured; 0.78 before the
     sub-tiles and word unpacking, 2.04 with fp32 dequantization and I2F), so issue cycles
-    per tile stay under 2.3x the HBM cycles at 1.755 GHz (2.03 measured)."""
+    per tile stay at most 2.03x the HBM cycles at 1.755 GHz (1.96 measured with triton
+    3.7.1, 2.00 with 3.6.0)."""
     r = sass_sm90
     assert r["counts"]["I2F"] == 0, r["counts"]
     assert r["counts"]["HMMA"] * 64 / r["tokens"] <= 16, r["counts"]
     per_byte = r["loop"] * r["warps"] / (r["tile_bytes"] * r["tokens"] / 64)
-    assert per_byte <= 0.45, (per_byte, r["counts"])
-    assert r["ratio"] <= 2.3, r
+    assert per_byte <= 0.40, (per_byte, r["counts"])
+    assert r["ratio"] <= 2.03, r
 
 
 def test_pipe_model_counts_by_class():
