@@ -904,8 +904,8 @@ def _sdpa(q, k, v):
     this shape (flash, cuDNN, memory-efficient, math), so the table can name it."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH):
+    names = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    for backend in (getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)):
         def fn(backend=backend):
             with sdpa_kernel(backend):
                 return F.scaled_dot_product_attention(q, k, v)
