@@ -56,6 +56,13 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
         out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
 
+Reading order
+    The kernels first: _int2_decode_split_kernel (set-up, the loop over INT2 tiles,
+    the window tokens, the partial result) after the helpers it calls, the per-tile
+    body _int2_tile among them; then _merge_splits_kernel.  Then the launcher
+    (int2_paged_decode), --bench and --gpu-check, and two appendices: the static SASS
+    analysis (--sass) and the interpreter set-up.
+
 Launch paths
     int2_paged_decode(..., checked=True) also checks lengths and block-table
     entries on the host (a device sync); checked=False checks only shapes,
@@ -77,6 +84,7 @@ if not torch.cuda.is_available():
 import argparse
 import functools
 import math
+import sys
 
 import triton
 import triton.language as tl
@@ -84,41 +92,6 @@ import triton.language as tl
 from optr import paged_decode_reference  # the pure-torch decode this kernel must match
 
 _INTERPRETED = bool(triton.knobs.runtime.interpret)  # what @triton.jit below will use
-
-
-def _memoize_interpreter_scan():
-    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
-
-    On every call of a @triton.jit helper from a kernel (our _codes_fp16, _quarter_pv, ...,
-    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
-    re-patches triton.language, finding its builtins with inspect.getmembers over each
-    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
-    builtin names of a module never changes, so it is found once per module here; each
-    call still re-checks and patches every one of them exactly as before."""
-    import inspect
-    from triton.runtime import interpreter
-    original = getattr(interpreter, "_patch_builtin", None)
-    if original is None or getattr(original, "memoized", False) \
-            or not hasattr(interpreter, "_patch_attr"):
-        return                                    # another Triton layout: leave it alone
-    names = {}
-
-    def patch_builtin(pkg, builder, scope):
-        if id(pkg) not in names:
-            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
-                                    if tl.core.is_builtin(m)])
-        for name in names[id(pkg)][1]:
-            member = getattr(pkg, name)
-            if tl.core.is_builtin(member):
-                interpreter._patch_attr(pkg, name, member, builder, scope)
-
-    patch_builtin.memoized = True
-    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
-    interpreter._patch_builtin = patch_builtin
-
-
-if _INTERPRETED:
-    _memoize_interpreter_scan()
 _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 1024
 
@@ -184,9 +157,11 @@ def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
 
 @triton.jit
 def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
-                   unit,            # power of two the quarter is multiplied by
+                   SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
                    S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(S, W, 2 * BLOCK_H) fp16: q * unit transposed, as hi / lo columns, for every sub-tile."""
+    """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns, for
+    every sub-tile."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
     q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
     return _hi_lo_columns(q_t, S, W, BLOCK_H)
 
@@ -276,19 +251,189 @@ def _softmax_update(logits,         # fp32 logits in base-2 units, -inf if maske
 
 
 @triton.jit
+def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
+                head_mask,          # (BLOCK_H,) query heads that exist
+                qk_scale,           # sm_scale * log2(e)
+                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                FACTORED: tl.constexpr):
+    """The query as the INT2 loop takes it: (q, q_cols, q_sum, row_scale), tuples over the
+    quarters.  Factored: each head scaled into [-2^14, 2^14] (row_scale undoes it), and the
+    dot operands, hi and lo of every head side by side (_query_columns), quarter c times
+    4^-c, as it meets codes times 4^c (_codes_fp16); the sums serve the zeros."""
+    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
+         for c in (0, 1, 2, 3)]
+    if FACTORED:
+        row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
+        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]),
+                           tl.maximum(row_max[2], row_max[3]))
+        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
+        q = [x * q_mul[:, None] for x in q]
+        row_scale = qk_scale / q_mul
+    else:
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
+    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
+    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
+    return q, q_cols, q_sum, row_scale
+
+
+@triton.jit
+def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
+                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(block, slot) of every token of a tile: its logical block (block-table column) and
+    its slot in that page.  A scalar block when a tile lies in one page; when a tile
+    holds whole pages the slots are the same for every tile (and leave the loop)."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
+    elif BLOCK_N % PAGE_SIZE == 0:
+        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
+    else:
+        tok = tile * BLOCK_N + offs_n
+        return tok // PAGE_SIZE, tok % PAGE_SIZE
+
+
+@triton.jit
+def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
+                    rows,           # (S, T) int64 element offset of each token's row
+                    valid,          # (S, T) tokens that exist
+                    offs_w,         # (W,) dims of a quarter, in the order of the codes
+                    C: tl.constexpr,  # the quarter, 0 .. 3
+                    W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
+    """(scale, zero) of quarter C of every token: (S, T) each when the quarter lies in one
+    group (FACTORED), else (S, T, W), the group of every dim.  0 for missing tokens."""
+    if FACTORED:
+        group: tl.constexpr = C * W // GROUP_SIZE
+        return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
+                tl.load(zero_ptr + rows + group, mask=valid, other=0.0))
+    else:
+        cols = rows[:, :, None] + ((C * W + offs_w) // GROUP_SIZE)[None, None, :]
+        return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
+                tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
+
+
+@triton.jit
+def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
+                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 FACTORED: tl.constexpr):
+    """The four quarters' (scale, zero), a tuple indexed by quarter (one load per group
+    when a row is one group: every quarter shares it)."""
+    if FACTORED and NUM_GROUPS == 1:
+        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
+                                 FACTORED)
+        return params, params, params, params
+    else:
+        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
+                                FACTORED) for c in (0, 1, 2, 3)]
+
+
+@triton.jit
+def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
+                 q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
+                 q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
+                 packed,            # (S, T, W // 4) uint32 key code words of the tile
+                 params,            # tuple of 4 (scale, zero), as _tile_params
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                 NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """(S, T, BLOCK_H) logits of the tile, before row_scale: the sum over the quarters of
+    q.k.  Factored: s * (q.c - z * sum(q)) with the codes' tokens on the MMA's 16-row side
+    and the heads' hi / lo columns on its 8-column side."""
+    if FACTORED:
+        no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
+        if NUM_GROUPS == 1:
+            # One group: the four quarter dots chain into one accumulator.
+            t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
+            for c in tl.static_range(1, 4):
+                t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
+            scale, zero = params[0]
+            q_total = q_sum[0] + q_sum[1] + q_sum[2] + q_sum[3]
+            return scale[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - zero[:, :, None] * q_total)
+        else:
+            logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
+            for c in tl.static_range(4):
+                scale, zero = params[c]
+                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
+                               S, T, BLOCK_H)
+                logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
+            return logits
+    else:
+        logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
+        for c in tl.static_range(4):
+            scale, zero = params[c]
+            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+        return logits
+
+
+@triton.jit
+def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
+               m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
+               q, q_cols, q_sum,    # the query, as _tile_logits takes it
+               row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
+               k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
+               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
+               code_rows,           # (S, T) int64 offset of each token's code row, in words
+               param_rows,          # (S, T) int64 element offset of its scale / zero row
+               valid,               # (S, T) tokens that exist (the rest read nothing)
+               offs_w,              # (W,) dims of a quarter, in the order of the codes
+               S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of S x T INT2 tokens: load its codes (one load of the packed rows of K
+    and of V, as 32-bit words; the quarters are the bit fields of their bytes) and its
+    scales and zeros, compute the logits, update the online softmax of every sub-tile
+    and add P.V to each quarter's output.  Returns (acc, m_i, l_i)."""
+    words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
+    k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
+    v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
+    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
+                          NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
+    logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
+    acc = [_quarter_pv(acc[c], alpha, p, v_packed, v_params[c][0], v_params[c][1], 2 * c,
+                       S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+
+@triton.jit
 def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
-                     acc0, acc1, acc2, acc3):  # (S, W, BLOCK_H) running outputs
+                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
     """One softmax state from S: every sub-tile's state rescaled to the largest max and
-    summed; returns m, l (BLOCK_H,) and acc0..acc3 as (BLOCK_H, W)."""
+    summed; returns m, l (BLOCK_H,) and acc as 4 (BLOCK_H, W)."""
     m = tl.max(m_i, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
     w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
     l = tl.sum(l_i * w, axis=0)
-    acc0 = tl.trans(tl.sum(acc0 * w[:, None, :], axis=0))
-    acc1 = tl.trans(tl.sum(acc1 * w[:, None, :], axis=0))
-    acc2 = tl.trans(tl.sum(acc2 * w[:, None, :], axis=0))
-    acc3 = tl.trans(tl.sum(acc3 * w[:, None, :], axis=0))
-    return m, l, acc0, acc1, acc2, acc3
+    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
+
+
+@triton.jit
+def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
+                 m_i, l_i,          # (BLOCK_H,) softmax state
+                 q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
+                 win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
+                 rows,              # (BLOCK_W, 1) element offset of each window token's row
+                 valid,             # (BLOCK_W,) window slots that hold a token
+                 offs_w,            # (W,) dims of a quarter, in the order of the codes
+                 qk_scale,          # sm_scale * log2(e)
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of full-precision window tokens, fp32 dots (3xTF32 on sm80+); the output
+    is kept per quarter in the order of the INT2 tokens'.  Returns (acc, m_i, l_i)."""
+    W: tl.constexpr = HEAD_DIM // 4
+    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
+    v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
+                 other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
+    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
+           for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -328,64 +473,29 @@ def _int2_decode_split_kernel(
         FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
         DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
 ):
-    pid_b = tl.program_id(0)
-    pid_kv = tl.program_id(1)
-    split = tl.program_id(2)
+    pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch = pid_b.to(tl.int64)
-    W: tl.constexpr = HEAD_DIM // 4        # dims per quarter-row
-    USE_DOT: tl.constexpr = W >= 16        # tl.dot needs a reduction dim >= 16
+    W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
     S: tl.constexpr = SUB_TILES
     T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
-    # All query heads that share this KV head, as four quarter-rows: quarter c holds
-    # dims c*W .. c*W + W-1, the dims stored in bit field c of the code bytes.  Within a
-    # quarter the dims are in the order _codes_fp16 unpacks them (offs_w): the query,
-    # the scales and zeros, the window values and the output all use that order, so the
-    # codes are never reordered.
+    # All query heads that share this KV head, as four quarter-rows: quarter c holds dims
+    # c*W .. c*W + W-1, the dims stored in bit field c of the code bytes, in the order
+    # _codes_fp16 unpacks them (offs_w).  The query, the scales and zeros, the window
+    # values and the output all use that order, so the codes are never reordered.
     offs_h = tl.arange(0, BLOCK_H)
     head_mask = offs_h < QUERIES_PER_KV
     q_heads = pid_kv * QUERIES_PER_KV + offs_h
-    offs_w = _quarter_dims(W)              # dims of a quarter, in the order of the codes
-    q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_w[None, :]
-    q0 = tl.load(q_rows + 0 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    q1 = tl.load(q_rows + 1 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    q2 = tl.load(q_rows + 2 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    q3 = tl.load(q_rows + 3 * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-    # Factored path: scale each head's query into [-2^14, 2^14] and split it into two
-    # fp16 parts; the logits are scaled back by row_scale.
-    q_max = tl.maximum(tl.maximum(tl.max(tl.abs(q0), axis=1), tl.max(tl.abs(q1), axis=1)),
-                       tl.maximum(tl.max(tl.abs(q2), axis=1), tl.max(tl.abs(q3), axis=1)))
-    q_max = tl.where(q_max > 0, q_max, 1.0)
-    if FACTORED:
-        q_mul = 16384.0 / q_max
-        row_scale = qk_scale / q_mul                        # (BLOCK_H,)
-    else:
-        q_mul = tl.full([BLOCK_H], 1.0, tl.float32)
-        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
-    q0 = q0 * q_mul[:, None]
-    q1 = q1 * q_mul[:, None]
-    q2 = q2 * q_mul[:, None]
-    q3 = q3 * q_mul[:, None]
-    # Factored path: the (S, W, 2 * BLOCK_H) dot operands, hi and lo of every head side by
-    # side, the same for every sub-tile; and the sums of the quarters, for the zeros.
-    # Quarter c meets codes times 4^c (see _codes_fp16), so it is scaled by 4^-c (exact).
-    q0_cols = _query_columns(q0, 1.0, S, W, BLOCK_H)
-    q1_cols = _query_columns(q1, 1.0 / 4, S, W, BLOCK_H)
-    q2_cols = _query_columns(q2, 1.0 / 16, S, W, BLOCK_H)
-    q3_cols = _query_columns(q3, 1.0 / 64, S, W, BLOCK_H)
-    q0_sum = tl.sum(q0, axis=1)[None, None, :]
-    q1_sum = tl.sum(q1, axis=1)[None, None, :]
-    q2_sum = tl.sum(q2, axis=1)[None, None, :]
-    q3_sum = tl.sum(q3, axis=1)[None, None, :]
+    offs_w = _quarter_dims(W)
+    q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh
+    q, q_cols, q_sum, row_scale = _load_query(q_rows + offs_w[None, :], head_mask, qk_scale,
+                                              S, W, BLOCK_H, FACTORED)
 
     # Softmax state and outputs of each sub-tile of T tokens (a warp's share of a tile at
     # the default sizes): no reduction crosses sub-tiles inside the loop; one merge after.
     m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
-    acc0 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)   # output dims of quarter 0, transposed
-    acc1 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
-    acc2 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
-    acc3 = tl.zeros([S, W, BLOCK_H], dtype=tl.float32)
+    acc = [tl.zeros([S, W, BLOCK_H], dtype=tl.float32) for _ in (0, 1, 2, 3)]  # transposed
 
     # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
     n_quant = tl.load(n_quant_ptr + pid_b)
@@ -395,173 +505,48 @@ def _int2_decode_split_kernel(
     last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
     offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
     bt_row = block_table_ptr + batch * stride_btb
-    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))
-    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))
-    offs_word = tl.arange(0, W // 4)
-    TILE_IN_PAGE: tl.constexpr = PAGE_SIZE % BLOCK_N == 0    # a tile never crosses a page
+    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))   # a code row is d/4 bytes,
+    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))   # loaded as 32-bit words
+    n_blocks = tl.cdiv(n_quant, PAGE_SIZE)                   # block-table entries in use
     # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
-    if TILE_IN_PAGE:
-        page_next = tl.load(bt_row + (first_tile * BLOCK_N) // PAGE_SIZE,
-                            mask=first_tile < last_tile, other=0)
-    else:
-        tok0 = first_tile * BLOCK_N + offs_n
-        page_next = tl.load(bt_row + tok0 // PAGE_SIZE,
-                            mask=(first_tile < last_tile) & (tok0 < n_quant), other=0)
-    # General path: the group of every dim of each quarter (the same for every tile).
-    group_of_dim0 = ((0 * W + offs_w) // GROUP_SIZE)[None, None, :]
-    group_of_dim1 = ((1 * W + offs_w) // GROUP_SIZE)[None, None, :]
-    group_of_dim2 = ((2 * W + offs_w) // GROUP_SIZE)[None, None, :]
-    group_of_dim3 = ((3 * W + offs_w) // GROUP_SIZE)[None, None, :]
+    blk = _tile_blocks(first_tile, offs_n, BLOCK_N, PAGE_SIZE)[0]
+    page_next = tl.load(bt_row + blk, mask=(first_tile < last_tile) & (blk < n_blocks), other=0)
     for tile in range(first_tile, last_tile):
-        tok = tile * BLOCK_N + offs_n
-        valid = tok < n_quant
         page = page_next.to(tl.int64)
-        tok_next = tok + BLOCK_N
-        if TILE_IN_PAGE:
-            page_next = tl.load(bt_row + ((tile + 1) * BLOCK_N) // PAGE_SIZE,
-                                mask=tile + 1 < last_tile, other=0)
-            slot = (tile * BLOCK_N) % PAGE_SIZE + offs_n
-        else:
-            page_next = tl.load(bt_row + tok_next // PAGE_SIZE,
-                                mask=(tile + 1 < last_tile) & (tok_next < n_quant), other=0)
-            slot = tok % PAGE_SIZE
-        code_rows = page * stride_cp + pid_kv * stride_ch + slot * stride_cn    # (S, T)
-        param_rows = page * stride_sp + pid_kv * stride_sh + slot * stride_sn
-        # One load of the packed rows per tile, as 32-bit words (a row is d/4 bytes, a
-        # multiple of 4); the four quarters are the bit fields of its bytes.
-        words = (code_rows // 4)[:, :, None] + offs_word[None, None, :]
-        k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
-        v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
-        if FACTORED:
-            # Quarter c lies in group c * NUM_GROUPS // 4: (S, T) scale and zero each.
-            ks0 = tl.load(k_scale_ptr + param_rows, mask=valid, other=0.0)
-            kz0 = tl.load(k_zero_ptr + param_rows, mask=valid, other=0.0)
-            vs0 = tl.load(v_scale_ptr + param_rows, mask=valid, other=0.0)
-            vz0 = tl.load(v_zero_ptr + param_rows, mask=valid, other=0.0)
-            if NUM_GROUPS == 1:
-                ks1, kz1, vs1, vz1 = ks0, kz0, vs0, vz0
-                ks2, kz2, vs2, vz2 = ks0, kz0, vs0, vz0
-                ks3, kz3, vs3, vz3 = ks0, kz0, vs0, vz0
-            else:
-                g1: tl.constexpr = NUM_GROUPS // 4
-                g2: tl.constexpr = 2 * NUM_GROUPS // 4
-                g3: tl.constexpr = 3 * NUM_GROUPS // 4
-                ks1 = tl.load(k_scale_ptr + param_rows + g1, mask=valid, other=0.0)
-                kz1 = tl.load(k_zero_ptr + param_rows + g1, mask=valid, other=0.0)
-                vs1 = tl.load(v_scale_ptr + param_rows + g1, mask=valid, other=0.0)
-                vz1 = tl.load(v_zero_ptr + param_rows + g1, mask=valid, other=0.0)
-                ks2 = tl.load(k_scale_ptr + param_rows + g2, mask=valid, other=0.0)
-                kz2 = tl.load(k_zero_ptr + param_rows + g2, mask=valid, other=0.0)
-                vs2 = tl.load(v_scale_ptr + param_rows + g2, mask=valid, other=0.0)
-                vz2 = tl.load(v_zero_ptr + param_rows + g2, mask=valid, other=0.0)
-                ks3 = tl.load(k_scale_ptr + param_rows + g3, mask=valid, other=0.0)
-                kz3 = tl.load(k_zero_ptr + param_rows + g3, mask=valid, other=0.0)
-                vs3 = tl.load(v_scale_ptr + param_rows + g3, mask=valid, other=0.0)
-                vz3 = tl.load(v_zero_ptr + param_rows + g3, mask=valid, other=0.0)
-        else:
-            # General path: per-dim scale and zero of each quarter, (S, T, W).
-            pm = valid[:, :, None]
-            pr = param_rows[:, :, None]
-            ks0 = tl.load(k_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            kz0 = tl.load(k_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            vs0 = tl.load(v_scale_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            vz0 = tl.load(v_zero_ptr + pr + group_of_dim0, mask=pm, other=0.0)
-            ks1 = tl.load(k_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            kz1 = tl.load(k_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            vs1 = tl.load(v_scale_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            vz1 = tl.load(v_zero_ptr + pr + group_of_dim1, mask=pm, other=0.0)
-            ks2 = tl.load(k_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            kz2 = tl.load(k_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            vs2 = tl.load(v_scale_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            vz2 = tl.load(v_zero_ptr + pr + group_of_dim2, mask=pm, other=0.0)
-            ks3 = tl.load(k_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-            kz3 = tl.load(k_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-            vs3 = tl.load(v_scale_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-            vz3 = tl.load(v_zero_ptr + pr + group_of_dim3, mask=pm, other=0.0)
-
-        # Logits (S, T, BLOCK_H): tokens on the MMA's 16-row side, the hi / lo columns of
-        # the heads on its 8-column side.
-        if FACTORED:
-            # q.k = sum over quarters of s * (q.c - z * sum(q)), s and z of the quarter's group.
-            no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
-            if NUM_GROUPS == 1:
-                # One group: the four quarter dots chain into one accumulator.
-                t = _quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W)
-                t = _quarter_dot(k_packed, q1_cols, t, 2, S, T, W)
-                t = _quarter_dot(k_packed, q2_cols, t, 4, S, T, W)
-                t = _quarter_dot(k_packed, q3_cols, t, 6, S, T, W)
-                q_sum = q0_sum + q1_sum + q2_sum + q3_sum
-                logits = ks0[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - kz0[:, :, None] * q_sum)
-            else:
-                t = _add_hi_lo(_quarter_dot(k_packed, q0_cols, no_acc, 0, S, T, W), S, T, BLOCK_H)
-                logits = ks0[:, :, None] * (t - kz0[:, :, None] * q0_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q1_cols, no_acc, 2, S, T, W), S, T, BLOCK_H)
-                logits += ks1[:, :, None] * (t - kz1[:, :, None] * q1_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q2_cols, no_acc, 4, S, T, W), S, T, BLOCK_H)
-                logits += ks2[:, :, None] * (t - kz2[:, :, None] * q2_sum)
-                t = _add_hi_lo(_quarter_dot(k_packed, q3_cols, no_acc, 6, S, T, W), S, T, BLOCK_H)
-                logits += ks3[:, :, None] * (t - kz3[:, :, None] * q3_sum)
-        else:
-            logits = _quarter_logits(q0, k_packed, ks0, kz0, 0, S, T, W, BLOCK_H,
-                                     USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q1, k_packed, ks1, kz1, 2, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q2, k_packed, ks2, kz2, 4, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-            logits += _quarter_logits(q3, k_packed, ks3, kz3, 6, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-        logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
-        acc0 = _quarter_pv(acc0, alpha, p, v_packed, vs0, vz0, 0, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
-        acc1 = _quarter_pv(acc1, alpha, p, v_packed, vs1, vz1, 2, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
-        acc2 = _quarter_pv(acc2, alpha, p, v_packed, vs2, vz2, 4, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
-        acc3 = _quarter_pv(acc3, alpha, p, v_packed, vs3, vz3, 6, S, T, W, BLOCK_H,
-                           FACTORED, DOT_PRECISION)
+        blk_next = _tile_blocks(tile + 1, offs_n, BLOCK_N, PAGE_SIZE)[0]
+        page_next = tl.load(bt_row + blk_next, mask=(tile + 1 < last_tile) & (blk_next < n_blocks),
+                            other=0)
+        slot = _tile_blocks(tile, offs_n, BLOCK_N, PAGE_SIZE)[1]
+        acc, m_i, l_i = _int2_tile(
+            acc, m_i, l_i, q, q_cols, q_sum, row_scale, k_words_ptr, v_words_ptr,
+            k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+            page * (stride_cp // 4) + pid_kv * (stride_ch // 4) + slot * (stride_cn // 4),
+            page * stride_sp + pid_kv * stride_sh + slot * stride_sn,
+            tile * BLOCK_N + offs_n < n_quant, offs_w,
+            S, T, W, BLOCK_H, GROUP_SIZE, NUM_GROUPS, FACTORED, W >= 16, DOT_PRECISION)
 
     # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
-    m_i, l_i, acc0, acc1, acc2, acc3 = _merge_sub_tiles(m_i, l_i, acc0, acc1, acc2, acc3)
+    m_i, l_i, acc = _merge_sub_tiles(m_i, l_i, acc)
 
-    # ---- Full-precision window tokens, spread over the splits --------------
-    # Window tile t (BLOCK_W tokens) belongs to split t % num_splits.
+    # ---- Full-precision window tokens: window tile t goes to split t % num_splits ----
     win_len = tl.load(win_len_ptr + pid_b)
-    offs_wn = tl.arange(0, BLOCK_W)
-    offs_d = tl.arange(0, HEAD_DIM)
-    win_base = batch * stride_wb + pid_kv * stride_wh
-    q_full = tl.load(q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh + offs_d[None, :],
-                     mask=head_mask[:, None], other=0.0).to(tl.float32)
+    q_full = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None],
+                     other=0.0).to(tl.float32)
     for w_tile in range(split, tl.cdiv(win_len, BLOCK_W), num_splits):
-        slot = w_tile * BLOCK_W + offs_wn
-        valid = slot < win_len
-        rows = win_base + slot[:, None] * stride_wn
-        wm = valid[:, None]
-        k = tl.load(win_k_ptr + rows + offs_d[None, :], mask=wm, other=0.0).to(tl.float32)
-        logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        logits = tl.where(valid[None, :], logits, float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
-        v0 = tl.load(win_v_ptr + rows + (0 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        v1 = tl.load(win_v_ptr + rows + (1 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        v2 = tl.load(win_v_ptr + rows + (2 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        v3 = tl.load(win_v_ptr + rows + (3 * W + offs_w[None, :]), mask=wm, other=0.0).to(tl.float32)
-        acc0 = acc0 * alpha[:, None] + tl.dot(p, v0, input_precision=DOT_PRECISION)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=DOT_PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=DOT_PRECISION)
-        acc3 = acc3 * alpha[:, None] + tl.dot(p, v3, input_precision=DOT_PRECISION)
+        slot = w_tile * BLOCK_W + tl.arange(0, BLOCK_W)
+        rows = batch * stride_wb + pid_kv * stride_wh + slot[:, None] * stride_wn
+        acc, m_i, l_i = _window_tile(acc, m_i, l_i, q_full, win_k_ptr, win_v_ptr, rows,
+                                     slot < win_len, offs_w, qk_scale, HEAD_DIM, DOT_PRECISION)
 
     # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
     has_tokens = l_i > 0
     l_safe = tl.where(has_tokens, l_i, 1.0)
-    lse = tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf"))
     out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh \
         + split * stride_os + offs_w[None, :]
-    hm = head_mask[:, None]
-    tl.store(out_rows + 0 * W, acc0 / l_safe[:, None], mask=hm)
-    tl.store(out_rows + 1 * W, acc1 / l_safe[:, None], mask=hm)
-    tl.store(out_rows + 2 * W, acc2 / l_safe[:, None], mask=hm)
-    tl.store(out_rows + 3 * W, acc3 / l_safe[:, None], mask=hm)
-    tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split, lse, mask=head_mask)
+    for c in tl.static_range(4):
+        tl.store(out_rows + c * W, acc[c] / l_safe[:, None], mask=head_mask[:, None])
+    tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split,
+             tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf")), mask=head_mask)
 
 
 @triton.jit
@@ -607,7 +592,7 @@ _KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
 
 
 # ----------------------------------------------------------------------------
-# Input checks
+# Launcher: input checks
 # ----------------------------------------------------------------------------
 def _fail(name, expected, got):
     raise ValueError(f"{name}: expected {expected}, got {got}")
@@ -695,7 +680,7 @@ def _check_values(k_codes, block_table, n_quant, win_len, sizes):
 
 
 # ----------------------------------------------------------------------------
-# Launcher
+# Launcher: block sizes and launch
 # ----------------------------------------------------------------------------
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
@@ -723,16 +708,20 @@ def _dot_precision(device):
 def _block_sizes(d, G, ratio, P):
     """Tile sizes, warps and stages for stage 1 (explicit; no autotuning), chosen with
     the static model of python kernel.py --sass and checked spill-free on sm_80 and
-    sm_90a for every tested configuration (python kernel.py --sass --all).
+    sm_90a for every tested configuration (python kernel.py --sass --all), with
+    triton 3.7.1 (the pin) and 3.6.0.
 
     Factored path, one group per row (the production case d = G = 128): 128-token tiles
     of 8 sub-tiles, 4 warps, no software pipelining (at the bench case the model gives
-    2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages; 168 registers);
-    64 tokens when a page is shorter than 64.  Several groups per row: 64 tokens within
-    a page, 32 when a tile gathers its tokens from several pages (a page index and d/G
-    scale and zero addresses per token), 32 for d = 256.  General path: 16 tokens, one
-    sub-tile, no pipelining, up to 255 registers (its per-dim scale and zero tiles and,
-    for d < 64, its (tokens, heads, d/4) product)."""
+    about 2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages); 64 tokens
+    when a page is shorter than 64.  Several groups per row: 64 tokens within a page, 32
+    when a tile gathers its tokens from several pages (a page index and d/G scale and
+    zero addresses per token), 32 for d = 256.  General path: 16 tokens, one sub-tile,
+    no pipelining (its per-dim scale and zero tiles and, for d < 64, its (tokens, heads,
+    d/4) product are large).  Every path may take up to 255 registers: left to itself,
+    ptxas settles at 168 on sm_90a and spills a few (in the factored path too, with the
+    ptxas of triton 3.7.1), and the extra instructions of a tighter limit cost more than
+    the occupancy they buy in the static model."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
@@ -746,14 +735,9 @@ def _block_sizes(d, G, ratio, P):
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
     # Token sub-tiles of 16 (the MMA's row count) in the factored path.
     sub_tiles = block_n // 16 if factored else 1
-    cfg = dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
-               BLOCK_W=block_w, FACTORED=factored, num_warps=4,
-               num_stages=1 if block_n == 128 or not factored else 2)
-    if not factored:
-        # Left to itself, ptxas settles the general path at 128 registers and spills a
-        # few on sm_90a; the explicit limit lets it take the 160-210 it needs.
-        cfg["maxnreg"] = 255
-    return cfg
+    return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
+                BLOCK_W=block_w, FACTORED=factored, num_warps=4,
+                num_stages=1 if block_n == 128 or not factored else 2, maxnreg=255)
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
@@ -835,11 +819,15 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
 
 # ----------------------------------------------------------------------------
-# Benchmark (python kernel.py --bench)
+# Benchmark (python kernel.py --bench) and the device check (--gpu-check)
 # ----------------------------------------------------------------------------
 # Peak HBM bandwidth in GB/s, matched in order against torch.cuda.get_device_name().
 _PEAK_GBS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
              ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0)]
+# The decode shape that --bench and --gpu-check time (Qwen3-8B-like attention) and the
+# small one a CPU dry run of --gpu-check uses instead.
+_BENCH_SHAPE = dict(H_q=32, H_kv=8, d=128, G=128, P=64, sink=64, recent=256)
+_DRY_SHAPE = dict(H_q=4, H_kv=2, d=64, G=64, P=16, sink=2, recent=6)
 
 
 def _random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
@@ -893,73 +881,296 @@ def _paged_bf16_baseline(q, k_pages, v_pages, block_table, n_tokens):
     return F.scaled_dot_product_attention(q.view(B, H_kv, H_q // H_kv, d), k, v)
 
 
-def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
-           device="cuda", H_kv=8, H_q=32, d=128, G=128, P=64, sink=64, recent=256):
-    """Times one decode step with CUDA graphs (triton.testing.do_bench_cudagraph): the
-    INT2 kernel through the unchecked launcher, a contiguous bf16 cache with SDPA, and a
-    paged bf16 cache (torch gather + SDPA).  Bytes moved count the INT2 codes, scales and
-    zeros, the windows, the query, the stage-1 partials (written and read back) and the
-    output."""
-    import torch.nn.functional as F
-    from triton.testing import do_bench_cudagraph
+def _timer(device):
+    """fn -> microseconds per call: CUDA graphs on a GPU (triton.testing's
+    do_bench_cudagraph), the median of 3 wall-clock calls elsewhere (the dry run)."""
+    if device.type == "cuda":
+        from triton.testing import do_bench_cudagraph
+        return lambda fn: do_bench_cudagraph(fn) * 1e3
+    import time
 
-    device = torch.device(device)
-    name = torch.cuda.get_device_name(device)
-    if peak_gbs is None:
-        peak_gbs = next((gbs for key, gbs in _PEAK_GBS if key in name), None)
-    print(f"device: {name}; peak HBM: {peak_gbs or 'unknown'} GB/s")
-    print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
-    print(f"H_q={H_q} H_kv={H_kv} d={d} G={G} page={P} window=bf16 sink {sink} + recent {recent}")
-    print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
-          f" {'bf16 us':>9} {'x bf16':>7} {'paged us':>9} {'x paged':>7}")
-    NW = sink + recent
+    def wall(fn):
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return sorted(times)[1] * 1e6
+    return wall
+
+
+def _sdpa(q, k, v):
+    """(name, fn): bf16 attention of q over k, v with the first SDPA backend that runs
+    this shape (flash, cuDNN, memory-efficient, math), so the table can name it."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    names = ("FLASH_ATTENTION", "CUDNN_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+    for backend in (getattr(SDPBackend, n) for n in names if hasattr(SDPBackend, n)):
+        def fn(backend=backend):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v)
+        try:
+            fn()
+        except RuntimeError:
+            continue
+        return backend.name.lower(), fn
+    raise RuntimeError("no SDPA backend runs this shape")
+
+
+def _bench_rows(batches, contexts, device, shape, paged=True, deadline=None):
+    """Time one decode step per (batch, context): the INT2 kernel through the unchecked
+    launcher, a contiguous bf16 cache with SDPA (backend named) and, if paged, a paged
+    bf16 cache (torch gather + SDPA).  Yields a dict per row.  Bytes moved count the
+    INT2 codes, scales and zeros, the windows, the query, the stage-1 partials (written
+    and read back) and the output; the bf16 cache reads its K and V."""
+    import time
+    H_q, H_kv, d, G, P = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P"))
+    NW = shape["sink"] + shape["recent"]
+    bench = _timer(device)
     for B in batches:
         for ctx in contexts:
+            row = dict(batch=B, ctx=ctx)
             n = ctx - NW
             int2_bytes = 2 * B * H_kv * n * (d // 4 + 2 * 4 * d // G)   # codes + scales + zeros
             win_bytes = 2 * B * H_kv * NW * d * 2
             bf16_bytes = 2 * B * H_kv * ctx * d * 2
-            free, _ = torch.cuda.mem_get_info(device)
-            if 2.5 * (int2_bytes + win_bytes + bf16_bytes) > free:
-                print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)")
+            if deadline is not None and time.monotonic() > deadline:
+                yield dict(row, skipped="out of time")
+                continue
+            need = 2.5 * (int2_bytes + win_bytes + bf16_bytes)
+            if device.type == "cuda" and need > torch.cuda.mem_get_info(device)[0]:
+                yield dict(row, skipped="does not fit in memory")
                 continue
             args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
             sizes = _check_inputs(*args.values(), None, None)
             sizes.update(_check_values(args["k_codes"], args["block_table"], args["n_quant"],
                                        args["win_len"], sizes))
-            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, 4, P)["BLOCK_N"]),
-                                         device)
+            splits = _default_num_splits(B, H_kv, triton.cdiv(n, _block_sizes(d, G, H_q // H_kv, P)
+                                                             ["BLOCK_N"]), device)
             part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
-            t_int2 = do_bench_cudagraph(
-                lambda args=args: _launch(*args.values(), splits, None, sizes)) * 1e3
+            row["splits"] = splits
+            row["int2_us"] = bench(lambda: _launch(*args.values(), splits, None, sizes))
+            moved = int2_bytes + win_bytes + part_bytes + io_bytes
+            row["gbs"] = moved / (row["int2_us"] * 1e-6) / 1e9
             del args
             # Contiguous bf16 cache: the query heads of a KV head act as its query rows.
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
             v = torch.randn_like(k)
             qb = torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
-            t_bf16 = do_bench_cudagraph(lambda qb=qb, k=k, v=v: F.scaled_dot_product_attention(qb, k, v)) * 1e3
-            del k, v
-            # Paged bf16 cache, same shuffled-page layout as the INT2 one.
-            blocks = triton.cdiv(ctx, P)
-            k_pages = torch.randn(B * blocks, H_kv, P, d, dtype=torch.bfloat16, device=device)
-            v_pages = torch.randn_like(k_pages)
-            table = torch.randperm(B * blocks, device=device).view(B, blocks)
-            qp = qb.reshape(B, H_q, d)
-            t_paged = do_bench_cudagraph(lambda qp=qp, k_pages=k_pages, v_pages=v_pages:
-                                         _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx)) * 1e3
-            del k_pages, v_pages, qb, qp
-            torch.cuda.empty_cache()
-            gbs = (int2_bytes + win_bytes + part_bytes + io_bytes) / (t_int2 * 1e-6) / 1e9
-            pct = f"{100 * gbs / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
-            print(f"{B:>5} {ctx:>7} {splits:>6} {t_int2:>9.1f} {gbs:>7.0f} {pct}"
-                  f" {t_bf16:>9.1f} {t_bf16 / t_int2:>6.2f}x {t_paged:>9.1f}"
-                  f" {t_paged / t_int2:>6.2f}x")
+            row["backend"], attend = _sdpa(qb, k, v)
+            row["bf16_us"] = bench(attend)
+            row["bf16_gbs"] = bf16_bytes / (row["bf16_us"] * 1e-6) / 1e9
+            del k, v, attend
+            if paged:
+                # Paged bf16 cache, same shuffled-page layout as the INT2 one.
+                blocks = triton.cdiv(ctx, P)
+                k_pages = torch.randn(B * blocks, H_kv, P, d, dtype=torch.bfloat16, device=device)
+                v_pages = torch.randn_like(k_pages)
+                table = torch.randperm(B * blocks, device=device).view(B, blocks)
+                qp = qb.reshape(B, H_q, d)
+                row["paged_us"] = bench(
+                    lambda: _paged_bf16_baseline(qp, k_pages, v_pages, table, ctx))
+                del k_pages, v_pages
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            yield row
 
 
-# ----------------------------------------------------------------------------
-# Static analysis (python kernel.py --sass): compile for a GPU without one
-# ----------------------------------------------------------------------------
+def _print_bench(rows, peak_gbs):
+    """One table, a line per row as it comes (GB/s of the INT2 kernel, % of peak, speed-up
+    over the bf16 SDPA decode, whose backend is named, and over the paged bf16 one)."""
+    print(f"{'batch':>5} {'ctx':>7} {'splits':>6} {'int2 us':>9} {'GB/s':>7} {'%peak':>6}"
+          f" {'bf16 us':>9} {'x bf16':>7} {'SDPA backend':>17} {'paged us':>9} {'x paged':>7}",
+          flush=True)
+    for r in rows:
+        if "skipped" in r:
+            print(f"{r['batch']:>5} {r['ctx']:>7}  skipped ({r['skipped']})", flush=True)
+            continue
+        pct = f"{100 * r['gbs'] / peak_gbs:6.1f}" if peak_gbs else f"{'-':>6}"
+        paged = (f" {r['paged_us']:>9.1f} {r['paged_us'] / r['int2_us']:>6.2f}x"
+                 if "paged_us" in r else f" {'-':>9} {'-':>7}")
+        print(f"{r['batch']:>5} {r['ctx']:>7} {r['splits']:>6} {r['int2_us']:>9.1f} "
+              f"{r['gbs']:>7.0f} {pct} {r['bf16_us']:>9.1f} {r['bf16_us'] / r['int2_us']:>6.2f}x "
+              f"{r['backend']:>17}{paged}", flush=True)
+
+
+def _peak_gbs(device, peak_gbs=None):
+    """(device name, peak HBM GB/s or None) for the %peak column."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU (interpreter)"
+    if peak_gbs is None:
+        peak_gbs = next((gbs for key, gbs in _PEAK_GBS if key in name), None)
+    return name, peak_gbs
+
+
+def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768, 131072),
+           device="cuda"):
+    """python kernel.py --bench: the tiny correctness check, then the table."""
+    device = torch.device(device)
+    name, peak_gbs = _peak_gbs(device, peak_gbs)
+    s = _BENCH_SHAPE
+    print(f"device: {name}; peak HBM: {peak_gbs or 'unknown'} GB/s; triton {triton.__version__}, "
+          f"torch {torch.__version__}")
+    print(f"tiny correctness check, max abs error vs torch: {_tiny_check(device):.2e}")
+    print(f"H_q={s['H_q']} H_kv={s['H_kv']} d={s['d']} G={s['G']} page={s['P']} "
+          f"window=bf16 sink {s['sink']} + recent {s['recent']}")
+    _print_bench(_bench_rows(batches, contexts, device, s), peak_gbs)
+
+
+# ---- python kernel.py --gpu-check: everything a lent GPU should confirm, in one command ----
+_GPU_CHECK_SECONDS = 480          # the whole check, start-up of the tests included
+
+
+def _check_decode_step(device, small):
+    """optr.decode_step through optr.PagedKVCache on `device` with bf16 windows: every
+    layer's kernel output equals optr.paged_decode_reference on the same paged view, token
+    after token, as INT2 tokens fill several pages.  Returns (ok, detail)."""
+    import optr
+    d = 64 if small else 128
+    cfg = optr.Config(n_heads=8, n_kv_heads=2, head_dim=d, d_model=128, group_size=d,
+                      sink=2, window=6, page_size=4 if small else 16)
+    torch.manual_seed(0)
+    model = optr.TinyLM(cfg)
+    kv = [optr.KVQuant(r_k=optr.quarot_rotation(cfg.n_kv_heads, d),
+                       r_v=optr.quarot_rotation(cfg.n_kv_heads, d)) for _ in range(cfg.n_layers)]
+    folded = optr.fold_value_rotation(model, kv).to(device)
+    kv = [optr.KVQuant(r_k=s.r_k.to(device), r_v=s.r_v.to(device)) for s in kv]
+    steps, B = (16 if small else 120), 3
+    num_pages = B * triton.cdiv(steps, cfg.page_size) + 2
+    cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device,
+                              page_order=torch.randperm(num_pages).tolist())
+    seqs = [cache.add_sequence() for _ in range(B)]
+    worst = [0.0]
+
+    def both(q, **view):
+        out = int2_paged_decode(q, **view)
+        ref = paged_decode_reference(q, **view)
+        worst[0] = max(worst[0], ((out - ref).abs() / (1e-5 + 1e-4 * ref.abs())).max().item())
+        return out
+
+    tokens = torch.randint(0, cfg.vocab_size, (steps, B), device=device)
+    for t in range(steps):
+        logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=both)
+    ok = worst[0] <= 1.0 and bool(torch.isfinite(logits).all())
+    return ok, (f"{steps} steps x {cfg.n_layers} layers, B={B}, d={d}, "
+                f"{int(cache.layer_view(0, seqs)['n_quant'][0])} INT2 tokens; max |err| / "
+                f"(1e-5 + 1e-4 |ref|) = {worst[0]:.2f} (pass <= 1)")
+
+
+def _check_cuda_graph(device, small):
+    """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
+    in place (new queries, shorter sequences) equals the eager reference on the new
+    inputs.  Without CUDA (the dry run) the launch is simply called again."""
+    torch.manual_seed(1)
+    s = _DRY_SHAPE if small else _BENCH_SHAPE
+    n, NW = (40 if small else 3000), s["sink"] + s["recent"]
+    args = _random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW,
+                          torch.bfloat16, device)
+    run = lambda: int2_paged_decode(**args, checked=False)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()                                   # compile and warm up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        replay = lambda: (graph.replay(), out)[1]
+    else:
+        replay = run
+    errors = []
+    for step in range(3):
+        args["q"].copy_(torch.randn_like(args["q"]))
+        args["n_quant"].copy_(torch.tensor([n - 7 * step, n // 2 + step], dtype=torch.int32))
+        args["win_len"].copy_(torch.tensor([NW, NW - step], dtype=torch.int32))
+        got = replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        ref = paged_decode_reference(**args)
+        errors.append((got - ref).abs().max().item())
+    ok = max(errors) <= 2e-5
+    return ok, f"3 replays with new q and lengths; max abs error vs reference {max(errors):.2e}"
+
+
+def _kernel_tests(small, seconds):
+    """The kernel tests of the test file (its KERNEL_TESTS), run by pytest in a child
+    process on this machine's device.  The dry run only collects them.  (ok, detail)."""
+    import subprocess
+    path = _kernel_test_file(None)
+    names = _test_module(path).KERNEL_TESTS
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE"]
+    cmd += ["--collect-only"] if small else []
+    cmd += [f"{path}::{name}" for name in names]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds,
+                           cwd=os.path.dirname(path))
+    except subprocess.TimeoutExpired:
+        return False, f"{len(names)} test functions: timed out after {seconds:.0f} s"
+    lines = [l for l in r.stdout.strip().splitlines() if l.strip()]
+    summary = lines[-1] if lines else r.stderr.strip()[-300:]
+    if r.returncode != 0:
+        print(r.stdout[-6000:] + r.stderr[-2000:], flush=True)
+    return r.returncode == 0, f"{len(names)} test functions: {summary}"
+
+
+def gpu_check(small=False, peak_gbs=None):
+    """python kernel.py --gpu-check, for a lent GPU (at most _GPU_CHECK_SECONDS): a tiny
+    kernel-vs-reference check, optr.decode_step on the device, a CUDA-graph capture and
+    replay, the kernel tests on the device and the bench table (batch 1 and 8, 4k to 128k
+    tokens; rows past the time limit are skipped), then a summary.  small=True is the dry
+    run on the CPU interpreter: the same steps at small sizes, the tests collected but not
+    run.  Returns the exit status."""
+    import time
+    start = time.monotonic()
+    device = torch.device("cpu" if small else "cuda")
+    name, peak_gbs = _peak_gbs(device, peak_gbs)
+    print(f"gpu-check on {name}: triton {triton.__version__}, torch {torch.__version__}, "
+          f"peak HBM {peak_gbs or 'unknown'} GB/s", flush=True)
+    results = []
+
+    def step(what, fn):
+        t0 = time.monotonic()
+        try:
+            ok, detail = fn()
+        except Exception as e:                       # a failure is a result here
+            ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        results.append((what, ok, detail, time.monotonic() - t0))
+        print(f"[{'ok' if ok else 'FAIL'}] {what} ({time.monotonic() - t0:.0f} s): {detail}",
+              flush=True)
+
+    step("tiny kernel vs reference",
+         lambda: ((e := _tiny_check(device)) < 1e-5, f"max abs err {e:.2e}"))
+    step("decode_step via PagedKVCache, bf16 windows", lambda: _check_decode_step(device, small))
+    step("CUDA graph capture + replay", lambda: _check_cuda_graph(device, small))
+
+    def bench():
+        s = _DRY_SHAPE if small else _BENCH_SHAPE
+        print(f"bench: H_q={s['H_q']} H_kv={s['H_kv']} d={s['d']} G={s['G']} page={s['P']} "
+              f"window=bf16 sink {s['sink']} + recent {s['recent']}; x bf16 = bf16 SDPA time / "
+              f"INT2 time", flush=True)
+        contexts = (24, 40) if small else (4096, 16384, 32768, 65536, 131072)
+        rows = []
+        _print_bench((rows.append(r) or r for r in _bench_rows(
+            (1, 2) if small else (1, 8), contexts, device, s, paged=False,
+            deadline=start + _GPU_CHECK_SECONDS - 20)), peak_gbs)
+        done = [r for r in rows if "skipped" not in r]
+        return len(done) == len(rows), f"{len(done)} of {len(rows)} rows timed"
+    left = _GPU_CHECK_SECONDS - (time.monotonic() - start)
+    step("kernel tests on the device",
+         lambda: _kernel_tests(small, max(30.0, min(260.0, left - 120))))
+    step("bench", bench)
+
+    print(f"\n{'check':<45} {'result':<6} {'s':>5}  detail")
+    for what, ok, detail, seconds in results:
+        print(f"{what:<45} {'ok' if ok else 'FAIL':<6} {seconds:>5.0f}  {detail}")
+    print(f"total {time.monotonic() - start:.0f} s")
+    return 0 if all(ok for _, ok, _, _ in results) else 1
+
+
+# ============================================================================
+# Appendix A. Static analysis (python kernel.py --sass): compile for a GPU without one
+# ============================================================================
 # H200 figures the estimate rests on (printed with the result): HBM bandwidth, SMs, the
 # base and boost clocks (HBM bytes per SM-cycle depend on the clock), schedulers per SM.
 _H200 = dict(hbm_gbs=4800.0, sms=132, clocks_ghz=(1.755, 1.98), schedulers=4)
@@ -1375,26 +1586,54 @@ def sass_coverage(launches, archs=(90, 80), verbose=True, workers=1):
     return rows
 
 
-def _tested_launches(path):
-    """The launch shapes of the kernel tests: KERNEL_LAUNCHES of the test module at
-    `path` (None: the test_*.py file beside this one, or under tests/, that defines it),
-    plus the launcher's own small check (_tiny_check)."""
+def _kernel_test_file(path):
+    """The test file of the kernel: `path`, or (None) the test_*.py file beside this one,
+    or under tests/, that defines KERNEL_LAUNCHES."""
     import glob
-    import importlib.util
-    import sys
+    if path is not None:
+        return os.path.abspath(path)
     here = os.path.dirname(os.path.abspath(__file__))
+    files = sorted(glob.glob(os.path.join(here, "test_*.py"))
+                   + glob.glob(os.path.join(here, "tests", "test_*.py")))
+    path = next((f for f in files if "KERNEL_LAUNCHES" in open(f).read()), None)
     if path is None:
-        files = sorted(glob.glob(os.path.join(here, "test_*.py"))
-                       + glob.glob(os.path.join(here, "tests", "test_*.py")))
-        path = next((f for f in files if "KERNEL_LAUNCHES" in open(f).read()), None)
-        if path is None:
-            raise SystemExit("no test file beside kernel.py defines KERNEL_LAUNCHES; "
-                             "pass --tests PATH")
-    sys.path.insert(0, os.path.dirname(os.path.abspath(path)))
+        raise SystemExit("no test file beside kernel.py defines KERNEL_LAUNCHES; "
+                         "pass --tests PATH")
+    return path
+
+
+def _test_module(path):
+    """The test module at `path`, imported (its KERNEL_LAUNCHES and KERNEL_TESTS)."""
+    import importlib.util
+    sys.path.insert(0, os.path.dirname(path))
     spec = importlib.util.spec_from_file_location("_kernel_tests", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return list(module.KERNEL_LAUNCHES) + [_TINY_LAUNCH]
+    return module
+
+
+def _gpu_check_launches():
+    """The launch shapes of --gpu-check at its full sizes: the bench rows, the CUDA-graph
+    launch (unchecked: splits sized from the block table) and the decode_step check (fp32
+    queries from the model, a block table as wide as the page pool, 1 or 2 splits)."""
+    s = _BENCH_SHAPE
+    NW = s["sink"] + s["recent"]
+    shape = dict(H_q=s["H_q"], H_kv=s["H_kv"], d=s["d"], G=s["G"], P=s["P"], NW=NW)
+    bench = [dict(shape, B=B, n_quant=ctx - NW) for B in (1, 8)
+             for ctx in (4096, 16384, 32768, 65536, 131072)]
+    blocks = triton.cdiv(3000, s["P"])
+    graph = [dict(shape, B=2, n_quant=3000, max_tokens=blocks * s["P"])]
+    decode = [dict(B=3, H_q=8, H_kv=2, d=128, G=128, P=16, NW=8, n_quant=n, num_pages=26,
+                   max_blocks=26, q_dtype="fp32") for n in (1, 112)]
+    return bench + graph + decode
+
+
+def _tested_launches(path):
+    """The launch shapes of the kernel tests (KERNEL_LAUNCHES of the test module at
+    `path`, see _kernel_test_file), of the launcher's own small check (_tiny_check) and
+    of --gpu-check."""
+    module = _test_module(_kernel_test_file(path))
+    return list(module.KERNEL_LAUNCHES) + [_TINY_LAUNCH] + _gpu_check_launches()
 
 
 def _sass_all_main(tests_path):
@@ -1419,6 +1658,44 @@ def _run_sass(all_configs=False, tests_path=None):
     raise SystemExit(r.returncode)
 
 
+# ============================================================================
+# Appendix B. Interpreter set-up (the switch itself is at the top, before triton is imported)
+# ============================================================================
+def _memoize_interpreter_scan():
+    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
+
+    On every call of a @triton.jit helper from a kernel (our _codes_fp16, _quarter_pv, ...,
+    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
+    re-patches triton.language, finding its builtins with inspect.getmembers over each
+    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
+    builtin names of a module never changes, so it is found once per module here; each
+    call still re-checks and patches every one of them exactly as before."""
+    import inspect
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "memoized", False) \
+            or not hasattr(interpreter, "_patch_attr"):
+        return                                    # another Triton layout: leave it alone
+    names = {}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
+                                    if tl.core.is_builtin(m)])
+        for name in names[id(pkg)][1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.memoized = True
+    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
+    interpreter._patch_builtin = patch_builtin
+
+
+if _INTERPRETED:
+    _memoize_interpreter_scan()
+
+
 def main():
     parser = argparse.ArgumentParser(description="INT2 paged decode attention kernel.")
     parser.add_argument("--bench", action="store_true",
@@ -1438,9 +1715,22 @@ def main():
     parser.add_argument("--tests", default=None,
                         help="with --sass --all: the test file that defines KERNEL_LAUNCHES "
                              "(default: the test_*.py beside kernel.py that does)")
+    parser.add_argument("--gpu-check", action="store_true",
+                        help="on a CUDA GPU (at most 8 minutes): a tiny check, optr.decode_step "
+                             "on the GPU, a CUDA-graph replay, the bench table (batch 1 and 8, "
+                             "4k-128k tokens) and the kernel tests; exits 2 without CUDA")
+    parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # CPU test
     args = parser.parse_args()
     if args.sass:
         _run_sass(args.all, args.tests)
+    if args.gpu_check:
+        if args.dry_run:
+            raise SystemExit(gpu_check(small=True, peak_gbs=args.peak_gbs))
+        if not torch.cuda.is_available() or _INTERPRETED:
+            print("--gpu-check needs a CUDA GPU and there is none here (or TRITON_INTERPRET=1 "
+                  "is set); nothing was checked", file=sys.stderr)
+            raise SystemExit(2)
+        raise SystemExit(gpu_check(peak_gbs=args.peak_gbs))
     if not args.bench:
         parser.print_help()
         return

@@ -2892,6 +2892,8 @@ import subprocess  # noqa: E402,F811
 import sys  # noqa: E402,F811
 from pathlib import Path  # noqa: E402,F811
 
+_TESTS_BEFORE_KERNEL = {name for name in globals() if name.startswith("test_")}
+
 # (atol, rtol) keyed by the lowest-precision input dtype (q or windows), set from the
 # errors measured over the case matrix below (kernel vs float64 dense attention,
 # CPU interpreter): fp32 inputs max abs err <= 1.9e-7, normalized RMS <= 3.3e-7; bf16
@@ -3090,13 +3092,22 @@ SPLIT_CASE = Case((40, 17), 4, 2, 32, 8, 16, NW=3, win_len=(1, 3))
 SPLIT_CASE_SPLITS = (1, 4)
 
 
-def test_sm_scale_and_split_invariance():
-    """The result does not depend on how the context is split; a custom sm_scale is used."""
+@pytest.mark.parametrize("splits", SPLIT_CASE_SPLITS)
+def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
+    """One program per (sequence, KV head) or several, merged by their log-sum-exp: the
+    same output."""
+    args, _, _ = build(SPLIT_CASE, seed=1)
+    ref = optr.paged_decode_reference(**args)
+    out = int2_paged_decode(**on_device(args), num_splits=splits)
+    assert_close_report(out, ref, *TOLERANCES[torch.float32], f"S{splits}")
+
+
+def test_a_custom_sm_scale_is_the_logit_scale():
+    """sm_scale replaces 1/sqrt(d) as the scale of the logits."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
-    for splits in SPLIT_CASE_SPLITS:
-        out = int2_paged_decode(**on_device(args), num_splits=splits, sm_scale=0.3)
-        assert_close_report(out, ref, *TOLERANCES[torch.float32], f"sm_scale=0.3, S{splits}")
+    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3)
+    assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
 
 
 # ----------------------------------------------------------------------------
@@ -3243,7 +3254,7 @@ def test_codes_fp16_bit_trick_is_exact():
 
 
 # ----------------------------------------------------------------------------
-# Static SASS analysis (compiles for sm_90a and sm_80 on any machine)
+# Every configuration the tests launch is in KERNEL_LAUNCHES
 # ----------------------------------------------------------------------------
 def launch_shape(case, num_splits, checked=True):
     """The shape of one kernel call on build(case), in the form kernel._record_launch
@@ -3266,6 +3277,58 @@ KERNEL_LAUNCHES = ([launch_shape(c, c.num_splits) for c in CASES]
                    + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS])
 
 
+_LAUNCHED = {}   # kernel.config_key of each launch made by a test -> that test's name
+
+
+@pytest.fixture
+def record_kernel_launches(monkeypatch, request):
+    """Wrap both kernels so that every launch records its configuration (see below); every
+    kernel test uses it (KERNEL_TESTS)."""
+    class Recording:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(kernel, name)
+            self.fn = self.real.fn                   # what kernel.config_key inspects
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                key = kernel.config_key(self.name, args, kw)
+                _LAUNCHED.setdefault(key, request.node.name)
+                return self.real[grid](*args, **kw)
+            return launch
+
+    for name in kernel._KERNEL_NAMES:
+        monkeypatch.setattr(kernel, name, Recording(name))
+
+
+@pytest.mark.skipif(not kernel._INTERPRETED, reason="default splits depend on the GPU's size")
+def test_kernel_launches_lists_every_launch_of_the_tests():
+    """KERNEL_LAUNCHES (what `python kernel.py --sass --all` compiles) holds the compiled
+    configuration of every kernel launch the tests made in this run (those selected
+    with this one; the whole section in CI), so a new tested shape cannot escape the
+    coverage run.  It launches one case itself, so the record is never empty."""
+    int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
+    listed = set()
+    for shape in KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]:
+        for name, (grid, args, kw) in kernel._record_launch(shape).items():
+            listed.add(kernel.config_key(name, args, kw))
+    assert _LAUNCHED
+    missing = {key: test for key, test in _LAUNCHED.items() if key not in listed}
+    assert not missing, missing
+
+
+# The kernel tests: every test of this section defined above.  Each records its kernel
+# launches (record_kernel_launches), and `python kernel.py --gpu-check` runs them on a GPU.
+# (The static analysis and the interpreter set-up below need no GPU and launch nothing
+# that must be listed.)
+KERNEL_TESTS = sorted(name for name in globals()
+                      if name.startswith("test_") and name not in _TESTS_BEFORE_KERNEL)
+for _name in KERNEL_TESTS:
+    pytest.mark.usefixtures("record_kernel_launches")(globals()[_name])
+
+
+# ----------------------------------------------------------------------------
+# Static SASS analysis (compiles for sm_90a and sm_80 on any machine)
+# ----------------------------------------------------------------------------
 def _first_launch(d, G, ratio=None, P=None):
     return next(s for s in KERNEL_LAUNCHES if s["d"] == d and s["G"] == G
                 and (ratio is None or s["H_q"] == ratio * s["H_kv"]) and (P is None or s["P"] == P))
@@ -3320,16 +3383,17 @@ def test_sass_stage1_has_no_spills(sass_sm90):
 
 def test_sass_int2_loop_instruction_budget(sass_sm90):
     """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
-    tokens (the hi / lo split does not double the dots); at most 0.45 issued instructions
-    (all warps) per byte of the K+V tile it reads (0.39 measured; 0.78 before the
+    tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
+    (all warps) per byte of the K+V tile it reads (0.38 measured; 0.78 before the
     sub-tiles and word unpacking, 2.04 with fp32 dequantization and I2F), so issue cycles
-    per tile stay under 2.3x the HBM cycles at 1.755 GHz (2.03 measured)."""
+    per tile stay at most 2.03x the HBM cycles at 1.755 GHz (1.96 measured with triton
+    3.7.1, 2.00 with 3.6.0)."""
     r = sass_sm90
     assert r["counts"]["I2F"] == 0, r["counts"]
     assert r["counts"]["HMMA"] * 64 / r["tokens"] <= 16, r["counts"]
     per_byte = r["loop"] * r["warps"] / (r["tile_bytes"] * r["tokens"] / 64)
-    assert per_byte <= 0.45, (per_byte, r["counts"])
-    assert r["ratio"] <= 2.3, r
+    assert per_byte <= 0.40, (per_byte, r["counts"])
+    assert r["ratio"] <= 2.03, r
 
 
 def test_pipe_model_counts_by_class():
@@ -3342,47 +3406,6 @@ def test_pipe_model_counts_by_class():
                  "tensor": 8.0, "shared memory": 16.0}
     half = kernel._pipe_cycles(ops, warps=8, per_tile=0.5)     # 8 warps, 128-token tiles
     assert half == c
-
-
-# ----------------------------------------------------------------------------
-# Every configuration the tests launch is in KERNEL_LAUNCHES
-# ----------------------------------------------------------------------------
-_LAUNCHED = {}   # kernel.config_key of each launch made by a test -> that test's name
-
-
-@pytest.fixture(autouse=True)
-def record_kernel_launches(monkeypatch, request):
-    """Wrap both kernels so that every launch records its configuration (see below)."""
-    class Recording:
-        def __init__(self, name):
-            self.name, self.real = name, getattr(kernel, name)
-            self.fn = self.real.fn                   # what kernel.config_key inspects
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                key = kernel.config_key(self.name, args, kw)
-                _LAUNCHED.setdefault(key, request.node.name)
-                return self.real[grid](*args, **kw)
-            return launch
-
-    for name in kernel._KERNEL_NAMES:
-        monkeypatch.setattr(kernel, name, Recording(name))
-
-
-@pytest.mark.skipif(not kernel._INTERPRETED, reason="default splits depend on the GPU's size")
-def test_kernel_launches_lists_every_launch_of_the_tests():
-    """KERNEL_LAUNCHES (what `python kernel.py --sass --all` compiles) holds the compiled
-    configuration of every kernel launch the tests made in this run (those selected
-    with this one; the whole section in CI), so a new tested shape cannot escape the
-    coverage run.  It launches one case itself, so the record is never empty."""
-    int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
-    listed = set()
-    for shape in KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]:
-        for name, (grid, args, kw) in kernel._record_launch(shape).items():
-            listed.add(kernel.config_key(name, args, kw))
-    assert _LAUNCHED
-    missing = {key: test for key, test in _LAUNCHED.items() if key not in listed}
-    assert not missing, missing
 
 
 # ----------------------------------------------------------------------------
@@ -3423,6 +3446,27 @@ def test_triton_imported_first_gives_clear_error():
     """If triton was imported first (so not in interpreter mode), the launcher says so."""
     r = _run_python("import triton, kernel, torch; kernel._tiny_check(torch.device('cpu'))")
     assert r.returncode != 0 and "import kernel first" in r.stderr, r.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")
+def test_gpu_check_without_cuda_says_so_and_exits_2():
+    """`python kernel.py --gpu-check` on a machine without CUDA checks nothing, says why
+    and exits with status 2."""
+    r = subprocess.run([sys.executable, "kernel.py", "--gpu-check"], cwd=Path(__file__).parent,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, (r.returncode, r.stderr)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter dry run only")
+def test_gpu_check_dry_run_passes_on_the_interpreter():
+    """The steps of --gpu-check (tiny check, optr.decode_step through PagedKVCache with
+    bf16 windows against the reference decode, the graph-replay check, the bench table,
+    the kernel tests, collected only) pass at small sizes on the CPU interpreter."""
+    r = _run_python("import sys; sys.argv = ['kernel.py', '--gpu-check', '--dry-run']; "
+                    "import kernel; kernel.main()")
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    summary = r.stdout[r.stdout.index("\ncheck "):]
+    assert summary.count(" ok ") == 5 and "FAIL" not in summary, summary
 
 
 # ----------------------------------------------------------------------------------------
