@@ -950,7 +950,7 @@ def _bench_rows(batches, contexts, device, shape, paged=True, deadline=None):
             part_bytes = B * H_q * splits * (d + 1) * 4 * 2              # written, then read
             io_bytes = B * H_q * d * (2 + 4)                              # bf16 q, fp32 out
             row["splits"] = splits
-            row["int2_us"] = bench(lambda: _launch(*args.values(), splits, None, sizes))
+            row["int2_us"] = bench(lambda a=args, n=splits, s=sizes: _launch(*a.values(), n, None, s))
             moved = int2_bytes + win_bytes + part_bytes + io_bytes
             row["gbs"] = moved / (row["int2_us"] * 1e-6) / 1e9
             del args
