@@ -1037,8 +1037,8 @@ def _check_decode_step(device, small):
     kv = [optr.KVQuant(r_k=s.r_k.to(device), r_v=s.r_v.to(device)) for s in kv]
     steps, B = (16 if small else 120), 3
     num_pages = B * triton.cdiv(steps, cfg.page_size) + 2
-    cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device,
-                              page_order=torch.randperm(num_pages).tolist())
+    cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device)
+    cache.free_pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
     seqs = [cache.add_sequence() for _ in range(B)]
     worst = [0.0]
 
