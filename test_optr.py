@@ -3511,7 +3511,8 @@ def test_eval_llm_smoke(tmp_path):
         rms_norm_eps=1e-6, tie_word_embeddings=False)))
     tok.save(str(ckpt / "tokenizer.json"))
     calib, evalf = tmp_path / "calib.txt", tmp_path / "eval.txt"
-    calib.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 9
+                     + "Sphinx of black quartz, judge my vow! " * 9)     # two samples of 3 x 64
     evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
     out = tmp_path / "out"
     args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
@@ -3519,7 +3520,7 @@ def test_eval_llm_smoke(tmp_path):
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
             "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
-            "--e2e-steps", "1"]
+            "--e2e-steps", "1", "--calib-samples", "2", "--retrieval-min", "0"]
     results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
@@ -3529,11 +3530,12 @@ def test_eval_llm_smoke(tmp_path):
             assert key in v, (name, key)
         ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
         assert set(v["passkey"]) == ({"320", "384"} if ran else set())
-        if ran:
-            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 2
+        if ran:                                   # 2 prompts x the rotations of 2 samples
+            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 4
     paired = on_disk["retrieval_paired"]
     assert list(paired) == ["quarot+optr - quarot", "quarot+optr+e2e - quarot+optr"]
-    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 4
+    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 8
+    _check_calibration_samples(on_disk, out)
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
     assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
     assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
@@ -3561,6 +3563,32 @@ def test_eval_llm_smoke(tmp_path):
     eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr", "--export", str(export)])
     served, info = optr.load_kv_rotations(str(export))
     assert list(served) == ["optr"] and info["r_v_folded"]["optr"]
+
+
+def _check_calibration_samples(res: dict, out):
+    """results.json of a 2-sample eval_llm run: the learned rows are mean and std of the
+    per-sample rows, computed here with numpy; the rows no calibration data changes are the
+    same in both samples; each sample wrote its own rotation file; the gap closed
+    is the mean of each sample's own."""
+    import eval_llm
+    assert res["calib_samples"] == 2 and res["calib_seeds"] == [0, 1]
+    per = [res["per_sample"][f"sample{i}"] for i in range(2)]
+    for name, v in res["variants"].items():
+        for key in ("kl", "nll", "top1"):
+            xs = np.array([p["variants"][name][key] for p in per])
+            assert v[key] == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
+            assert res["variants_std"][name][key] == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
+            if not eval_llm.learns_from_data(name):
+                assert xs[0] == xs[1]
+    kl = [p["variants"]["quarot+optr"]["kl"] for p in per]
+    assert kl[0] != kl[1]                                    # two samples, two calibrations
+    g = [(p["variants"]["quarot"]["kl"] - p["variants"]["quarot+optr"]["kl"]) / p["variants"]["quarot"]["kl"]
+         for p in per]
+    assert res["gap_closed"]["quarot"]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
+    assert res["gap_closed_std"]["quarot"]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
+    assert (out / "kv_rotations.safetensors").exists() and (out / "kv_rotations_sample1.safetensors").exists()
+    _, info = optr.load_kv_rotations(str(out / "kv_rotations_sample1.safetensors"))
+    assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
 
 
 def test_importing_the_scripts_leaves_triton_alone():
