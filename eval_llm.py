@@ -160,7 +160,7 @@ class RunConfig:
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
     # the run
     quick: bool = _f(False, "smoke preset: one calibration sample, contexts 512,1024, short calibration on pydoc text (no "
-                     "generation), 6 steps, one e2e step, two passkey prompts at 512; flags given explicitly still win")
+                     "generation), 6 steps, one e2e step, two passkey prompts at 640; flags given explicitly still win")
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
                       "calibration settings required where the file records them)")
@@ -212,7 +212,7 @@ class RunConfig:
 
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
-             calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(512,),
+             calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
              decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick", calib_samples=1)
 
 
@@ -486,7 +486,7 @@ def needle_fits(L: int, sink: int, window: int) -> bool:
     head, question = tokens_at_most(PK_HEADER), tokens_at_most(PK_QUESTION)
     sent = max(tokens_at_most(x) for x in PK_SENTENCES)   # prompts stop short by < a sentence,
     return (L >= head + needle + question + n_ans + sent  # the needle sits at a sentence end
-            and L - n_ans - 1 - window - needle - 2 * sent >= max(sink, head))
+            and L - n_ans - window - needle - 2 * sent + 1 >= max(sink, head))
 
 
 def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
