@@ -1,8 +1,9 @@
 """
 The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 by default.
 
-    python eval_llm.py                       # the default run (see README for its time)
-    python eval_llm.py --quick               # a smoke run of every stage, about 2 minutes
+    python eval_llm.py                       # the default run: 3 calibration samples (see README for its time)
+    python eval_llm.py --calib-samples 1     # one calibration sample, as a quick look
+    python eval_llm.py --quick               # a smoke run of every stage, one sample, about 2 minutes
     python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
     python eval_llm.py --model DIR_OR_GGUF   # any checkpoint load_checkpoint reads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
@@ -13,9 +14,12 @@ What it shows:
      centering by the calibration mean (channels with |mean| > std, largest / median
      per-channel max-abs). Real LLM keys carry the per-channel offsets that the tiny model
      of train_tiny.py lacks.
-  2. Calibration data the model writes itself (sampled with a fixed seed from a few
-     neutral prompts, cached in OUT), or a text file (--calib-text); a held-out split for
-     OptR's best-step selection. Evaluation text comes from another source: the Python
+  2. Calibration data the model writes itself (sampled from a few neutral prompts, cached
+     in OUT), or a text file (--calib-text); a held-out split for OptR's best-step
+     selection. --calib-samples independent samples (3; sample i written with seed
+     seed + i): every variant that learns from the calibration data (OSCAR, centering, OptR)
+     is calibrated on each, and its rows are mean +- std over them, because single
+     calibrations differ by as much as the comparisons the ladder draws. Evaluation text comes from another source: the Python
      documentation topics that ship with the standard library (pydoc_data), or a file.
   3. The ladder at the paper's settings (G = head_dim, c_K 0.96, c_V 0.92, sink 64, recent
      256, fp32 scale/zero, lambda 1, 80 steps, lr 0.02): full, int2, quarot, quarot+center,
@@ -27,19 +31,23 @@ What it shows:
      all three: with causal attention, the first L positions of a long text are exactly an
      L-token text), with a rough interval over blocks of positions; the Eq. 8 split and
      E_rec; bits per element measured from the paged cache's tensors.
-  5. Passkey retrieval at 1k and 2k, one needle per prompt, the same prompts for every
-     variant of --passkey-variants: per prompt whether the answer is right and the mean
-     log-probability of its tokens (teacher-forced); accuracy with Wilson 95% intervals, and
-     OptR minus its base paired prompt by prompt, with Student t 95% intervals, per length
-     and pooled over the lengths.
+  5. Passkey retrieval at 1k and 2k, one needle per prompt between whole filler sentences,
+     the same prompts for every variant of --passkey-variants (and the rotations of
+     --passkey-samples calibration samples, pooled): per prompt whether the answer is right
+     and the mean log-probability of its tokens (teacher-forced); accuracy with Wilson 95%
+     intervals, and OptR minus its base paired prompt by prompt, with Student t 95%
+     intervals, per length and pooled over the lengths. A length where full precision
+     answers fewer than --retrieval-min (90%) of the prompts is not reported.
   6. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
      optr.decode_step), compared with the simulated cache every other number comes from.
   7. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
      after centering, KL, passkey accuracy and answer log-prob vs context length.
 Results go to OUT/results.json (the schema of ladder.write_results; per variant also the
 passkey's accuracy, Wilson interval, answer log-prob and per-prompt arrays, and at the top
-retrieval_paired, the paired intervals), every variant's
-rotations and key means to OUT/kv_rotations.safetensors (optr.save_kv_rotations, with the
+retrieval_paired, the paired intervals; variants holds the means over calibration samples,
+variants_std their std, per_sample each sample's rows, calib_samples how many), every
+variant's rotations and key means to OUT/kv_rotations.safetensors (sample i > 0:
+kv_rotations_sampleI.safetensors) (optr.save_kv_rotations, with the
 calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
 itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
 table, files) is ladder.py, shared with train_tiny.py; this file holds the real model's data and metrics.
@@ -146,8 +154,9 @@ class RunConfig:
     passkey_batch: int = _f(1, "passkey prompts per forward")
     retrieval_min: float = _f(0.9, "a passkey length is reported only where full precision answers "
                               "at least this share of its prompts")
-    passkey_samples: int = _f(0, "calibration samples whose variants run the passkey stage, "
-                              "pooled prompt by prompt (0 = all)")
+    passkey_samples: int = _f(1, "calibration samples whose variants run the passkey stage, "
+                              "pooled prompt by prompt (0 = all); 1 by default: each more one "
+                              "costs the stage's OptR variants again")
     decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache, at the "
                              "shortest passkey context, for the OptR variants")
     decode_attend: str = _f("reference", "paged attention of the decode check: 'reference' (pure "
