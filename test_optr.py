@@ -3441,6 +3441,7 @@ def test_train_tiny_quick_smoke(tmp_path):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     for key in ("config", "timing_s", "key_stats", "variants"):
         assert key in on_disk
+    assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
     assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
     names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
              "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e"}
