@@ -3560,7 +3560,8 @@ def test_eval_llm_smoke(tmp_path):
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
             "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
-            "--e2e-steps", "1", "--calib-samples", "2", "--retrieval-min", "0"]
+            "--e2e-steps", "1", "--calib-samples", "2", "--passkey-samples", "2",
+            "--retrieval-min", "0"]
     results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
