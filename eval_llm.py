@@ -1,8 +1,9 @@
 """
 The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 by default.
 
-    python eval_llm.py                       # the default run (see README for its time)
-    python eval_llm.py --quick               # a smoke run of every stage, about 2 minutes
+    python eval_llm.py                       # the default run: 3 calibration samples (see README for its time)
+    python eval_llm.py --calib-samples 1     # one calibration sample, as a quick look
+    python eval_llm.py --quick               # a smoke run of every stage, one sample, about 2 minutes
     python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
     python eval_llm.py --model DIR_OR_GGUF   # any checkpoint load_checkpoint reads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
@@ -13,9 +14,12 @@ What it shows:
      centering by the calibration mean (channels with |mean| > std, largest / median
      per-channel max-abs). Real LLM keys carry the per-channel offsets that the tiny model
      of train_tiny.py lacks.
-  2. Calibration data the model writes itself (sampled with a fixed seed from a few
-     neutral prompts, cached in OUT), or a text file (--calib-text); a held-out split for
-     OptR's best-step selection. Evaluation text comes from another source: the Python
+  2. Calibration data the model writes itself (sampled from a few neutral prompts, cached
+     in OUT), or a text file (--calib-text); a held-out split for OptR's best-step
+     selection. --calib-samples independent samples (3; sample i written with seed
+     seed + i): every variant that learns from the calibration data (OSCAR, centering, OptR)
+     is calibrated on each, and its rows are mean +- std over them, because single
+     calibrations differ by as much as the comparisons the ladder draws. Evaluation text comes from another source: the Python
      documentation topics that ship with the standard library (pydoc_data), or a file.
   3. The ladder at the paper's settings (G = head_dim, c_K 0.96, c_V 0.92, sink 64, recent
      256, fp32 scale/zero, lambda 1, 80 steps, lr 0.02): full, int2, quarot, quarot+center,
@@ -27,19 +31,23 @@ What it shows:
      all three: with causal attention, the first L positions of a long text are exactly an
      L-token text), with a rough interval over blocks of positions; the Eq. 8 split and
      E_rec; bits per element measured from the paged cache's tensors.
-  5. Passkey retrieval at 1k and 2k, one needle per prompt, the same prompts for every
-     variant of --passkey-variants: per prompt whether the answer is right and the mean
-     log-probability of its tokens (teacher-forced); accuracy with Wilson 95% intervals, and
-     OptR minus its base paired prompt by prompt, with Student t 95% intervals, per length
-     and pooled over the lengths.
+  5. Passkey retrieval at 1k and 2k, one needle per prompt between whole filler sentences,
+     the same prompts for every variant of --passkey-variants (and the rotations of
+     --passkey-samples calibration samples, pooled): per prompt whether the answer is right
+     and the mean log-probability of its tokens (teacher-forced); accuracy with Wilson 95%
+     intervals, and OptR minus its base paired prompt by prompt, with Student t 95%
+     intervals, per length and pooled over the lengths. A length where full precision
+     answers fewer than --retrieval-min (90%) of the prompts is not reported.
   6. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
      optr.decode_step), compared with the simulated cache every other number comes from.
   7. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
      after centering, KL, passkey accuracy and answer log-prob vs context length.
 Results go to OUT/results.json (the schema of ladder.write_results; per variant also the
 passkey's accuracy, Wilson interval, answer log-prob and per-prompt arrays, and at the top
-retrieval_paired, the paired intervals), every variant's
-rotations and key means to OUT/kv_rotations.safetensors (optr.save_kv_rotations, with the
+retrieval_paired, the paired intervals; variants holds the means over calibration samples,
+variants_std their std, per_sample each sample's rows, calib_samples how many), every
+variant's rotations and key means to OUT/kv_rotations.safetensors (sample i > 0:
+kv_rotations_sampleI.safetensors) (optr.save_kv_rotations, with the
 calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
 itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
 table, files) is ladder.py, shared with train_tiny.py; this file holds the real model's data and metrics.
@@ -51,6 +59,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, fields
@@ -61,7 +70,7 @@ import torch.nn.functional as F
 import optr
 from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, decode_attention, decode_check,
-    gap_closed, key_stats, key_stats_summary, ladder_bits, load_ladder, output_errors,
+    gap_closed, gap_closed_mean_std, mean_std, key_stats, key_stats_summary, ladder_bits, load_ladder, output_errors,
     parse_run_config, print_config, print_key_stats, print_table, run_cli, save_ladder, write_results)
 
 MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is called in reports
@@ -112,6 +121,9 @@ class RunConfig:
     calib_text: str = _f("", "calibration and held-out text: empty = text the model writes "
                          "itself (cached in OUT); 'pydoc' = the last tokens of the Python "
                          "documentation topics (evaluation takes the first ones); else a text file")
+    calib_samples: int = _f(3, "independent calibration samples (sample i: its own text, written "
+                            "with seed seed + i); every variant that learns from data is "
+                            "calibrated on each, its rows are mean +- std over them")
     calib_seqs: int = _f(2, "calibration sequences")
     heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
     calib_len: int = _f(512, "tokens per calibration and held-out sequence")
@@ -140,6 +152,11 @@ class RunConfig:
     passkey_variants: tuple[str, ...] = _f(PK_VARIANTS, "variants that run the passkey stage "
                                            "(names not in the run are skipped)")
     passkey_batch: int = _f(1, "passkey prompts per forward")
+    retrieval_min: float = _f(0.9, "a passkey length is reported only where full precision answers "
+                              "at least this share of its prompts")
+    passkey_samples: int = _f(1, "calibration samples whose variants run the passkey stage, "
+                              "pooled prompt by prompt (0 = all); 1 by default: each more one "
+                              "costs the stage's OptR variants again")
     decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache, at the "
                              "shortest passkey context, for the OptR variants")
     decode_attend: str = _f("reference", "paged attention of the decode check: 'reference' (pure "
@@ -151,8 +168,8 @@ class RunConfig:
                         "most channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
     # the run
-    quick: bool = _f(False, "smoke preset: contexts 512,1024, short calibration on pydoc text (no "
-                     "generation), 6 steps, one e2e step, two passkey prompts at 512; flags given explicitly still win")
+    quick: bool = _f(False, "smoke preset: one calibration sample, contexts 512,1024, short calibration on pydoc text (no "
+                     "generation), 6 steps, one e2e step, two passkey prompts at 640; flags given explicitly still win")
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
                       "calibration settings required where the file records them)")
@@ -174,11 +191,11 @@ class RunConfig:
             v = getattr(self, f.name)
             if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
                 raise ValueError(f"RunConfig.{f.name}: expected int, got {type(v).__name__} {v!r}")
-        for name in ("calib_seqs", "heldout_seqs", "calib_len", "eval_seqs", "err_queries",
+        for name in ("calib_samples", "calib_seqs", "heldout_seqs", "calib_len", "eval_seqs", "err_queries",
                      "passkey_batch", "gen_top_k"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        need(self.passkey_prompts >= 0 and self.decode_prompts >= 0,
-             "passkey_prompts and decode_prompts must be >= 0")
+        need(self.passkey_prompts >= 0 and self.decode_prompts >= 0 and self.passkey_samples >= 0,
+             "passkey_prompts, passkey_samples and decode_prompts must be >= 0")
         need(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
         need(self.group_size >= 0, f"group_size must be >= 0, got {self.group_size}")
         need(self.calib_queries in ("last", "spread"),
@@ -204,8 +221,8 @@ class RunConfig:
 
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
-             calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(512,),
-             decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick")
+             calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
+             decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick", calib_samples=1)
 
 
 def parse_config(argv=None) -> RunConfig:
@@ -330,11 +347,11 @@ def generator(seed: int, stream: str) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * k + seed)
 
 
-def model_written(model, tok, cfg: RunConfig, n: int, log=print) -> torch.Tensor:
+def model_written(model, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torch.Tensor:
     """n sequences of calib_len tokens the model writes after GEN_PROMPTS (cycled), sampled
-    with the seed; cached in OUT/calib_text.json and reused while the settings match."""
-    path = os.path.join(cfg.out, "calib_text.json")
-    key = dict(model=os.path.abspath(cfg.model) if cfg.model else MODEL_NAME, n=n, calib_len=cfg.calib_len, seed=cfg.seed,
+    with `seed`; cached in OUT/calib_text_seedS.json and reused while the settings match."""
+    path = os.path.join(cfg.out, f"calib_text_seed{seed}.json")
+    key = dict(model=os.path.abspath(cfg.model) if cfg.model else MODEL_NAME, n=n, calib_len=cfg.calib_len, seed=seed,
                temperature=cfg.gen_temperature, top_k=cfg.gen_top_k, prompts=list(GEN_PROMPTS))
     if os.path.exists(path):
         with open(path) as f:
@@ -347,7 +364,7 @@ def model_written(model, tok, cfg: RunConfig, n: int, log=print) -> torch.Tensor
     t0 = time.perf_counter()
     n_new = cfg.calib_len - min(len(p) for p in prompts)
     seqs = generate(model, prompts, n_new, cfg.gen_temperature, cfg.gen_top_k,
-                    generator(cfg.seed, "calib"), banned)
+                    generator(seed, "calib"), banned)
     ids = [s[:cfg.calib_len] for s in seqs]
     dt = time.perf_counter() - t0
     log(f"calibration text: wrote {n} x {n_new} tokens in {dt:6.1f} s "
@@ -388,25 +405,29 @@ def split_sequences(ids: list, n: int, T: int, what: str) -> torch.Tensor:
     return torch.tensor(ids[:n * T]).view(n, T)
 
 
-def calibration_data(model, tok, cfg: RunConfig, log=print):
-    """Calibration and held-out sequences (calib_seqs, calib_len), (heldout_seqs, calib_len):
-    disjoint parts of one model-written batch, or of the file given by --calib-text."""
+def calibration_data(model, tok, cfg: RunConfig, sample: int = 0, log=print):
+    """Calibration sample `sample`'s calibration and held-out sequences (calib_seqs,
+    calib_len), (heldout_seqs, calib_len): disjoint parts of its own model-written batch
+    (seed cfg.seed + sample), or of its own part of the file given by --calib-text (sample
+    i: the i-th n * calib_len tokens; pydoc: counted from the end)."""
     n = cfg.calib_seqs + cfg.heldout_seqs
     if cfg.calib_text == "pydoc":
         ids = pydoc_tokens(tok)
         need = n * cfg.calib_len
         used = 0 if cfg.eval_text else cfg.eval_seqs * max(cfg.contexts)   # evaluation's share
-        if need + used > len(ids):
-            raise ValueError(f"calib_text 'pydoc': {need} calibration + {used} evaluation tokens "
-                             f"overlap in its {len(ids)} tokens")
-        seqs = torch.tensor(ids[len(ids) - need:]).view(n, cfg.calib_len)
-        log(f"calibration text: {n} x {cfg.calib_len} tokens, the end of pydoc_data.topics")
+        if need * cfg.calib_samples + used > len(ids):
+            raise ValueError(f"calib_text 'pydoc': {cfg.calib_samples} x {need} calibration + "
+                             f"{used} evaluation tokens overlap in its {len(ids)} tokens")
+        end = len(ids) - need * sample
+        seqs = torch.tensor(ids[end - need:end]).view(n, cfg.calib_len)
+        log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens, the end of "
+            f"pydoc_data.topics")
     elif cfg.calib_text:
-        seqs = split_sequences(file_tokens(tok, cfg.calib_text, "calib_text"), n, cfg.calib_len,
-                               "calib_text")
-        log(f"calibration text: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
+        seqs = split_sequences(file_tokens(tok, cfg.calib_text, "calib_text"),
+                               n * cfg.calib_samples, cfg.calib_len, "calib_text")[n * sample:n * (sample + 1)]
+        log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
     else:
-        seqs = model_written(model, tok, cfg, n, log)
+        seqs = model_written(model, tok, cfg, n, cfg.seed + sample, log)
     return seqs[:cfg.calib_seqs], seqs[cfg.calib_seqs:]
 
 
@@ -444,6 +465,7 @@ PK_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go
 PK_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
 PK_QUESTION = "\nWhat is the pass key? The pass key is"
 PK_ANSWER = " {key}"
+PK_SENTENCES = tuple(re.findall(r" [^.]*\.", PK_FILLER))   # the filler's whole sentences
 PK_KEYS = (10_000, 100_000)        # passkeys are drawn from [10000, 100000): five digits
 
 # (base, improved) pairs of the paired comparison, kept where both variants ran the stage
@@ -471,39 +493,46 @@ def needle_fits(L: int, sink: int, window: int) -> bool:
     needle = tokens_at_most(PK_NEEDLE.format(key=key))
     n_ans = tokens_at_most(PK_ANSWER.format(key=key))
     head, question = tokens_at_most(PK_HEADER), tokens_at_most(PK_QUESTION)
-    return (L >= head + needle + question + n_ans
-            and L - n_ans - 1 - window - needle > max(sink, head))
+    sent = max(tokens_at_most(x) for x in PK_SENTENCES)   # prompts stop short by < a sentence,
+    return (L >= head + needle + question + n_ans + sent  # the needle sits at a sentence end
+            and L - n_ans - window - needle - 2 * sent + 1 >= max(sink, head))
 
 
 def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
-    """n prompts of exactly L tokens (prompt + answer): ids (n, L), the number of answer
-    tokens, and the needle's first position in each prompt."""
+    """n prompts (prompt + answer) of one length L' <= L: the header, whole filler
+    sentences (PK_SENTENCES, cycled) with the needle between two of them, the question,
+    the answer. As many whole sentences as fit in L tokens, so L' falls short of L by less
+    than a sentence and no sentence breaks off before the question. Returns ids (n, L'), the
+    number of answer tokens, and the needle's first position in each prompt."""
     enc = lambda s: tok.encode(s).ids
-    head, unit, question = enc(PK_HEADER), enc(PK_FILLER), enc(PK_QUESTION)
-    rows, starts, n_ans = [], [], None
+    head, question = enc(PK_HEADER), enc(PK_QUESTION)
+    sentences = [enc(x) for x in PK_SENTENCES]
+    keys = [str(int(torch.randint(*PK_KEYS, (1,), generator=gen))) for _ in range(n)]
+    needles, answers = [enc(PK_NEEDLE.format(key=k)) for k in keys], [enc(PK_ANSWER.format(key=k)) for k in keys]
+    if len({len(x) for x in needles}) > 1 or len({len(x) for x in answers}) > 1:
+        raise ValueError("passkey: the tokenizer gives needles or answers of different lengths")
+    n_needle, n_ans = len(needles[0]), len(answers[0])
+    budget = L - len(head) - n_needle - len(question) - n_ans       # filler tokens at most
+    filler, ends = [], [0]                     # whole sentences; ends: token count after each
+    while ends[-1] + len(sentences[len(filler) % len(sentences)]) <= budget:
+        filler.append(sentences[len(filler) % len(sentences)])
+        ends.append(ends[-1] + len(filler[-1]))
+    T = len(head) + ends[-1] + n_needle + len(question) + n_ans      # L' <= L
+    first_q = T - n_ans - 1                      # the first answer-predicting position
+    last_start = first_q - cfg.window - n_needle   # the needle ends before the window
+    lo = max(cfg.sink, len(head))
+    bounds = [j for j, e in enumerate(ends) if lo <= len(head) + e <= last_start]
+    if budget < 0 or not bounds:
+        raise ValueError(f"passkey: context {L} leaves no INT2 region for the needle "
+                         f"(sink {cfg.sink}, window {cfg.window})")
+    rows, starts = [], []
     for i in range(n):
-        key = str(int(torch.randint(*PK_KEYS, (1,), generator=gen)))
-        needle, answer = enc(PK_NEEDLE.format(key=key)), enc(PK_ANSWER.format(key=key))
-        n_ans = len(answer)
-        n_fill = L - len(head) - len(needle) - len(question) - n_ans
-        first_q = L - n_ans - 1                      # the first answer-predicting position
-        last_start = first_q - cfg.window - len(needle)   # needle ends before the window
-        lo = max(cfg.sink, len(head))
-        if n_fill < 0 or last_start <= lo:
-            raise ValueError(f"passkey: context {L} leaves no INT2 region for the needle "
-                             f"(sink {cfg.sink}, window {cfg.window})")
-        want = lo + (last_start - lo) * (i + 0.5) / n
-        j = max(0, math.floor((want - len(head)) / len(unit)))      # filler units before
-        while len(head) + j * len(unit) < lo:
-            j += 1
-        while len(head) + j * len(unit) > last_start:
-            j -= 1
-        filler = (unit * (n_fill // len(unit) + 2))[:n_fill]
-        cut = j * len(unit)
-        ids = head + filler[:cut] + needle + filler[cut:] + question + answer
-        assert len(ids) == L, (len(ids), L)
+        want = lo + (last_start - lo) * (i + 0.5) / n           # spread over the INT2 region
+        j = min(bounds, key=lambda j: abs(len(head) + ends[j] - want))
+        ids = head + sum(filler[:j], []) + needles[i] + sum(filler[j:], []) + question + answers[i]
+        assert len(ids) == T, (len(ids), T)
         rows.append(ids)
-        starts.append(len(head) + cut)
+        starts.append(len(head) + ends[j])
     return torch.tensor(rows), n_ans, starts
 
 
@@ -561,8 +590,9 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
     scores, keep = {name: {} for name in specs}, {}
     L_min = min(prompts)
     for L, (idx, n_ans, _) in prompts.items():
-        pos = torch.arange(L - n_ans - 1, L - 1)
-        target = idx[:, L - n_ans:]
+        T = idx.shape[1]                           # L' <= L: whole sentences (passkey_prompts)
+        pos = torch.arange(T - n_ans - 1, T - 1)
+        target = idx[:, T - n_ans:]
         for name, kv in specs.items():
             t0 = time.perf_counter()
             logits = torch.cat([logits_at(model, model.hidden_states(
@@ -575,7 +605,7 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
             dt = timer.lap("passkey", t0)
             log(f"passkey {L:5d} tok | {name:<21} | {int(ok.sum()):3d}/{len(idx):<3d} correct | "
                 f"answer log-prob {logp.mean().item():8.3f} | {dt:6.1f} s | "
-                f"{1000 * dt / (len(idx) * L):5.2f} ms/token")
+                f"{1000 * dt / idx.numel():5.2f} ms/token")
     return scores, keep
 
 
@@ -628,6 +658,23 @@ def query_positions(cfg: RunConfig):
     if cfg.calib_queries == "last":
         return None
     return torch.linspace(cfg.sink + cfg.window, cfg.calib_len - 1, cfg.n_loss_queries).round().long().unique()
+
+
+def learns_from_data(name: str) -> bool:
+    """Whether a variant's rotations or key means come from the calibration data (OSCAR's
+    covariances, centering's mean, OptR): such rows change with the calibration sample."""
+    v = VARIANTS[name]
+    return v is not None and (v.base == "oscar" or v.center or v.learn)
+
+
+def rotation_file(sample: int) -> str:
+    """The rotation file of a calibration sample in OUT."""
+    return "kv_rotations.safetensors" if sample == 0 else f"kv_rotations_sample{sample}.safetensors"
+
+
+# the per-variant numbers averaged over calibration samples (mean +- std in results.json)
+AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_out_key",
+              "e_out_value", "e_out", "e_rec")
 
 
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
@@ -882,19 +929,27 @@ def retrieval_lines(paired: dict) -> list:
 
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
-    ctx, pk_ctx = [str(L) for L in cfg.contexts], [str(L) for L in cfg.passkey_contexts]
+    ctx, pk_ctx = [str(L) for L in cfg.contexts], results["retrieval_lengths"]
     C = str(cfg.gap_ctx)
-    pk, n = bool(results["retrieval_ran"]), cfg.passkey_prompts
-    col = lambda head, w, f, get: (head, w, lambda name, v: format(get(v), f))
+    pk, n = bool(results["retrieval_ran"]) and bool(pk_ctx), cfg.passkey_prompts
+    n_s, std = results["calib_samples"], results["variants_std"]
+
+    def col(head, f, get, spread=False):  # spread: +- std over samples on the rows that vary
+        w = 15 if spread and n_s > 1 else (10 if head.startswith(("NLL", "top1")) else 9)
+
+        def cell(name, v):
+            x = format(get(v), f)
+            return x + "±" + format(get(std[name]), f) if w == 15 and learns_from_data(name) else x
+        return head, w, cell
     ran = lambda key, L, f: lambda name, v: format(v[key][L], f) if L in v.get(key, {}) else ""
-    columns = [col(f"KL@{L}", 9, ".4f", lambda v, L=L: v["kl_by_ctx"][L]) for L in ctx]
-    columns += [col(f"NLL@{C}", 10, ".4f", lambda v: v["nll_by_ctx"][C]),
-                col(f"top1@{C}", 10, ".4f", lambda v: v["top1_by_ctx"][C])]
+    columns = [col(f"KL@{L}", ".4f", lambda v, L=L: v["kl_by_ctx"][L], True) for L in ctx]
+    columns += [col(f"NLL@{C}", ".4f", lambda v: v["nll_by_ctx"][C], True),
+                col(f"top1@{C}", ".4f", lambda v: v["top1_by_ctx"][C], True)]
     columns += [(f"pk@{L}", 8, ran("passkey", L, ".2f")) for L in pk_ctx if pk]
     columns += [(f"lp@{L}", 8, ran("passkey_logprob", L, ".2f")) for L in pk_ctx if pk]
-    columns += [col(h, w, f, lambda v, k=k: v[k]) for k, h, w, f in (
-        ("e_out_key", "E_out,K", 9, ".4f"), ("e_out_value", "E_out,V", 9, ".4f"),
-        ("e_rec", "E_rec", 8, ".2f"), ("bits_per_element", "bits", 6, ".2f"))]
+    columns += [col(h, f, lambda v, k=k: v[k]) for k, h, f in (
+        ("e_out_key", "E_out,K", ".4f"), ("e_out_value", "E_out,V", ".4f"),
+        ("e_rec", "E_rec", ".2f"), ("bits_per_element", "bits", ".2f"))]
     log("")
     log(f"{results['model']}: the ladder (G {results['group_size']}, c_K {cfg.clip_k}, c_V "
         f"{cfg.clip_v}, sink {cfg.sink}, recent {cfg.window}, lambda {cfg.lam}, {cfg.steps} steps)")
@@ -904,30 +959,46 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
         f"positions {cfg.sink + cfg.window}..L-2 of {cfg.eval_seqs} text(s) of L tokens")
     log(f"  ({', '.join(f'{n} positions at {L}' for L, n in n_tok.items())}; text: "
         f"{results['eval']['source']}).")
+    if n_s > 1:
+        log(f"mean ± std over {n_s} calibration samples (seeds {', '.join(map(str, results['calib_seeds']))}: "
+            f"each its own {cfg.calib_seqs + cfg.heldout_seqs} x {cfg.calib_len} tokens) for the rows that")
+        log("  learn from them (OSCAR, centering, OptR); the other rows do not depend on the sample; "
+            "E columns: the mean.")
     if pk:
+        m = results["passkey_samples"]
         log(f"pk@L: passkey accuracy, lp@L: mean log-prob of the true answer tokens (teacher-"
-            f"forced), over the same {n} prompts per length for {', '.join(results['retrieval_ran'])};")
-        log(f"  needle spread over the INT2 region; Wilson 95% intervals in results.json (at n = "
-            f"{n}, {n}/{n} correct gives {wilson(n, n)[0]:.2f}..1, {n // 2}/{n} gives "
-            f"{wilson(n // 2, n)[0]:.2f}..{wilson(n // 2, n)[1]:.2f}).")
+            f"forced), over the same {n} prompts per length")
+        log(f"  ({'pooled over the rotations of ' + str(m) + ' calibration samples: ' if m > 1 else ''}"
+            f"{n * m} prompt-rotation pairs) for {', '.join(results['retrieval_ran'])}; needle spread "
+            f"over the INT2 region; whole filler sentences;")
+        log(f"  only lengths where full precision answers >= {cfg.retrieval_min:.0%} are shown; Wilson "
+            f"95% intervals in results.json (at n = {n * m}, {n * m}/{n * m} correct gives "
+            f"{wilson(n * m, n * m)[0]:.2f}..1).")
     else:
-        log("pk: passkey skipped (--passkey-prompts 0 or no variant of --passkey-variants in the run).")
+        log("pk: no passkey result (--passkey-prompts 0, no variant of --passkey-variants in the "
+            "run, or full precision below the bar at every length).")
     log(f"E_out,K / E_out,V: |dy_K|^2, |dy_V|^2 (Eq. 8) per query head at {cfg.err_queries} "
         f"positions of a {C}-token text, mean over layers; E_rec (Eq. 9) per token and KV head over")
     log(f"  the INT2 part; bits per K/V element of the cache as stored at {results['bits_context']} "
         f"tokens (sink and window in bf16; the INT2 part alone {results['bits_int2_part']:.2f} bits).")
+    gstd = results["gap_closed_std"]
     for base, g in results["gap_closed"].items():
-        fmt = lambda x: "n/a" if x is None else f"{x:6.1%}"
-        log(f"gap closed by OptR over {base:<6}: KL@{C} {fmt(g['kl'])} | NLL@{C} {fmt(g['nll'])}")
+        def fmt(key):
+            x = g[key]
+            if x is None:
+                return "n/a"
+            return f"{x:6.1%}" + (f" ± {gstd[base][key]:5.1%}" if n_s > 1 else "")
+        log(f"gap closed by OptR over {base:<6}: KL@{C} {fmt('kl')} | NLL@{C} {fmt('nll')}")
         if "kl_e2e" in g:
-            log(f"gap closed by OptR+e2e over {base:<6}: KL@{C} {fmt(g['kl_e2e'])} | NLL@{C} "
-                f"{fmt(g['nll_e2e'])}  (e2e: ours, not the paper's)")
-    log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)")
+            log(f"gap closed by OptR+e2e over {base:<6}: KL@{C} {fmt('kl_e2e')} | NLL@{C} "
+                f"{fmt('nll_e2e')}  (e2e: ours, not the paper's)")
+    log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)"
+        + ("; mean ± std of each sample's own" if n_s > 1 else ""))
     for line in retrieval_lines(results["retrieval_paired"]):
         log(line)
     if results["retrieval_paired"]:
-        log("  retrieval: per-prompt difference (first minus second variant) on the same prompts, "
-            "mean and Student t 95% interval; correct is 0/1 per prompt")
+        log("  retrieval: per-prompt difference (first minus second variant) on the same prompts "
+            "(and rotations), mean and Student t 95% interval; correct is 0/1 per prompt")
 
 
 @torch.no_grad()
@@ -1001,7 +1072,7 @@ def main(argv=None) -> dict:
 
     # data
     t0 = time.perf_counter()
-    cal, held = calibration_data(model, tok, cfg, log)
+    cal, held = calibration_data(model, tok, cfg, 0, log)
     eval_idx, source = eval_data(tok, cfg)
     timer.lap("data", t0)
     log(f"data | calibration {tuple(cal.shape)}, held-out {tuple(held.shape)} tokens | evaluation "
@@ -1019,38 +1090,12 @@ def main(argv=None) -> dict:
     log(f"full precision forward of the evaluation text and key statistics | "
         f"{timer.lap('full', t0):6.1f} s")
     print_key_stats(stats, log)
-
-    # calibration
-    rot_path = os.path.join(cfg.out, "kv_rotations.safetensors")
-    settings = {f: getattr(cfg, f) for f in CALIB_FIELDS}
-    if cfg.resume:
-        specs, meta = load_ladder(rot_path, cfg.variants, c, settings)
-        reports = meta.get("report", {})
-        log(f"resumed every variant's rotations and key means from {rot_path}")
-    else:
-        specs, reports = calibrate_variants(model, cal, held, cfg.variants, query_positions(cfg),
-                                            progress_every=10, timer=timer, log=log,
-                                            workers=torch.get_num_threads(),
-                                            propagate=cfg.calib_propagate)
-        save_ladder(rot_path, specs, c, meta=dict(calibration=settings, report=reports))
-    first_q = next(n for n in specs if specs[n] is not None)
-    T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])
-    t0 = time.perf_counter()
-    diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_q])
-    log(f"block-wise simulated cache vs dense ({first_q}, {T_chk} tokens): attention max rel. "
-        f"diff {diff['attention_max_rel_diff']:.1e} per layer; end to end max |logit diff| "
-        f"{diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
-        f"{timer.lap('check', t0):5.1f} s")
-    if diff["attention_max_rel_diff"] > 1e-4:
-        raise RuntimeError(f"the block-wise simulated attention differs from the dense one by "
-                           f"{diff['attention_max_rel_diff']:.3g} (relative)")
-
-    # next-token fidelity and the Eq. 8 split
     start = c.sink + c.window
     lf_full = [full_logprobs(model, h, start) for h in h_full]
     err_pos = error_positions(cfg, cfg.gap_ctx)
-    variants = {}
-    for name, kv in specs.items():
+
+    def evaluate(name, kv) -> dict:
+        """Next-token fidelity of one variant on the evaluation text, and the Eq. 8 split."""
         t0 = time.perf_counter()
         per = [token_metrics(model, lf_full[i], h_full[i] if kv is None else
                              model.hidden_states(eval_idx[i:i + 1], simulated(kv, c)),
@@ -1063,28 +1108,101 @@ def main(argv=None) -> dict:
                  kl_ci_by_ctx=block_interval_by_context(per["kl"], start, cfg.contexts))
         dt_fwd = time.perf_counter() - t0
         v.update(output_errors(model, captured, kv, err_pos))
-        variants[name] = v
         dt = timer.lap("evaluate", t0)
         log(f"evaluated {name:<21} | KL " + " ".join(f"{x:.4f}@{L}" for L, x in v["kl_by_ctx"].items())
             + f" | forward {1000 * dt_fwd / eval_idx.numel():5.2f} ms/token | {dt:6.1f} s")
+        return v
 
-    # passkey on the same prompts for every variant of the stage, decoded answers, bits
+    # calibration and next-token fidelity, once per calibration sample: sample 0 every
+    # variant, the others the variants that learn from the calibration data
+    settings = {f: getattr(cfg, f) for f in CALIB_FIELDS}
+    samples, diff = [], None
+    for i in range(cfg.calib_samples):
+        names = list(cfg.variants) if i == 0 else [n for n in cfg.variants if learns_from_data(n)]
+        if i:
+            log(f"\n=== calibration sample {i} (seed {cfg.seed + i}): {', '.join(names)} ===")
+            t0 = time.perf_counter()
+            cal, held = calibration_data(model, tok, cfg, i, log)
+            timer.lap("data", t0)
+        rot_path = os.path.join(cfg.out, rotation_file(i))
+        sample_settings = dict(settings, seed=cfg.seed + i)
+        if cfg.resume:
+            specs, meta = load_ladder(rot_path, names, c, sample_settings)
+            reports = meta.get("report", {})
+            log(f"resumed sample {i}'s rotations and key means from {rot_path}")
+        else:
+            specs, reports = calibrate_variants(model, cal, held, names, query_positions(cfg),
+                                                progress_every=10, timer=timer, log=log,
+                                                workers=torch.get_num_threads(),
+                                                propagate=cfg.calib_propagate)
+            save_ladder(rot_path, specs, c, meta=dict(calibration=sample_settings, report=reports))
+        if diff is None:
+            first_q = next(n for n in specs if specs[n] is not None)
+            T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])
+            t0 = time.perf_counter()
+            diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_q])
+            log(f"block-wise simulated cache vs dense ({first_q}, {T_chk} tokens): attention max rel. "
+                f"diff {diff['attention_max_rel_diff']:.1e} per layer; end to end max |logit diff| "
+                f"{diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
+                f"{timer.lap('check', t0):5.1f} s")
+            if diff["attention_max_rel_diff"] > 1e-4:
+                raise RuntimeError(f"the block-wise simulated attention differs from the dense one by "
+                                   f"{diff['attention_max_rel_diff']:.3g} (relative)")
+        variants = {name: evaluate(name, kv) for name, kv in specs.items()}
+        if i:                         # the rows no calibration data changes: sample 0's
+            specs = {n: specs[n] if n in specs else samples[0]["specs"][n] for n in cfg.variants}
+            variants = {n: variants[n] if n in variants else samples[0]["variants"][n]
+                        for n in cfg.variants}
+        samples.append(dict(seed=cfg.seed + i, specs=specs, reports=reports, variants=variants,
+                            gap_closed=llm_gap_closed(variants, cfg)))
+    specs, reports = samples[0]["specs"], samples[0]["reports"]   # decode, bits, plots, export
+    mean, std = mean_std([{n: {k: v[n][k] for k in AGGREGATED} for n in cfg.variants}
+                          for v in (s["variants"] for s in samples)])
+    variants = {n: dict(samples[0]["variants"][n], **mean[n]) for n in cfg.variants}
+    if len(samples) > 1:              # KL bars of the plot: the range over the samples
+        for n, v in variants.items():
+            if learns_from_data(n):
+                v["kl_ci_by_ctx"] = {L: (min(s["variants"][n]["kl_by_ctx"][L] for s in samples),
+                                         max(s["variants"][n]["kl_by_ctx"][L] for s in samples))
+                                     for L in v["kl_by_ctx"]}
+    gap_mean, gap_std = gap_closed_mean_std([s["gap_closed"] for s in samples])
+
+    # passkey on the same prompts for every variant of the stage (and every calibration
+    # sample of passkey_samples, pooled prompt by prompt), decoded answers, bits
     prompts, scores, sim_logits = {}, {}, {}
-    pk_specs = {n: specs[n] for n in cfg.passkey_variants if n in specs}
+    pk_names = [n for n in cfg.passkey_variants if n in specs]
+    n_pk = min(cfg.passkey_samples or cfg.calib_samples, cfg.calib_samples)
     if cfg.passkey_prompts:
         gen = generator(cfg.seed, "passkey")
         prompts = {L: passkey_prompts(tok, L, cfg.passkey_prompts, c, gen)
                    for L in cfg.passkey_contexts}
         absent = [n for n in cfg.passkey_variants if n not in specs]
         log(f"passkey | {cfg.passkey_prompts} prompts at each of {list(cfg.passkey_contexts)} "
-            f"tokens, the same for {', '.join(pk_specs) or 'no variant'}"
-            + (f" | not in this run: {', '.join(absent)}" if absent else ""))
-        scores, sim_logits = passkey_eval(model, pk_specs, prompts, cfg, timer, log)
+            f"tokens (as {', '.join(str(p[0].shape[1]) for p in prompts.values())}: whole sentences), "
+            f"the same for {', '.join(pk_names) or 'no variant'}, rotations of {n_pk} calibration "
+            f"sample(s)" + (f" | not in this run: {', '.join(absent)}" if absent else ""))
+        per_sample = []
+        for i, smp in enumerate(samples[:n_pk]):
+            todo = {n: smp["specs"][n] for n in pk_names if i == 0 or learns_from_data(n)}
+            got, logits = passkey_eval(model, todo, prompts, cfg, timer, log)
+            per_sample.append({n: got[n] if n in got else per_sample[0][n] for n in pk_names})
+            if i == 0:
+                sim_logits = logits
+        scores = {n: {L: {k: sum((s[n][L][k] for s in per_sample), []) for k in ("correct", "logprob")}
+                      for L in prompts} for n in pk_names}
     else:
         log("passkey | skipped: --passkey-prompts 0")
+    full_pk = {L: sum(s["correct"]) / len(s["correct"]) for L, s in scores.get("full", {}).items()}
+    reported = [L for L, a in full_pk.items() if a >= cfg.retrieval_min]   # lengths full passes
+    for L in (L for L in full_pk if L not in reported):
+        log(f"passkey {L} tok: full precision answers {full_pk[L]:.0%} (< {cfg.retrieval_min:.0%}): "
+            f"not a retrieval result, left out of the table and the paired comparisons")
+    if "full" not in scores:
+        reported = list(prompts)
+    scores = {n: {L: s[L] for L in reported} for n, s in scores.items()}
     for name, v in variants.items():
-        v.update(passkey_summary(scores[name]) if name in scores else {"passkey": {}})
-    paired = retrieval_paired(scores)
+        v.update(passkey_summary(scores[name]) if name in scores and reported else {"passkey": {}})
+    paired = retrieval_paired(scores) if reported else {}
     decode = {}
     names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
     if prompts and cfg.decode_prompts and names:
@@ -1120,14 +1238,19 @@ def main(argv=None) -> dict:
     if cfg.export:
         t0 = time.perf_counter()
         cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
-        best = min(cands, key=lambda n: variants[n]["kl"])
+        best = min(cands, key=lambda n: samples[0]["variants"][n]["kl"])   # sample 0's specs
         optr.export_hf(model, specs[best], cfg.export, tokenizer=tok)
         extra["export"] = dict(dir=os.path.abspath(cfg.export), variant=best)
         log(f"export | {best} -> {cfg.export} | {timer.lap('export', t0):5.1f} s")
         extra["serve"] = serve_elsewhere(model, specs[best], cfg, eval_idx[:1], tok, log)
     results = write_results(
-        cfg.out, cfg, timer.timing(), stats, variants, llm_gap_closed(variants, cfg), decode,
-        reports, model=model_name, checkpoint=os.path.abspath(path), group_size=G,
+        cfg.out, cfg, timer.timing(), stats, variants, gap_mean, decode, reports,
+        calib_samples=len(samples), calib_seeds=[s["seed"] for s in samples], variants_std=std,
+        gap_closed_std=gap_std, per_sample={f"sample{i}": dict(
+            seed=s["seed"], variants={n: {k: s["variants"][n][k] for k in AGGREGATED} for n in cfg.variants},
+            gap_closed=s["gap_closed"], report=s["reports"]) for i, s in enumerate(samples)},
+        passkey_samples=n_pk if prompts else 0, retrieval_lengths=[str(L) for L in reported],
+        retrieval_full_accuracy={str(L): a for L, a in full_pk.items()}, model=model_name, checkpoint=os.path.abspath(path), group_size=G,
         eval=dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start)
                                             for L in cfg.contexts}),
         key_stats_summary=key_stats_summary(stats), bits_context=L_bits,

@@ -514,6 +514,34 @@ def gap_closed(variants: dict, metrics: dict) -> dict:
     return out
 
 
+def mean_std(tables: list[dict]) -> tuple[dict, dict]:
+    """Mean and std (n - 1 in the divisor; 0 for one table) over runs (seeds, calibration
+    samples) of every number in equally shaped nested dicts `tables`; None stays None."""
+    def walk(xs):
+        if isinstance(xs[0], dict):
+            pairs = {k: walk([x[k] for x in xs]) for k in xs[0]}
+            return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
+        if xs[0] is None:
+            return None, None
+        t = torch.tensor(xs, dtype=torch.float64)
+        return t.mean().item(), (t.std().item() if len(xs) > 1 else 0.0)
+    return walk(tables)
+
+
+def gap_closed_mean_std(per_run: list[dict]) -> tuple[dict, dict]:
+    """Mean and std over runs of each run's own gap_closed, per base and metric; a run
+    with no gap (None) is left out; None where no run has one."""
+    mean, std = {}, {}
+    for base, g in per_run[0].items():
+        mean[base], std[base] = {}, {}
+        for key in g:
+            xs = [r[base][key] for r in per_run if r[base][key] is not None]
+            t = torch.tensor(xs, dtype=torch.float64)
+            mean[base][key] = t.mean().item() if xs else None
+            std[base][key] = (t.std().item() if len(xs) > 1 else 0.0) if xs else None
+    return mean, std
+
+
 def print_table(variants: dict, columns: list, log=print):
     """One row per variant: its name, then each column (header, width, cell(name,
     variant's results) -> str), right-aligned."""

@@ -3486,6 +3486,7 @@ def test_train_tiny_quick_smoke(tmp_path):
     on_disk = json.loads((tmp_path / "results.json").read_text())
     for key in ("config", "timing_s", "key_stats", "variants"):
         assert key in on_disk
+    assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
     assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
     names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
              "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e"}
@@ -3506,6 +3507,45 @@ def test_train_tiny_quick_smoke(tmp_path):
     rotations, info = optr.load_kv_rotations(str(tmp_path / "kv_rotations.safetensors"))
     assert set(rotations) == names - {"full"}                         # one file, every variant
     assert info["meta"]["config"]["quick"] is True
+
+
+def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capsys):
+    """`python train_tiny.py` runs seeds 0, 1, 2 (--quick and an explicit --seed: one run).
+    Over several seeds, results.json's variants are the mean and variants_std the std (n - 1
+    in the divisor) of the per-seed tables in OUT/seedN/results.json, as numpy computes them;
+    per_seed holds those tables; the gap closed is the mean +- std of each seed's own;
+    --per-seed prints each seed's table above the mean +- std one."""
+    import json
+    import train_tiny
+    assert train_tiny.RunConfig().seeds == train_tiny.parse_config([]).seeds == (0, 1, 2)
+    assert train_tiny.parse_config(["--quick"]).seeds == ()
+    assert train_tiny.parse_config(["--seed", "4"]).seeds == ()
+    assert train_tiny.parse_config(["--seed", "4", "--seeds", "1,2"]).seeds == (1, 2)
+    res = train_tiny.main(["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2",
+                           "--eval-every", "1", "--e2e-steps", "1", "--eval-seqs", "16",
+                           "--err-seqs", "8", "--calib-seqs", "8", "--heldout-seqs", "8",
+                           "--decode-seqs", "1", "--decode-attend", "reference", "--per-seed",
+                           "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["seeds"] == [0, 1]
+    per = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
+    assert [p["seeds"] for p in per] == [[0], [1]]
+    for name, v in on_disk["variants"].items():
+        for key, get in (("kl", lambda r: r["kl"]), ("acc", lambda r: r["accuracy"]["64"]),
+                         ("e_rec", lambda r: r["e_rec"])):
+            xs = np.array([get(p["variants"][name]) for p in per])
+            assert on_disk["per_seed"][f"seed{1}"]["variants"][name] == per[1]["variants"][name]
+            assert get(v) == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
+            assert get(on_disk["variants_std"][name]) == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
+    for base in ("quarot", "oscar"):
+        kl = lambda p, n: p["variants"][n]["kl"]
+        g = [(kl(p, base) - kl(p, base + "+optr")) / kl(p, base) for p in per]
+        assert on_disk["gap_closed"][base]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
+        assert on_disk["gap_closed_std"][base]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
+    shown = capsys.readouterr().out
+    assert "\nseed 0:" in shown and "\nseed 1:" in shown
+    assert shown.count("variant    ") == 3                         # two seeds, then the mean
+    assert "±" in shown.split("\nseed 1:")[1] and res["seeds"] == [0, 1]
 
 
 def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
@@ -3556,7 +3596,8 @@ def test_eval_llm_smoke(tmp_path):
         rms_norm_eps=1e-6, tie_word_embeddings=False)))
     tok.save(str(ckpt / "tokenizer.json"))
     calib, evalf = tmp_path / "calib.txt", tmp_path / "eval.txt"
-    calib.write_text("The quick brown fox jumps over the lazy dog. " * 8)
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 9
+                     + "Sphinx of black quartz, judge my vow! " * 9)     # two samples of 3 x 64
     evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
     out = tmp_path / "out"
     args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
@@ -3564,7 +3605,8 @@ def test_eval_llm_smoke(tmp_path):
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
             "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
-            "--e2e-steps", "1"]
+            "--e2e-steps", "1", "--calib-samples", "2", "--passkey-samples", "2",
+            "--retrieval-min", "0"]
     results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
     on_disk = json.loads((out / "results.json").read_text())
     assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
@@ -3574,11 +3616,12 @@ def test_eval_llm_smoke(tmp_path):
             assert key in v, (name, key)
         ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
         assert set(v["passkey"]) == ({"320", "384"} if ran else set())
-        if ran:
-            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 2
+        if ran:                                   # 2 prompts x the rotations of 2 samples
+            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 4
     paired = on_disk["retrieval_paired"]
     assert list(paired) == ["quarot+optr - quarot", "quarot+optr+e2e - quarot+optr"]
-    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 4
+    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 8
+    _check_calibration_samples(on_disk, out)
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
     assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
     assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
@@ -3596,8 +3639,13 @@ def test_eval_llm_smoke(tmp_path):
             assert (out / name).stat().st_size > 10_000
     # --resume reads the same file back, and refuses other calibration settings
     again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
-                                  "--decode-attend", "kernel"])
+                                  "--decode-attend", "kernel", "--retrieval-min", "0.9"])
     assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
+    # a random model fails the passkey in full precision: no length is a retrieval result
+    assert set(again["retrieval_full_accuracy"]) == {"320", "384"}
+    assert max(again["retrieval_full_accuracy"].values()) < 0.9
+    assert again["retrieval_lengths"] == [] and again["retrieval_paired"] == {}
+    assert again["variants"]["full"]["passkey"] == {}
     dec = again["decode_check"]["quarot+optr"]
     assert "int2_paged_decode" in dec["attend"] and dec["same_argmax"] == dec["answer_tokens"]
     with pytest.raises(ValueError, match="calibrated with other settings"):
@@ -3606,6 +3654,32 @@ def test_eval_llm_smoke(tmp_path):
     eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr", "--export", str(export)])
     served, info = optr.load_kv_rotations(str(export))
     assert list(served) == ["optr"] and info["r_v_folded"]["optr"]
+
+
+def _check_calibration_samples(res: dict, out):
+    """results.json of a 2-sample eval_llm run: the learned rows are mean and std of the
+    per-sample rows, computed here with numpy; the rows no calibration data changes are the
+    same in both samples; each sample wrote its own rotation file; the gap closed
+    is the mean of each sample's own."""
+    import eval_llm
+    assert res["calib_samples"] == 2 and res["calib_seeds"] == [0, 1]
+    per = [res["per_sample"][f"sample{i}"] for i in range(2)]
+    for name, v in res["variants"].items():
+        for key in ("kl", "nll", "top1"):
+            xs = np.array([p["variants"][name][key] for p in per])
+            assert v[key] == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
+            assert res["variants_std"][name][key] == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
+            if not eval_llm.learns_from_data(name):
+                assert xs[0] == xs[1]
+    kl = [p["variants"]["quarot+optr"]["kl"] for p in per]
+    assert kl[0] != kl[1]                                    # two samples, two calibrations
+    g = [(p["variants"]["quarot"]["kl"] - p["variants"]["quarot+optr"]["kl"]) / p["variants"]["quarot"]["kl"]
+         for p in per]
+    assert res["gap_closed"]["quarot"]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
+    assert res["gap_closed_std"]["quarot"]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
+    assert (out / "kv_rotations.safetensors").exists() and (out / "kv_rotations_sample1.safetensors").exists()
+    _, info = optr.load_kv_rotations(str(out / "kv_rotations_sample1.safetensors"))
+    assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
 
 
 def test_importing_the_scripts_leaves_triton_alone():
@@ -3770,10 +3844,44 @@ def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
         eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
         cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
         idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
-        assert idx.shape == (3, L) and all(s >= sink for s in starts)
+        assert idx.shape[0] == 3 and idx.shape[1] <= L and all(s >= sink for s in starts)
     with pytest.raises(ValueError, match="passkey_contexts"):
         eval_llm.RunConfig(passkey_contexts=())
-    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (512,)   # fits
+    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (640,)   # fits
+
+
+def test_eval_llm_passkey_prompts_are_whole_sentences():
+    """A passkey prompt, decoded, is the header, whole filler sentences in their order (cycled)
+    with the needle between two of them, the question and the answer: no sentence breaks off
+    before the question or the needle. It is as many whole sentences as fit in L tokens: one
+    more would not fit, so it falls short of L by less than a sentence; the needle's start is
+    where the tokens say it is."""
+    import re
+    import eval_llm
+    tok = _byte_tokenizer()
+    enc = lambda s: tok.encode(s).ids
+    cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
+    cycle = "".join(eval_llm.PK_SENTENCES)
+    assert cycle == eval_llm.PK_FILLER and len(eval_llm.PK_SENTENCES) == 5
+    whole = r"(?:" + "|".join(re.escape(x) for x in eval_llm.PK_SENTENCES) + r")*"
+    for L in (400, 512, 777):
+        idx, n_ans, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
+        T = idx.shape[1]
+        for row, start in zip(idx.tolist(), starts):
+            text = tok.decode(row)
+            key = re.search(r"The pass key is (\d+)\.", text)[1]
+            tail = eval_llm.PK_QUESTION + eval_llm.PK_ANSWER.format(key=key)
+            assert text.startswith(eval_llm.PK_HEADER) and text.endswith(tail)
+            body = text[len(eval_llm.PK_HEADER):len(text) - len(tail)]
+            before, after = body.split(eval_llm.PK_NEEDLE.format(key=key))
+            assert re.fullmatch(whole, before) and re.fullmatch(whole, after)
+            filler = before + after
+            assert filler == (cycle * (len(filler) // len(cycle) + 1))[:len(filler)]
+            n_sent = filler.count(".")
+            nxt = eval_llm.PK_SENTENCES[n_sent % 5]
+            assert T <= L < T + len(enc(nxt))                       # one more would not fit
+            assert start == len(enc(eval_llm.PK_HEADER + before))
+            assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
 
 
 def test_eval_llm_passkey_prompts_are_paired_across_variants():

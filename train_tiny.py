@@ -1,9 +1,10 @@
 """
 The paper's ladder in miniature: train a tiny model, calibrate, evaluate, one command.
 
-    python train_tiny.py                   # about 5 minutes on 2 CPU cores
-    python train_tiny.py --quick           # about a minute: smaller everything
-    python train_tiny.py --seeds 0,1,2     # the whole run per seed, mean +- std
+    python train_tiny.py                   # seeds 0, 1, 2: mean +- std, about 5 minutes on 2 CPU cores
+    python train_tiny.py --seeds 0         # one seed (--seed 0 too), about 90 s
+    python train_tiny.py --quick           # about a minute: smaller everything, one seed
+    python train_tiny.py --per-seed        # also print each seed's own table
     python train_tiny.py --attention-bias  # Qwen2-style q/k/v biases: keys may carry offsets
     python train_tiny.py --resume --clip-k 0.96  # reuse OUT's model, recalibrate, re-evaluate
     python train_tiny.py --help            # one flag per config field
@@ -26,7 +27,10 @@ What it shows, on a model small enough to train on a laptop CPU:
   4. A real decode check: the paged INT2 cache, token by token, with the Triton kernel
      (its CPU interpreter when there is no GPU), against the simulated path.
 Training, calibration, held-out and evaluation data come from separate random streams of
-the seed; the same seed gives the same numbers. Results go to OUT/results.json, the model
+the seed; the same seed and thread count give the same numbers, but another CPU or thread
+count rounds differently and moves single runs by a few points: so the default run repeats
+everything for seeds 0, 1, 2 (each its own model, data and calibration, in OUT/seedN) and
+prints mean +- std over them. Results go to OUT/results.json (per-seed tables included), the model
 to OUT/model.safetensors and every variant's rotations and key means to
 OUT/kv_rotations.safetensors (optr.save_kv_rotations; read back with
 optr.load_kv_rotations).
@@ -41,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -51,7 +56,8 @@ from safetensors.torch import load_file, save_file
 import optr
 from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, config_dict, decode_attention,
-    decode_check, gap_closed, key_stats, ladder_bits, output_errors, parse_run_config,
+    decode_check, gap_closed, gap_closed_mean_std, key_stats, ladder_bits, mean_std, output_errors,
+    parse_run_config,
     print_config, print_key_stats, print_table, run_cli, save_ladder, write_results)
 
 
@@ -98,8 +104,10 @@ class RunConfig(optr.Config):
                      "and sequences; flags given explicitly still win")
     out: str = _f("runs/tiny", "output directory: results.json and safetensors files")
     resume: bool = _f(False, "load OUT/model.safetensors instead of training")
-    seeds: tuple[int, ...] = _f((), "repeat the whole run for each seed (OUT/seedN), report "
-                                "mean +- std")
+    seeds: tuple[int, ...] = _f((0, 1, 2), "repeat the whole run for each seed (its own model, "
+                                "data and calibration, in OUT/seedN), report mean +- std; empty or "
+                                "--seed N: one run of that seed in OUT")
+    per_seed: bool = _f(False, "with several seeds, also print each seed's own table")
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,11 +129,17 @@ class RunConfig(optr.Config):
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(stage_len=(13, 64), stage_pairs=(4, 8), stage_steps=(800, 150),
              stage_batch=(32, 32), sink=2, window=8, eval_len=(32, 48, 64), eval_seqs=128,
-             err_seqs=32, calib_seqs=64, heldout_seqs=64, steps=40, eval_every=10)
+             err_seqs=32, calib_seqs=64, heldout_seqs=64, steps=40, eval_every=10, seeds=())
 
 
 def parse_config(argv=None) -> RunConfig:
-    return parse_run_config(argv, RunConfig, QUICK, __doc__.strip().split("\n")[0])
+    """The run config; an explicit --seed N without --seeds is one run of seed N."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    cfg = parse_run_config(argv, RunConfig, QUICK, __doc__.strip().split("\n")[0])
+    given = {a.split("=")[0] for a in argv}
+    if "--seed" in given and "--seeds" not in given:
+        cfg = dataclasses.replace(cfg, seeds=())
+    return cfg
 
 
 def generator(cfg: RunConfig, stream: str) -> torch.Generator:
@@ -391,7 +405,7 @@ def run_once(cfg: RunConfig, attend, log=print) -> dict:
     decode = decode_check(model, specs, ["full", best], idx[:cfg.decode_seqs], int(pos[0]), pos,
                           attend, timer=timer, log=log)
     return write_results(cfg.out, cfg, timer.timing(), stats, variants,
-                         tiny_gap_closed(variants, T), decode, reports)
+                         tiny_gap_closed(variants, T), decode, reports, seeds=[cfg.seed])
 
 
 COLUMNS = [("kl", "KL nats", "{:.4f}"), ("e_out_key", "E_out,K", "{:.4f}"),
@@ -419,33 +433,30 @@ def print_summary(results: dict, std: dict | None = None, log=print):
         "part; bits per K/V element")
     log(f"of the whole cache as stored (sink and window in bf16; the INT2 part alone "
         f"{int2_bits:.2f} bits).")
-    fmt = lambda x: "n/a (no gap)" if x is None else f"{x:6.1%}"
+    gstd = results.get("gap_closed_std")
+    pct = lambda x: "n/a (no gap)" if x is None else f"{x:6.1%}"
+
+    def fmt(base, key):                # the gap closed, and +- its std over seeds when given
+        x = results["gap_closed"][base][key]
+        if gstd is None or x is None:
+            return pct(x)
+        return f"{x:6.1%} ± {gstd[base][key]:5.1%}"
+
     for base, g in results["gap_closed"].items():
-        line = (f"gap closed by OptR over {base:<6}: accuracy@{lens[-1]} {fmt(g['accuracy'])} | "
-                f"KL {fmt(g['kl'])}")
-        if "gap_closed_per_seed" in results:
-            line += "  (of the means; per seed: " + ", ".join(
-                fmt(r[base]["accuracy"]).strip() for r in results["gap_closed_per_seed"]) + ")"
-        log(line)
+        log(f"gap closed by OptR over {base:<6}: accuracy@{lens[-1]} {fmt(base, 'accuracy')} | "
+            f"KL {fmt(base, 'kl')}")
         if "kl_e2e" in g:
             log(f"gap closed by OptR+e2e over {base:<6}: accuracy@{lens[-1]} "
-                f"{fmt(g['accuracy_e2e'])} | KL {fmt(g['kl_e2e'])}  (e2e: ours, not the paper's)")
+                f"{fmt(base, 'accuracy_e2e')} | KL {fmt(base, 'kl_e2e')}  (e2e: ours, not the paper's)")
     log("  gap closed = (optr - base) / (full - base); for KL, (KL_base - KL_optr) / KL_base")
+    if std is not None:
+        seeds = results["seeds"]
+        log(f"  mean ± std over seeds {', '.join(map(str, seeds))} (each its own model, data and "
+            f"calibration; std with n - 1 in the divisor); gap closed: the mean of each seed's")
+        log("  own gap closed (a seed without a gap is left out of it); per-seed tables in "
+            "results.json (per_seed), on screen with --per-seed")
     if results["config"]["quick"]:
         log("  (--quick is a smoke run: at T=64 INT2 costs about a point, within this run's noise)")
-
-
-def mean_std(per_seed: list[dict]) -> tuple[dict, dict]:
-    """Mean and std (over seeds) of every number in the variants tables."""
-    def walk(xs):
-        if isinstance(xs[0], dict):
-            pairs = {k: walk([x[k] for x in xs]) for k in xs[0]}
-            return {k: p[0] for k, p in pairs.items()}, {k: p[1] for k, p in pairs.items()}
-        if xs[0] is None:
-            return None, None
-        t = torch.tensor(xs, dtype=torch.float64)
-        return t.mean().item(), (t.std().item() if len(xs) > 1 else 0.0)
-    return walk([r["variants"] for r in per_seed])
 
 
 def main(argv=None) -> dict:
@@ -463,13 +474,20 @@ def main(argv=None) -> dict:
             per_seed.append(run_once(dataclasses.replace(cfg, seed=s, seeds=(),
                                                          out=os.path.join(cfg.out, f"seed{s}")),
                                      attend))
-        mean, std = mean_std(per_seed)
+        mean, std = mean_std([r["variants"] for r in per_seed])
+        gap_mean, gap_std = gap_closed_mean_std([r["gap_closed"] for r in per_seed])
         seed = lambda key: {f"seed{s}": r[key] for s, r in zip(cfg.seeds, per_seed)}
         results = write_results(
             cfg.out, cfg, {k: sum(r["timing_s"][k] for r in per_seed) for k in per_seed[0]["timing_s"]},
-            seed("key_stats"), mean, tiny_gap_closed(mean, str(max(cfg.eval_len))),
-            seed("decode_check"), seed("report"), variants_std=std,
-            gap_closed_per_seed=[r["gap_closed"] for r in per_seed], seeds=list(cfg.seeds))
+            seed("key_stats"), mean, gap_mean, seed("decode_check"), seed("report"),
+            seeds=list(cfg.seeds), variants_std=std, gap_closed_std=gap_std,
+            gap_closed_of_means=tiny_gap_closed(mean, str(max(cfg.eval_len))),
+            per_seed={f"seed{s}": dict(variants=r["variants"], gap_closed=r["gap_closed"],
+                                       timing_s=r["timing_s"])
+                      for s, r in zip(cfg.seeds, per_seed)})
+        for s, r in zip(cfg.seeds, per_seed) if cfg.per_seed else ():
+            print(f"\nseed {s}:")
+            print_summary(r)
         print_summary(results, std)
     print(f"wrote {os.path.join(cfg.out, 'results.json')} | "
           f"total {time.perf_counter() - t_start:.1f} s")
