@@ -890,7 +890,8 @@ def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, 
         ax.set_xscale("log", base=2)
         ax.set_xticks(xs, [str(x) for x in xs])
         ax.set_xlabel("context (tokens)")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
+            ax.legend(fontsize=7)
     fig.suptitle(model_name, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
