@@ -452,9 +452,10 @@ def print_summary(results: dict, std: dict | None = None, log=print):
     if std is not None:
         seeds = results["seeds"]
         log(f"  mean ± std over seeds {', '.join(map(str, seeds))} (each its own model, data and "
-            f"calibration; std with n - 1 in the divisor); gap closed: the mean of each seed's")
-        log("  own gap closed (a seed without a gap is left out of it); per-seed tables in "
-            "results.json (per_seed), on screen with --per-seed")
+            f"calibration; std with n - 1 in the divisor);")
+        log("  gap closed: the mean of each seed's own (a seed without a gap is left out of it); "
+            "per-seed tables")
+        log("  in results.json (per_seed), on screen with --per-seed")
     if results["config"]["quick"]:
         log("  (--quick is a smoke run: at T=64 INT2 costs about a point, within this run's noise)")
 
