@@ -1,8 +1,8 @@
 """
 The paper's ladder in miniature: train a tiny model, calibrate, evaluate, one command.
 
-    python train_tiny.py                   # seeds 0, 1, 2: mean +- std, about 5 minutes on 2 CPU cores
-    python train_tiny.py --seeds 0         # one seed (--seed 0 too), about 90 s
+    python train_tiny.py                   # seeds 0, 1, 2: mean +- std, about 9 minutes on 2 CPU cores
+    python train_tiny.py --seeds 0         # one seed (--seed 0 too), about 3 minutes
     python train_tiny.py --quick           # about a minute: smaller everything, one seed
     python train_tiny.py --per-seed        # also print each seed's own table
     python train_tiny.py --attention-bias  # Qwen2-style q/k/v biases: keys may carry offsets
