@@ -2232,6 +2232,20 @@ def test_the_fast_key_loss_has_the_key_losss_value_and_gradient(windows, mean):
     check_fast_key_loss(small_cfg(calib_windows=windows, n_loss_queries=8, lam=0.5), mean=mean)
 
 
+def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns():
+    """calibrate_layer(fast=False) fits R_K on optr_key_loss itself: a few steps give the
+    fast path's rotations up to round-off, and the same held-out scores."""
+    cfg = small_cfg(steps=5, eval_every=1, n_loss_queries=8)
+    cal, held, w_o = layer_fixture(seed=6, N=2, T=20)
+    r0, mu = optr.identity_rotation(2, 16), None                           # a poor base: OptR learns
+    fast = optr.calibrate_layer(cal, held, w_o, r0, r0, mu, cfg, learn_v=False)
+    ref = optr.calibrate_layer(cal, held, w_o, r0, r0, mu, cfg, learn_v=False, fast=False)
+    assert not torch.allclose(fast[0], r0, atol=1e-4)                      # it did learn
+    assert torch.allclose(fast[0], ref[0], atol=1e-4)
+    for a, b in zip(fast[2], ref[2]):
+        assert a["best_loss"] == pytest.approx(b["best_loss"], rel=1e-4)
+
+
 def test_the_fast_key_loss_check_can_fail(monkeypatch):
     """The check fails for a fast loss that drops the exactly-read keys (C) from the
     softmax: the loss of the INT2 columns alone."""
