@@ -104,13 +104,15 @@ def config_dict(cfg) -> dict:
 class Timer:
     """Wall-clock seconds per stage, for the timing lines and results.json's timing_s."""
 
-    def __init__(self):
-        self.t0, self.stages = time.perf_counter(), {}
+    def __init__(self, on_lap=None):
+        self.t0, self.stages, self.on_lap = time.perf_counter(), {}, on_lap
 
     def lap(self, name: str, since: float) -> float:
-        """Add the seconds since `since` to stage `name`; returns them."""
+        """Add the seconds since `since` to stage `name`; returns them (and tells on_lap)."""
         dt = time.perf_counter() - since
         self.stages[name] = self.stages.get(name, 0.0) + dt
+        if self.on_lap:
+            self.on_lap(name, dt, time.perf_counter() - self.t0)
         return dt
 
     def timing(self) -> dict:

@@ -3523,7 +3523,7 @@ def test_train_tiny_quick_smoke(tmp_path):
     assert info["meta"]["config"]["quick"] is True
 
 
-def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capsys):
+def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
     """`python train_tiny.py` runs seeds 0, 1, 2 (--quick and an explicit --seed: one run).
     Over several seeds, results.json's variants are the mean and variants_std the std (n - 1
     in the divisor) of the per-seed tables in OUT/seedN/results.json, as numpy computes them;
@@ -3535,11 +3535,7 @@ def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capsys)
     assert train_tiny.parse_config(["--quick"]).seeds == ()
     assert train_tiny.parse_config(["--seed", "4"]).seeds == ()
     assert train_tiny.parse_config(["--seed", "4", "--seeds", "1,2"]).seeds == (1, 2)
-    res = train_tiny.main(["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2",
-                           "--eval-every", "1", "--e2e-steps", "1", "--eval-seqs", "16",
-                           "--err-seqs", "8", "--calib-seqs", "8", "--heldout-seqs", "8",
-                           "--decode-seqs", "1", "--decode-attend", "reference", "--per-seed",
-                           "--out", str(tmp_path)])
+    res = train_tiny.main(TINY_SEEDS + ["--per-seed", "--out", str(tmp_path)])
     on_disk = json.loads((tmp_path / "results.json").read_text())
     assert on_disk["seeds"] == [0, 1]
     per = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
@@ -3556,10 +3552,35 @@ def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capsys)
         g = [(kl(p, base) - kl(p, base + "+optr")) / kl(p, base) for p in per]
         assert on_disk["gap_closed"][base]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
         assert on_disk["gap_closed_std"][base]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
-    shown = capsys.readouterr().out
+    shown = capfd.readouterr().out                             # the seeds' processes too
     assert "\nseed 0:" in shown and "\nseed 1:" in shown
     assert shown.count("variant    ") == 3                         # two seeds, then the mean
     assert "±" in shown.split("\nseed 1:")[1] and res["seeds"] == [0, 1]
+    assert "seed 1 | evaluate" in shown                            # a progress line per stage
+    assert set(on_disk["decode_check"]) == {"seed0"}              # the decode check: first seed
+
+
+TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2", "--eval-every",
+              "1", "--e2e-steps", "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
+              "--heldout-seqs", "8", "--decode-seqs", "1", "--decode-attend", "reference"]
+
+
+def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path):
+    """train_tiny's seeds as processes running at once (--jobs 0, the default) and one after
+    another (--jobs 1) write the same numbers, bit for bit: every seed's variants, gap
+    closed, reports and key statistics, and the mean +- std over them. (Two runs of the same
+    script compared with each other: only the scheduling differs.)"""
+    import json
+    import train_tiny
+    runs = {}
+    for jobs in ("0", "1"):
+        train_tiny.main(TINY_SEEDS + ["--jobs", jobs, "--out", str(tmp_path / jobs)])
+        runs[jobs] = [json.loads((tmp_path / jobs / p / "results.json").read_text())
+                      for p in (".", "seed0", "seed1")]
+    for side, one in zip(runs["0"], runs["1"]):
+        for key in ("variants", "variants_std", "gap_closed", "gap_closed_std", "report", "key_stats"):
+            assert side.get(key) == one.get(key), key
+        assert side["config"]["jobs"] == 0 and one["config"]["jobs"] == 1
 
 
 def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):

@@ -44,9 +44,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import multiprocessing
 import os
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +110,10 @@ class RunConfig(optr.Config):
                                 "data and calibration, in OUT/seedN), report mean +- std; empty or "
                                 "--seed N: one run of that seed in OUT")
     per_seed: bool = _f(False, "with several seeds, also print each seed's own table")
+    jobs: int = _f(0, "seeds run at once, each in its own process (0: all of them; 1: one "
+                   "after another); the numbers do not depend on it")
+    threads: int = _f(1, "torch threads per seed (0: torch's default); another count rounds "
+                      "differently, so a seed's numbers are those of its thread count")
 
     def __post_init__(self):
         super().__post_init__()
@@ -121,6 +127,8 @@ class RunConfig(optr.Config):
         if self.calib_queries not in ("answers", "last"):
             raise ValueError(f"RunConfig.calib_queries: expected 'answers' or 'last', "
                              f"got {self.calib_queries!r}")
+        if self.jobs < 0 or self.threads < 0:
+            raise ValueError(f"RunConfig.jobs, threads: expected >= 0, got {self.jobs}, {self.threads}")
         if self.decode_attend not in DECODE_ATTENDS:
             raise ValueError(f"RunConfig.decode_attend: expected one of {DECODE_ATTENDS}, "
                              f"got {self.decode_attend!r}")
@@ -359,8 +367,9 @@ def tiny_gap_closed(variants: dict, T: str) -> dict:
 # 6. One run, the summary table, several seeds
 # ----------------------------------------------------------------------------------------
 
-def run_once(cfg: RunConfig, attend, log=print) -> dict:
-    timer = Timer()
+def run_once(cfg: RunConfig, attend, log=print, timer=None) -> dict:
+    """One seed end to end in cfg.out; attend None: no decode check."""
+    timer = timer or Timer()
     os.makedirs(cfg.out, exist_ok=True)
     torch.manual_seed(cfg.seed)
     model = optr.TinyLM(cfg)
@@ -402,8 +411,8 @@ def run_once(cfg: RunConfig, attend, log=print) -> dict:
     best = max(("quarot+optr", "oscar+optr"), key=lambda n: variants[n]["accuracy"][T])
     idx, ans = data[min(cfg.eval_len)]
     pos = answer_positions(idx.shape[1], ans.shape[1])
-    decode = decode_check(model, specs, ["full", best], idx[:cfg.decode_seqs], int(pos[0]), pos,
-                          attend, timer=timer, log=log)
+    decode = {} if attend is None else decode_check(
+        model, specs, ["full", best], idx[:cfg.decode_seqs], int(pos[0]), pos, attend, timer=timer, log=log)
     return write_results(cfg.out, cfg, timer.timing(), stats, variants,
                          tiny_gap_closed(variants, T), decode, reports, seeds=[cfg.seed])
 
@@ -460,36 +469,70 @@ def print_summary(results: dict, std: dict | None = None, log=print):
         log("  (--quick is a smoke run: at T=64 INT2 costs about a point, within this run's noise)")
 
 
+def run_seed(cfg: RunConfig, seed: int, decode: bool) -> dict:
+    """One seed of a several-seed run, in a process of its own (run_seeds): its model, data,
+    calibration and results.json in OUT/seedN, its whole log in OUT/seedN/log.txt, a line
+    on screen as each stage ends; the decode check only where `decode`."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    cfg = dataclasses.replace(cfg, seed=seed, seeds=(), out=os.path.join(cfg.out, f"seed{seed}"))
+    attend = decode_attention(cfg.decode_attend) if decode else None
+    os.makedirs(cfg.out, exist_ok=True)
+    with open(os.path.join(cfg.out, "log.txt"), "w", buffering=1) as f:
+        progress = lambda stage, dt, t: print(f"seed {seed} | {stage:<9} +{dt:6.1f} s | "
+                                              f"{t:6.1f} s so far", flush=True)
+        return run_once(cfg, attend, log=lambda line: f.write(line + "\n"), timer=Timer(progress))
+
+
+def run_seeds(cfg: RunConfig) -> list[dict]:
+    """Every seed as its own process, cfg.jobs at once (0: all); fresh processes with the same
+    thread count compute the same numbers whether they run side by side or one by one. The
+    decode check (of the paged cache and kernel, not a table row) runs on the first seed."""
+    jobs = cfg.jobs or len(cfg.seeds)
+    print(f"seeds {', '.join(map(str, cfg.seeds))}: {jobs} at once, {cfg.threads or 'default'} "
+          f"torch thread(s) each; logs in {os.path.join(cfg.out, 'seedN', 'log.txt')}")
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        decode = [i == 0 for i in range(len(cfg.seeds))]
+        return list(pool.map(run_seed, [cfg] * len(cfg.seeds), cfg.seeds, decode))
+
+
+def aggregate_seeds(cfg: RunConfig, per_seed: list[dict], wall: float) -> dict:
+    """OUT/results.json of several seeds: mean and std of every number, each seed's gap
+    closed, per-seed tables; timing_s the per-stage sums over seeds and the wall time."""
+    mean, std = mean_std([r["variants"] for r in per_seed])
+    gap_mean, gap_std = gap_closed_mean_std([r["gap_closed"] for r in per_seed])
+    seed = lambda key: {f"seed{s}": r[key] for s, r in zip(cfg.seeds, per_seed) if r[key]}
+    stages = dict.fromkeys(k for r in per_seed for k in r["timing_s"])
+    timing = {k: sum(r["timing_s"].get(k, 0.0) for r in per_seed) for k in stages} | dict(wall=wall)
+    return write_results(
+        cfg.out, cfg, timing, seed("key_stats"), mean, gap_mean, seed("decode_check"), seed("report"),
+        seeds=list(cfg.seeds), variants_std=std, gap_closed_std=gap_std,
+        gap_closed_of_means=tiny_gap_closed(mean, str(max(cfg.eval_len))),
+        per_seed={f"seed{s}": dict(variants=r["variants"], gap_closed=r["gap_closed"],
+                                   timing_s=r["timing_s"])
+                  for s, r in zip(cfg.seeds, per_seed)})
+
+
 def main(argv=None) -> dict:
     t_start = time.perf_counter()
     cfg = parse_config(argv)
     print_config(cfg)
-    attend = decode_attention(cfg.decode_attend)       # before training imports triton
     if not cfg.seeds:
-        results = run_once(cfg, attend)
+        attend = decode_attention(cfg.decode_attend)   # before training imports triton
+        threads = torch.get_num_threads()
+        torch.set_num_threads(cfg.threads or threads)
+        try:
+            results = run_once(cfg, attend)
+        finally:
+            torch.set_num_threads(threads)
         print_summary(results)
     else:
-        per_seed = []
-        for s in cfg.seeds:
-            print(f"\n=== seed {s} ===")
-            per_seed.append(run_once(dataclasses.replace(cfg, seed=s, seeds=(),
-                                                         out=os.path.join(cfg.out, f"seed{s}")),
-                                     attend))
-        mean, std = mean_std([r["variants"] for r in per_seed])
-        gap_mean, gap_std = gap_closed_mean_std([r["gap_closed"] for r in per_seed])
-        seed = lambda key: {f"seed{s}": r[key] for s, r in zip(cfg.seeds, per_seed)}
-        results = write_results(
-            cfg.out, cfg, {k: sum(r["timing_s"][k] for r in per_seed) for k in per_seed[0]["timing_s"]},
-            seed("key_stats"), mean, gap_mean, seed("decode_check"), seed("report"),
-            seeds=list(cfg.seeds), variants_std=std, gap_closed_std=gap_std,
-            gap_closed_of_means=tiny_gap_closed(mean, str(max(cfg.eval_len))),
-            per_seed={f"seed{s}": dict(variants=r["variants"], gap_closed=r["gap_closed"],
-                                       timing_s=r["timing_s"])
-                      for s, r in zip(cfg.seeds, per_seed)})
+        per_seed = run_seeds(cfg)
+        results = aggregate_seeds(cfg, per_seed, time.perf_counter() - t_start)
         for s, r in zip(cfg.seeds, per_seed) if cfg.per_seed else ():
             print(f"\nseed {s}:")
             print_summary(r)
-        print_summary(results, std)
+        print_summary(results, results["variants_std"])
     print(f"wrote {os.path.join(cfg.out, 'results.json')} | "
           f"total {time.perf_counter() - t_start:.1f} s")
     return results
