@@ -1,9 +1,9 @@
 """
 The paper's ladder in miniature: train a tiny model, calibrate, evaluate, one command.
 
-    python train_tiny.py                   # seeds 0, 1, 2: mean +- std, about 9 minutes on 2 CPU cores
+    python train_tiny.py                   # seeds 0, 1, 2 side by side: mean +- std, ~5 min
     python train_tiny.py --seeds 0         # one seed (--seed 0 too), about 3 minutes
-    python train_tiny.py --quick           # about a minute: smaller everything, one seed
+    python train_tiny.py --quick           # under a minute: smaller everything, one seed
     python train_tiny.py --per-seed        # also print each seed's own table
     python train_tiny.py --attention-bias  # Qwen2-style q/k/v biases: keys may carry offsets
     python train_tiny.py --resume --clip-k 0.96  # reuse OUT's model, recalibrate, re-evaluate
@@ -24,16 +24,19 @@ What it shows, on a model small enough to train on a laptop CPU:
      answer positions split into its key- and value-induced parts (Eq. 8), the
      reconstruction error E_rec (Eq. 9), and the bits per element of the cache as stored
      in the paged cache.
-  4. A real decode check: the paged INT2 cache, token by token, with the Triton kernel
-     (its CPU interpreter when there is no GPU), against the simulated path.
+  4. A real decode check (of several seeds, on the first): the paged INT2 cache, token by
+     token, with the Triton kernel (its CPU interpreter without a GPU), against the
+     simulated path.
 Training, calibration, held-out and evaluation data come from separate random streams of
 the seed; the same seed and thread count give the same numbers, but another CPU or thread
-count rounds differently and moves single runs by a few points: so the default run repeats
-everything for seeds 0, 1, 2 (each its own model, data and calibration, in OUT/seedN) and
-prints mean +- std over them. Results go to OUT/results.json (per-seed tables included), the model
-to OUT/model.safetensors and every variant's rotations and key means to
-OUT/kv_rotations.safetensors (optr.save_kv_rotations; read back with
-optr.load_kv_rotations).
+count rounds differently, trains another model and moves single runs by several points: so
+the default run repeats everything for seeds 0, 1, 2 (each its own model, data and
+calibration, each a process of its own with one torch thread) and prints mean +- std over
+them. Where things go: one seed (--seed N, --quick) writes OUT/results.json, the model to
+OUT/model.safetensors and every variant's rotations and key means to
+OUT/kv_rotations.safetensors (optr.save_kv_rotations; read back with optr.load_kv_rotations);
+several seeds write those per seed in OUT/seedN/ (with its log, log.txt) and the mean +- std
+with the per-seed tables to OUT/results.json.
 
 This file is the tiny model's own run: its task, training and metrics. The ladder itself
 (variants, calibration, key statistics, Eq. 8 split, bits, decode check, table) is
@@ -533,6 +536,11 @@ def main(argv=None) -> dict:
             print(f"\nseed {s}:")
             print_summary(r)
         print_summary(results, results["variants_std"])
+        for s, checks in results["decode_check"].items():   # the first seed's, from its log
+            for name, c in checks.items():
+                print(f"decode check ({s}, {c['attend']}) {name:<12} | {c['same_argmax']}/"
+                      f"{c['answer_tokens']} answer tokens as simulated | max |logit diff| "
+                      f"{c['max_abs_logit_diff']:.2e}")
     print(f"wrote {os.path.join(cfg.out, 'results.json')} | "
           f"total {time.perf_counter() - t_start:.1f} s")
     return results
