@@ -103,11 +103,12 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
     it when s < sink or s > q_pos[t] - window (relative windows, as the cache serves), or,
     with static=True, when s < sink or s >= T - window (the sequence's own windows, as the
     authors calibrate); otherwise it reads k~ and v~. Returns p, p~, da (B, H_q, Tq, T),
-    y, y~, dy_K (B, H_q, Tq, d_model) and int2 (Tq, T): which keys each query reads in INT2."""
+    y, y~, dy_K = (sum_s dp_s v_s) W_O^T, dy_V = (sum_s p~_s dv_s) W_O^T (B, H_q, Tq,
+    d_model), each summed on its own, and int2 (Tq, T): which keys each query reads in INT2."""
     B, Hq, Tq, d = q.shape
     Hkv, T, dm = k.shape[1], k.shape[2], w_o.shape[1]
     p, pt, da = (torch.zeros(B, Hq, Tq, T, dtype=F64) for _ in range(3))
-    y, yt, dyk = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(3))
+    y, yt, dyk, dyv = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(4))
     int2 = torch.zeros(Tq, T, dtype=torch.bool)
     for t in range(Tq):
         n = int(q_pos[t]) + 1                                          # keys 0..q_pos[t]
@@ -133,7 +134,8 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
                 y[b, j, t] = W @ (p[b, j, t, :n] @ v[b, h, :n].double())
                 yt[b, j, t] = W @ (pt[b, j, t, :n] @ ve.double())
                 dyk[b, j, t] = W @ ((pt[b, j, t, :n] - p[b, j, t, :n]) @ v[b, h, :n].double())
-    return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, da=da, int2=int2)
+                dyv[b, j, t] = W @ (pt[b, j, t, :n] @ (ve - v[b, h, :n]).double())  # dv = 0 if exact
+    return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, dy_v=dyv, da=da, int2=int2)
 
 
 # ----------------------------------------------------------------------------------------
@@ -332,13 +334,18 @@ def check_eq8(case):
     r, ref, scale = decomposition_and_loop(*case)
     dy = ref["y_tilde"] - ref["y"]
     assert (r["dy_k"] + r["dy_v"] - dy).abs().max() <= 1e-12 * scale     # Eq. 8, exact
+    # ... and each term is the one Eq. 8 names (another split has the same sum)
+    assert (r["dy_k"] - ref["dy_k"]).abs().max() <= 1e-12 * scale, "dy_K"    # sum_s dp_s v_s
+    assert (r["dy_v"] - ref["dy_v"]).abs().max() <= 1e-12 * scale, "dy_V"    # sum_s p~_s dv_s
 
 
 @given(perturbed_attention())
 @settings(max_examples=20)
 def test_error_decomposition_is_exact(case):
     """Eq. 8: for ANY perturbation of K and V (not only quantization) and any sink/recent
-    windows, y~ - y = dy_K + dy_V exactly, with dy_V = (sum_s p~_s dv_s) W_O^T."""
+    windows, y~ - y = dy_K + dy_V exactly, with each term the loop's own: the key term
+    dy_K = (sum_s dp_s v_s) W_O^T (the attention change read out over the exact values)
+    and the value term dy_V = (sum_s p~_s dv_s) W_O^T (dv = 0 inside the windows)."""
     check_eq8(case)
 
 
@@ -352,15 +359,28 @@ def eq8_case():
 
 def test_the_eq8_property_can_fail(monkeypatch):
     """The exact-split check fails for a value term weighted by p instead of p~ (the split
-    is then off by (sum_s dp_s dv_s) W_O^T) and for a key term read out over the INT2
-    values, and passes for optr's."""
+    is then off by (sum_s dp_s dv_s) W_O^T), for a key term read out over the INT2 values,
+    and for the other exact split, (sum_s dp_s v~_s) W_O^T + (sum_s p_s dv_s) W_O^T: the
+    same sum y~ - y, both terms wrong. It passes for optr's."""
     case = eq8_case()
-    monkeypatch.setattr(optr, "value_error", lambda p_tilde, dv, quant, w_o: optr.head_output(
-        optr.gqa_readout(optr.exact_attention_probs(case[0], case[1], optr.causal_mask(case[6], 9))
-                         * quant, dv), w_o))
+    q, k, v, k_t, v_t, w_o, q_pos, (sink, window) = case
+    T, s = k.shape[2], torch.arange(k.shape[2])
+    int2 = (s[None] <= q_pos[:, None]) & (s[None] >= sink) & (s[None] <= q_pos[:, None] - window)
+    dv = (v_t - v) * int2[None, None, :, :, None]           # (1, 1, Tq, T, d): dv as each query reads it
+    p_exact = optr.exact_attention_probs(q, k, optr.causal_mask(q_pos, T))
+    readout = lambda w, x: torch.einsum("bhts,bhtsd->bhtd", w, x.expand(*w.shape, -1))  # H_kv = 1
+    monkeypatch.setattr(optr, "key_error", lambda p, p_tilde, v, w_o: optr.head_output(
+        optr.gqa_readout(p_tilde - p, v) + readout(p_tilde - p, dv), w_o))       # over v~
+    monkeypatch.setattr(optr, "value_error", lambda p_tilde, dv_, quant, w_o: optr.head_output(
+        readout(p_exact, dv), w_o))                                                  # weighted by p
+    r, ref, scale = decomposition_and_loop(*case)
+    assert (r["dy_k"] + r["dy_v"] - (ref["y_tilde"] - ref["y"])).abs().max() <= 1e-12 * scale
     assert fails(check_eq8, case)
     monkeypatch.undo()
-    v_t = case[4]
+    monkeypatch.setattr(optr, "value_error", lambda p_tilde, dv, quant, w_o: optr.head_output(
+        optr.gqa_readout(p_exact * quant, dv), w_o))
+    assert fails(check_eq8, case)
+    monkeypatch.undo()
     monkeypatch.setattr(optr, "key_error", lambda p, p_tilde, v, w_o: optr.head_output(
         optr.gqa_readout(p_tilde - p, v_t), w_o))
     assert fails(check_eq8, case)
@@ -1192,11 +1212,6 @@ def check_outputs(case):
         assert (r[name] - ref[name]).abs().max() <= 1e-12 * scale, name   # measured <= 1e-15
 
 
-def check_key_term(case):
-    r, ref, scale = decomposition_and_loop(*case)
-    assert (r["dy_k"] - ref["dy_k"]).abs().max() <= 1e-12 * scale
-
-
 def check_logit_error(case):
     r, ref, _ = decomposition_and_loop(*case)
     expect = torch.where(ref["int2"], ref["da"], torch.zeros_like(ref["da"]))
@@ -1233,12 +1248,7 @@ def test_outputs_with_and_without_int2_equal_the_loop(case):
     check_outputs(case)
 
 
-@given(perturbed_attention())
-@settings(max_examples=20)
-def test_key_induced_error_is_the_attention_change_read_out_over_exact_values(case):
-    """dy_K = (sum_s dp_s v_s) W_O^T: the change of the attention weights, read out over
-    the exact values (the loop's)."""
-    check_key_term(case)
+# dy_K and dy_V, each against the loop's: the card's Eq. 8 property (section I).
 
 
 @given(perturbed_attention())
@@ -1487,8 +1497,7 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
     expect_k = per_query.view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
     got_k = optr.optr_key_loss(q, k, v, w_o, eye, mu, mask, exact, cfg)
     assert torch.allclose(got_k, expect_k, rtol=1e-9, atol=1e-12)
-    dy_v = ref["y_tilde"] - ref["y"] - ref["dy_k"]                      # Eq. 8: the value term
-    expect_v = reduce(dy_v ** 2).view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
+    expect_v = reduce(ref["dy_v"] ** 2).view(N, Hkv, Hq // Hkv, Tq).mean(dim=(0, 2, 3))
     got_v = optr.optr_value_loss(pt, v, w_o, eye, mask, exact, cfg)
     assert torch.allclose(got_v, expect_v, rtol=1e-9, atol=1e-12)
 
