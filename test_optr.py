@@ -1197,13 +1197,15 @@ def test_centering_checks_can_fail(monkeypatch):
 def test_window_mask_keeps_the_sink_and_each_querys_recent_tokens_exact():
     """exact_window_mask(q_pos, T, sink, window)[t, s] is True when s < sink or s > q_pos[t] -
     window: the first `sink` tokens and the `window` most recent ones (the query's own
-    token included) are exact; int2_mask is the rest of what the query may read."""
+    token included) are exact; int2_mask is the rest of what the query may read, and
+    without windows everything it may read (keys 0 .. t)."""
     q_pos, T = torch.tensor([3, 9]), 10
     exact = optr.exact_window_mask(q_pos, T, 2, 3)
     assert exact.tolist() == [[s < 2 or s > t - 3 for s in range(T)] for t in (3, 9)]
     int2 = optr.int2_mask(optr.causal_mask(q_pos, T), exact)
     assert [torch.nonzero(r).flatten().tolist() for r in int2] == [[], [2, 3, 4, 5, 6]]
-    assert torch.equal(optr.int2_mask(optr.causal_mask(q_pos, T)), optr.causal_mask(q_pos, T))
+    no_windows = optr.int2_mask(optr.causal_mask(q_pos, T))              # exact=None
+    assert [torch.nonzero(r).flatten().tolist() for r in no_windows] == [list(range(t + 1)) for t in (3, 9)]
 
 
 def check_probabilities(case):
@@ -1562,25 +1564,24 @@ def test_relative_calibration_windows_follow_each_query_as_the_cache_serves():
 
 def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
     """fit_rotation with a dummy per-head loss: the calibration loss pulls R towards the
-    identity; the held-out loss of head h after n updates is held_of_update(n)[h]. Returns
-    the updates after which held-out data was scored, the rows, R, the cal losses and the
-    logged 'cal loss' values."""
-    state = dict(n=0, held_after=[], cal=[], logged=[])
+    identity, head h weighted h + 1; the held-out loss of head h after n updates is
+    held_of_update(n)[h]. Returns (the updates after which held-out data was scored, and
+    per update the gradient of the optimised scalar with respect to the per-head
+    calibration losses), the rows, R and R_base."""
+    state = dict(n=0, held_after=[], d_scalar=[])
     r_base = random_rotations(H, d, 3)
 
     def loss_fn(R, split):
         if split == "cal":
             state["n"] += 1
             loss = ((R - torch.eye(d)) ** 2).sum(dim=(1, 2)) * torch.arange(1.0, H + 1)
-            state["cal"].append(loss.detach())
+            loss.register_hook(lambda g: state["d_scalar"].append(g.clone()))   # in backward()
             return loss
         state["held_after"].append(state["n"])
         return torch.tensor(held_of_update(state["n"]), dtype=torch.float32)
 
-    def log(line):
-        state["logged"].append(float(line.split("cal loss")[1].split("|")[0]))
     cfg = optr.Config(head_dim=d, group_size=d, n_heads=H, n_kv_heads=H, steps=steps, eval_every=eval_every)
-    R, rows = optr.fit_rotation(loss_fn, r_base, cfg, log=log)
+    R, rows = optr.fit_rotation(loss_fn, r_base, cfg)
     return state, rows, R, r_base
 
 
@@ -1610,11 +1611,14 @@ def test_each_head_keeps_its_best_held_out_rotation_or_falls_back_to_its_base():
 
 def test_the_optimised_scalar_is_the_mean_of_the_per_head_losses():
     """Adam minimises the mean over KV heads of the per-head calibration losses (the
-    authors' `.mean()`), as logged at each scoring step."""
-    state, *_ = fit_schedule(lambda n: [1.0, 1.0, 1.0], H=3, steps=5, eval_every=2)
-    for n, logged in zip((1, 3, 5), state["logged"]):
-        assert logged == pytest.approx(state["cal"][n - 1].mean().item(), rel=1e-4, abs=1e-5)
-        assert logged != pytest.approx(state["cal"][n - 1].sum().item(), rel=1e-2)
+    authors' `.mean()`): at every update, the scalar it back-propagates has derivative
+    exactly 1/H with respect to each head's loss (a sum would give 1, a weighted mean
+    other values per head)."""
+    H = 3
+    state, *_ = fit_schedule(lambda n: [1.0] * H, H=H, steps=5, eval_every=2)
+    assert len(state["d_scalar"]) == 5
+    for g in state["d_scalar"]:
+        assert torch.equal(g, torch.full((H,), 1 / H))
 
 
 def test_calibrate_layer_scores_heads_by_the_authors_held_out_losses():
@@ -1635,16 +1639,20 @@ def test_calibrate_layer_scores_heads_by_the_authors_held_out_losses():
 def test_optr_strictly_improves_a_poor_base():
     """On keys with outlier channels, where the identity base (naive INT2) is poor, the
     learned correction lowers the held-out key and value losses of every head (measured
-    by the authors' loss code, not by the fit's own)."""
+    by the authors' loss code, not by the fit's own), and every head keeps it, reporting
+    those same held-out losses for the base and the returned rotation."""
     cfg = small_cfg()
     cal, held, w_o = layer_fixture()
     r0 = optr.identity_rotation(2, 16)
     r_k, r_v, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg)
-    assert all(r["kept"] and r["best_loss"] < r["base_loss"] for r in rows)
     lk_base, _ = authors_losses(held, w_o, r0, r0, None, cfg)
     lk, lv = authors_losses(held, w_o, r_k, r_v, None, cfg)
     _, lv_base = authors_losses(held, w_o, r_k, r0, None, cfg)       # same keys, base values
     assert torch.all(lk < lk_base) and torch.all(lv < lv_base)
+    assert [(r["part"], r["kept"]) for r in rows] == [("k", True)] * 2 + [("v", True)] * 2
+    reported = lambda key: torch.tensor([r[key] for r in rows])     # k heads, then v heads
+    assert torch.allclose(reported("base_loss"), torch.cat([lk_base, lv_base]), rtol=2e-5)
+    assert torch.allclose(reported("best_loss"), torch.cat([lk, lv]), rtol=2e-5)
 
 
 def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
@@ -3332,13 +3340,32 @@ KERNEL_LAUNCHES = ([launch_shape(c, c.num_splits) for c in CASES]
                    + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS])
 
 
-_LAUNCHED = {}   # kernel.config_key of each launch made by a test -> that test's name
+def compiled_keys(shapes):
+    """kernel.config_key of every kernel configuration these launch shapes compile."""
+    return {kernel.config_key(name, args, kw)
+            for shape in shapes for name, (grid, args, kw) in kernel._record_launch(shape).items()}
+
+
+_LISTED = []     # compiled_keys(KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]), computed once
+
+
+def check_launches_listed(launched):
+    """Every configuration in `launched` (config_key -> the test that launched it) is one
+    that `python kernel.py --sass --all` compiles."""
+    if not _LISTED:
+        _LISTED.append(compiled_keys(KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]))
+    missing = {key: test for key, test in launched.items() if key not in _LISTED[0]}
+    assert not missing, f"launched but not in KERNEL_LAUNCHES: {missing}"
 
 
 @pytest.fixture
 def record_kernel_launches(monkeypatch, request):
-    """Wrap both kernels so that every launch records its configuration (see below); every
-    kernel test uses it (KERNEL_TESTS)."""
+    """Wrap both kernels so that every launch of the test records its configuration, and
+    check when the test ends that each is in KERNEL_LAUNCHES (check_launches_listed; on
+    the interpreter only: on a GPU the default splits depend on its size). Every kernel
+    test uses it (KERNEL_TESTS), so each checks its own launches, whatever ran before."""
+    launched = {}
+
     class Recording:
         def __init__(self, name):
             self.name, self.real = name, getattr(kernel, name)
@@ -3346,33 +3373,34 @@ def record_kernel_launches(monkeypatch, request):
 
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                key = kernel.config_key(self.name, args, kw)
-                _LAUNCHED.setdefault(key, request.node.name)
+                launched.setdefault(kernel.config_key(self.name, args, kw), request.node.name)
                 return self.real[grid](*args, **kw)
             return launch
 
     for name in kernel._KERNEL_NAMES:
         monkeypatch.setattr(kernel, name, Recording(name))
+    yield launched
+    if kernel._INTERPRETED:
+        check_launches_listed(launched)
 
 
 @pytest.mark.skipif(not kernel._INTERPRETED, reason="default splits depend on the GPU's size")
-def test_kernel_launches_lists_every_launch_of_the_tests():
-    """KERNEL_LAUNCHES (what `python kernel.py --sass --all` compiles) holds the compiled
-    configuration of every kernel launch the tests made in this run (those selected
-    with this one; the whole section in CI), so a new tested shape cannot escape the
-    coverage run.  It launches one case itself, so the record is never empty."""
+def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record_kernel_launches):
+    """KERNEL_LAUNCHES (what `python kernel.py --sass --all` compiles) must hold the
+    compiled configuration of every kernel launch a test makes, so a new tested shape
+    cannot escape the coverage run: each kernel test records its own launches and checks
+    them when it ends. Here, on its own: a listed launch is recorded and passes the check,
+    and a configuration outside the list fails it."""
     int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
-    listed = set()
-    for shape in KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]:
-        for name, (grid, args, kw) in kernel._record_launch(shape).items():
-            listed.add(kernel.config_key(name, args, kw))
-    assert _LAUNCHED
-    missing = {key: test for key, test in _LAUNCHED.items() if key not in listed}
-    assert not missing, missing
+    assert len(record_kernel_launches) >= 1
+    check_launches_listed(record_kernel_launches)
+    unlisted = compiled_keys([dict(launch_shape(VALID_CASE, VALID_CASE.num_splits), G=32)])  # G = d
+    assert fails(check_launches_listed, {key: "a test with G = d = 32" for key in unlisted})
 
 
 # The kernel tests: every test of this section defined above.  Each records its kernel
-# launches (record_kernel_launches), and `python kernel.py --gpu-check` runs them on a GPU.
+# launches and checks them against KERNEL_LAUNCHES (record_kernel_launches), and
+# `python kernel.py --gpu-check` runs them on a GPU.
 # (The static analysis and the interpreter set-up below need no GPU and launch nothing
 # that must be listed.)
 KERNEL_TESTS = sorted(name for name in globals()
@@ -4415,9 +4443,11 @@ def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
 
 
 def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_caches():
-    """hf_cache keeps the INT2 tokens packed: its bytes (codes, scales, zeros, bf16 windows)
-    equal PagedKVCache.bits_per_element's account of the same tokens; printed at 4k tokens
-    beside DynamicCache's bf16."""
+    """hf_cache keeps the INT2 tokens packed: at 4k tokens (d = G = 64, sink 64, window 256)
+    its bytes are the layout's, per KV head and layer 3776 INT2 tokens of 48 bytes (K and V:
+    2-bit codes, an fp32 scale and zero per group) and 320 bf16 tokens of 256 bytes, which
+    is PagedKVCache.bits_per_element's account of the same tokens too; DynamicCache's bf16
+    holds (4096 * 256) / (3776 * 48 + 320 * 256) = 3.98 times as many (the README's 4.0x)."""
     from transformers import DynamicCache
     cfg = optr.Config(n_layers=2, n_kv_heads=2, head_dim=64, group_size=64, sink=64, window=256)
     kv = [optr.KVQuant()] * 2
@@ -4430,9 +4460,15 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
         mine.update(k.bfloat16(), v.bfloat16(), l)
         dyn.update(k.bfloat16(), v.bfloat16(), l)
         optr.extend_cache(paged, l, [s], k, v)
+    L, H, d, G, S = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size, cfg.sink + cfg.window
+    int2_token, bf16_token = 2 * (d // 4 + 2 * 4 * (d // G)), 2 * d * 2    # bytes, K and V of one head
+    assert (int2_token, bf16_token, N - S, S) == (48, 256, 3776, 320)
+    assert mine.nbytes() == L * H * ((N - S) * int2_token + S * bf16_token)
     assert mine.nbytes() * 8 == pytest.approx(ladder.bits_per_element(paged, s) * N * elems, rel=1e-12)
     dyn_bytes = sum(x.numel() * x.element_size() for layer in dyn.layers for x in (layer.keys, layer.values))
-    assert dyn_bytes == N * elems * 2
+    assert dyn_bytes == L * H * N * bf16_token
+    ratio = dyn_bytes / mine.nbytes()                                  # 3.98
+    assert f"{ratio:.1f}" == "4.0"                                        # as the README prints it
     print(f"\n4k tokens, d 64, G 64, sink 64, window 256: hf_cache {mine.nbytes() / N:.0f} B/token "
           f"({ladder.bits_per_element(paged, s):.2f} bits/element), DynamicCache bf16 {dyn_bytes / N:.0f} "
           f"B/token: {dyn_bytes / mine.nbytes():.1f}x")
