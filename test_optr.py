@@ -1881,7 +1881,8 @@ def test_capture_receives_the_post_rope_q_k_v_each_layers_attention_read():
 
 def test_windows_covering_the_context_mean_full_precision():
     """If the sink and recent windows cover every position, the simulated INT2 cache
-    is exact: logits equal the full-precision model's."""
+    is exact: logits equal the full-precision model's.
+    Optr against optr: SimulatedINT2 with windows over everything against the plain forward."""
     cfg = optr.Config(sink=0, window=64)
     model = optr.TinyLM(cfg)
     idx = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(0))
@@ -2026,7 +2027,8 @@ def served(calibrated_tiny, n_prompt=10):
 def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
     """decode_step(..., attend=f, **options) calls f once per layer with the layer's paged
     view and these options (kernel.int2_paged_decode's checked=False, sm_scale, ...), and
-    returns the logits of what f computed."""
+    returns the logits of what f computed.
+    Optr against optr: decode_step through a recording attend against its default one."""
     folded, cache, seqs, idx = served(calibrated_tiny)
     calls = []
 
