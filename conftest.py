@@ -1,6 +1,9 @@
 """Hypothesis settings for the spec in test_optr.py: no deadlines (CPU timing varies),
 no example database, failing examples printed as reproducible blobs; derandomized (a
-fixed sequence of examples) under CI, randomized locally. HYPOTHESIS_PROFILE overrides."""
+fixed sequence of examples) under CI, randomized locally. HYPOTHESIS_PROFILE overrides.
+It also caps torch's intra-op threads at 2 for the whole session (the last line:
+torch.set_num_threads(min(2, torch.get_num_threads()))), so the tests run, and round off,
+with at most two threads, not with torch's default count."""
 import os
 
 import torch
