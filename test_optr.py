@@ -2097,7 +2097,7 @@ def assert_same_state(a, b):
 
 
 def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
-    """Appending T tokens at once (extend_cache: one quantizer call per layer, scattered
+    """Appending T tokens at once (cache.extend: one quantizer call per sequence, scattered
     into pages) leaves the cache bit for bit as appending them one at a time: codes,
     scales, zeros, sink and ring windows, block table (pages taken in the same order),
     lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap."""
@@ -2115,7 +2115,7 @@ def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunk
         for l in range(2):
             for t in range(T):
                 one.append(l, seqs, k[:, :, t], v[:, :, t])
-            optr.extend_cache(bulk, l, seqs, k, v)
+            bulk.extend(l, seqs, k, v)
     assert_same_state(cache_state(one), cache_state(bulk))
     assert int(bulk.length[0, seqs[0]]) == sum(chunks)
 
@@ -2125,12 +2125,12 @@ def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
     cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
     cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
     s = cache.add_sequence()
-    optr.extend_cache(cache, 0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
+    cache.extend(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
     before = cache_state(cache)
     with pytest.raises(RuntimeError, match="page pool exhausted"):
-        optr.extend_cache(cache, 0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
+        cache.extend(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
     assert_same_state(before, cache_state(cache))
-    optr.extend_cache(cache, 0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
+    cache.extend(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
 
 
 def prefill_and_appended(calibrated_tiny, n_prompt=13):
@@ -4310,7 +4310,7 @@ def check_hf_cache_is_decode_step(hf_served, T=30):
     cache, seqs = ours_paged(folded, kv, 2)
     mine = optr.hf_cache(kv, model.cfg, folded=True)
     for l, (_, k, v) in enumerate(captured):
-        optr.extend_cache(cache, l, seqs, k, v)
+        cache.extend(l, seqs, k, v)
         mine.update(k, v, l)
         for s in seqs:
             stored = paged_rows(cache, l, s, n, "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
@@ -4382,7 +4382,7 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
         k, v = rand(1, 2, N, 64, seed=l), rand(1, 2, N, 64, seed=10 + l)
         mine.update(k.bfloat16(), v.bfloat16(), l)
         dyn.update(k.bfloat16(), v.bfloat16(), l)
-        optr.extend_cache(paged, l, [s], k, v)
+        paged.extend(l, [s], k, v)
     assert mine.nbytes() * 8 == pytest.approx(ladder.bits_per_element(paged, s) * N * elems, rel=1e-12)
     dyn_bytes = sum(x.numel() * x.element_size() for layer in dyn.layers for x in (layer.keys, layer.values))
     assert dyn_bytes == N * elems * 2
