@@ -102,10 +102,6 @@ class Config:
     def n_rep(self) -> int:      # query heads per KV head
         return self.n_heads // self.n_kv_heads
 
-    @property
-    def hadamard_ok(self) -> bool:   # Hadamard bases need a power-of-two head_dim
-        return self.head_dim & (self.head_dim - 1) == 0
-
 
 # ----------------------------------------------------------------------------------------
 # 1. Attention (Eq. 1-3)
@@ -373,7 +369,7 @@ def int2_tokens(mask, exact=None) -> torch.Tensor:
 
 @dataclass
 class KVQuant:
-    """How one layer's KV cache is stored (Section 8 stores exactly this)."""
+    """How one layer's KV cache is stored (Section 8 pages it with both in INT2, R_V folded)."""
     k_mean: torch.Tensor | None = None   # (H_kv, d) key centering mu, or None
     r_k: torch.Tensor | None = None      # (H_kv, d, d) key rotation, or None (identity)
     r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
@@ -806,9 +802,9 @@ class TinyLM(nn.Module):
 # ----------------------------------------------------------------------------------------
 """
 The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
-(fp32 here, bf16 on a GPU), everything between them in INT2 pages. Queries are rotated
-by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the weights
-(v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
+(window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
+are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
+weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
 Layout (per layer; the Triton kernel in kernel.py reads exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (Section 2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
@@ -1053,13 +1049,16 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
         o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(layer, seqs),
                    group_size=c.group_size, **options)                     # (n, H_q, d)
         return o[:, :, None]                                               # (n, H_q, 1, d)
-    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]   # (n, 1)
+    # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
+    # layer holds as many between steps)
+    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]
     return model(tokens[:, None], paged_attention, pos)[:, 0]
 
 
 # ========================================================================================
 # Appendices: infrastructure. The method is complete above; what follows makes it fast on
-# long texts, writes and reads its artifacts, and loads real checkpoints.
+# long texts (A), writes and reads its artifacts (B), goes beyond the paper (D, ours) and
+# serves it elsewhere (E); real checkpoints load in eval_llm.py (C).
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
@@ -1113,16 +1112,16 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
     out = torch.empty_like(q)
     for t0 in range(0, T, block):
         t1 = min(T, t0 + block)
-        hi_q = max(sink, t1 - window)                       # INT2 copies of [sink, hi_q)
+        hi_int2 = max(sink, t1 - window)                    # INT2 copies of [sink, hi_int2)
         lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
-        s_sink, s_q = torch.arange(min(sink, t1), device=dev), torch.arange(sink, hi_q, device=dev)
+        s_sink, s_int2 = torch.arange(min(sink, t1), device=dev), torch.arange(sink, hi_int2, device=dev)
         s_e = torch.arange(lo_e, max(lo_e, t1), device=dev)    # none while t1 <= sink
         t = torch.arange(t0, t1, device=dev)[:, None]
         mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
-                          (s_q[None, :] <= t - window),                            # INT2 part
+                          (s_int2[None, :] <= t - window),                         # INT2 part
                           (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
-        K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_q], k[:, :, s_e]], 2)
-        V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_q], v[:, :, s_e]], 2)
+        K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_int2], k[:, :, s_e]], 2)
+        V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_int2], v[:, :, s_e]], 2)
         out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
                                                           enable_gqa=True)        # Eq. 5, Eq. 2
     return out
@@ -1156,8 +1155,10 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
 # B. Files: checks of what comes from outside, rotation files, export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
 """
-What enters from outside is checked here, with a ValueError naming it: rotation files and
-checkpoints, and the paged cache's appends (Section 8); inside, only asserts.
+What enters from outside raises a ValueError naming it (need, check_tensor): the rotation
+files read here, the tokens and sequence ids the paged cache is handed (Section 8, which
+also raises a RuntimeError on a full pool); checkpoints are checked in eval_llm.py (C).
+Inside, only asserts.
 One format for every set of rotations (both scripts write all their variants into one
 file, export_hf the one it serves): a safetensors file holding, per variant NAME, layer N,
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
