@@ -376,6 +376,10 @@ class KVQuant:
     quant_k: bool = True                 # keys outside the windows in INT2
     quant_v: bool = True                 # values outside the windows in INT2
 
+    def to(self, device) -> KVQuant:     # the same spec with its tensors on `device`
+        return replace(self, **{f: getattr(self, f).to(device) for f in ("k_mean", "r_k", "r_v")
+                                if getattr(self, f) is not None})
+
 
 def dequant_keys(k, k_mean, r_k, cfg: Config):
     """k~ = mu + D_{R_K,c_K}(k - mu), k (B, H_kv, T, d): Eq. 4 on the centered keys (+ mu: same softmax)."""
@@ -1036,7 +1040,8 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
                 attend=paged_decode_reference, **options) -> torch.Tensor:
     """Logits (n, vocab) of one new token per sequence through the paged cache. `model`: the
-    folded one (fold_value_rotation); `options` go to `attend` (checked=False, sm_scale, ...)."""
+    folded one (fold_value_rotation); `options` go to `attend` (sm_scale; checked=False only
+    with attend=kernel.int2_paged_decode: the reference has no such option)."""
     assert tokens.shape == (len(seqs),), "one token per sequence"
     cache.check_seqs(seqs)
     c, n = cache.cfg, len(seqs)

@@ -3474,13 +3474,14 @@ def test_gpu_check_without_cuda_says_so_and_exits_2():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter dry run only")
 def test_gpu_check_dry_run_passes_on_the_interpreter():
     """The steps of --gpu-check (tiny check, optr.decode_step through PagedKVCache with
-    bf16 windows against the reference decode, the graph-replay check, the bench table,
-    the kernel tests, collected only) pass at small sizes on the CPU interpreter."""
+    bf16 windows against the reference decode, optr.prefill into it, the graph-replay
+    check, the bench table, the kernel tests, collected only) pass at small sizes on the
+    CPU interpreter."""
     r = _run_python("import sys; sys.argv = ['kernel.py', '--gpu-check', '--dry-run']; "
                     "import kernel; kernel.main()")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = r.stdout[r.stdout.index("\ncheck "):]
-    assert summary.count(" ok ") == 5 and "FAIL" not in summary, summary
+    assert summary.count(" ok ") == 6 and "FAIL" not in summary, summary
 
 
 # ----------------------------------------------------------------------------------------
