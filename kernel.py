@@ -52,8 +52,9 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
     Each program writes its normalized partial output and the log-sum-exp of
     its logits (base 2); a program with no tokens writes lse = -inf.
 
-    Stage 2, grid (B, H_q), merges the partials a (BLOCK_S, d) block at a time:
-        out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
+    Stage 2, grid (B, H_q), merges the NUM_SPLITS partials of a query head, a
+    (BLOCK_SPLITS, d) block at a time; over the splits i,
+        out = sum_i 2^(lse_i - M) * o_i / sum_i 2^(lse_i - M),  M = max_i lse_i
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
 
 Reading order
@@ -61,12 +62,16 @@ Reading order
     the window tokens, the partial result) after the helpers it calls, the per-tile
     body _int2_tile among them; then _merge_splits_kernel.  Then the launcher
     (int2_paged_decode), --bench and --gpu-check, and two appendices: the static SASS
-    analysis (--sass) and the interpreter set-up.
+    analysis (--sass) and the interpreter set-up.  Shape letters in the kernels: S
+    sub-tiles per tile (SUB_TILES), T tokens per sub-tile, W = d/4 dims per quarter-row;
+    the splits are NUM_SPLITS (num_splits) programs per (sequence, KV head).
 
 Launch paths
     int2_paged_decode(..., checked=True) also checks lengths and block-table
     entries on the host (a device sync); checked=False checks only shapes,
-    dtypes and devices and never syncs, so a decode step fits in a CUDA graph.
+    dtypes and devices and never syncs, so the launch can be captured in a CUDA
+    graph (a whole optr.decode_step cannot: its cache append checks values and
+    takes pages on the host).
     Block sizes, warps and stages are chosen in _block_sizes; no autotuning.
     The interpreter computes fp16 dots correctly (unlike bf16 ones), so the CPU
     tests run the same algorithm as the GPU.
@@ -450,10 +455,10 @@ def _int2_decode_split_kernel(
         win_k_ptr,             # (B, H_kv, NW, d) fp32/bf16 window keys
         win_v_ptr,             # (B, H_kv, NW, d) fp32/bf16 window values
         win_len_ptr,           # (B,) int32 valid window slots per sequence
-        part_out_ptr,          # (B, H_q, S, d) fp32 out: normalized partial outputs
-        part_lse_ptr,          # (B, H_q, S) fp32 out: partial log2-sum-exp2 of logits
+        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
+        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
         qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
-        num_splits,            # S, programs per (sequence, KV head)
+        num_splits,            # NUM_SPLITS, programs per (sequence, KV head)
         stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
         stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
         stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
@@ -476,7 +481,7 @@ def _int2_decode_split_kernel(
     pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch = pid_b.to(tl.int64)
     W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
-    S: tl.constexpr = SUB_TILES
+    S: tl.constexpr = SUB_TILES             # sub-tiles per tile (the helpers' S)
     T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
     # All query heads that share this KV head, as four quarter-rows: quarter c holds dims
@@ -551,32 +556,33 @@ def _int2_decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-        part_out_ptr,          # (B, H_q, S, d) fp32 normalized partial outputs
-        part_lse_ptr,          # (B, H_q, S) fp32 partial log2-sum-exp2 (-inf: empty)
+        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 normalized partial outputs
+        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 partial log2-sum-exp2 (-inf: empty)
         out_ptr,               # (B, H_q, d) fp32 out: final attention output
-        num_parts,             # S, number of partials per (sequence, head)
+        num_splits,            # NUM_SPLITS, partials per (sequence, head)
         stride_ob, stride_oh, stride_os,   # partial-output strides (batch, head, split)
         stride_lb, stride_lh,              # partial-lse strides (batch, head)
         stride_yb, stride_yh,              # output strides (batch, head)
         HEAD_DIM: tl.constexpr,  # d
-        BLOCK_S: tl.constexpr,   # partials merged per step (a (BLOCK_S, d) block)
+        BLOCK_SPLITS: tl.constexpr,  # partials merged per step (a (BLOCK_SPLITS, d) block)
 ):
-    """out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), BLOCK_S partials at a time with
-    the same running-max rescaling as the softmax; empty splits (lse = -inf) weigh 0."""
+    """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the splits i, BLOCK_SPLITS
+    partials at a time with the same running-max rescaling as the softmax; empty splits
+    (lse = -inf) weigh 0."""
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    offs_split = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
     lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
     out_row = part_out_ptr + batch * stride_ob + head * stride_oh
     m = tl.full([1], float("-inf"), tl.float32)
     denom = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_parts, BLOCK_S):
-        s = s0 + offs_s
-        lse = tl.load(lse_row + s, mask=s < num_parts, other=float("-inf"))
-        o = tl.load(out_row + s[:, None] * stride_os + offs_d[None, :],
-                    mask=(s < num_parts)[:, None], other=0.0)
+    for first in range(0, num_splits, BLOCK_SPLITS):
+        split = first + offs_split
+        lse = tl.load(lse_row + split, mask=split < num_splits, other=float("-inf"))
+        o = tl.load(out_row + split[:, None] * stride_os + offs_d[None, :],
+                    mask=(split < num_splits)[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_ref)
@@ -781,7 +787,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
+        HEAD_DIM=d, BLOCK_SPLITS=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
         num_warps=4,
     )
     return out
@@ -798,10 +804,11 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
     checked=True (default) also checks the values of n_quant, win_len and the used
     block-table entries, which reads them on the host (a device synchronisation).
-    checked=False checks shapes, dtypes and devices only and never synchronises, so a
-    decode step can be captured in a CUDA graph; out-of-range lengths or block-table
-    entries are then undefined behaviour.  num_splits=None there sizes the splits from
-    the block table's capacity instead of the longest sequence.
+    checked=False checks shapes, dtypes and devices only and never synchronises, so this
+    launch can be captured in a CUDA graph (a whole optr.decode_step cannot: its cache
+    append checks values and takes pages on the host); out-of-range lengths or
+    block-table entries are then undefined behaviour.  num_splits=None there sizes the
+    splits from the block table's capacity instead of the longest sequence.
     """
     sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                           n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
