@@ -990,7 +990,7 @@ class PagedKVCache:
                                  torch.cat([win_k[:, ring], nk[:, new]], 1).transpose(0, 1),
                                  torch.cat([win_v[:, ring], nv[:, new]], 1).transpose(0, 1))
             p_sink = _span(n0, min(S, n0 + T), dev)                      # into the sink
-            p_ring = _span(max(S, n0 + T - W, n0), n0 + T, dev)          # into the ring (W > 0)
+            p_ring = _span(max(S, n0 + T - W, n0), n0 + T, dev)          # into the ring (none if W = 0)
             slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
             pos = torch.cat([p_sink, p_ring]) - n0
             win_k[:, slot] = kr[i][:, pos].to(win_k.dtype)
