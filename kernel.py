@@ -52,8 +52,9 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
     Each program writes its normalized partial output and the log-sum-exp of
     its logits (base 2); a program with no tokens writes lse = -inf.
 
-    Stage 2, grid (B, H_q), merges the partials a (BLOCK_S, d) block at a time:
-        out = sum_s 2^(lse_s - M) * o_s / sum_s 2^(lse_s - M),  M = max_s lse_s
+    Stage 2, grid (B, H_q), merges the NUM_SPLITS partials of a query head, a
+    (BLOCK_SPLITS, d) block at a time; over the splits i,
+        out = sum_i 2^(lse_i - M) * o_i / sum_i 2^(lse_i - M),  M = max_i lse_i
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
 
 Reading order
@@ -61,12 +62,16 @@ Reading order
     the window tokens, the partial result) after the helpers it calls, the per-tile
     body _int2_tile among them; then _merge_splits_kernel.  Then the launcher
     (int2_paged_decode), --bench and --gpu-check, and two appendices: the static SASS
-    analysis (--sass) and the interpreter set-up.
+    analysis (--sass) and the interpreter set-up.  Shape letters in the kernels: S
+    sub-tiles per tile (SUB_TILES), T tokens per sub-tile, W = d/4 dims per quarter-row;
+    the splits are NUM_SPLITS (num_splits) programs per (sequence, KV head).
 
 Launch paths
     int2_paged_decode(..., checked=True) also checks lengths and block-table
     entries on the host (a device sync); checked=False checks only shapes,
-    dtypes and devices and never syncs, so a decode step fits in a CUDA graph.
+    dtypes and devices and never syncs, so the launch can be captured in a CUDA
+    graph (a whole optr.decode_step cannot: its cache append checks values and
+    takes pages on the host).
     Block sizes, warps and stages are chosen in _block_sizes; no autotuning.
     The interpreter computes fp16 dots correctly (unlike bf16 ones), so the CPU
     tests run the same algorithm as the GPU.
@@ -450,10 +455,10 @@ def _int2_decode_split_kernel(
         win_k_ptr,             # (B, H_kv, NW, d) fp32/bf16 window keys
         win_v_ptr,             # (B, H_kv, NW, d) fp32/bf16 window values
         win_len_ptr,           # (B,) int32 valid window slots per sequence
-        part_out_ptr,          # (B, H_q, S, d) fp32 out: normalized partial outputs
-        part_lse_ptr,          # (B, H_q, S) fp32 out: partial log2-sum-exp2 of logits
+        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
+        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
         qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
-        num_splits,            # S, programs per (sequence, KV head)
+        num_splits,            # NUM_SPLITS, programs per (sequence, KV head)
         stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
         stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
         stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
@@ -476,7 +481,7 @@ def _int2_decode_split_kernel(
     pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch = pid_b.to(tl.int64)
     W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
-    S: tl.constexpr = SUB_TILES
+    S: tl.constexpr = SUB_TILES             # sub-tiles per tile (the helpers' S)
     T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
     # All query heads that share this KV head, as four quarter-rows: quarter c holds dims
@@ -551,32 +556,33 @@ def _int2_decode_split_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-        part_out_ptr,          # (B, H_q, S, d) fp32 normalized partial outputs
-        part_lse_ptr,          # (B, H_q, S) fp32 partial log2-sum-exp2 (-inf: empty)
+        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 normalized partial outputs
+        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 partial log2-sum-exp2 (-inf: empty)
         out_ptr,               # (B, H_q, d) fp32 out: final attention output
-        num_parts,             # S, number of partials per (sequence, head)
+        num_splits,            # NUM_SPLITS, partials per (sequence, head)
         stride_ob, stride_oh, stride_os,   # partial-output strides (batch, head, split)
         stride_lb, stride_lh,              # partial-lse strides (batch, head)
         stride_yb, stride_yh,              # output strides (batch, head)
         HEAD_DIM: tl.constexpr,  # d
-        BLOCK_S: tl.constexpr,   # partials merged per step (a (BLOCK_S, d) block)
+        BLOCK_SPLITS: tl.constexpr,  # partials merged per step (a (BLOCK_SPLITS, d) block)
 ):
-    """out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), BLOCK_S partials at a time with
-    the same running-max rescaling as the softmax; empty splits (lse = -inf) weigh 0."""
+    """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the splits i, BLOCK_SPLITS
+    partials at a time with the same running-max rescaling as the softmax; empty splits
+    (lse = -inf) weigh 0."""
     batch = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    offs_split = tl.arange(0, BLOCK_SPLITS)
     offs_d = tl.arange(0, HEAD_DIM)
     lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
     out_row = part_out_ptr + batch * stride_ob + head * stride_oh
     m = tl.full([1], float("-inf"), tl.float32)
     denom = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s0 in range(0, num_parts, BLOCK_S):
-        s = s0 + offs_s
-        lse = tl.load(lse_row + s, mask=s < num_parts, other=float("-inf"))
-        o = tl.load(out_row + s[:, None] * stride_os + offs_d[None, :],
-                    mask=(s < num_parts)[:, None], other=0.0)
+    for first in range(0, num_splits, BLOCK_SPLITS):
+        split = first + offs_split
+        lse = tl.load(lse_row + split, mask=split < num_splits, other=float("-inf"))
+        o = tl.load(out_row + split[:, None] * stride_os + offs_d[None, :],
+                    mask=(split < num_splits)[:, None], other=0.0)
         m_new = tl.maximum(m, tl.max(lse, axis=0))
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m - m_ref)
@@ -781,7 +787,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_S=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
+        HEAD_DIM=d, BLOCK_SPLITS=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
         num_warps=4,
     )
     return out
@@ -798,10 +804,11 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
     checked=True (default) also checks the values of n_quant, win_len and the used
     block-table entries, which reads them on the host (a device synchronisation).
-    checked=False checks shapes, dtypes and devices only and never synchronises, so a
-    decode step can be captured in a CUDA graph; out-of-range lengths or block-table
-    entries are then undefined behaviour.  num_splits=None there sizes the splits from
-    the block table's capacity instead of the longest sequence.
+    checked=False checks shapes, dtypes and devices only and never synchronises, so this
+    launch can be captured in a CUDA graph (a whole optr.decode_step cannot: its cache
+    append checks values and takes pages on the host); out-of-range lengths or
+    block-table entries are then undefined behaviour.  num_splits=None there sizes the
+    splits from the block table's capacity instead of the longest sequence.
     """
     sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                           n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
@@ -1021,40 +1028,100 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
 _GPU_CHECK_SECONDS = 480          # the whole check, start-up of the tests included
 
 
-def _check_decode_step(device, small):
-    """optr.decode_step through optr.PagedKVCache on `device` with bf16 windows: every
-    layer's kernel output equals optr.paged_decode_reference on the same paged view, token
-    after token, as INT2 tokens fill several pages.  Returns (ok, detail)."""
+def _served_tiny(device, small):
+    """A random optr.TinyLM with QuaRot rotations on `device`: (cfg, the model with R_V
+    folded, the rotations as optr.KVQuant)."""
     import optr
     d = 64 if small else 128
     cfg = optr.Config(n_heads=8, n_kv_heads=2, head_dim=d, d_model=128, group_size=d,
                       sink=2, window=6, page_size=4 if small else 16)
-    torch.manual_seed(0)
     model = optr.TinyLM(cfg)
     kv = [optr.KVQuant(r_k=optr.quarot_rotation(cfg.n_kv_heads, d),
                        r_v=optr.quarot_rotation(cfg.n_kv_heads, d)) for _ in range(cfg.n_layers)]
-    folded = optr.fold_value_rotation(model, kv).to(device)
-    kv = [optr.KVQuant(r_k=s.r_k.to(device), r_v=s.r_v.to(device)) for s in kv]
-    steps, B = (16 if small else 120), 3
-    num_pages = B * triton.cdiv(steps, cfg.page_size) + 2
+    return cfg, optr.fold_value_rotation(model, kv).to(device), [s.to(device) for s in kv]
+
+
+def _paged_cache(cfg, kv, B, n_tokens, device):
+    """An optr.PagedKVCache on `device` with bf16 windows, room for B sequences of n_tokens
+    and two pages more, its pages taken in shuffled order; (cache, seqs)."""
+    import optr
+    num_pages = B * triton.cdiv(n_tokens, cfg.page_size) + 2
     cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device)
     cache.free_pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
-    seqs = [cache.add_sequence() for _ in range(B)]
-    worst = [0.0]
+    return cache, [cache.add_sequence() for _ in range(B)]
 
+
+def _kernel_and_reference(worst):
+    """An `attend` for optr.decode_step: the kernel's output, with the largest
+    |kernel - reference| / (1e-5 + 1e-4 |reference|) on the same paged view kept in worst[0]."""
     def both(q, **view):
         out = int2_paged_decode(q, **view)
         ref = paged_decode_reference(q, **view)
         worst[0] = max(worst[0], ((out - ref).abs() / (1e-5 + 1e-4 * ref.abs())).max().item())
         return out
+    return both
 
+
+def _check_decode_step(device, small):
+    """optr.decode_step through optr.PagedKVCache on `device` with bf16 windows: every
+    layer's kernel output equals optr.paged_decode_reference on the same paged view, token
+    after token, as INT2 tokens fill several pages.  Returns (ok, detail)."""
+    import optr
+    cfg, folded, kv = _served_tiny(device, small)
+    steps, B = (16 if small else 120), 3
+    cache, seqs = _paged_cache(cfg, kv, B, steps, device)
+    worst = [0.0]
+    torch.manual_seed(0)
     tokens = torch.randint(0, cfg.vocab_size, (steps, B), device=device)
     for t in range(steps):
-        logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=both)
+        logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=_kernel_and_reference(worst))
     ok = worst[0] <= 1.0 and bool(torch.isfinite(logits).all())
-    return ok, (f"{steps} steps x {cfg.n_layers} layers, B={B}, d={d}, "
+    return ok, (f"{steps} steps x {cfg.n_layers} layers, B={B}, d={cfg.head_dim}, "
                 f"{int(cache.layer_view(0, seqs)['n_quant'][0])} INT2 tokens; max |err| / "
                 f"(1e-5 + 1e-4 |ref|) = {worst[0]:.2f} (pass <= 1)")
+
+
+def _check_prefill(device, small):
+    """optr.prefill of a prompt into an optr.PagedKVCache on `device` with bf16 windows:
+    the cache is bit for bit what token-by-token appends of the same forward's keys and
+    values store on `device`; the page ids are the CPU prefill's and the logits within 2%
+    of the CPU logits' largest (a code at a rounding boundary may round the other way on
+    another device); the next decode_step's kernel output equals the reference on the
+    cache prefill left.  Returns (ok, detail)."""
+    import optr
+    T, B = (24 if small else 200), 3
+    prompt = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(1))
+
+    def prefilled(dev):                     # (cfg, folded model, kv, cache, seqs, logits)
+        cfg, folded, kv = _served_tiny(dev, small)
+        cache, seqs = _paged_cache(cfg, kv, B, T + 1, dev)
+        return cfg, folded, kv, cache, seqs, optr.prefill(folded, cache, seqs, prompt[:, :T].to(dev))
+    cfg, folded, kv, cache, seqs, logits = prefilled(device)
+    # token by token on the device: appends of the k, v of prefill's simulated forward
+    one, _ = _paged_cache(cfg, kv, B, T + 1, device)
+    captured = []
+    specs = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in kv]          # R_V is folded
+    with torch.no_grad():
+        sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg), capture=captured)
+    for l, (_, k, v) in enumerate(captured):
+        for t in range(T):
+            one.append(l, seqs, k[:, :, t], v[:, :, t])
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
+             "block_table", "length")
+    differ = [n for n in names if not torch.equal(getattr(cache, n), getattr(one, n))]
+    differ += [] if torch.equal(logits, sim) else ["logits"]
+    *_, cpu_cache, _, cpu_logits = prefilled(torch.device("cpu"))
+    pages_as_cpu = torch.equal(cache.block_table.cpu(), cpu_cache.block_table)
+    err = ((logits.cpu() - cpu_logits).abs().max() / cpu_logits.abs().max()).item()
+    worst = [0.0]
+    nxt = optr.decode_step(folded, cache, seqs, prompt[:, T].to(device),
+                           attend=_kernel_and_reference(worst))
+    ok = not differ and pages_as_cpu and err <= 0.02 and worst[0] <= 1.0 \
+        and bool(torch.isfinite(nxt).all())
+    return ok, (f"B={B} x {T} tokens, d={cfg.head_dim}, {int(cache.layer_view(0, seqs)['n_quant'][0])}"
+                f" INT2 each; differs from appends: {differ or 'nothing'}; page ids as on the CPU: "
+                f"{pages_as_cpu}; max |logits - CPU's| / max |CPU's| = {err:.1e} (pass <= 0.02); "
+                f"next token's kernel vs reference {worst[0]:.2f} (pass <= 1)")
 
 
 def _check_cuda_graph(device, small):
@@ -1116,11 +1183,11 @@ def _kernel_tests(small, seconds):
 
 def gpu_check(small=False, peak_gbs=None):
     """python kernel.py --gpu-check, for a lent GPU (at most _GPU_CHECK_SECONDS): a tiny
-    kernel-vs-reference check, optr.decode_step on the device, a CUDA-graph capture and
-    replay, the kernel tests on the device and the bench table (batch 1 and 8, 4k to 128k
-    tokens; rows past the time limit are skipped), then a summary.  small=True is the dry
-    run on the CPU interpreter: the same steps at small sizes, the tests collected but not
-    run.  Returns the exit status."""
+    kernel-vs-reference check, optr.decode_step and optr.prefill on the device, a CUDA-graph
+    capture and replay, the kernel tests on the device and the bench table (batch 1 and 8,
+    4k to 128k tokens; rows past the time limit are skipped), then a summary.  small=True
+    is the dry run on the CPU interpreter: the same steps at small sizes, the tests
+    collected but not run.  Returns the exit status."""
     import time
     start = time.monotonic()
     device = torch.device("cpu" if small else "cuda")
@@ -1142,6 +1209,7 @@ def gpu_check(small=False, peak_gbs=None):
     step("tiny kernel vs reference",
          lambda: ((e := _tiny_check(device)) < 1e-5, f"max abs err {e:.2e}"))
     step("decode_step via PagedKVCache, bf16 windows", lambda: _check_decode_step(device, small))
+    step("prefill into PagedKVCache, bf16 windows", lambda: _check_prefill(device, small))
     step("CUDA graph capture + replay", lambda: _check_cuda_graph(device, small))
 
     def bench():
@@ -1614,8 +1682,9 @@ def _test_module(path):
 
 def _gpu_check_launches():
     """The launch shapes of --gpu-check at its full sizes: the bench rows, the CUDA-graph
-    launch (unchecked: splits sized from the block table) and the decode_step check (fp32
-    queries from the model, a block table as wide as the page pool, 1 or 2 splits)."""
+    launch (unchecked: splits sized from the block table) and the decode_step and prefill
+    checks (fp32 queries from the model, a block table as wide as the page pool, 1, 2 or 4
+    splits)."""
     s = _BENCH_SHAPE
     NW = s["sink"] + s["recent"]
     shape = dict(H_q=s["H_q"], H_kv=s["H_kv"], d=s["d"], G=s["G"], P=s["P"], NW=NW)
@@ -1623,8 +1692,8 @@ def _gpu_check_launches():
              for ctx in (4096, 16384, 32768, 65536, 131072)]
     blocks = triton.cdiv(3000, s["P"])
     graph = [dict(shape, B=2, n_quant=3000, max_tokens=blocks * s["P"])]
-    decode = [dict(B=3, H_q=8, H_kv=2, d=128, G=128, P=16, NW=8, n_quant=n, num_pages=26,
-                   max_blocks=26, q_dtype="fp32") for n in (1, 112)]
+    decode = [dict(B=3, H_q=8, H_kv=2, d=128, G=128, P=16, NW=8, n_quant=n, num_pages=pages,
+                   max_blocks=pages, q_dtype="fp32") for n, pages in ((1, 26), (112, 26), (193, 41))]
     return bench + graph + decode
 
 

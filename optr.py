@@ -102,10 +102,6 @@ class Config:
     def n_rep(self) -> int:      # query heads per KV head
         return self.n_heads // self.n_kv_heads
 
-    @property
-    def hadamard_ok(self) -> bool:   # Hadamard bases need a power-of-two head_dim
-        return self.head_dim & (self.head_dim - 1) == 0
-
 
 # ----------------------------------------------------------------------------------------
 # 1. Attention (Eq. 1-3)
@@ -373,12 +369,16 @@ def int2_tokens(mask, exact=None) -> torch.Tensor:
 
 @dataclass
 class KVQuant:
-    """How one layer's KV cache is stored (Section 8 stores exactly this)."""
+    """How one layer's KV cache is stored (Section 8 pages it with both in INT2, R_V folded)."""
     k_mean: torch.Tensor | None = None   # (H_kv, d) key centering mu, or None
     r_k: torch.Tensor | None = None      # (H_kv, d, d) key rotation, or None (identity)
     r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
     quant_k: bool = True                 # keys outside the windows in INT2
     quant_v: bool = True                 # values outside the windows in INT2
+
+    def to(self, device) -> KVQuant:     # the same spec with its tensors on `device`
+        return replace(self, **{f: getattr(self, f).to(device) for f in ("k_mean", "r_k", "r_v")
+                                if getattr(self, f) is not None})
 
 
 def dequant_keys(k, k_mean, r_k, cfg: Config):
@@ -806,9 +806,9 @@ class TinyLM(nn.Module):
 # ----------------------------------------------------------------------------------------
 """
 The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
-(fp32 here, bf16 on a GPU), everything between them in INT2 pages. Queries are rotated
-by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the weights
-(v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
+(window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
+are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
+weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
 Layout (per layer; the Triton kernel in kernel.py reads exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (Section 2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
@@ -817,7 +817,9 @@ Layout (per layer; the Triton kernel in kernel.py reads exactly this):
   win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) the first tokens, then a
                ring of the most recent; valid slots [0, win_len), win_len = min(length, sink + window)
 One page pool and block table serve all sequences and layers; a token leaving the recent
-window is quantized, packed and written to its page.
+window is quantized, packed and written to its page. Only the cache's methods write it:
+reserve takes pages from the pool, append stores one token per sequence, extend T at once
+(bit for bit T appends: prefill's writes, appendix A).
 """
 
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
@@ -853,8 +855,13 @@ def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
     return model
 
 
+def _span(a: int, b: int, device) -> torch.Tensor:   # positions a .. b - 1, empty if b <= a
+    return torch.arange(a, max(a, b), device=device)
+
+
 class PagedKVCache:
-    """Page pool + block tables + full-precision windows, for every layer of a model."""
+    """Page pool + block tables + full-precision windows, for every layer of a model. Only
+    its methods write them: reserve takes pages from the pool, append and extend store tokens."""
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
                  window_dtype=torch.float32, device="cpu"):
@@ -887,31 +894,54 @@ class PagedKVCache:
 
     def free(self, seq: int):
         """Return the sequence's pages to the pool and clear its slot."""
-        self._check_seq(seq)
+        self.check_seqs([seq])
         row = self.block_table[seq]
         self.free_pages += [int(p) for p in row[row >= 0]]
         row.fill_(-1)
         self.length[:, seq], self.active[seq] = 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
-    def _check_seq(self, seq):
-        if not (0 <= seq < len(self.active)) or not self.active[seq]:
-            raise ValueError(f"seq: expected an active sequence id, got {seq}")
+    def check_seqs(self, seqs: list):
+        """ValueError unless seqs are distinct ids of active sequences."""
+        for s in seqs:
+            if not (0 <= s < len(self.active)) or not self.active[s]:
+                raise ValueError(f"seq: expected an active sequence id, got {s}")
+        if len(set(seqs)) != len(seqs):
+            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
+
+    def reserve(self, layer: int, seqs: list, n_tokens: int):
+        """Take from the pool the pages that the next n_tokens of each sequence will fill in
+        INT2, in the order appending them token by token takes them (token after token, each
+        across seqs), or raise before taking any. All layers share the block table: the
+        first layer to reach a page takes it, the others find it."""
+        self.check_seqs(seqs)
+        c, num_pages = self.cfg, self.block_table.shape[1]
+        P, exact = c.page_size, c.sink + c.window            # tokens held before INT2 index 0
+        want = []                                             # (token step, i, seq, block)
+        for i, s in enumerate(seqs):
+            n0 = int(self.length[layer, s])
+            lo, hi = max(0, n0 - exact), max(0, n0 + n_tokens - exact)   # new INT2 indices
+            for blk in range(lo // P, (hi + P - 1) // P):
+                if blk >= num_pages or self.block_table[s, blk] < 0:
+                    want.append((max(blk * P, lo) + exact - n0, i, s, blk))  # step that writes it
+        if len(want) > len(self.free_pages):    # also when a sequence would pass num_pages pages
+            raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, "
+                               f"{len(self.free_pages)} free) while sequences {list(seqs)} "
+                               f"needed {len(want)} more for {n_tokens} more tokens each")
+        for _, _, s, blk in sorted(want):
+            self.block_table[s, blk] = self.free_pages.pop(0)
 
     # -- writes -------------------------------------------------------------------------
-    def _write_int2(self, layer, seq, n, k_row, v_row):
-        """Quantize and pack INT2 token n (H_kv, d) of `seq` into its page (allocated on first use)."""
-        c, blk = self.cfg, n // self.cfg.page_size
-        if blk >= self.block_table.shape[1] or self.block_table[seq, blk] < 0:
-            if not self.free_pages or blk >= self.block_table.shape[1]:
-                raise RuntimeError(f"PagedKVCache: page pool exhausted ({self.block_table.shape[1]}"
-                                   f" pages) while sequence {seq} needed page {blk}")
-            self.block_table[seq, blk] = self.free_pages.pop(0)
-        page, slot = int(self.block_table[seq, blk]), n % c.page_size
-        for row, codes, scale, zero, clip in ((k_row, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
-                                              (v_row, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
-            pk, sc, zr = q2_quantize(row.float(), clip, c.group_size, c.scale_eps)
-            codes[layer, page, :, slot], scale[layer, page, :, slot], zero[layer, page, :, slot] = pk, sc, zr
+    def _write_int2(self, layer, seq, n, k_rows, v_rows):
+        """Quantize and pack INT2 token n of `seq` (an index and rows (H_kv, d), or indices (N,)
+        and rows (N, H_kv, d)) into slot n % page_size of page block_table[seq, n // page_size]."""
+        c = self.cfg
+        page, slot = self.block_table[seq, n // c.page_size].long(), n % c.page_size
+        assert bool((page >= 0).all()), "reserve takes a page before it is written"
+        for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
+                                               (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
+            pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
+            codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
 
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
@@ -919,10 +949,10 @@ class PagedKVCache:
         c = self.cfg
         check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
+        self.reserve(layer, seqs, 1)
         kr = stored_keys(self.kv[layer], k[:, :, None])[:, :, 0]       # (n, H_kv, d)
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
-            self._check_seq(s)
             pos = int(self.length[layer, s])
             self.length[layer, s] += 1
             if pos >= S and W == 0:                                      # no recent window
@@ -934,6 +964,38 @@ class PagedKVCache:
                                  self.win_v[layer, s, :, slot])
             self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
             self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
+
+    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
+        """append for T tokens per sequence at once, k, v (n, H_kv, T, d) (prefill's writes,
+        appendix A): bit for bit the state of T appends, with one quantizer call per sequence
+        for all its tokens going INT2. Pages are reserved first: a full pool writes nothing."""
+        c = self.cfg
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
+                     finite=True)
+        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+        T, S, W = k.shape[2], c.sink, c.window
+        self.reserve(layer, seqs, T)
+        kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
+        dev = self.block_table.device
+        for i, s in enumerate(seqs):
+            n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
+            lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
+            if hi > lo:
+                old = _span(lo, min(hi, n0), dev)                        # held in the ring
+                new = _span(max(lo, n0), hi, dev) - n0                   # from k, v
+                ring = S + (old - S) % W if W else old
+                # new tokens pass through the window dtype, as append stores (then reads) them
+                nk, nv = (kr[i], v[i]) if W == 0 else (kr[i].to(win_k.dtype), v[i].to(win_v.dtype))
+                self._write_int2(layer, s, _span(lo, hi, dev) - S,
+                                 torch.cat([win_k[:, ring], nk[:, new]], 1).transpose(0, 1),
+                                 torch.cat([win_v[:, ring], nv[:, new]], 1).transpose(0, 1))
+            p_sink = _span(n0, min(S, n0 + T), dev)                      # into the sink
+            p_ring = _span(max(S, n0 + T - W, n0), n0 + T, dev)          # into the ring (none if W = 0)
+            slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
+            pos = torch.cat([p_sink, p_ring]) - n0
+            win_k[:, slot] = kr[i][:, pos].to(win_k.dtype)
+            win_v[:, slot] = v[i][:, pos].to(win_v.dtype)
+            self.length[layer, s] = n0 + T
 
     # -- reads --------------------------------------------------------------------------
     def layer_view(self, layer: int, seqs: list) -> dict:
@@ -978,10 +1040,10 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
                 attend=paged_decode_reference, **options) -> torch.Tensor:
     """Logits (n, vocab) of one new token per sequence through the paged cache. `model`: the
-    folded one (fold_value_rotation); `options` go to `attend` (checked=False, sm_scale, ...)."""
+    folded one (fold_value_rotation); `options` go to `attend` (sm_scale; checked=False only
+    with attend=kernel.int2_paged_decode: the reference has no such option)."""
     assert tokens.shape == (len(seqs),), "one token per sequence"
-    for s in seqs:
-        cache._check_seq(s)
+    cache.check_seqs(seqs)
     c, n = cache.cfg, len(seqs)
 
     def paged_attention(layer: int, q, k, v):       # append k, v; rotate q by R_K; attend
@@ -992,13 +1054,16 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
         o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(layer, seqs),
                    group_size=c.group_size, **options)                     # (n, H_q, d)
         return o[:, :, None]                                               # (n, H_q, 1, d)
-    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]   # (n, 1)
+    # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
+    # layer holds as many between steps)
+    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]
     return model(tokens[:, None], paged_attention, pos)[:, 0]
 
 
 # ========================================================================================
 # Appendices: infrastructure. The method is complete above; what follows makes it fast on
-# long texts, writes and reads its artifacts, and loads real checkpoints.
+# long texts (A), writes and reads its artifacts (B), goes beyond the paper (D, ours) and
+# serves it elsewhere (E); real checkpoints load in eval_llm.py (C).
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
@@ -1014,8 +1079,9 @@ split; the 1e-12 clamp applies on S. Tested: optr_key_loss's value and gradient.
 Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 [sink, t1 - window) and the exact keys of [t0 - window + 1, t1), masked as
 exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
-Prefill: one simulated forward of the folded model, then per layer one q2_quantize call
-for all INT2 tokens, scattered into pages: bit for bit the state of token-by-token appends.
+Prefill: one simulated forward of the folded model, then per layer PagedKVCache.extend
+(one q2_quantize call per sequence, scattered into pages): bit for bit the state of
+token-by-token appends, page ids included.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1051,121 +1117,42 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
     out = torch.empty_like(q)
     for t0 in range(0, T, block):
         t1 = min(T, t0 + block)
-        hi_q = max(sink, t1 - window)                       # INT2 copies of [sink, hi_q)
+        hi_int2 = max(sink, t1 - window)                    # INT2 copies of [sink, hi_int2)
         lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
-        s_sink, s_q = torch.arange(min(sink, t1), device=dev), torch.arange(sink, hi_q, device=dev)
+        s_sink, s_int2 = torch.arange(min(sink, t1), device=dev), torch.arange(sink, hi_int2, device=dev)
         s_e = torch.arange(lo_e, max(lo_e, t1), device=dev)    # none while t1 <= sink
         t = torch.arange(t0, t1, device=dev)[:, None]
         mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
-                          (s_q[None, :] <= t - window),                            # INT2 part
+                          (s_int2[None, :] <= t - window),                         # INT2 part
                           (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
-        K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_q], k[:, :, s_e]], 2)
-        V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_q], v[:, :, s_e]], 2)
+        K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_int2], k[:, :, s_e]], 2)
+        V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_int2], v[:, :, s_e]], 2)
         out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
                                                           enable_gqa=True)        # Eq. 5, Eq. 2
     return out
-
-
-def _span(a: int, b: int) -> torch.Tensor:       # positions a .. b - 1, empty if b <= a
-    return torch.arange(a, max(a, b))
-
-
-def reserve_pages(cache: PagedKVCache, seqs: list, n_tokens: int, layer: int = 0):
-    """Allocate the pages `n_tokens` more tokens per sequence will fill, in the order appends
-    take them (token step, then seqs); raises before allocating if they do not fit."""
-    c = cache.cfg
-    S, W, P = c.sink, c.window, c.page_size
-    want = []                                                      # (step, i, seq, block)
-    for i, s in enumerate(seqs):
-        n0 = int(cache.length[layer, s])
-        lo, hi = max(0, n0 - W - S), max(0, n0 + n_tokens - W - S)  # new INT2 indices
-        for blk in range(lo // P, (hi + P - 1) // P):
-            if blk >= cache.block_table.shape[1] or cache.block_table[s, blk] < 0:
-                first = max(blk * P, lo)                           # first INT2 index in it
-                want.append((first + S + W - n0, i, s, blk))       # step that writes it
-    too_far = [(s, blk) for _, _, s, blk in want if blk >= cache.block_table.shape[1]]
-    if len(want) > len(cache.free_pages) or too_far:
-        raise RuntimeError(f"PagedKVCache: page pool exhausted ({cache.block_table.shape[1]} "
-                           f"pages, {len(cache.free_pages)} free) while {len(want)} more "
-                           f"were needed for sequences {list(seqs)} (+{n_tokens} tokens)")
-    for _, _, s, blk in sorted(want):
-        cache.block_table[s, blk] = cache.free_pages.pop(0)
-
-
-def extend_cache(cache: PagedKVCache, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-    """T tokens per sequence at once, k, v (n, H_kv, T, d): bit for bit the state of T appends,
-    the INT2 tokens quantized in one call per side; pages are reserved first (a full pool
-    writes nothing)."""
-    c = cache.cfg
-    check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
-                 finite=True)
-    check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
-    if len(set(seqs)) != len(seqs):
-        raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
-    for s in seqs:
-        cache._check_seq(s)
-    T = k.shape[2]
-    kr = stored_keys(cache.kv[layer], k)                                # (n, H_kv, T, d)
-    S, W, P = c.sink, c.window, c.page_size
-    reserve_pages(cache, seqs, T, layer)
-    src_k, src_v, pages, slots = [], [], [], []
-    for i, s in enumerate(seqs):
-        n0 = int(cache.length[layer, s])
-        N = n0 + T
-        # tokens written in the window dtype, as append stores them (and later reads them)
-        nk = kr[i] if W == 0 else kr[i].to(cache.win_k.dtype)           # (H_kv, T, d)
-        nv = v[i] if W == 0 else v[i].to(cache.win_v.dtype)
-        lo, hi = max(S, n0 - W), N - W                                 # positions going INT2
-        if hi > lo:
-            old = _span(lo, min(hi, n0))                               # still in the ring
-            ring = S + (old - S) % W if W else old
-            new = _span(max(lo, n0), hi) - n0                          # from this prompt
-            src_k.append(torch.cat([cache.win_k[layer, s][:, ring], nk[:, new]], 1).float())
-            src_v.append(torch.cat([cache.win_v[layer, s][:, ring], nv[:, new]], 1).float())
-            n = _span(lo, hi) - S                                      # INT2 token indices
-            pages.append(cache.block_table[s, n // P].long())
-            slots.append(n % P)
-        p_sink = _span(n0, min(S, N))                                  # sink slots
-        p_ring = _span(max(S, N - W, n0), N) if W else _span(0, 0)
-        slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
-        pos = torch.cat([p_sink, p_ring]) - n0
-        cache.win_k[layer, s][:, slot] = kr[i][:, pos].to(cache.win_k.dtype)
-        cache.win_v[layer, s][:, slot] = v[i][:, pos].to(cache.win_v.dtype)
-        cache.length[layer, s] = N
-    if src_k:
-        rows_k = torch.cat(src_k, 1).transpose(0, 1)                   # (n_int2, H_kv, d)
-        rows_v = torch.cat(src_v, 1).transpose(0, 1)
-        pg, sl = torch.cat(pages).to(cache.k_codes.device), torch.cat(slots).to(cache.k_codes.device)
-        for rows, codes, scale, zero, clip in (
-                (rows_k, cache.k_codes, cache.k_scale, cache.k_zero, c.clip_k),
-                (rows_v, cache.v_codes, cache.v_scale, cache.v_zero, c.clip_v)):
-            pk, sc, zr = q2_quantize(rows, clip, c.group_size, c.scale_eps)  # one call
-            codes[layer][pg, :, sl] = pk.to(codes.device)              # (n_int2, H_kv, d/4)
-            scale[layer][pg, :, sl] = sc.to(scale.device)
-            zero[layer][pg, :, sl] = zr.to(zero.device)
 
 
 @torch.no_grad()
 def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
             block: int | None = None):
     """A prompt idx (n, T) into empty sequences: one simulated forward of the folded model,
-    one extend_cache per layer. The cache is bit for bit that of token-by-token decoding;
+    one cache.extend per layer. The cache is bit for bit that of token-by-token decoding;
     the logits (n, T, vocab) are decode_step's up to round-off (about 1e-5)."""
     m, c = model.cfg, cache.cfg
     assert idx.shape[0] == len(seqs), "a prompt per sequence"
     assert (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size,
         c.clip_k, c.clip_v), "model.cfg must quantize as the cache does (the forward stores what decode would)"
+    cache.check_seqs(seqs)
     for s in seqs:
-        cache._check_seq(s)
         if int(cache.length[:, s].max()) != 0:
             raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
                              f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
-    reserve_pages(cache, seqs, idx.shape[1])       # an exhausted pool raises before the forward
+    cache.reserve(0, seqs, idx.shape[1])           # an exhausted pool raises before the forward
     specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
     captured = []
     logits = model(idx, SimulatedINT2(specs, m, block), capture=captured)
     for l, (_, k, v) in enumerate(captured):
-        extend_cache(cache, l, seqs, k, v)                                # (n, H_kv, T, d)
+        cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
     return logits
 
 
@@ -1173,8 +1160,10 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
 # B. Files: checks of what comes from outside, rotation files, export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
 """
-What enters from outside is checked here, with a ValueError naming it: rotation files and
-checkpoints, and the paged cache's appends (Section 8); inside, only asserts.
+What enters from outside raises a ValueError naming it (need, check_tensor): the rotation
+files read here, the tokens and sequence ids the paged cache is handed (Section 8, which
+also raises a RuntimeError on a full pool); checkpoints are checked in eval_llm.py (C).
+Inside, only asserts.
 One format for every set of rotations (both scripts write all their variants into one
 file, export_hf the one it serves): a safetensors file holding, per variant NAME, layer N,
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K

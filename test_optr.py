@@ -2135,7 +2135,7 @@ def assert_same_state(a, b):
 
 
 def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
-    """Appending T tokens at once (extend_cache: one quantizer call per layer, scattered
+    """Appending T tokens at once (cache.extend: one quantizer call per sequence, scattered
     into pages) leaves the cache bit for bit as appending them one at a time: codes,
     scales, zeros, sink and ring windows, block table (pages taken in the same order),
     lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap.
@@ -2154,7 +2154,7 @@ def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunk
         for l in range(2):
             for t in range(T):
                 one.append(l, seqs, k[:, :, t], v[:, :, t])
-            optr.extend_cache(bulk, l, seqs, k, v)
+            bulk.extend(l, seqs, k, v)
     assert_same_state(cache_state(one), cache_state(bulk))
     assert int(bulk.length[0, seqs[0]]) == sum(chunks)
 
@@ -2164,12 +2164,12 @@ def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
     cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
     cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
     s = cache.add_sequence()
-    optr.extend_cache(cache, 0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
+    cache.extend(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
     before = cache_state(cache)
     with pytest.raises(RuntimeError, match="page pool exhausted"):
-        optr.extend_cache(cache, 0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
+        cache.extend(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
     assert_same_state(before, cache_state(cache))
-    optr.extend_cache(cache, 0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
+    cache.extend(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
 
 
 def prefill_and_appended(calibrated_tiny, n_prompt=13):
@@ -3545,13 +3545,14 @@ def test_gpu_check_without_cuda_says_so_and_exits_2():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter dry run only")
 def test_gpu_check_dry_run_passes_on_the_interpreter():
     """The steps of --gpu-check (tiny check, optr.decode_step through PagedKVCache with
-    bf16 windows against the reference decode, the graph-replay check, the bench table,
-    the kernel tests, collected only) pass at small sizes on the CPU interpreter."""
+    bf16 windows against the reference decode, optr.prefill into it, the graph-replay
+    check, the bench table, the kernel tests, collected only) pass at small sizes on the
+    CPU interpreter."""
     r = _run_python("import sys; sys.argv = ['kernel.py', '--gpu-check', '--dry-run']; "
                     "import kernel; kernel.main()")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = r.stdout[r.stdout.index("\ncheck "):]
-    assert summary.count(" ok ") == 5 and "FAIL" not in summary, summary
+    assert summary.count(" ok ") == 6 and "FAIL" not in summary, summary
 
 
 # ----------------------------------------------------------------------------------------
@@ -4415,7 +4416,7 @@ def check_hf_cache_is_decode_step(hf_served, T=30):
     cache, seqs = ours_paged(folded, kv, 2)
     mine = optr.hf_cache(kv, model.cfg, folded=True)
     for l, (_, k, v) in enumerate(captured):
-        optr.extend_cache(cache, l, seqs, k, v)
+        cache.extend(l, seqs, k, v)
         mine.update(k, v, l)
         for s in seqs:
             stored = paged_rows(cache, l, s, n, "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
@@ -4493,7 +4494,7 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
         k, v = rand(1, 2, N, 64, seed=l), rand(1, 2, N, 64, seed=10 + l)
         mine.update(k.bfloat16(), v.bfloat16(), l)
         dyn.update(k.bfloat16(), v.bfloat16(), l)
-        optr.extend_cache(paged, l, [s], k, v)
+        paged.extend(l, [s], k, v)
     L, H, d, G, S = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size, cfg.sink + cfg.window
     int2_token, bf16_token = 2 * (d // 4 + 2 * 4 * (d // G)), 2 * d * 2    # bytes, K and V of one head
     assert (int2_token, bf16_token, N - S, S) == (48, 256, 3776, 320)
