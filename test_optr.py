@@ -2132,14 +2132,12 @@ def assert_same_state(a, b):
 @given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
        chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
        bf16=st.booleans(), seed=st.integers(0, 10_000))
-
-
 def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
     """Appending T tokens at once (cache.extend: one quantizer call per sequence, scattered
     into pages) leaves the cache bit for bit as appending them one at a time: codes,
     scales, zeros, sink and ring windows, block table (pages taken in the same order),
     lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap.
-    Optr against optr: extend_cache against append."""
+    Optr against optr: cache.extend against cache.append."""
     cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
                       window=window, page_size=page_size, n_layers=2)
     H, d = 2, 16
