@@ -1138,11 +1138,11 @@ def main(argv=None) -> dict:
                                                 propagate=cfg.calib_propagate)
             save_ladder(rot_path, specs, c, meta=dict(calibration=sample_settings, report=reports))
         if diff is None:
-            first_q = next(n for n in specs if specs[n] is not None)
+            first_int2 = next(n for n in specs if specs[n] is not None)
             T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])
             t0 = time.perf_counter()
-            diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_q])
-            log(f"block-wise simulated cache vs dense ({first_q}, {T_chk} tokens): attention max rel. "
+            diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_int2])
+            log(f"block-wise simulated cache vs dense ({first_int2}, {T_chk} tokens): attention max rel. "
                 f"diff {diff['attention_max_rel_diff']:.1e} per layer; end to end max |logit diff| "
                 f"{diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
                 f"{timer.lap('check', t0):5.1f} s")

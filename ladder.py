@@ -412,8 +412,8 @@ def bits_per_element(cache: optr.PagedKVCache, seq: int, int2_only: bool = False
     if int2_only:
         return 8.0 * per_tok_int2 / elems_per_tok
     n = cache.length[:, seq]
-    n_q, n_w = (n - c.sink - c.window).clamp_min(0), n.clamp_max(c.sink + c.window)
-    total_bytes = (n_q * per_tok_int2 + n_w * per_tok_win).sum().item()
+    n_int2, n_w = (n - c.sink - c.window).clamp_min(0), n.clamp_max(c.sink + c.window)
+    total_bytes = (n_int2 * per_tok_int2 + n_w * per_tok_win).sum().item()
     return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
 
 
@@ -435,10 +435,10 @@ def ladder_bits(model, specs: dict, variants: dict, idx: torch.Tensor, timer, lo
     part's bits."""
     t0 = time.perf_counter()
     bits_full, _ = measured_bits(model, None, idx)
-    first_q = next(n for n, kv in specs.items() if kv is not None)
-    bits_q, bits_int2 = measured_bits(model, specs[first_q], idx)
+    first_int2 = next(n for n, kv in specs.items() if kv is not None)
+    bits_variant, bits_int2 = measured_bits(model, specs[first_int2], idx)
     for name, v in variants.items():
-        v["bits_per_element"] = bits_full if specs[name] is None else bits_q
+        v["bits_per_element"] = bits_full if specs[name] is None else bits_variant
         v["bits_int2_part"] = None if specs[name] is None else bits_int2
     log(f"bits per element at {idx.shape[1]} tokens, measured from optr.PagedKVCache's "
         f"tensors: full {bits_full:.2f}, INT2 variants {bits_q:.2f} (INT2 part "
