@@ -615,16 +615,16 @@ def full_precision_captures(model, calib_idx, heldout_idx):
     return cal, held
 
 
-def calibrate_one_layer(model, l, cal, held, base="quarot", center=True, learn=True,
-                        query_positions=None, cfg: Config | None = None, log=None):
-    """Layer l from its captured (q, k, v): mu, the base, then OptR -> KVQuant, report rows."""
-    cfg = cfg or model.cfg
+def calibrate_one_layer(w_o, l, cal, held, cfg: Config, base="quarot", center=True, learn=True,
+                        query_positions=None, log=None):
+    """Layer l from its captured (q, k, v) and W_O (H_q, d_model, d): mu, the base, then OptR
+    -> KVQuant, report rows."""
     q, k, v = cal
     mu = key_mean(k) if center else None                                   # Section 4
     r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                        # Section 3
     if not learn:
         return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
-    r_k, r_v, rows = calibrate_layer(cal, held, model.o_proj_heads(l), r_k0, r_v0, mu, cfg,
+    r_k, r_v, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, cfg,
                                      query_positions, tag=f"L{l} ", log=log)
     return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
 
@@ -637,9 +637,9 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
     pool's, say) may run the independent layers at once. Returns per-layer KVQuant and rows
     (layer, head, part, base_loss, best_loss, best_step, kept)."""
     cal, held = captured or full_precision_captures(model, calib_idx, heldout_idx)
-    done = list(layer_map(lambda l: calibrate_one_layer(model, l, cal[l], held[l], base, center,
-                                                        learn, query_positions, cfg, log),
-                          range(len(cal))))
+    one = lambda l: calibrate_one_layer(model.o_proj_heads(l), l, cal[l], held[l], cfg or model.cfg,
+                                        base, center, learn, query_positions, log)
+    done = list(layer_map(one, range(len(cal))))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
 
@@ -1456,8 +1456,8 @@ def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=Tr
                 model(calib_idx, below, capture=cal)
                 model(heldout_idx, below, capture=held)
             cal, held = cal[l], held[l]
-        done.append(calibrate_one_layer(model, l, cal, held, base, center, learn, query_positions,
-                                        cfg, log))
+        done.append(calibrate_one_layer(model.o_proj_heads(l), l, cal, held, cfg, base, center, learn,
+                                        query_positions, log))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
