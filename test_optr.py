@@ -4724,6 +4724,24 @@ def test_a_left_padded_sequence_reads_the_int2_cache_it_reads_alone(kind):
     check_padded_sequence_reads_its_own_windows(model, quarot_specs(cfg, seed=6), cfg)
 
 
+@pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+def test_decoding_through_transformers_cache_reads_what_the_full_forward_reads(kind):
+    """A prompt of 5 tokens, then one token per step through transformers' own cache (Gemma 3's
+    sliding layers keep only their last 11 tokens there), under simulate_hf with every layer in
+    INT2: the logits of each step are the full forward's at that position, within 1e-4.
+    Optr against optr: simulate_hf token by token against simulate_hf on the whole sequence."""
+    from transformers import DynamicCache
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    with torch.no_grad(), optr.simulate_hf(model, quarot_specs(cfg, seed=5), cfg):
+        full = model(IDX_HF).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(IDX_HF[:, :5], past_key_values=cache).logits]
+        steps += [model(IDX_HF[:, t:t + 1], past_key_values=cache).logits for t in range(5, 30)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4                # measured: <= 1e-5
+    assert min(layer.keys.shape[2] for layer in cache.layers) == (11 if kind.startswith("gemma") else 30)
+
+
 def eq4_oracle(x, mu, R, clip, G):
     """mu + Q2((x - mu) R; c, G) R^T per KV head, with the numpy Q2 oracle: x (B, H, T, d)."""
     rows = (x.double() - (0 if mu is None else mu.double()[None, :, None])) @ R.double()[None]
