@@ -20,7 +20,7 @@ and serve it from a paged cache; the appendices are infrastructure a learner may
   A. Fast paths            the key loss on the INT2 columns, block-wise simulation, prefill
   B. Files                 checks of outside data; rotation files; Hugging Face export
   D. Beyond the paper      ours: end-to-end refinement; calibration with INT2 layers below
-  E. Serving elsewhere     the authors' SGLang engine; a transformers Cache for generate()
+  E. Serving elsewhere     the authors' SGLang engine; transformers: a Cache, any model's attention
   (C. Real checkpoints, GGUF and Hugging Face, load in eval_llm.py, their one caller.)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
@@ -31,6 +31,7 @@ Names: a tilde is spelled out (k_tilde, p_tilde: through the INT2 cache); `exact
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import math
@@ -615,16 +616,16 @@ def full_precision_captures(model, calib_idx, heldout_idx):
     return cal, held
 
 
-def calibrate_one_layer(model, l, cal, held, base="quarot", center=True, learn=True,
-                        query_positions=None, cfg: Config | None = None, log=None):
-    """Layer l from its captured (q, k, v): mu, the base, then OptR -> KVQuant, report rows."""
-    cfg = cfg or model.cfg
+def calibrate_one_layer(w_o, l, cal, held, cfg: Config, base="quarot", center=True, learn=True,
+                        query_positions=None, log=None):
+    """Layer l from its captured (q, k, v) and W_O (H_q, d_model, d): mu, the base, then OptR
+    -> KVQuant, report rows."""
     q, k, v = cal
     mu = key_mean(k) if center else None                                   # Section 4
     r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                        # Section 3
     if not learn:
         return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
-    r_k, r_v, rows = calibrate_layer(cal, held, model.o_proj_heads(l), r_k0, r_v0, mu, cfg,
+    r_k, r_v, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, cfg,
                                      query_positions, tag=f"L{l} ", log=log)
     return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
 
@@ -637,9 +638,9 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
     pool's, say) may run the independent layers at once. Returns per-layer KVQuant and rows
     (layer, head, part, base_loss, best_loss, best_step, kept)."""
     cal, held = captured or full_precision_captures(model, calib_idx, heldout_idx)
-    done = list(layer_map(lambda l: calibrate_one_layer(model, l, cal[l], held[l], base, center,
-                                                        learn, query_positions, cfg, log),
-                          range(len(cal))))
+    one = lambda l: calibrate_one_layer(model.o_proj_heads(l), l, cal[l], held[l], cfg or model.cfg,
+                                        base, center, learn, query_positions, log)
+    done = list(layer_map(one, range(len(cal))))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
 
@@ -1445,13 +1446,16 @@ def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=Tr
                 model(calib_idx, below, capture=cal)
                 model(heldout_idx, below, capture=held)
             cal, held = cal[l], held[l]
-        done.append(calibrate_one_layer(model, l, cal, held, base, center, learn, query_positions,
-                                        cfg, log))
+        done.append(calibrate_one_layer(model.o_proj_heads(l), l, cal, held, cfg, base, center, learn,
+                                        query_positions, log))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 # ----------------------------------------------------------------------------------------
-# E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
+# E. Serving elsewhere: the authors' SGLang engine; transformers' generate() and models
 # ----------------------------------------------------------------------------------------
 """
+Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,
+Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its attention,
+calibrate_hf runs Section 6 on what that attention reads.
 The authors' SGLang fork (engine/sglang-research of their repository) reads torch.save dicts:
 {k,v}_rotation.pt {"format_version": 2, ..., "layers": {l: {"layer_id": l, "rotation": (H_kv,
 d, d) or (d, d)}}}, k_mean.pt {"format_version": 1, "layers": {l: {..., "mu": (H_kv, d)}}},
@@ -1587,3 +1591,93 @@ def hf_cache(kv: list, cfg: Config, folded: bool = False):
             return sum(layer.nbytes() for layer in self.layers)
 
     return OptRCache(layers=[OptRLayer(s) for s in kv])
+
+
+def hf_config(hf_config, **settings) -> Config:
+    """Config of a transformers model: geometry from its config (model.config), the rest from
+    `settings` (group_size: head_dim unless given, the authors' G = d). rope_theta (the full
+    layers'), ffn_dim, qk_norm, attention_bias: for TinyLM, which takes Llama/Qwen weights as is."""
+    c = hf_config.get_text_config()
+    H, rope, get = c.num_attention_heads, getattr(c, "rope_parameters", None) or {}, c.to_dict().get
+    d = get("head_dim") or c.hidden_size // H
+    try:
+        return Config(**{"group_size": d, **settings}, vocab_size=c.vocab_size, d_model=c.hidden_size,
+                      n_layers=c.num_hidden_layers, n_heads=H, n_kv_heads=get("num_key_value_heads") or H,
+                      head_dim=d, ffn_dim=get("intermediate_size") or 4 * c.hidden_size,
+                      rope_theta=rope.get("full_attention", rope).get("rope_theta", 1e4),
+                      rms_eps=get("rms_norm_eps", 1e-6), qk_norm=c.model_type in ("qwen3", "gemma3_text"),
+                      attention_bias=get("attention_bias", c.model_type == "qwen2"),
+                      tie_embeddings=bool(get("tie_word_embeddings")))
+    except (AssertionError, TypeError) as e:                # a bad setting, or one the model fixes
+        raise ValueError(f"hf_config: {e}") from None
+
+
+@contextlib.contextmanager
+def simulate_hf(model, kv, cfg: Config, capture: dict | None = None):
+    """`with simulate_hf(model, kv, cfg):` a transformers model's attention reads Section 5's INT2
+    cache of the specs kv (kv=None: exact), cfg.sink and cfg.window counted in the model's
+    positions, through transformers' attention interface: q (B, H_q, Tq, d), k, v (B, H_kv, T, d)
+    post-RoPE, cache included; sdpa's mask builder (padding, sliding windows); q scaled so that
+    Eq. 1's 1/sqrt(d) is the model's `scaling`. capture: {layer: ((q, k, v), module, sliding
+    window)}. A model whose layers bypass the interface (gpt_neo, falcon) is a ValueError."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+    assert kv is None or len(kv) == cfg.n_layers, "a KVQuant per layer"
+    exact_spec, called, arch = KVQuant(quant_k=False, quant_v=False), set(), model.config.model_type
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        l, (Tq, d), T = module.layer_idx, query.shape[2:], key.shape[2]
+        need(kwargs.get("softcap") is None, f"{arch}: attention logit soft-capping is not Eq. 1")
+        called.add(l)
+        q = query * ((scaling or d ** -0.5) * math.sqrt(d))             # Eq. 1 divides by sqrt(d)
+        q_idx = torch.arange(T - Tq, T, device=key.device)              # queries: the last Tq keys
+        mask = causal_mask(q_idx, T) if attention_mask is None else attention_mask  # (B, 1, Tq, T)
+        mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager
+        pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
+        first = 0 if pos is None else (T - 1 - pos[:, -1]).view(-1, 1, 1, 1)
+        spec = exact_spec if kv is None else kv[l]
+        exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window) \
+            if spec.quant_k or spec.quant_v else None                # per sequence: (B, 1, Tq, T)
+        k_tilde, v_tilde = effective_kv(key, value, spec, cfg)                      # Eq. 4
+        o = effective_attention(q, key, value, k_tilde, v_tilde, mask, exact)[1]    # Eq. 5, Eq. 2
+        if capture is not None:
+            capture[l] = ((q, key, value), module, kwargs.get("sliding_window"))
+        return o.transpose(1, 2).to(query.dtype), None                             # (B, Tq, H_q, d)
+
+    check = lambda *_: need(len(called) == cfg.n_layers, f"{arch}: {cfg.n_layers - len(called)} of "
+        f"{cfg.n_layers} layers never called transformers' attention interface (this architecture bypasses it)")
+    AttentionInterface.register("optr", attention)
+    AttentionMaskInterface.register("optr", lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False}))
+    before, base = model.config._attn_implementation, model.base_model
+    hooks = [base.register_forward_pre_hook(lambda *_: called.clear()), base.register_forward_hook(check)]
+    model.set_attn_implementation("optr")
+    try:
+        yield model
+    finally:
+        model.set_attn_implementation(before)
+        for h in hooks:
+            h.remove()
+
+
+def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", center=True, learn=True,
+                 sliding=False, query_positions=None, log=None, layer_map=map):
+    """calibrate for a transformers model: per layer, the q, k, v simulate_hf captures in exact mode
+    and W_O (o_proj; on Gemma 3 before its post-attention norm) into calibrate_one_layer. Sliding
+    layers (Gemma 3's five in six) stay exact unless sliding=True: their cache stops at the window,
+    so INT2 saves little there while its error reaches every token; sliding=True needs sequences
+    within the window (Section 6's loss has none). Returns calibrate's (KVQuant per layer, rows)."""
+    data = ({}, {})
+    for ids, out in zip((calib_ids, heldout_ids), data):
+        with torch.no_grad(), simulate_hf(model, None, cfg, capture=out):
+            model.base_model(ids, use_cache=False)
+
+    def one(l):
+        (cal, module, window), held = data[0][l], data[1][l][0]
+        if window is not None and not sliding:
+            return KVQuant(quant_k=False, quant_v=False), []
+        need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
+             f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
+        return calibrate_one_layer(split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
+                                   base, center, learn, query_positions, log)
+    done = list(layer_map(one, range(cfg.n_layers)))
+    return [spec for spec, _ in done], [r for _, rows in done for r in rows]

