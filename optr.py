@@ -1613,13 +1613,14 @@ def hf_config(hf_config, **settings) -> Config:
 
 
 @contextlib.contextmanager
-def simulate_hf(model, kv, cfg: Config, capture: dict | None = None):
+def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int | None = None):
     """`with simulate_hf(model, kv, cfg):` a transformers model's attention reads Section 5's INT2
     cache of the specs kv (kv=None: exact), cfg.sink and cfg.window counted in the model's
     positions, through transformers' attention interface: q (B, H_q, Tq, d), k, v (B, H_kv, T, d)
     post-RoPE, cache included; sdpa's mask builder (padding, sliding windows); q scaled so that
     Eq. 1's 1/sqrt(d) is the model's `scaling`. capture: {layer: ((q, k, v), module, sliding
-    window)}. A model whose layers bypass the interface (gpt_neo, falcon) is a ValueError."""
+    window)}. block: a layer whose mask is causal runs block by block (Appendix A). A model
+    whose layers bypass the interface (gpt_neo, falcon) is a ValueError."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     assert kv is None or len(kv) == cfg.n_layers, "a KVQuant per layer"
@@ -1639,7 +1640,10 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None):
         exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window) \
             if spec.quant_k or spec.quant_v else None                # per sequence: (B, 1, Tq, T)
         k_tilde, v_tilde = effective_kv(key, value, spec, cfg)                      # Eq. 4
-        o = effective_attention(q, key, value, k_tilde, v_tilde, mask, exact)[1]    # Eq. 5, Eq. 2
+        if block and Tq == T and bool((mask == causal_mask(q_idx, T)).all()):      # Appendix A
+            o = block_simulated_attention(q, key, value, k_tilde, v_tilde, cfg.sink, cfg.window, block)
+        else:
+            o = effective_attention(q, key, value, k_tilde, v_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
         if capture is not None:
             capture[l] = ((q, key, value), module, kwargs.get("sliding_window"))
         return o.transpose(1, 2).to(query.dtype), None                             # (B, Tq, H_q, d)
@@ -1659,17 +1663,24 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None):
             h.remove()
 
 
+def hf_captures(model, cfg: Config, *ids) -> list:
+    """Per token batch (N, T), simulate_hf's capture in exact mode: {layer: ((q, k, v), module, window)}."""
+    out = [{} for _ in ids]
+    for x, cap in zip(ids, out):
+        with torch.no_grad(), simulate_hf(model, None, cfg, capture=cap):
+            model.base_model(x, use_cache=False)
+    return out
+
+
 def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", center=True, learn=True,
-                 sliding=False, query_positions=None, log=None, layer_map=map):
+                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None):
     """calibrate for a transformers model: per layer, the q, k, v simulate_hf captures in exact mode
-    and W_O (o_proj; on Gemma 3 before its post-attention norm) into calibrate_one_layer. Sliding
-    layers (Gemma 3's five in six) stay exact unless sliding=True: their cache stops at the window,
-    so INT2 saves little there while its error reaches every token; sliding=True needs sequences
-    within the window (Section 6's loss has none). Returns calibrate's (KVQuant per layer, rows)."""
-    data = ({}, {})
-    for ids, out in zip((calib_ids, heldout_ids), data):
-        with torch.no_grad(), simulate_hf(model, None, cfg, capture=out):
-            model.base_model(ids, use_cache=False)
+    (or hf_captures' `captured` of both) and W_O (o_proj; on Gemma 3 before its post-attention norm)
+    into calibrate_one_layer. Sliding layers (Gemma 3's five in six) stay exact unless sliding=True:
+    their cache stops at the window, so INT2 saves little there while its error reaches every token;
+    sliding=True needs sequences within the window (Section 6's loss has none). Returns
+    calibrate's (KVQuant per layer, rows)."""
+    data = captured or hf_captures(model, cfg, calib_ids, heldout_ids)
 
     def one(l):
         (cal, module, window), held = data[0][l], data[1][l][0]

@@ -4803,6 +4803,28 @@ def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_wi
     check_gemma_simulation(model, full_only, cfg)
 
 
+@pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+def test_simulate_hf_block_by_block_gives_the_dense_logits(kind, monkeypatch):
+    """simulate_hf(..., block=7): a layer whose mask is causal runs block by block (Appendix A's
+    block_simulated_attention), the others densely (Gemma 3's sliding layers, every layer of
+    a left-padded batch); the logits, in INT2 and exact, are the dense ones within 1e-5.
+    Optr against optr: the block-wise path against the dense one."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    blocks, block_attention = [], optr.block_simulated_attention
+    monkeypatch.setattr(optr, "block_simulated_attention", lambda *a: blocks.append(1) or block_attention(*a))
+    pos = (PAD_HF.cumsum(-1) - 1).clamp_min(0)
+    for kv in (quarot_specs(cfg, seed=5), None):
+        for mask in (None, PAD_HF):
+            got = []
+            for block in (None, 7):
+                blocks.clear()
+                with torch.no_grad(), optr.simulate_hf(model, kv, cfg, block=block):
+                    got.append(model(IDX_HF, attention_mask=mask, position_ids=None if mask is None else pos).logits)
+                assert len(blocks) == (2 if block and mask is None else 0)          # 2 causal layers
+            assert (got[0] - got[1]).abs().max().item() <= 1e-5                     # measured: <= 2e-6
+
+
 @pytest.mark.parametrize("kind", ["llama-GQA", "qwen3-GQA"])
 def test_calibrate_hf_is_calibrate_on_tinylm_with_the_same_weights(kind):
     """calibrate_hf on a transformers model learns the rotations, means and report that
