@@ -164,6 +164,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
     workers > 1: that many layers at once, in threads with one torch thread each (the same
     numbers; log lines interleave); propagate: optr.calibrate_propagated (ours) instead.
+    A model with an `hf` attribute (eval_llm.HFModel) is calibrated by optr.calibrate_hf.
     An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
     call, listed or not) by optr.refine_end_to_end on the same tokens at e2e_positions (None:
     every position past the windows), `block` its simulated cache's query block; its report
@@ -171,6 +172,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     held-out KL at the start -> the kept step's."""
     timer = timer or Timer()
     L, steps = model.cfg.n_layers, model.cfg.steps
+    hf = getattr(model, "hf", None)  # eval_llm.HFModel: a transformers model, optr.calibrate_hf
     specs, reports, per_layer, captured = {}, {}, {}, []
 
     def calibrated(name):            # a per-layer variant, calibrated once per call
@@ -190,22 +192,30 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
                     f"{time.perf_counter() - t0:6.1f} s")
 
         if not captured:             # one full-precision forward, shared by every variant
-            captured.extend(optr.full_precision_captures(model, cal, held))
+            captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
+                            else optr.full_precision_captures(model, cal, held))
         args = dict(base=base, center=center, learn=learn, query_positions=query_positions,
-                    cfg=model.cfg, log=progress if learn and progress_every else None,
-                    captured=captured)
+                    log=progress if learn and progress_every else None)
+
+        def run(layer_map=map):
+            if hf is not None:       # a transformers model: its captures through its attention
+                return optr.calibrate_hf(hf, cal, held, model.cfg, layer_map=layer_map,
+                                         captured=captured, **args)
+            return optr.calibrate(model, cal, held, cfg=model.cfg, captured=captured,
+                                  layer_map=layer_map, **args)
         if propagate:                # ours: layer l sees the INT2 layers below
-            kv, report = optr.calibrate_propagated(model, cal, held, **args)
+            kv, report = optr.calibrate_propagated(model, cal, held, cfg=model.cfg,
+                                                   captured=None if hf else captured, **args)
         elif workers > 1 and learn:  # layers at once, one torch thread each
             threads = torch.get_num_threads()
             torch.set_num_threads(1)
             try:
                 with ThreadPoolExecutor(workers) as pool:
-                    kv, report = optr.calibrate(model, cal, held, layer_map=pool.map, **args)
+                    kv, report = run(pool.map)
             finally:
                 torch.set_num_threads(threads)
         else:
-            kv, report = optr.calibrate(model, cal, held, **args)
+            kv, report = run()
         line = f"calibrated {name:<21} | {timer.lap('calibrate', t0):6.1f} s"
         for part in ("k", "v") if learn else ():
             r = [x for x in report if x["part"] == part]
@@ -290,17 +300,17 @@ KEY_STATS = (("pre_rope", "pre-RoPE"), ("post_rope", "post-RoPE"), ("post_rope_c
 
 
 @torch.no_grad()
-def key_stats(cfg, captured: list, k_means: list) -> dict:
+def key_stats(cfg, captured: list, k_means: list, rope=None) -> dict:
     """Per layer, from each layer's (q, k, v) in `captured` (k post-RoPE, from positions
     0 .. T-1): the pre-RoPE keys (rotated back by RoPE^-1), the post-RoPE keys (what the
     cache stores) and the post-RoPE keys minus the calibration mean mu (what a centered
-    cache stores)."""
+    cache stores). rope(layer, T) -> cos, sin: the model's own (default optr's, cfg.rope_theta)."""
     T = captured[0][1].shape[2]
-    cos, sin = optr.rope_cos_sin(torch.arange(T)[None], cfg.head_dim, cfg.rope_theta)
+    rope = rope or (lambda l, T: optr.rope_cos_sin(torch.arange(T)[None], cfg.head_dim, cfg.rope_theta))
     return {f"layer{l}": dict(pre_rope=channel_stats(optr.apply_rope(k, cos, -sin)),
                               post_rope=channel_stats(k),
                               post_rope_centered=channel_stats(optr.center_keys(k, mu)))
-            for l, ((_, k, _), mu) in enumerate(zip(captured, k_means))}
+            for l, ((_, k, _), mu) in enumerate(zip(captured, k_means)) for cos, sin in [rope(l, T)]}
 
 
 def print_key_stats(stats: dict, log=print):
