@@ -54,7 +54,8 @@ variant's rotations and key means to OUT/kv_rotations.safetensors (sample i > 0:
 kv_rotations_sampleI.safetensors) (optr.save_kv_rotations, with the
 calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
 itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
-table, files) is ladder.py, shared with train_tiny.py; this file holds the real model's data and metrics.
+table, files) is ladder.py, shared with train_tiny.py; passkey.py holds the passkey prompts and
+their intervals, plots.py the figures; this file the real model, its data and metrics.
 """
 
 from __future__ import annotations
@@ -858,6 +859,7 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
 
 @torch.no_grad()
 def reference_pass(run: Run, cal) -> Reference:
+    """Full precision on the evaluation text (eval_data) and the calibration tokens `cal`."""
     cfg, model, timer, log = run.cfg, run.model, run.timer, run.log
     t0 = time.perf_counter()
     eval_idx, source = eval_data(run.tok, cfg)
@@ -874,6 +876,32 @@ def reference_pass(run: Run, cal) -> Reference:
     start = model.cfg.sink + model.cfg.window
     return Reference(eval_idx, source, h_full, [full_logprobs(model, h, start) for h in h_full],
                      captured, cal_cap, k_means, stats, start, error_positions(cfg, cfg.gap_ctx))
+
+
+@torch.no_grad()
+def check_simulation(run: Run, idx) -> dict:
+    """The transformers model through simulate_hf (every number of the ladder) against optr's
+    TinyLM on its weights with SimulatedINT2 block by block (the forward the paged cache
+    prefills with), on the first sink + window + 128 tokens of idx, exact and with QuaRot's
+    rotations: max |logit difference| (in INT2 round-off in one layer can flip a code in the
+    next, so it is reported, not required to vanish) and each one's mean KL(full || INT2)
+    past the windows."""
+    if run.twin is None:
+        return {}
+    c, t0 = run.model.cfg, time.perf_counter()
+    x = idx[:, :min(c.sink + c.window + 128, idx.shape[1])]
+    r = optr.quarot_rotation(c.n_kv_heads, c.head_dim)
+    kv = [optr.KVQuant(r_k=r, r_v=r)] * c.n_layers
+    out = {n: [m(x).float(), m(x, optr.SimulatedINT2(kv, c, block=BLOCK)).float()]
+           for n, m in (("transformers", run.model), ("tinylm", run.twin))}
+    kl = lambda f, q: (f.softmax(-1) * (f.log_softmax(-1) - q.log_softmax(-1))).sum(-1)[:, c.sink + c.window:].mean().item()
+    res = dict(tokens=x.shape[1], **{f"{m}_max_abs_logit_diff": (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
+                                     for i, m in enumerate(("exact", "int2"))},
+               **{f"kl_quarot_{n}": kl(*o) for n, o in out.items()})
+    run.log(f"simulate_hf vs TinyLM + SimulatedINT2 ({x.shape[1]} tokens, QuaRot): max |logit diff| "
+            f"exact {res['exact_max_abs_logit_diff']:.1e}, INT2 {res['int2_max_abs_logit_diff']:.1e} | KL "
+            f"{res['kl_quarot_transformers']:.5f} vs {res['kl_quarot_tinylm']:.5f} | {run.timer.lap('check', t0):5.1f} s")
+    return res
 
 
 @torch.no_grad()
@@ -1090,32 +1118,6 @@ def main(argv=None) -> dict:
     log(f"wrote {os.path.join(cfg.out, 'results.json')}, kv_rotations.safetensors and plots | "
         f"total {results['timing_s']['total']:.1f} s")
     return results
-
-
-@torch.no_grad()
-def check_simulation(run: Run, idx) -> dict:
-    """The transformers model through simulate_hf (every number of the ladder) against optr's
-    TinyLM on its weights with SimulatedINT2 block by block (the forward the paged cache
-    prefills with), on the first sink + window + 128 tokens of idx, exact and with QuaRot's
-    rotations: max |logit difference| (in INT2 round-off in one layer can flip a code in the
-    next, so it is reported, not required to vanish) and each one's mean KL(full || INT2)
-    past the windows."""
-    if run.twin is None:
-        return {}
-    c, t0 = run.model.cfg, time.perf_counter()
-    x = idx[:, :min(c.sink + c.window + 128, idx.shape[1])]
-    r = optr.quarot_rotation(c.n_kv_heads, c.head_dim)
-    kv = [optr.KVQuant(r_k=r, r_v=r)] * c.n_layers
-    out = {n: [m(x).float(), m(x, optr.SimulatedINT2(kv, c, block=BLOCK)).float()]
-           for n, m in (("transformers", run.model), ("tinylm", run.twin))}
-    kl = lambda f, q: (f.softmax(-1) * (f.log_softmax(-1) - q.log_softmax(-1))).sum(-1)[:, c.sink + c.window:].mean().item()
-    res = dict(tokens=x.shape[1], **{f"{m}_max_abs_logit_diff": (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
-                                     for i, m in enumerate(("exact", "int2"))},
-               **{f"kl_quarot_{n}": kl(*o) for n, o in out.items()})
-    run.log(f"simulate_hf vs TinyLM + SimulatedINT2 ({x.shape[1]} tokens, QuaRot): max |logit diff| "
-            f"exact {res['exact_max_abs_logit_diff']:.1e}, INT2 {res['int2_max_abs_logit_diff']:.1e} | KL "
-            f"{res['kl_quarot_transformers']:.5f} vs {res['kl_quarot_tinylm']:.5f} | {run.timer.lap('check', t0):5.1f} s")
-    return res
 
 
 if __name__ == "__main__":
