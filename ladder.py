@@ -441,7 +441,7 @@ def ladder_bits(model, specs: dict, variants: dict, idx: torch.Tensor, timer, lo
         v["bits_per_element"] = bits_full if specs[name] is None else bits_variant
         v["bits_int2_part"] = None if specs[name] is None else bits_int2
     log(f"bits per element at {idx.shape[1]} tokens, measured from optr.PagedKVCache's "
-        f"tensors: full {bits_full:.2f}, INT2 variants {bits_q:.2f} (INT2 part "
+        f"tensors: full {bits_full:.2f}, INT2 variants {bits_variant:.2f} (INT2 part "
         f"{bits_int2:.2f}) | {timer.lap('bits', t0):5.1f} s")
     return bits_int2
 
