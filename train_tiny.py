@@ -496,7 +496,7 @@ def run_seeds(cfg: RunConfig) -> list[dict]:
     """Every seed as its own process, cfg.jobs at once (0: all); fresh processes with the same
     thread count compute the same numbers whether they run side by side or one by one. The
     decode check (of the paged cache and kernel, not a table row) runs on the first seed."""
-    jobs = cfg.jobs or len(cfg.seeds)
+    jobs = min(cfg.jobs or len(cfg.seeds), len(cfg.seeds))
     print(f"seeds {', '.join(map(str, cfg.seeds))}: {jobs} at once, {cfg.threads or 'default'} "
           f"torch thread(s) each; logs in {os.path.join(cfg.out, 'seedN', 'log.txt')}")
     with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
