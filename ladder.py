@@ -155,7 +155,7 @@ def per_layer_variant(name: str) -> str:
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
                        progress_every=0, timer=None, log=print, workers=1, propagate=False,
-                       e2e_positions=None, block=None) -> tuple[dict, dict]:
+                       e2e_positions=None, block=None, recompute=True) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
     per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
@@ -167,7 +167,8 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     A model with an `hf` attribute (eval_llm.HFModel) is calibrated by optr.calibrate_hf.
     An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
     call, listed or not) by optr.refine_end_to_end on the same tokens at e2e_positions (None:
-    every position past the windows), `block` its simulated cache's query block; its report
+    every position past the windows), `block` its simulated cache's query block, `recompute`
+    whether the backward recomputes each layer's attention (False: faster, more memory); its report
     is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
     held-out KL at the start -> the kept step's."""
     timer = timer or Timer()
@@ -240,7 +241,8 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
             kv, _ = calibrated(per_layer_variant(name))
             t0 = time.perf_counter()
             specs[name], reports[name] = optr.refine_end_to_end(
-                model, kv, cal, held, cfg=model.cfg, positions=e2e_positions, block=block, log=log)
+                model, kv, cal, held, cfg=model.cfg, positions=e2e_positions, block=block, log=log,
+                recompute=recompute)
             rows, k = reports[name]["steps"], reports[name]["kept_step"]
             log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
                 f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")

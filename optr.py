@@ -1368,23 +1368,27 @@ def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     return P
 
 
-def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config | None = None):
+def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config | None = None,
+                  recompute=True):
     """L_e2e of idx (B, T) at positions (P,), given logp_full (B, P, vocab): in log space,
-    sum p_full (log p_full - log p_int2), the KL the ladders report (no 1e-12 clamp)."""
+    sum p_full (log p_full - log p_int2), the KL the ladders report (no 1e-12 clamp).
+    recompute=False keeps every layer's (T, T) tensors for the backward (same gradient, faster)."""
     cfg = cfg or model.cfg
     positions = e2e_positions(idx.shape[1], cfg, positions)
     simulated = SimulatedINT2(kv, cfg, block)
     def attention(layer, q, k, v):    # recomputed in the backward: no layer keeps its (T, T) tensors
         return torch.utils.checkpoint.checkpoint(simulated, layer, q, k, v, use_reentrant=False)
-    logits = model(idx, attention if torch.is_grad_enabled() else simulated)[:, positions]  # (B, P, vocab)
+    recompute = recompute and torch.is_grad_enabled()
+    logits = model(idx, attention if recompute else simulated)[:, positions]     # (B, P, vocab)
     logp = logits.float().log_softmax(-1)                                      # (B, P, vocab)
     return (logp_full.exp() * (logp_full - logp)).sum(-1).mean()
 
 
 def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = None,
-                      positions=None, block=None, log=None):
+                      positions=None, block=None, log=None, recompute=True):
     """L_e2e refinement of per-layer kv on calib_idx (N, T), scored on heldout_idx (M, T');
-    block: SimulatedINT2's. Returns kv and {steps: [{step, cal_kl, held_kl}], kept_step}."""
+    block: SimulatedINT2's; recompute: end_to_end_kl's. Returns kv and {steps: [{step, cal_kl,
+    held_kl}], kept_step}."""
     cfg = cfg or model.cfg
     data = {}
     with torch.no_grad():
@@ -1403,7 +1407,7 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 
     def kl(split, A):
         idx, pos, logp_full = data[split]
-        return end_to_end_kl(model, refined(A), idx, logp_full, pos, block, cfg)
+        return end_to_end_kl(model, refined(A), idx, logp_full, pos, block, cfg, recompute)
 
     opt = torch.optim.Adam(A, lr=cfg.e2e_lr)
     rows, best_step, best_A = [], 0, [a.detach().clone() for a in A]

@@ -2879,14 +2879,16 @@ def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
             assert (getattr(a, part) - getattr(b, part)).abs().max() > 1e-4, (l, part)
 
 
-def test_the_recomputing_end_to_end_gradient_is_autograds_through_simulated_int2(calibrated_tiny):
+@pytest.mark.parametrize("recompute", [True, False])
+def test_the_end_to_end_gradient_is_autograds_through_simulated_int2(calibrated_tiny, recompute):
     """end_to_end_kl recomputes each layer's attention in the backward instead of keeping
-    its (T, T) tensors; d KL / d A of every layer is still what plain autograd gives
-    through the full-precision and SimulatedINT2 forwards, nothing recomputed.
+    its (T, T) tensors (recompute=False keeps them); either way d KL / d A of every layer is
+    what plain autograd gives through the full-precision and SimulatedINT2 forwards.
     Optr against optr: end_to_end_kl's backward against autograd through SimulatedINT2
     (the float64 oracle's numpy Q2 has no gradient; its KL is checked above)."""
     model, (cal, _), specs, _ = calibrated_tiny
-    ours = check_gradient_reaches_every_layer(calibrated_tiny)
+    kl_fn = lambda *a: optr.end_to_end_kl(*a, recompute=recompute)
+    ours = check_gradient_reaches_every_layer(calibrated_tiny, kl_fn)
     A = [torch.zeros(2, 16, 16, requires_grad=True) for _ in range(2 * len(specs))]
     kv = rotations_with(specs, A)
     with torch.no_grad():
