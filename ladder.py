@@ -155,7 +155,7 @@ def per_layer_variant(name: str) -> str:
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
                        progress_every=0, timer=None, log=print, workers=1, propagate=False,
-                       e2e_positions=None, block=None, recompute=True) -> tuple[dict, dict]:
+                       e2e: dict | None = None) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
     per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
@@ -166,9 +166,8 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     numbers; log lines interleave); propagate: optr.calibrate_propagated (ours) instead.
     A model with an `hf` attribute (eval_llm.HFModel) is calibrated by optr.calibrate_hf.
     An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
-    call, listed or not) by optr.refine_end_to_end on the same tokens at e2e_positions (None:
-    every position past the windows), `block` its simulated cache's query block, `recompute`
-    whether the backward recomputes each layer's attention (False: faster, more memory); its report
+    call, listed or not) by optr.refine_end_to_end on the same tokens, `e2e` its keyword
+    arguments (positions: None for every position past the windows; block; recompute); its report
     is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
     held-out KL at the start -> the kept step's."""
     timer = timer or Timer()
@@ -217,19 +216,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
                 torch.set_num_threads(threads)
         else:
             kv, report = run()
-        line = f"calibrated {name:<21} | {timer.lap('calibrate', t0):6.1f} s"
-        for part in ("k", "v") if learn else ():
-            r = [x for x in report if x["part"] == part]
-            line += (f" | {part.upper()} held-out loss {sum(x['base_loss'] for x in r):.4g} -> "
-                     f"{sum(x['best_loss'] for x in r):.4g}, "
-                     f"{sum(x['kept'] for x in r)}/{len(r)} heads learned")
-        log(line)
-        for l in range(L) if learn and per_head else ():
-            for part in ("k", "v"):
-                rows = [r for r in report if r["layer"] == l and r["part"] == part]
-                log(f"    layer {l} {part.upper()}: " + "  ".join(
-                    f"{r['base_loss']:.5f} -> {r['best_loss']:.5f}"
-                    f"{'' if r['kept'] else ' (base)'}" for r in rows))
+        log_calibration(name, report, timer.lap("calibrate", t0), L if per_head else 0, log)
         return kv, report
 
     for name in names:
@@ -240,13 +227,30 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
         else:                        # beyond the paper (ours): end-to-end refinement
             kv, _ = calibrated(per_layer_variant(name))
             t0 = time.perf_counter()
-            specs[name], reports[name] = optr.refine_end_to_end(
-                model, kv, cal, held, cfg=model.cfg, positions=e2e_positions, block=block, log=log,
-                recompute=recompute)
+            specs[name], reports[name] = optr.refine_end_to_end(model, kv, cal, held, cfg=model.cfg,
+                                                                log=log, **(e2e or {}))
             rows, k = reports[name]["steps"], reports[name]["kept_step"]
             log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
                 f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")
     return specs, reports
+
+
+def log_calibration(name: str, report: list, seconds: float, per_head_layers: int, log):
+    """One line for a calibrated variant: per part, the held-out loss of the base -> OptR summed
+    over heads and the heads that learned; then each head's, for the first per_head_layers."""
+    line = f"calibrated {name:<21} | {seconds:6.1f} s"
+    for part in ("k", "v") if report else ():
+        r = [x for x in report if x["part"] == part]
+        line += (f" | {part.upper()} held-out loss {sum(x['base_loss'] for x in r):.4g} -> "
+                 f"{sum(x['best_loss'] for x in r):.4g}, "
+                 f"{sum(x['kept'] for x in r)}/{len(r)} heads learned")
+    log(line)
+    for l in range(per_head_layers) if report else ():
+        for part in ("k", "v"):
+            rows = [r for r in report if r["layer"] == l and r["part"] == part]
+            log(f"    layer {l} {part.upper()}: " + "  ".join(
+                f"{r['base_loss']:.5f} -> {r['best_loss']:.5f}"
+                f"{'' if r['kept'] else ' (base)'}" for r in rows))
 
 
 def save_ladder(path: str, specs: dict, cfg, meta: dict | None = None) -> str:

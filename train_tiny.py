@@ -407,7 +407,7 @@ def run_once(cfg: RunConfig, attend, log=print, timer=None) -> dict:
     # scores (calib_queries "answers"), or with "last" every position past the windows; the
     # tiny model's (T, T) attention fits in memory: kept for the backward, not recomputed
     specs, reports = calibrate_variants(model, cal, held, list(VARIANTS), qpos, per_head=True,
-                                        timer=timer, log=log, e2e_positions=qpos, recompute=False)
+                                        timer=timer, log=log, e2e=dict(positions=qpos, recompute=False))
     save_ladder(os.path.join(cfg.out, "kv_rotations.safetensors"), specs, cfg,
                 meta=dict(config=config_dict(cfg)))
 
