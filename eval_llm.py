@@ -299,7 +299,7 @@ def model_path(model: str) -> tuple[str, str]:
 def load_model(path: str):
     """A GGUF file or a Hugging Face directory -> (transformers model, fp32, eval mode, frozen;
     its tokenizer as a tokenizers.Tokenizer). Nothing is downloaded."""
-    from tokenizers import Tokenizer, pre_tokenizers
+    from tokenizers import Tokenizer, pre_tokenizers, processors
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
     gguf = path.endswith(".gguf")
@@ -307,8 +307,11 @@ def load_model(path: str):
     try:
         hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kw)
         if gguf:                   # what AutoTokenizer builds, without reading the config again
-            arch, spec, _ = get_gguf_tokenizer(path)
+            arch, spec, special = get_gguf_tokenizer(path)
             tok = convert_gguf_tokenizer(arch, spec)[0]
+            if special.get("add_bos_token"):                # Gemma: every text begins with BOS
+                bos = (special["bos_token"], spec["bos_token_id"])
+                tok.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
             if spec.get("pre_tokenizer_type") == "smollm":           # see this section's docstring
                 tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                              pre_tokenizers.ByteLevel(add_prefix_space=False)])
@@ -395,7 +398,7 @@ def tinylm_twin(hf, cfg: optr.Config, idx: torch.Tensor):
             twin = optr.TinyLM(cfg, init=False)
         twin.load_state_dict(hf.state_dict(), strict=True, assign=True)
     except RuntimeError as e:
-        return None, f"its weights are not TinyLM's ({' '.join(str(e).split())[:160]})"
+        return None, f"{hf.config.model_type}'s weights are not TinyLM's ({str(e).splitlines()[1].strip()[:60]}...)"
     if cfg.tie_embeddings:                                           # assign unties: re-tie
         twin.lm_head.weight = twin.model.embed_tokens.weight
     twin.eval().requires_grad_(False)
@@ -456,7 +459,7 @@ def model_written(hf, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torc
         if cached.get("settings") == key:
             log(f"calibration text: {n} x {cfg.calib_len} model-written tokens from {path}")
             return torch.tensor(cached["ids"])
-    prompts = [encode(tok, GEN_PROMPTS[i % len(GEN_PROMPTS)]) for i in range(n)]
+    prompts = [tok.encode(GEN_PROMPTS[i % len(GEN_PROMPTS)]).ids for i in range(n)]   # BOS if any
     P, n_new = max(map(len, prompts)), cfg.calib_len - min(map(len, prompts))
     pad = lambda p, x: [x] * (P - len(p))
     gen = GenerationConfig(do_sample=True, temperature=cfg.gen_temperature, top_k=cfg.gen_top_k, top_p=1.0,
@@ -479,6 +482,11 @@ def model_written(hf, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torc
 def encode(tok, text: str) -> list:
     """Token ids of text, without the special tokens a tokenizer may add to each call (BOS)."""
     return tok.encode(text, add_special_tokens=False).ids
+
+
+def bos(tok) -> list:
+    """What the tokenizer puts before every text: Gemma's BOS; nothing for SmolLM2."""
+    return tok.encode("").ids
 
 
 def special_ids(tok) -> set:
@@ -504,11 +512,13 @@ def pydoc_tokens(tok) -> list:
     return encode(tok, text)
 
 
-def split_sequences(ids: list, n: int, T: int, what: str) -> torch.Tensor:
-    """The first n * T tokens as (n, T); refuse if there are fewer."""
-    if len(ids) < n * T:
-        raise ValueError(f"{what}: expected at least {n} x {T} = {n * T} tokens, got {len(ids)}")
-    return torch.tensor(ids[:n * T]).view(n, T)
+def split_sequences(ids: list, n: int, T: int, what: str, first: list = ()) -> torch.Tensor:
+    """(n, T): each row `first` (bos(tok)), then the next T - len(first) of the ids; refuse if
+    there are fewer."""
+    m = T - len(first)
+    if len(ids) < n * m:
+        raise ValueError(f"{what}: expected at least {n} x {m} = {n * m} tokens, got {len(ids)}")
+    return torch.cat([torch.tensor(first, dtype=torch.long).expand(n, -1), torch.tensor(ids[:n * m]).view(n, m)], 1)
 
 
 def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
@@ -518,19 +528,19 @@ def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
     i: the i-th n * calib_len tokens; pydoc: counted from the end)."""
     n = cfg.calib_seqs + cfg.heldout_seqs
     if cfg.calib_text == "pydoc":
-        ids = pydoc_tokens(tok)
-        need = n * cfg.calib_len
+        ids, first = pydoc_tokens(tok), bos(tok)
+        need = n * (cfg.calib_len - len(first))
         used = 0 if cfg.eval_text else cfg.eval_seqs * max(cfg.contexts)   # evaluation's share
         if need * cfg.calib_samples + used > len(ids):
             raise ValueError(f"calib_text 'pydoc': {cfg.calib_samples} x {need} calibration + "
                              f"{used} evaluation tokens overlap in its {len(ids)} tokens")
         end = len(ids) - need * sample
-        seqs = torch.tensor(ids[end - need:end]).view(n, cfg.calib_len)
+        seqs = split_sequences(ids[end - need:end], n, cfg.calib_len, "pydoc_data.topics", first)
         log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens, the end of "
             f"pydoc_data.topics")
     elif cfg.calib_text:
         seqs = split_sequences(file_tokens(tok, cfg.calib_text, "calib_text"),
-                               n * cfg.calib_samples, cfg.calib_len, "calib_text")[n * sample:n * (sample + 1)]
+                               n * cfg.calib_samples, cfg.calib_len, "calib_text", bos(tok))[n * sample:n * (sample + 1)]
         log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
     else:
         seqs = model_written(hf, tok, cfg, n, cfg.seed + sample, log)
@@ -542,8 +552,8 @@ def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
     T = max(cfg.contexts)
     if cfg.eval_text:
         return split_sequences(file_tokens(tok, cfg.eval_text, "eval_text"), cfg.eval_seqs, T,
-                               "eval_text"), cfg.eval_text
-    return split_sequences(pydoc_tokens(tok), cfg.eval_seqs, T, "pydoc_data.topics"), \
+                               "eval_text", bos(tok)), cfg.eval_text
+    return split_sequences(pydoc_tokens(tok), cfg.eval_seqs, T, "pydoc_data.topics", bos(tok)), \
         "pydoc_data.topics (Python's documentation topics, sorted)"
 
 

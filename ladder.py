@@ -289,7 +289,7 @@ def channel_stats(k: torch.Tensor) -> dict:
     largest / median per-channel max-abs, BOS (position 0) key norm / median key norm."""
     x = k.double()
     mean, std = x.mean(dim=(0, 2)), x.std(dim=(0, 2))                 # (H_kv, d)
-    ratio = mean.abs() / std
+    ratio = torch.where(mean == 0, 0.0, mean.abs() / std)             # a zero channel: 0 (Gemma 3)
     maxabs = x.abs().amax(dim=(0, 2))                                 # (H_kv, d)
     norm = x.norm(dim=-1)                                             # (B, H_kv, T)
     return dict(

@@ -1240,11 +1240,12 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
     tensors, parts, flags = {}, {}, {}
     for name, kv in variants.items():
         have = [p for p in KV_PARTS if any(getattr(s, p) is not None for s in kv)]
+        int2 = [s for s in kv if s.quant_k or s.quant_v]     # an exact layer (Gemma 3's sliding) has none
         assert name and "/" not in name and len(kv) == cfg.n_layers, f"variant {name!r}"
-        assert all(getattr(s, p) is not None for p in have for s in kv), f"{name}: a part in some layers only"
+        assert all(getattr(s, p) is not None for p in have for s in int2), f"{name}: a part in some layers only"
         assert not (name in folded and "r_v" in have), f"{name}: R_V folded into the weights but r_v given"
         for l, s in enumerate(kv):
-            for p in have:
+            for p in have if s.quant_k or s.quant_v else ():
                 tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
         parts[name] = have
         flags[name] = dict(quant_k=[bool(s.quant_k) for s in kv], quant_v=[bool(s.quant_v) for s in kv],
@@ -1280,8 +1281,11 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
     want = None if cfg is None else (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
     need(want in (None, (L, H, d)), f"{path}: (n_layers, n_kv_heads, head_dim): expected the "
                                     f"model's {want}, got {(L, H, d)}")
-    expected = {f"{name}/layers.{l}.{p}" for name in info["variants"]
-                for p in info["parts"][name] for l in range(L)}
+    flags = {name: info["flags"][name] for name in info["variants"]}
+    for name, fl in flags.items():
+        need(len(fl["quant_k"]) == L and len(fl["quant_v"]) == L, f"{path}: flags of {name!r}: expected {L} layers")
+    expected = {f"{name}/layers.{l}.{p}" for name, fl in flags.items() for p in info["parts"][name]
+                for l in range(L) if fl["quant_k"][l] or fl["quant_v"][l]}     # exact layers: none
     need(set(tensors) <= expected, f"{path}: unexpected tensors {sorted(set(tensors) - expected)[:8]}")
     need(expected <= set(tensors), f"{path}: missing tensors {sorted(expected - set(tensors))[:8]}")
     shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d))
@@ -1291,10 +1295,7 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
         if p != "k_mean":
             check_rotation(f"{path}: tensor {key}", t, H, d)
     variants = {}
-    for name in info["variants"]:
-        fl = info["flags"][name]
-        need(len(fl["quant_k"]) == L and len(fl["quant_v"]) == L,
-              f"{path}: flags of {name!r}: expected {L} layers")
+    for name, fl in flags.items():
         variants[name] = [KVQuant(**{p: tensors.get(f"{name}/layers.{l}.{p}") for p in KV_PARTS},
                                   quant_k=bool(fl["quant_k"][l]), quant_v=bool(fl["quant_v"][l]))
                           for l in range(L)]
@@ -1416,7 +1417,7 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
         with torch.set_grad_enabled(update):
             cal = kl("cal", A)
         if update:                                        # only A: the model gets no .grad
-            grads = torch.autograd.grad(cal, A)
+            grads = torch.autograd.grad(cal, A, allow_unused=True)   # None: an exact layer's
         with torch.no_grad():
             held = kl("held", A).item()
         rows.append({"step": step, "cal_kl": cal.item(), "held_kl": held})

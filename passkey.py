@@ -69,7 +69,7 @@ def passkey_prompts(tok, L: int, n: int, cfg, gen: torch.Generator):
     than a sentence and no sentence breaks off before the question. Returns ids (n, L'), the
     number of answer tokens, and the needle's first position in each prompt."""
     enc = lambda s: tok.encode(s, add_special_tokens=False).ids
-    head, question = enc(PK_HEADER), enc(PK_QUESTION)
+    head, question = tok.encode(PK_HEADER).ids, enc(PK_QUESTION)      # the header after BOS if any
     sentences = [enc(x) for x in PK_SENTENCES]
     keys = [str(int(torch.randint(*PK_KEYS, (1,), generator=gen))) for _ in range(n)]
     needles, answers = [enc(PK_NEEDLE.format(key=k)) for k in keys], [enc(PK_ANSWER.format(key=k)) for k in keys]

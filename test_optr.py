@@ -2313,13 +2313,15 @@ def test_the_fast_key_loss_check_can_fail(monkeypatch):
 
 def rotation_variants(cfg):
     """Several variants of one model, as the scripts write them: full specs, keys only,
-    a key mean only, nothing (naive INT2), and one with full-precision values."""
+    a key mean only, nothing (naive INT2), one with full-precision values, and one whose
+    layer 0 is exact (no tensors stored for it)."""
     full = quarot_specs(cfg, seed=3)
     return {"quarot+optr": full,
             "keys": [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in full],
             "center": [optr.KVQuant(k_mean=s.k_mean) for s in full],
             "int2": [optr.KVQuant() for _ in full],
-            "exact-values": [optr.KVQuant(r_k=s.r_k, quant_v=False) for s in full]}
+            "exact-values": [optr.KVQuant(r_k=s.r_k, quant_v=False) for s in full],
+            "exact-layer-0": [optr.KVQuant(quant_k=False, quant_v=False)] + full[1:]}   # Gemma 3's sliding
 
 
 def test_rotation_files_round_trip_several_variants(tmp_path):
