@@ -188,6 +188,8 @@ class RunConfig:
                              "(optr.export_sglang, folded) to EXPORT/sglang and read them back")
     hf_generate: int = _f(0, "with --export: greedy-generate this many tokens in transformers "
                           "from the exported checkpoint with optr.hf_cache, beside optr's decode")
+    publish: str = _f("", "write sample 0's quarot+optr and oscar+optr with every sample's KL at "
+                      "gap_ctx to DIR/kv_rotations.safetensors (the files in rotations/)")
 
     def __post_init__(self):
         def need(ok, msg):
@@ -1084,6 +1086,23 @@ def export_best(run: Run, samples: list, ref: Reference) -> dict:
                 serve=serve_elsewhere(run.twin, specs[best], run.cfg, ref.eval_idx[:1], run.tok, run.log))
 
 
+def publish(run: Run, samples: list) -> dict:
+    """--publish DIR: sample 0's OptR rotations (fp32, with the calibration settings and each
+    variant's KL at gap_ctx on every sample) as DIR/kv_rotations.safetensors."""
+    cfg = run.cfg
+    if not cfg.publish:
+        return {}
+    names = [n for n in ("quarot+optr", "oscar+optr") if n in samples[0]["specs"]]
+    os.makedirs(cfg.publish, exist_ok=True)
+    path = os.path.join(cfg.publish, "kv_rotations.safetensors")
+    optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg, meta=dict(
+        model=run.name, architecture=run.model.hf.config.model_type, calibration=dict(
+            {f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed), kl_context=cfg.gap_ctx,
+        kl_per_sample={n: [s["variants"][n]["kl"] for s in samples] for n in names}))
+    run.log(f"published | {', '.join(names)} of sample 0 -> {path}")
+    return dict(published=path)
+
+
 def main(argv=None) -> dict:
     timer, log = Timer(), print
     cfg = parse_config(argv)
@@ -1106,7 +1125,7 @@ def main(argv=None) -> dict:
     decode = decode_stage(run, specs, pk, attend)
     bits_int2 = bits_stage(run, specs, variants, ref)
     plots = write_plots(run, ref, specs, variants)
-    extra = export_best(run, samples, ref)
+    extra = dict(export_best(run, samples, ref), **publish(run, samples))
     results = write_results(
         cfg.out, cfg, timer.timing(), ref.stats, variants, gap_mean, decode, samples[0]["reports"],
         calib_samples=len(samples), calib_seeds=[s["seed"] for s in samples], variants_std=std,
