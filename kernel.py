@@ -1026,6 +1026,7 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
 
 # ---- python kernel.py --gpu-check: everything a lent GPU should confirm, in one command ----
 _GPU_CHECK_SECONDS = 480          # the whole check, start-up of the tests included
+_MARK = {True: "ok", False: "FAIL", None: "skip"}   # a step's result: passed, failed, skipped
 
 
 def _served_tiny(device, small):
@@ -1160,6 +1161,78 @@ def _check_cuda_graph(device, small):
     return ok, f"3 replays with new q and lengths; max abs error vs reference {max(errors):.2e}"
 
 
+def _appendix_e_run(tests, kind, device, ids, kv=None):
+    """The test file's tiny random transformers model `kind` (tests.tiny_hf, seed 0) on
+    `device`: calibrate_hf's specs from ids[:2] (held out: ids[2:4]), and simulate_hf's logits
+    of ids[4:] in exact mode and in INT2 with kv (None: the specs just learned)."""
+    import optr
+    model = tests.tiny_hf(kind).to(device)
+    cfg = optr.hf_config(model.config, **tests.hf_settings())
+    x = ids.to(device)
+    learned, _ = optr.calibrate_hf(model, x[:2], x[2:4], cfg)
+    with torch.no_grad():
+        with optr.simulate_hf(model, None, cfg):
+            exact = model(x[4:]).logits
+        with optr.simulate_hf(model, learned if kv is None else [s.to(device) for s in kv], cfg):
+            int2 = model(x[4:]).logits
+    return model, cfg, learned, exact, int2
+
+
+def _check_transformers(device, tests=None):
+    """optr's appendix E on `device` against the CPU, TF32 off, on the tiny random transformers
+    models of the test module `tests` (default: the kernel's test file): a Llama (GQA) and a
+    Gemma 3 (sliding layers of 12 tokens on 30, exact by calibrate_hf's default).  Judged:
+    simulate_hf's logits in exact mode within 1e-4 of the CPU's largest (fp32 sums in another
+    order: a 1e-6 relative jitter of every weight moves them by 1.8e-5 on the CPU, TF32's
+    rounding by 2.6e-3) and in INT2 with the CPU's specs within 2e-2 (as _check_prefill: a code
+    at a rounding boundary may round the other way); calibrate_hf's specs all on the device,
+    the same layers in INT2, key means within 1e-4, rotations orthogonal within 1e-4 and,
+    scored on the CPU, an end-to-end KL within 20% of the CPU's rotations' (the jitter: 2.4%;
+    one of 1e-5: 23%).  The learned rotations are not compared entry by entry: a code that
+    rounds the other way changes the STE gradient, and Adam moves each entry by about lr
+    whatever its gradient's size, so even a 1e-7 jitter moved them by 0.24.
+    Returns (ok, detail), or (None, why) without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None, ("skipped: transformers is not importable here (the GPU machine's image "
+                      "has none, and no package registry to install it from)")
+    import optr
+    tests = tests or _test_module(_kernel_test_file(None))
+    cpu, failed, details = torch.device("cpu"), [], []
+    ids = torch.randint(0, 300, (6, 30), generator=torch.Generator().manual_seed(2))
+    rel = lambda a, b: ((a.cpu() - b).abs().max() / b.abs().max()).item()
+    kl = lambda p, q: (p.exp() * (p - q)).sum(-1).mean().item()     # KL(p || q) of log-probs
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        for kind in ("llama-GQA", "gemma3-GQA"):
+            model, cfg, ref, exact, int2 = _appendix_e_run(tests, kind, cpu, ids)
+            _, _, got, dev_exact, dev_int2 = _appendix_e_run(tests, kind, device, ids, ref)
+            pairs = [(a, b) for a, b in zip(got, ref) if a.r_k is not None]
+            eye = torch.eye(cfg.head_dim, device=device)
+            with torch.no_grad(), optr.simulate_hf(model, [s.to(cpu) for s in got], cfg):
+                kl_dev = kl(exact.log_softmax(-1), model(ids[4:]).logits.log_softmax(-1))
+            measured = {                                   # name: (value, largest that passes)
+                "logits exact": (rel(dev_exact, exact), 1e-4),
+                "INT2": (rel(dev_int2, int2), 2e-2),
+                "k_mean": (max((a.k_mean.cpu() - b.k_mean).abs().max().item() for a, b in pairs), 1e-4),
+                "|R^T R - I|": (max((R.mT @ R - eye).abs().max().item()
+                                    for a, _ in pairs for R in (a.r_k, a.r_v)), 1e-4),
+                "KL / CPU's - 1": (abs(kl_dev / kl(exact.log_softmax(-1), int2.log_softmax(-1)) - 1), 0.2)}
+            passed = {**{n: v <= limit for n, (v, limit) in measured.items()},     # NaN fails
+                      f"specs on {device.type}": all(t.device.type == device.type for s in got
+                                                     for t in (s.k_mean, s.r_k, s.r_v) if t is not None),
+                      "same INT2 layers": [s.quant_k for s in got] == [s.quant_k for s in ref]}
+            failed += [f"{kind} {n}" for n, ok in passed.items() if not ok]
+            d_rot = max((x.cpu() - y).abs().max().item() for a, b in pairs
+                        for x, y in ((a.r_k, b.r_k), (a.r_v, b.r_v)))
+            details.append(f"{kind}: " + ", ".join(f"{n} {v:.1e}" for n, (v, _) in measured.items())
+                           + f", max |R - CPU's| {d_rot:.1e} (not judged)")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return not failed, "; ".join(details) + (f"; FAILED: {', '.join(failed)}" if failed else "")
+
+
 def _kernel_tests(small, seconds):
     """The kernel tests of the test file (its KERNEL_TESTS), run by pytest in a child
     process on this machine's device.  The dry run only collects them.  (ok, detail)."""
@@ -1184,10 +1257,12 @@ def _kernel_tests(small, seconds):
 def gpu_check(small=False, peak_gbs=None):
     """python kernel.py --gpu-check, for a lent GPU (at most _GPU_CHECK_SECONDS): a tiny
     kernel-vs-reference check, optr.decode_step and optr.prefill on the device, a CUDA-graph
-    capture and replay, the kernel tests on the device and the bench table (batch 1 and 8,
-    4k to 128k tokens; rows past the time limit are skipped), then a summary.  small=True
-    is the dry run on the CPU interpreter: the same steps at small sizes, the tests
-    collected but not run.  Returns the exit status."""
+    capture and replay, tiny transformers models calibrated and simulated on the device
+    against the CPU (skipped without transformers), the kernel tests on the device and the
+    bench table (batch 1 and 8, 4k to 128k tokens; rows past the time limit are skipped),
+    then a summary.  small=True is the dry run on the CPU interpreter: the same steps at
+    small sizes (transformers: the CPU against itself), the tests collected but not run.
+    Returns the exit status: 1 if a step failed (a skipped one does not)."""
     import time
     start = time.monotonic()
     device = torch.device("cpu" if small else "cuda")
@@ -1202,15 +1277,16 @@ def gpu_check(small=False, peak_gbs=None):
             ok, detail = fn()
         except Exception as e:                       # a failure is a result here
             ok, detail = False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        ok = None if ok is None else bool(ok)                   # None: skipped
         results.append((what, ok, detail, time.monotonic() - t0))
-        print(f"[{'ok' if ok else 'FAIL'}] {what} ({time.monotonic() - t0:.0f} s): {detail}",
-              flush=True)
+        print(f"[{_MARK[ok]}] {what} ({time.monotonic() - t0:.0f} s): {detail}", flush=True)
 
     step("tiny kernel vs reference",
          lambda: ((e := _tiny_check(device)) < 1e-5, f"max abs err {e:.2e}"))
     step("decode_step via PagedKVCache, bf16 windows", lambda: _check_decode_step(device, small))
     step("prefill into PagedKVCache, bf16 windows", lambda: _check_prefill(device, small))
     step("CUDA graph capture + replay", lambda: _check_cuda_graph(device, small))
+    step("transformers models on the device vs CPU", lambda: _check_transformers(device))
 
     def bench():
         s = _DRY_SHAPE if small else _BENCH_SHAPE
@@ -1231,9 +1307,9 @@ def gpu_check(small=False, peak_gbs=None):
 
     print(f"\n{'check':<45} {'result':<6} {'s':>5}  detail")
     for what, ok, detail, seconds in results:
-        print(f"{what:<45} {'ok' if ok else 'FAIL':<6} {seconds:>5.0f}  {detail}")
+        print(f"{what:<45} {_MARK[ok]:<6} {seconds:>5.0f}  {detail}")
     print(f"total {time.monotonic() - start:.0f} s")
-    return 0 if all(ok for _, ok, _, _ in results) else 1
+    return 0 if all(ok is not False for _, ok, _, _ in results) else 1
 
 
 # ============================================================================
@@ -1786,7 +1862,9 @@ def main():
                              "(default: the test_*.py beside kernel.py that does)")
     parser.add_argument("--gpu-check", action="store_true",
                         help="on a CUDA GPU (at most 8 minutes): a tiny check, optr.decode_step "
-                             "on the GPU, a CUDA-graph replay, the bench table (batch 1 and 8, "
+                             "on the GPU, a CUDA-graph replay, tiny transformers models "
+                             "calibrated and simulated on the GPU against the CPU (where "
+                             "transformers is importable), the bench table (batch 1 and 8, "
                              "4k-128k tokens) and the kernel tests; exits 2 without CUDA")
     parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # CPU test
     args = parser.parse_args()

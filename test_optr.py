@@ -33,6 +33,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -3601,7 +3602,41 @@ def test_gpu_check_dry_run_passes_on_the_interpreter():
                     "import kernel; kernel.main()")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = r.stdout[r.stdout.index("\ncheck "):]
-    assert summary.count(" ok ") == 6 and "FAIL" not in summary, summary
+    assert summary.count(" ok ") == 7 and "FAIL" not in summary, summary
+
+
+def tf32_rounded(x):
+    """x (fp32) with its mantissa rounded to TF32's 10 bits, as TF32 matmuls read their inputs."""
+    return ((x.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
+
+
+@pytest.mark.parametrize("device_weights", ["as-cpu", "tf32-rounded"])
+def test_gpu_checks_transformers_part_passes_only_where_the_device_computes_as_the_cpu(device_weights):
+    """The transformers part of --gpu-check (kernel._check_transformers: calibrate_hf and
+    simulate_hf on the device against the CPU, on the tiny Llama and Gemma 3 here), run with the
+    CPU as the device, passes when that side computes as the CPU does, and fails when its
+    weights are rounded to TF32's 10-bit mantissa (what TF32 matmuls would do)."""
+    built = {}
+
+    def device_side_rounded(kind):                 # the second model of a kind is the device's
+        model, built[kind] = tiny_hf(kind), built.get(kind, 0) + 1
+        if device_weights == "tf32-rounded" and built[kind] == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(tf32_rounded(p))
+        return model
+    tests = SimpleNamespace(tiny_hf=device_side_rounded, hf_settings=hf_settings)
+    ok, detail = kernel._check_transformers(torch.device("cpu"), tests)
+    assert built == {"llama-GQA": 2, "gemma3-GQA": 2}
+    assert ok == (device_weights == "as-cpu"), detail
+
+
+def test_gpu_checks_transformers_part_is_skipped_without_transformers(monkeypatch):
+    """Where transformers cannot be imported (the GPU machine's image) the transformers part of
+    --gpu-check is skipped (None, which gpu_check counts as no failure), saying why."""
+    monkeypatch.setitem(sys.modules, "transformers", None)           # import raises ImportError
+    ok, detail = kernel._check_transformers(torch.device("cpu"))
+    assert ok is None and "transformers is not importable" in detail, detail
 
 
 # ----------------------------------------------------------------------------------------
