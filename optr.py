@@ -655,7 +655,6 @@ pluggable, `attention(layer, q, k, v) -> o` with post-RoPE q (B, H_q, T, d), k, 
 T, d), o (B, H_q, T, d):
   None                     exact causal attention (full precision)
   SimulatedINT2(kv, cfg)   the INT2 cache of Section 5 simulated on every position at once
-                           (block=...: the same block by block, Appendix A)
   decode_step's            the paged INT2 cache of Section 8, one token per step
 """
 
@@ -773,7 +772,7 @@ class TinyLM(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        if not init:                  # weights come from a checkpoint (load_checkpoint)
+        if not init:                  # weights come from a checkpoint (load_state_dict)
             return
         g = torch.Generator().manual_seed(cfg.seed)
         with torch.no_grad():
@@ -818,9 +817,7 @@ Layout (per layer; the Triton kernel in kernel.py reads exactly this):
   win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) the first tokens, then a
                ring of the most recent; valid slots [0, win_len), win_len = min(length, sink + window)
 One page pool and block table serve all sequences and layers; a token leaving the recent
-window is quantized, packed and written to its page. Only the cache's methods write it:
-reserve takes pages from the pool, append stores one token per sequence, extend T at once
-(bit for bit T appends: prefill's writes, appendix A).
+window is quantized, packed and written to its page; only the cache's methods write it.
 """
 
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
@@ -834,11 +831,11 @@ def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
     return rotate_rows(center_keys(k, spec.k_mean), spec.r_k)
 
 
-def fold_value_rotation(model: TinyLM, kv: list) -> TinyLM:
-    """A copy with each layer's R_V folded in: v_proj rows of head h R_h^T W_h (bias b_h R_h),
-    o_proj columns of query head j W_O,j R_h. Full-precision outputs are unchanged."""
-    model = copy.deepcopy(model)
-    c = model.cfg
+def fold_value_rotation(model, kv: list, cfg: Config | None = None):
+    """A copy of TinyLM (or of a transformers model, cfg: hf_config's) with each layer's R_V folded
+    in: v_proj rows of head h R_h^T W_h (bias b_h R_h), o_proj columns of query head j W_O,j R_h.
+    Full-precision outputs are unchanged."""
+    c, model = cfg or model.cfg, copy.deepcopy(model)
     for layer, spec in zip(model.model.layers, kv):
         if spec.r_v is None:
             continue
@@ -861,8 +858,7 @@ def _span(a: int, b: int, device) -> torch.Tensor:   # positions a .. b - 1, emp
 
 
 class PagedKVCache:
-    """Page pool + block tables + full-precision windows, for every layer of a model. Only
-    its methods write them: reserve takes pages from the pool, append and extend store tokens."""
+    """Page pool + block tables + full-precision windows, for every layer of a model."""
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
                  window_dtype=torch.float32, device="cpu"):
@@ -971,8 +967,7 @@ class PagedKVCache:
         appendix A): bit for bit the state of T appends, with one quantizer call per sequence
         for all its tokens going INT2. Pages are reserved first: a full pool writes nothing."""
         c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
-                     finite=True)
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
         T, S, W = k.shape[2], c.sink, c.window
         self.reserve(layer, seqs, T)
@@ -1062,9 +1057,7 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 
 
 # ========================================================================================
-# Appendices: infrastructure. The method is complete above; what follows makes it fast on
-# long texts (A), writes and reads its artifacts (B), goes beyond the paper (D, ours) and
-# serves it elsewhere (E); real checkpoints load in eval_llm.py (C).
+# Appendices: infrastructure (the reading map at the top). The method is complete above.
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
@@ -1080,9 +1073,6 @@ split; the 1e-12 clamp applies on S. Tested: optr_key_loss's value and gradient.
 Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 [sink, t1 - window) and the exact keys of [t0 - window + 1, t1), masked as
 exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
-Prefill: one simulated forward of the folded model, then per layer PagedKVCache.extend
-(one q2_quantize call per sequence, scattered into pages): bit for bit the state of
-token-by-token appends, page ids included.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1134,11 +1124,10 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
 
 
 @torch.no_grad()
-def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
-            block: int | None = None):
+def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, block: int | None = None):
     """A prompt idx (n, T) into empty sequences: one simulated forward of the folded model,
-    one cache.extend per layer. The cache is bit for bit that of token-by-token decoding;
-    the logits (n, T, vocab) are decode_step's up to round-off (about 1e-5)."""
+    one cache.extend per layer. The cache is bit for bit that of token-by-token decoding (page
+    ids included); the logits (n, T, vocab) are decode_step's up to round-off (about 1e-5)."""
     m, c = model.cfg, cache.cfg
     assert idx.shape[0] == len(seqs), "a prompt per sequence"
     assert (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size,
@@ -1162,18 +1151,15 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor,
 # ----------------------------------------------------------------------------------------
 """
 What enters from outside raises a ValueError naming it (need, check_tensor): the rotation
-files read here, the tokens and sequence ids the paged cache is handed (Section 8, which
-also raises a RuntimeError on a full pool); checkpoints are checked in eval_llm.py (C).
-Inside, only asserts.
+files read here, the tokens and sequence ids handed to the paged cache; inside, only asserts.
 One format for every set of rotations (both scripts write all their variants into one
 file, export_hf the one it serves): a safetensors file holding, per variant NAME, layer N,
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
   NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
   NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
 and as metadata the format, geometry, quantizer settings and per variant its parts, its
-quant_k / quant_v flags and whether R_V is folded. A part a variant lacks is None. Loading
-checks names, shapes, dtypes, finite values, max |R^T R - I| <= ORTHO_TOL, every layer;
-reconfigure(model, **info["settings"]) then sets the file's quantizer.
+quant_k / quant_v flags and whether R_V is folded. A part a variant lacks is None; loading
+checks every tensor (name, shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL).
 """
 
 def need(ok: bool, what: str):
@@ -1307,41 +1293,34 @@ KV_LAYOUT = """kv_rotations.safetensors: this checkpoint's KV cache (OptR). R_V 
 the weights; per layer N of variant NAME the file holds NAME/layers.N.r_k (H_kv, d, d) and
 NAME/layers.N.k_mean (H_kv, d). Cache a post-RoPE key as (k - mu) R_K and rotate queries by
 R_K; all but the first `sink` and the `window` latest tokens are INT2 (settings in the
-metadata). Load: eval_llm.load_checkpoint(dir), optr.load_kv_rotations(dir).
+metadata). Load: transformers' from_pretrained(dir), optr.load_kv_rotations(dir).
 """
 
 
-def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None, name: str = "optr") -> str:
-    """The model with R_V folded in, as a Hugging Face checkpoint (config.json, model.safetensors,
-    tokenizer.json if given), beside kv_rotations.safetensors (`name`: R_K, mu) and .txt."""
-    from safetensors.torch import save_file
-    c = model.cfg
-    assert not (c.qk_norm and c.attention_bias), "q/k norm with q/k/v bias: no Hugging Face model_type"
-    mt = "qwen3" if c.qk_norm else "qwen2" if c.attention_bias else "llama"
-    folded = fold_value_rotation(model, kv)
-    os.makedirs(out_dir, exist_ok=True)
-    sd = {k: t.detach().contiguous().clone() for k, t in folded.state_dict().items()
-          if not (c.tie_embeddings and k == "lm_head.weight")}        # tied: stored once
-    dtype = str(next(iter(sd.values())).dtype).replace("torch.", "")
-    save_file(sd, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    hf = dict(architectures=[{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                              "qwen3": "Qwen3ForCausalLM"}[mt]], model_type=mt,
-              vocab_size=c.vocab_size, hidden_size=c.d_model, num_hidden_layers=c.n_layers,
-              num_attention_heads=c.n_heads, num_key_value_heads=c.n_kv_heads,
-              head_dim=c.head_dim, intermediate_size=c.ffn_dim, hidden_act="silu",
-              rope_theta=c.rope_theta, rope_scaling=None, rms_norm_eps=c.rms_eps,
-              tie_word_embeddings=c.tie_embeddings, torch_dtype=dtype)
-    hf |= ({} if mt == "qwen2" else dict(attention_bias=False)) | ({} if mt == "llama" else
-                                                                   dict(use_sliding_window=False))
-    with open(os.path.join(out_dir, "config.json"), "w") as f:
-        json.dump(hf, f, indent=2)
+def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr", cfg: Config | None = None) -> str:
+    """The model with R_V folded in, by transformers' save_pretrained (TinyLM: as the Llama, Qwen2 or
+    Qwen3 it is), beside kv_rotations.safetensors (`name`: R_K, mu) and .txt; the tokenizer if given."""
+    import transformers
+    need(cfg is not None or isinstance(model, TinyLM), "export_hf: a transformers model needs cfg (optr.hf_config)")
+    c = cfg or model.cfg
+    if isinstance(model, TinyLM):                          # the same parameter names
+        assert not (c.qk_norm and c.attention_bias), "q/k norm with q/k/v bias: no Hugging Face model_type"
+        hf = transformers.AutoConfig.for_model(
+            "qwen3" if c.qk_norm else "qwen2" if c.attention_bias else "llama", vocab_size=c.vocab_size,
+            hidden_size=c.d_model, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+            num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_dim,
+            rope_theta=c.rope_theta, rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
+            bos_token_id=None, eos_token_id=None)                # TinyLM has no special tokens
+        tiny, model = model, transformers.AutoModelForCausalLM.from_config(hf, dtype=model.lm_head.weight.dtype)
+        model.load_state_dict(tiny.state_dict())
+    fold_value_rotation(model, kv, c).save_pretrained(out_dir)
     served = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, quant_k=s.quant_k, quant_v=s.quant_v) for s in kv]
-    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c,
-                      folded=(name,))
+    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,))
     with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
         f.write(KV_LAYOUT)
     if tokenizer is not None:
-        tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
+        save = getattr(tokenizer, "save_pretrained", None)                # transformers' or tokenizers'
+        save(out_dir) if save else tokenizer.save(os.path.join(out_dir, "tokenizer.json"))
     return out_dir
 
 
@@ -1349,7 +1328,6 @@ def export_hf(model: TinyLM, kv: list, out_dir: str, tokenizer=None, name: str =
 # D. Beyond the paper (ours): end-to-end refinement; calibration with the layers below in INT2
 # ----------------------------------------------------------------------------------------
 """
-Not in the paper: extensions of this project, labelled as ours wherever they appear.
 End-to-end refinement. Starting from OptR's per-layer result R_l, every layer's key and
 value corrections are trained at once on the next-token distribution:
     L_e2e(A) = mean_{b, t in P} KL(p_full(. | x_b,<=t) || p_int2(. | x_b,<=t)),
@@ -1369,8 +1347,7 @@ def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     return P
 
 
-def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config | None = None,
-                  recompute=True):
+def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config | None = None, recompute=True):
     """L_e2e of idx (B, T) at positions (P,), given logp_full (B, P, vocab): in log space,
     sum p_full (log p_full - log p_int2), the KL the ladders report (no 1e-12 clamp).
     recompute=False keeps every layer's (T, T) tensors for the backward (same gradient, faster)."""
@@ -1464,13 +1441,11 @@ calibrate_hf runs Section 6 on what that attention reads.
 The authors' SGLang fork (engine/sglang-research of their repository) reads torch.save dicts:
 {k,v}_rotation.pt {"format_version": 2, ..., "layers": {l: {"layer_id": l, "rotation": (H_kv,
 d, d) or (d, d)}}}, k_mean.pt {"format_version": 1, "layers": {l: {..., "mu": (H_kv, d)}}},
-the rest from serve.env. Ours in orientation and packing, but it folds R_V into v_proj only
-(beside export_hf's weights the V file is the identity: folded=True), clips per row (ours
-per group: equal at G = d), moves tokens to INT2 eight at a time (sink, window multiples
-of 8; the recent window jitters by up to 7 tokens) and needs d a power of two.
-hf_cache keeps the sink and recent window exact and every older token packed in INT2, and
-returns keys and values de-rotated, so HF's attention is unchanged. A prompt written in one
-update gives its queries the last query's INT2 view (prefill_chunk_size=1: decode_step's).
+the rest from serve.env. Ours in orientation and packing, but it folds R_V into v_proj only,
+clips per row (ours per group: equal at G = d), moves tokens to INT2 eight at a time (sink,
+window multiples of 8; the recent window jitters by up to 7), needs d a power of two.
+hf_cache returns keys and values de-rotated, so HF's attention is unchanged; a prompt written
+in one update gives its queries the last query's INT2 view (prefill_chunk_size=1: decode_step's).
 """
 
 def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> str:
@@ -1484,8 +1459,9 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
                     (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
                     (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
                     (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
-            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept in full precision (the "
-             "engine stores every layer in INT2)") for l, s in enumerate(kv)]:
+            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
+             "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
+            for l, s in enumerate(kv)]:
         need(ok, f"export_sglang: {msg}")
     os.makedirs(out_dir, exist_ok=True)
     eye = torch.eye(d).expand(H, d, d)
@@ -1524,8 +1500,7 @@ def import_sglang(k_path: str, v_path: str, cfg: Config, mean_path: str | None =
         except Exception as e:
             raise ValueError(f"{path}: expected a torch.save file of plain tensors ({e})") from None
         layers = state.get("layers") if isinstance(state, dict) else None
-        if not isinstance(layers, dict):
-            raise ValueError(f"{path}: expected a dict with a 'layers' mapping")
+        need(isinstance(layers, dict), f"{path}: expected a dict with a 'layers' mapping")
         out = []
         for l in range(L):
             e = layers.get(l, layers.get(str(l)))
@@ -1543,59 +1518,77 @@ def import_sglang(k_path: str, v_path: str, cfg: Config, mean_path: str | None =
     return [KVQuant(k_mean=m, r_k=a, r_v=b) for m, a, b in zip(mu, r_k, r_v)]
 
 
-def hf_cache(kv: list, cfg: Config, folded: bool = False):
-    """A transformers Cache for generate(past_key_values=...) holding this INT2 cache:
-    folded=True beside export_hf's weights (R_V in them), False for the original weights."""
-    from transformers.cache_utils import Cache, DynamicLayer
+@dataclass
+class Int2Tokens:
+    """Tokens as Section 2 packs them, (B, H_kv, n, ...): codes (.., d/4) uint8, scale, zero (.., d/G)."""
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+
+
+class Int2Layer:
+    """One INT2 layer of hf_cache in transformers' cache-layer interface: the sink and recent window
+    exact (keys, values), older tokens packed (k, v); update returns all of them de-rotated."""
+    # Duck-typed: hf_cache registers it as a virtual subclass of transformers' CacheLayerMixin (an
+    # ABC), so `import optr` needs no transformers. What generate() calls is here, beam search not.
+    is_sliding = is_compileable = is_croppable = supports_early_init = False
+
+    def __init__(self, spec: KVQuant, cfg: Config, folded: bool):
+        self.spec, self.cfg, self.folded, self.n = spec, cfg, folded, 0
+        self.keys = self.values = self.k = self.v = None               # k, v: Int2Tokens
+
+    def get_seq_length(self) -> int:
+        return self.n
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:     # keys update returns, offset
+        return self.n + query_length, 0
+
+    def pack(self, old: Int2Tokens | None, rows, clip: float) -> Int2Tokens:   # rows after old's
+        new = Int2Tokens(*q2_quantize(rows, clip, self.cfg.group_size, self.cfg.scale_eps))
+        return new if old is None else Int2Tokens(*(torch.cat([a, b], -2) for a, b in
+                                                    zip(vars(old).values(), vars(new).values())))
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values (B, H_kv, n, d)."""
+        c, sp, S = self.cfg, self.spec, self.cfg.sink
+        self.n += key_states.shape[-2]
+        self.keys, self.values = (x if old is None else torch.cat([old, x], -2) for old, x in
+                                  ((self.keys, key_states), (self.values, value_states)))
+        out = max(0, self.keys.shape[-2] - S - c.window)                 # tokens leaving the window
+        if out:
+            k, v = (x[..., S:S + out, :].float() for x in (self.keys, self.values))
+            self.k = self.pack(self.k, stored_keys(sp, k), c.clip_k)
+            self.v = self.pack(self.v, v if self.folded else rotate_rows(v, sp.r_v), c.clip_v)
+            self.keys, self.values = (torch.cat([x[..., :S, :], x[..., S + out:, :]], -2)
+                                      for x in (self.keys, self.values))
+        if self.k is None:
+            return self.keys, self.values
+        k, v = (q2_dequantize(t.codes, t.scale, t.zero, c.group_size) for t in (self.k, self.v))
+        k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)                  # back to the model's basis
+        k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
+        v = v if sp.r_v is None or self.folded else v @ sp.r_v.mT.to(v)
+        cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
+        return cat(self.keys, k), cat(self.values, v)
+
+    def nbytes(self) -> int:
+        """Bytes held: the exact tokens and the packed INT2 ones (codes, scales, zeros)."""
+        ts = [self.keys, self.values] + [x for t in (self.k, self.v) if t is not None for x in vars(t).values()]
+        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+
+def hf_cache(kv: list, cfg: Config, folded: bool = False, model=None):
+    """A transformers Cache for generate(past_key_values=...): an Int2Layer per INT2 layer, transformers'
+    own layer per exact one (model given: its sliding layers slide, as Gemma 3's). folded=True beside
+    export_hf's weights (R_V in them), False for the original weights."""
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
     assert len(kv) == cfg.n_layers, "one KVQuant per layer"
-    exact = [l for l, s in enumerate(kv) if not (s.quant_k and s.quant_v)]
-    need(not exact, f"kv{exact}: hf_cache stores keys and values in INT2")
-    S, W, G, eps = cfg.sink, cfg.window, cfg.group_size, cfg.scale_eps
-
-    class OptRLayer(DynamicLayer):
-        def __init__(self, spec):
-            super().__init__()
-            self.spec, self.n, self.packed = spec, 0, None    # packed: k (codes, scale, zero), v (...)
-
-        def get_seq_length(self) -> int:
-            return self.n
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values."""
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            sp, self.n = self.spec, self.n + key_states.shape[-2]
-            self.keys = torch.cat([self.keys, key_states], -2)       # exact: sink, then recent
-            self.values = torch.cat([self.values, value_states], -2)
-            out = max(0, self.keys.shape[-2] - S - W)                # tokens leaving the window
-            if out:
-                k, v = (x[..., S:S + out, :].float() for x in (self.keys, self.values))
-                new = (*q2_quantize(rotate_rows(center_keys(k, sp.k_mean), sp.r_k), cfg.clip_k, G, eps),
-                       *q2_quantize(v if folded else rotate_rows(v, sp.r_v), cfg.clip_v, G, eps))
-                self.packed = new if self.packed is None else \
-                    tuple(torch.cat([a, b], -2) for a, b in zip(self.packed, new))
-                self.keys, self.values = (torch.cat([x[..., :S, :], x[..., S + out:, :]], -2)
-                                          for x in (self.keys, self.values))
-            if self.packed is None:
-                return self.keys, self.values
-            k = q2_dequantize(*self.packed[:3], G)                   # (B, H_kv, n_int2, d)
-            v = q2_dequantize(*self.packed[3:], G)
-            k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)          # back to the model's basis
-            k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
-            v = v if sp.r_v is None or folded else v @ sp.r_v.mT.to(v)       # the model's basis
-            cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
-            return cat(self.keys, k), cat(self.values, v)
-
-        def nbytes(self) -> int:
-            """Bytes held: the packed INT2 tokens (codes, scales, zeros) and the exact ones."""
-            ts = [self.keys, self.values] + list(self.packed or []) if self.is_initialized else []
-            return sum(t.numel() * t.element_size() for t in ts)
-
-    class OptRCache(Cache):
-        def nbytes(self) -> int:
-            return sum(layer.nbytes() for layer in self.layers)
-
-    return OptRCache(layers=[OptRLayer(s) for s in kv])
+    mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
+    need(not mixed, f"hf_cache: kv{mixed}: keys and values both in INT2 or both exact")
+    theirs = DynamicCache(config=model.config).layers if model is not None else [DynamicLayer() for _ in kv]
+    need(len({s.quant_k for s, t in zip(kv, theirs) if t.is_sliding}) <= 1,
+         "hf_cache: sliding layers both in INT2 and exact (their lengths differ; masks need one)")
+    CacheLayerMixin.register(Int2Layer)
+    return Cache(layers=[Int2Layer(s, cfg, folded) if s.quant_k else t for s, t in zip(kv, theirs)])
 
 
 def hf_config(hf_config, **settings) -> Config:
@@ -1620,11 +1613,10 @@ def hf_config(hf_config, **settings) -> Config:
 @contextlib.contextmanager
 def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int | None = None):
     """`with simulate_hf(model, kv, cfg):` a transformers model's attention reads Section 5's INT2
-    cache of the specs kv (kv=None: exact), cfg.sink and cfg.window counted in the model's
-    positions, through transformers' attention interface: q (B, H_q, Tq, d), k, v (B, H_kv, T, d)
-    post-RoPE, cache included; sdpa's mask builder (padding, sliding windows); q scaled so that
-    Eq. 1's 1/sqrt(d) is the model's `scaling`. capture: {layer: ((q, k, v), module, sliding
-    window)}. block: a layer whose mask is causal runs block by block (Appendix A). A model
+    cache of the specs kv (kv=None: exact), sink and window counted in the model's positions, through
+    transformers' attention interface (q (B, H_q, Tq, d), k, v (B, H_kv, T, d) post-RoPE, cache
+    included) and sdpa's mask builder (padding, sliding windows). capture: {layer: ((q, k, v), module,
+    sliding window)}. block: a layer whose mask is causal runs block by block (Appendix A). A model
     whose layers bypass the interface (gpt_neo, falcon) is a ValueError."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
@@ -1635,7 +1627,7 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
         l, (Tq, d), T = module.layer_idx, query.shape[2:], key.shape[2]
         need(kwargs.get("softcap") is None, f"{arch}: attention logit soft-capping is not Eq. 1")
         called.add(l)
-        q = query * ((scaling or d ** -0.5) * math.sqrt(d))             # Eq. 1 divides by sqrt(d)
+        q = query * ((scaling or d ** -0.5) * math.sqrt(d))             # Eq. 1's 1/sqrt(d): the model's scaling
         q_idx = torch.arange(T - Tq, T, device=key.device)              # queries: the last Tq keys
         mask = causal_mask(q_idx, T) if attention_mask is None else attention_mask  # (B, 1, Tq, T)
         mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager

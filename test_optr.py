@@ -4411,7 +4411,7 @@ def _kv_with(kv, l, **change):
     (dict(window=12), {}, "window 12: expected multiples of 8"),
     (dict(head_dim=24, group_size=24, d_model=24), {}, "head_dim 24: expected a power of two"),
     (dict(scale_eps=1e-6), {}, "scale_eps"),
-    ({}, dict(quant_v=False), r"kv\[1\]: keys or values kept in full precision"),
+    ({}, dict(quant_v=False), r"kv\[1\]: keys or values kept exact, but the engine stores every layer in INT2"),
 ])
 def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_path, change, kv_change, match):
     """G != d (per-row clip), windows that are not multiples of 8, d not a power of two, an
@@ -4492,7 +4492,7 @@ def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
     for t in range(10, 16):
         assert torch.equal(hf(idx[:, t:t + 1], past_key_values=ca).logits,
                            hf(idx[:, t:t + 1], past_key_values=cb).logits)
-    assert all(layer.packed is None for layer in ca.layers) and ca.get_seq_length() == 16
+    assert all(layer.k is None for layer in ca.layers) and ca.get_seq_length() == 16
 
 
 # Transformers' RoPE and ours round differently (an ulp or so of a key), and from layer 1
@@ -4502,6 +4502,12 @@ def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
 # of the number itself or of 1 (zeros lie in [0, 3] and may be near 0), leave room; a
 # wrong rotation, centering or clip moves them by percents.
 HF_ROPE_TOL = 64 * torch.finfo(torch.float32).eps
+PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")      # PagedKVCache's names
+
+
+def packed(layer):
+    """An optr.Int2Layer's packed INT2 tokens in PACKED's order: K's codes, scale, zero, then V's."""
+    return [getattr(t, f) for t in (layer.k, layer.v) for f in ("codes", "scale", "zero")]
 
 
 def check_hf_cache_is_decode_step(hf_served, T=30):
@@ -4518,8 +4524,8 @@ def check_hf_cache_is_decode_step(hf_served, T=30):
         cache.extend(l, seqs, k, v)
         mine.update(k, v, l)
         for s in seqs:
-            stored = paged_rows(cache, l, s, n, "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-            assert all(torch.equal(a[s], b) for a, b in zip(mine.layers[l].packed, stored)), (l, s)
+            stored = paged_rows(cache, l, s, n, *PACKED)
+            assert all(torch.equal(a[s], b) for a, b in zip(packed(mine.layers[l]), stored)), (l, s)
     cache, seqs = ours_paged(folded, kv, 2)
     mine = optr.hf_cache(kv, model.cfg, folded=True)
     with torch.no_grad():
@@ -4529,10 +4535,10 @@ def check_hf_cache_is_decode_step(hf_served, T=30):
             assert torch.allclose(theirs, ours, atol=1e-4, rtol=1e-5), t
     for l, layer in enumerate(mine.layers):
         for s in seqs:
-            stored = paged_rows(cache, l, s, n, "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")
-            assert torch.equal(layer.packed[0][s], stored[0]) and torch.equal(layer.packed[3][s], stored[3])
+            stored = paged_rows(cache, l, s, n, *PACKED)
+            assert torch.equal(layer.k.codes[s], stored[0]) and torch.equal(layer.v.codes[s], stored[3])
             assert all(torch.allclose(a[s], b, rtol=HF_ROPE_TOL, atol=HF_ROPE_TOL)
-                       for a, b in zip(layer.packed, stored))
+                       for a, b in zip(packed(layer), stored))
 
 
 def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
@@ -4597,15 +4603,16 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
     L, H, d, G, S = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size, cfg.sink + cfg.window
     int2_token, bf16_token = 2 * (d // 4 + 2 * 4 * (d // G)), 2 * d * 2    # bytes, K and V of one head
     assert (int2_token, bf16_token, N - S, S) == (48, 256, 3776, 320)
-    assert mine.nbytes() == L * H * ((N - S) * int2_token + S * bf16_token)
-    assert mine.nbytes() * 8 == pytest.approx(ladder.bits_per_element(paged, s) * N * elems, rel=1e-12)
+    mine_bytes = sum(layer.nbytes() for layer in mine.layers)
+    assert mine_bytes == L * H * ((N - S) * int2_token + S * bf16_token)
+    assert mine_bytes * 8 == pytest.approx(ladder.bits_per_element(paged, s) * N * elems, rel=1e-12)
     dyn_bytes = sum(x.numel() * x.element_size() for layer in dyn.layers for x in (layer.keys, layer.values))
     assert dyn_bytes == L * H * N * bf16_token
-    ratio = dyn_bytes / mine.nbytes()                                  # 3.98
+    ratio = dyn_bytes / mine_bytes                                     # 3.98
     assert f"{ratio:.1f}" == "4.0"                                        # as the README prints it
-    print(f"\n4k tokens, d 64, G 64, sink 64, window 256: hf_cache {mine.nbytes() / N:.0f} B/token "
+    print(f"\n4k tokens, d 64, G 64, sink 64, window 256: hf_cache {mine_bytes / N:.0f} B/token "
           f"({ladder.bits_per_element(paged, s):.2f} bits/element), DynamicCache bf16 {dyn_bytes / N:.0f} "
-          f"B/token: {dyn_bytes / mine.nbytes():.1f}x")
+          f"B/token: {ratio:.1f}x")
 
 
 # -- the checks can fail ------------------------------------------------------------------
@@ -4888,6 +4895,11 @@ def check_gemma_simulation(model, kv, cfg, idx=IDX_HF):
     assert (ours - theirs).abs().max().item() <= 1e-4                       # measured: <= 3.1e-6
 
 
+def gemma_full_only(kv):
+    """The specs with Gemma 3's sliding layers exact, as calibrate_hf leaves them by default."""
+    return [s if t == "full_attention" else optr.KVQuant(quant_k=False, quant_v=False) for s, t in zip(kv, GEMMA_LAYERS)]
+
+
 @pytest.mark.parametrize("kind", ["gemma3-MQA", "gemma3-GQA"])
 def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_windows(kind):
     """On Gemma 3 (sliding layers of 12 tokens on sequences of 30, scaling 24^-1/2) simulate_hf
@@ -4898,9 +4910,7 @@ def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_wi
     cfg = optr.hf_config(model.config, **hf_settings())
     kv = quarot_specs(cfg, seed=7)
     check_gemma_simulation(model, kv, cfg)
-    full_only = [s if t == "full_attention" else optr.KVQuant(quant_k=False, quant_v=False)
-                 for s, t in zip(kv, GEMMA_LAYERS)]
-    check_gemma_simulation(model, full_only, cfg)
+    check_gemma_simulation(model, gemma_full_only(kv), cfg)
 
 
 @pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
@@ -4965,6 +4975,112 @@ def test_calibrate_hf_keeps_gemma3s_sliding_layers_exact_unless_asked():
         optr.calibrate_hf(model, IDX_HF[:, :20], held, cfg, sliding=True, learn=False)
 
 
+def greedy_through_simulate_hf(model, kv, cfg, prompt, n):
+    """The test's greedy decoding: each step a full forward under simulate_hf on the whole
+    sequence so far, argmax at its last position -> tokens (B, n), logits per step."""
+    seq, logits = prompt, []
+    with torch.no_grad(), optr.simulate_hf(model, kv, cfg):
+        for _ in range(n):
+            logits.append(model(seq).logits[:, -1])
+            seq = torch.cat([seq, logits[-1].argmax(-1, keepdim=True)], 1)
+    return seq[:, prompt.shape[1]:], logits
+
+
+def check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg, P=12, n=18):
+    """generate() with hf_cache (the prompt token by token) gives the loop's tokens, and its
+    logits within 1e-4 (transformers' sdpa against simulate_hf: round-off); returns the cache."""
+    cache = optr.hf_cache(kv, cfg, model=model)
+    with torch.no_grad():
+        out = model.generate(IDX_HF[:, :P], past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+                             do_sample=False, prefill_chunk_size=1, output_logits=True,
+                             return_dict_in_generate=True, pad_token_id=0)
+    tokens, logits = greedy_through_simulate_hf(model, kv, cfg, IDX_HF[:, :P], n)
+    assert torch.equal(out.sequences[:, P:], tokens)
+    err = max((a - b).abs().max().item() for a, b in zip(out.logits, logits))
+    assert err <= 1e-4, err                                                 # measured: <= 8.5e-6
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["gemma3-MQA", "llama-GQA"])
+def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf(kind):
+    """Greedy generate() with hf_cache gives the tokens (and logits) of decoding token by token
+    through simulate_hf, the prompt of 12 included, over 30 tokens with sink 2 and window 4:
+    on Gemma 3 (sliding layers of 12, exact as calibrate_hf leaves them) transformers' own
+    sliding cache holds those layers (its last 11 tokens) and optr's Int2Layer the full ones
+    (24 tokens packed in INT2 after 29 written); on Llama every layer is optr's."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    kv = quarot_specs(cfg, seed=7)
+    kv = gemma_full_only(kv) if kind.startswith("gemma") else kv
+    cache = check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg)
+    for layer, spec in zip(cache.layers, kv):
+        if spec.quant_k:
+            assert isinstance(layer, optr.Int2Layer) and layer.k.codes.shape[2] == 29 - 2 - 4
+        else:
+            assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
+
+
+def test_hf_cache_refuses_specs_it_cannot_hold():
+    """Keys in INT2 with exact values (or the reverse), and Gemma 3's sliding layers partly in
+    INT2 (their caches would report different lengths to one mask), are ValueErrors."""
+    model = tiny_hf("gemma3-MQA")
+    cfg = optr.hf_config(model.config, **hf_settings())
+    kv = quarot_specs(cfg, seed=7)
+    with pytest.raises(ValueError, match=r"hf_cache: kv\[1\]: keys and values both in INT2 or both exact"):
+        optr.hf_cache([replace_cfg(s, quant_v=l != 1) for l, s in enumerate(kv)], cfg, model=model)
+    with pytest.raises(ValueError, match="hf_cache: sliding layers both in INT2 and exact"):
+        optr.hf_cache([optr.KVQuant(quant_k=False, quant_v=False)] + kv[1:], cfg, model=model)
+
+
+def check_export_hf_folds_r_v(model, kv, cfg, out):
+    """simulate_hf's logits of export_hf's checkpoint (loaded by transformers, with the specs of
+    its kv_rotations.safetensors: R_V folded, None) are the original model's with the original
+    specs within 1e-4: R_V folded in float64, rounded once to fp32 weights."""
+    folded, specs = hf_load(optr.export_hf(model, kv, out, cfg=cfg)), optr.load_kv_rotations(out, cfg)[0]["optr"]
+    assert all(s.r_v is None and s.quant_v for s in specs)
+    with torch.no_grad():
+        with optr.simulate_hf(model, kv, cfg):
+            theirs = model(IDX_HF).logits
+        with optr.simulate_hf(folded, specs, cfg):
+            ours = folded(IDX_HF).logits
+    err = (ours - theirs).abs().max().item()
+    assert err <= 1e-4, err                                                 # measured: <= 7.2e-6
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "qwen2-GQA"])
+def test_export_hf_of_a_transformers_model_folds_r_v_into_v_proj_and_o_proj(kind, tmp_path):
+    """export_hf folds each layer's R_V into a transformers model's v_proj (rows per KV head,
+    Qwen2's v bias too) and o_proj (columns per query head) and saves it with save_pretrained:
+    under simulate_hf the folded checkpoint with its file's specs gives the original model's
+    logits with the original specs."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    check_export_hf_folds_r_v(model, quarot_specs(cfg, seed=5), cfg, str(tmp_path / "x"))
+
+
+def test_export_hf_refuses_a_transformers_model_without_cfg(tmp_path):
+    """A transformers model has no optr Config: export_hf without cfg is a ValueError naming it."""
+    with pytest.raises(ValueError, match=r"export_hf: a transformers model needs cfg \(optr.hf_config\)"):
+        optr.export_hf(tiny_hf("llama-GQA"), [], str(tmp_path / "x"))
+
+
+def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tmp_path):
+    """calibrate_hf leaves Gemma 3's sliding layers exact, and the authors' engine stores every
+    layer in INT2: export_sglang refuses, naming the first such layer and calibrate_hf(...,
+    sliding=True); that calibration (sequences within the 12-token slide) exports, and
+    import_sglang reads back its R_K, R_V and mu."""
+    model = tiny_hf("gemma3-MQA")
+    cfg = optr.hf_config(model.config, **hf_settings(sink=0, window=8))
+    cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
+    kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False)
+    with pytest.raises(ValueError, match=r"kv\[0\]: keys or values kept exact.*calibrate_hf\(\.\.\., sliding=True\)"):
+        optr.export_sglang(kv, cfg, str(tmp_path / "default"))
+    kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
+    k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
+    for a, b in zip(kv, optr.import_sglang(k_path, v_path, cfg, mu_path)):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
+
+
 # -- the checks can fail ------------------------------------------------------------------
 
 def test_transformers_checks_can_fail(monkeypatch):
@@ -4983,6 +5099,18 @@ def test_transformers_checks_can_fail(monkeypatch):
     assert fails(check_gemma_simulation, gemma, kv, cfg)
     monkeypatch.undo()
     check_gemma_simulation(gemma, kv, cfg)
+
+
+def test_hf_cache_and_export_hf_checks_can_fail(monkeypatch, tmp_path):
+    """The generate() check fails on an hf_cache that packs keys without centering and R_K, and
+    the export check on a checkpoint without R_V folded in."""
+    model = tiny_hf("llama-GQA")
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    kv = quarot_specs(cfg, seed=7)
+    monkeypatch.setattr(optr, "stored_keys", lambda spec, k: k)
+    assert fails(check_hf_cache_generate_is_simulate_hf_decoding, model, kv, cfg)
+    monkeypatch.setattr(optr, "fold_value_rotation", lambda model, kv, cfg=None: model)
+    assert fails(check_export_hf_folds_r_v, model, kv, cfg, str(tmp_path / "x"))
 
 
 def test_a_model_that_bypasses_the_attention_interface_is_refused():
