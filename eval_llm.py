@@ -360,7 +360,7 @@ class HFModel:
                       f"tokens, longer than the sliding window ({self.sliding}) a direct attention ignores")
             ctx = self._direct(attention)
         with ctx:
-            h = self.hf.base_model(idx, use_cache=False).last_hidden_state
+            h = self.hf.base_model(idx.to(self.hf.device), use_cache=False).last_hidden_state
         if capture is not None:
             capture.extend(got[l][0] for l in range(self.cfg.n_layers))
         return h
@@ -388,7 +388,7 @@ class HFModel:
         """The model's own RoPE cos, sin (1, T, d) of a layer (Gemma 3: a base per layer type)."""
         rope = self.hf.base_model.rotary_emb
         by_type = "layer_type" in inspect.signature(rope.forward).parameters
-        return rope(self.lm_head.weight, torch.arange(T)[None], *([self.layer_types[layer]] if by_type else []))
+        return rope(self.lm_head.weight, torch.arange(T, device=self.hf.device)[None], *([self.layer_types[layer]] if by_type else []))
 
 
 def tinylm_twin(hf, cfg: optr.Config, idx: torch.Tensor):

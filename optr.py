@@ -1465,7 +1465,7 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
         need(ok, f"export_sglang: {msg}")
     os.makedirs(out_dir, exist_ok=True)
     eye = torch.eye(d).expand(H, d, d)
-    f32 = lambda t, default: (default if t is None else t).detach().float().contiguous().clone()
+    f32 = lambda t, default: (default if t is None else t).detach().float().cpu().contiguous().clone()
     for side, Rs in (("k", [s.r_k for s in kv]), ("v", [None if folded else s.r_v for s in kv])):
         torch.save({"format_version": 2, "objective": f"optr_output_aware_{side}",
                     "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
@@ -1550,6 +1550,7 @@ class Int2Layer:
 
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values (B, H_kv, n, d)."""
+        self.spec = self.spec.to(key_states.device)                       # specs loaded on the CPU
         c, sp, S = self.cfg, self.spec, self.cfg.sink
         self.n += key_states.shape[-2]
         self.keys, self.values = (x if old is None else torch.cat([old, x], -2) for old, x in
@@ -1633,7 +1634,7 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
         mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager
         pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
         first = 0 if pos is None else (T - 1 - pos[:, -1]).view(-1, 1, 1, 1)
-        spec = exact_spec if kv is None else kv[l]
+        spec = exact_spec if kv is None else kv[l].to(key.device)       # specs loaded on the CPU
         exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window) \
             if spec.quant_k or spec.quant_v else None                # per sequence: (B, 1, Tq, T)
         k_tilde, v_tilde = effective_kv(key, value, spec, cfg)                      # Eq. 4
@@ -1665,7 +1666,7 @@ def hf_captures(model, cfg: Config, *ids) -> list:
     out = [{} for _ in ids]
     for x, cap in zip(ids, out):
         with torch.no_grad(), simulate_hf(model, None, cfg, capture=cap):
-            model.base_model(x, use_cache=False)
+            model.base_model(x.to(model.device), use_cache=False)
     return out
 
 
