@@ -4917,7 +4917,8 @@ def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_wi
 def test_simulate_hf_block_by_block_gives_the_dense_logits(kind, monkeypatch):
     """simulate_hf(..., block=7): a layer whose mask is causal runs block by block (Appendix A's
     block_simulated_attention), the others densely (Gemma 3's sliding layers, every layer of
-    a left-padded batch); the logits, in INT2 and exact, are the dense ones within 1e-5.
+    a left-padded batch), an exact layer (kv=None) by sdpa either way; the logits, in INT2 and
+    exact, are the dense ones within 1e-5.
     Optr against optr: the block-wise path against the dense one."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
@@ -4931,7 +4932,7 @@ def test_simulate_hf_block_by_block_gives_the_dense_logits(kind, monkeypatch):
                 blocks.clear()
                 with torch.no_grad(), optr.simulate_hf(model, kv, cfg, block=block):
                     got.append(model(IDX_HF, attention_mask=mask, position_ids=None if mask is None else pos).logits)
-                assert len(blocks) == (2 if block and mask is None else 0)          # 2 causal layers
+                assert len(blocks) == (2 if block and mask is None and kv else 0)   # 2 causal layers
             assert (got[0] - got[1]).abs().max().item() <= 1e-5                     # measured: <= 2e-6
 
 
