@@ -139,6 +139,8 @@ class RunConfig:
     calib_propagate: bool = _f(False, "ours, not the paper's: calibrate layer l on the q, k, v "
                                "it gets when the layers below already run their INT2 cache "
                                "(optr.calibrate(propagate=True); one layer at a time)")
+    int2_sliding: bool = _f(False, "sliding-window layers (Gemma 3's) in INT2 too; by default they stay "
+                            "exact: their cache stops at the window (calibration sequences must fit in it)")
     gen_temperature: float = _f(0.8, "sampling temperature of the model-written text")
     gen_top_k: int = _f(50, "sample among the top-k tokens")
     # evaluation data and metrics
@@ -620,7 +622,8 @@ AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_
 
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
-                               "calib_queries", "calib_propagate", "gen_temperature", "gen_top_k")
+                               "calib_queries", "calib_propagate", "int2_sliding", "gen_temperature",
+                               "gen_top_k")
 
 
 # ----------------------------------------------------------------------------------------
@@ -947,7 +950,7 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
         return specs, meta.get("report", {})
     specs, reports = calibrate_variants(run.model, cal, held, names, query_positions(cfg), progress_every=10,
                                         timer=run.timer, log=log, workers=torch.get_num_threads(),
-                                        propagate=cfg.calib_propagate)
+                                        propagate=cfg.calib_propagate, sliding=cfg.int2_sliding)
     save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
     return specs, reports
 

