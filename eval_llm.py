@@ -67,7 +67,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
@@ -776,8 +776,8 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
     """--export-sglang: the authors' SGLang files beside the checkpoint, read back with
     optr.import_sglang. --hf-generate N: greedy generate() in transformers from the exported
     checkpoint with optr.hf_cache, the prompt (sink + window + 32 tokens of `text`) written
-    at once and token by token (prefill_chunk_size=1), beside optr's own decode (prefill,
-    then decode_step through the paged cache)."""
+    at once and token by token (prefill_chunk_size=1), beside greedy decoding through
+    simulate_hf (the whole sequence each token) on the same checkpoint."""
     out, c = {}, model.cfg
     if cfg.export_sglang:
         d = optr.export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
@@ -793,23 +793,20 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True,
                                                   dtype=torch.float32).eval()
         P, n = c.sink + c.window + 32, cfg.hf_generate
-        prompt = text[:, :P]
-        folded = optr.fold_value_rotation(model, kv)
-        cache = optr.PagedKVCache(c, (P + n) // c.page_size + 2, 1,
-                                  [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in kv])
-        seqs = [cache.add_sequence()]
-        logits, ids = optr.prefill(folded, cache, seqs, prompt)[:, -1], {"optr": []}
+        x, ids = text[:, :P], {"simulate_hf": []}
+        folded = [replace(s, r_v=None) for s in kv]        # R_V is in the checkpoint's weights
         for _ in range(n):
-            ids["optr"].append(int(logits.argmax()))
-            logits = optr.decode_step(folded, cache, seqs, torch.tensor([ids["optr"][-1]]))
+            with torch.no_grad(), optr.simulate_hf(hf, folded, c):
+                ids["simulate_hf"].append(int(hf(x, use_cache=False).logits[0, -1].argmax()))
+            x = torch.cat([x, torch.tensor([ids["simulate_hf"][-1:]])], 1)
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
-            ids[name] = hf.generate(prompt, past_key_values=optr.hf_cache(kv, c, folded=True),
+            ids[name] = hf.generate(text[:, :P], past_key_values=optr.hf_cache(kv, c, folded=True, model=hf),
                                     max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                     prefill_chunk_size=chunk)[0, P:].tolist()
         for name, x in ids.items():
             log(f"generate | {name:17s} | {tok.decode(x)!r}")
-        out["hf_generate"] = dict(prompt_tokens=P, **ids,
-                                  same=[ids[k] == ids["optr"] for k in ("hf_token_by_token", "hf_one_prefill")])
+        out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[
+            ids[k] == ids["simulate_hf"] for k in ("hf_token_by_token", "hf_one_prefill")])
     return out
 
 
@@ -861,12 +858,13 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
     optr.need(not (cfg.calib_propagate and model.sliding), f"calib_propagate: {name} has sliding-"
               f"window layers, which optr.calibrate_propagated would calibrate as full ones")
     twin, why = tinylm_twin(hf, c, torch.tensor([encode(tok, PK_FILLER * 8)[:64]]))
-    optr.need(twin is not None or not cfg.export, f"export: needs optr's TinyLM on the weights ({why})")
+    optr.need(not (cfg.export_sglang and model.sliding and not cfg.int2_sliding), f"export_sglang: the "
+              f"engine stores every layer in INT2; {name}'s sliding layers stay exact without --int2-sliding")
     log(f"model | {name}: {hf.config.model_type}, {c.n_layers} layers, d_model {c.d_model}, "
         f"{c.n_heads} query / {c.n_kv_heads} KV heads, head_dim {c.head_dim}, "
         f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters | loaded in "
         f"{timer.lap('load', t0):5.1f} s")
-    log(f"paged cache | {why}" + ("" if twin else ": decode check, bits and export skipped"))
+    log(f"paged cache | {why}" + ("" if twin else ": decode check and bits skipped"))
     log(f"threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.2f} "
         f"(other jobs on these cores slow every timing below)")
     return Run(model, twin, tok, name, path, cfg, timer, log)
@@ -1083,10 +1081,10 @@ def export_best(run: Run, samples: list, ref: Reference) -> dict:
     t0, specs = time.perf_counter(), samples[0]["specs"]
     cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
     best = min(cands, key=lambda n: samples[0]["variants"][n]["kl"])
-    optr.export_hf(run.twin, specs[best], run.cfg.export, tokenizer=run.tok)
+    optr.export_hf(run.model.hf, specs[best], run.cfg.export, tokenizer=run.tok, cfg=run.model.cfg)
     run.log(f"export | {best} -> {run.cfg.export} | {run.timer.lap('export', t0):5.1f} s")
     return dict(export=dict(dir=os.path.abspath(run.cfg.export), variant=best),
-                serve=serve_elsewhere(run.twin, specs[best], run.cfg, ref.eval_idx[:1], run.tok, run.log))
+                serve=serve_elsewhere(run.model, specs[best], run.cfg, ref.eval_idx[:1], run.tok, run.log))
 
 
 def publish(run: Run, samples: list) -> dict:

@@ -4676,8 +4676,9 @@ def test_serving_checks_can_fail(hf_served, monkeypatch):
 def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint and
     reads them back equal; --hf-generate N prints transformers' greedy tokens (hf_cache, the
-    prompt token by token) beside optr's own decode, and they are the same.
-    Optr against optr: eval_llm's generate() with hf_cache against optr's decode."""
+    prompt token by token) beside greedy decoding through simulate_hf on the same checkpoint
+    (the whole sequence each token), and they are the same.
+    Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
     import eval_llm
     model, kv = served_model("llama")
     optr.export_hf(model, kv, str(tmp_path / "x"))
@@ -4687,7 +4688,7 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
     assert out["sglang"]["reloaded_equal"] and (tmp_path / "x" / "sglang" / "serve.env").exists()
     gen = out["hf_generate"]
-    assert len(gen["optr"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["optr"]
+    assert len(gen["simulate_hf"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["simulate_hf"]
     assert sum(line.startswith("generate |") for line in lines) == 3
 
 
