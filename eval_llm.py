@@ -18,8 +18,8 @@ What it shows:
      of train_tiny.py lacks.
   2. Calibration data the model writes itself (sampled from a few neutral prompts, cached
      in OUT), or a text file (--calib-text); a held-out split for OptR's best-step
-     selection. --calib-samples independent samples (3; sample i written with seed
-     seed + i): every variant that learns from the calibration data (OSCAR, centering, OptR)
+     selection. --calib-samples independent samples (3; sample i: its own rows of one batch
+     the model writes with --seed): every variant that learns from the calibration data (OSCAR, centering, OptR)
      is calibrated on each, and its rows are mean +- std over them, because single
      calibrations differ by as much as the comparisons the ladder draws. Evaluation text comes from another source: the Python
      documentation topics that ship with the standard library (pydoc_data), or a file.
@@ -127,8 +127,8 @@ class RunConfig:
     calib_text: str = _f("", "calibration and held-out text: empty = text the model writes "
                          "itself (cached in OUT); 'pydoc' = the last tokens of the Python "
                          "documentation topics (evaluation takes the first ones); else a text file")
-    calib_samples: int = _f(3, "independent calibration samples (sample i: its own text, written "
-                            "with seed seed + i); every variant that learns from data is "
+    calib_samples: int = _f(3, "independent calibration samples (sample i: its own rows of one "
+                            "batch the model writes); every variant that learns from data is "
                             "calibrated on each, its rows are mean +- std over them")
     calib_seqs: int = _f(2, "calibration sequences")
     heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
@@ -527,8 +527,8 @@ def split_sequences(ids: list, n: int, T: int, what: str, first: list = ()) -> t
 
 def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
     """Calibration sample `sample`'s calibration and held-out sequences (calib_seqs,
-    calib_len), (heldout_seqs, calib_len): disjoint parts of its own model-written batch
-    (seed cfg.seed + sample), or of its own part of the file given by --calib-text (sample
+    calib_len), (heldout_seqs, calib_len): its own rows of one model-written batch for all
+    samples (seed cfg.seed; one generate() call), or of its own part of the file given by --calib-text (sample
     i: the i-th n * calib_len tokens; pydoc: counted from the end)."""
     n = cfg.calib_seqs + cfg.heldout_seqs
     if cfg.calib_text == "pydoc":
@@ -547,7 +547,7 @@ def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
                                n * cfg.calib_samples, cfg.calib_len, "calib_text", bos(tok))[n * sample:n * (sample + 1)]
         log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
     else:
-        seqs = model_written(hf, tok, cfg, n, cfg.seed + sample, log)
+        seqs = model_written(hf, tok, cfg, n * cfg.calib_samples, cfg.seed, log)[n * sample:n * (sample + 1)]
     return seqs[:cfg.calib_seqs], seqs[cfg.calib_seqs:]
 
 
@@ -728,8 +728,8 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
     log(f"  ({', '.join(f'{n} positions at {L}' for L, n in n_tok.items())}; text: "
         f"{results['eval']['source']}).")
     if n_s > 1:
-        log(f"mean ± std over {n_s} calibration samples (seeds {', '.join(map(str, results['calib_seeds']))}: "
-            f"each its own {cfg.calib_seqs + cfg.heldout_seqs} x {cfg.calib_len} tokens) for the rows that")
+        log(f"mean ± std over {n_s} calibration samples (each its own {cfg.calib_seqs + cfg.heldout_seqs} "
+            f"x {cfg.calib_len} tokens) for the rows that")
         log("  learn from them (OSCAR, centering, OptR); the other rows do not depend on the sample; "
             "E columns: the mean.")
     if pk:
@@ -960,7 +960,7 @@ def run_samples(run: Run, ref: Reference, cal, held) -> list:
     for i in range(cfg.calib_samples):
         names = list(cfg.variants) if i == 0 else [n for n in cfg.variants if learns_from_data(n)]
         if i:
-            run.log(f"\n=== calibration sample {i} (seed {cfg.seed + i}): {', '.join(names)} ===")
+            run.log(f"\n=== calibration sample {i}: {', '.join(names)} ===")
             t0 = time.perf_counter()
             cal, held = calibration_data(run.model.hf, run.tok, cfg, i, run.log)
             run.timer.lap("data", t0)

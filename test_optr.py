@@ -4692,29 +4692,30 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     assert sum(line.startswith("generate |") for line in lines) == 3
 
 
-def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path):
-    """The README's "Serving elsewhere" code runs as written on a servable model: its SGLang
-    files read back as the specs (R_V the identity beside the folded weights), and its
-    greedy generate() through hf_cache gives the tokens of our own prefill + decode_step.
-    Optr against optr: the snippet's generate() against prefill + decode_step."""
+def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path, smollm2):
+    """The README's "Serving elsewhere" code runs as written on SmolLM2 with its published
+    rotations: greedy generate() through hf_cache, the prompt past the sink and recent window,
+    gives the tokens of greedy decoding through simulate_hf (the whole sequence each token);
+    the exported checkpoint and its SGLang files read back as the specs (R_V the identity
+    beside the folded weights). Optr against optr: hf_cache against simulate_hf."""
     import re
     text = (Path(__file__).parent / "README.md").read_text()
     code = re.search(r"## Serving elsewhere.*?```python\n(.*?)```", text, re.S).group(1)
-    model, kv = served_model("llama")
-    idx = IDX[:1, :12]
-    env = dict(model=model, kv=kv, out=str(tmp_path / "x"), idx=idx)
-    exec(code, env)
-    for a, b in zip(env["back"], kv):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean)
-        assert torch.equal(a.r_v, torch.eye(16).expand(2, 16, 16))
-    folded = optr.fold_value_rotation(model, kv)
-    cache, seqs = ours_paged(folded, kv, 1)
-    logits = optr.prefill(folded, cache, seqs, idx)[:, -1]
-    ours = []
+    _, hf, tok = smollm2
+    prompt = torch.tensor([eval_llm.encode(tok, eval_llm.PK_FILLER * 40)[:330]])     # 330 > 64 + 256
+    env = dict(prompt=prompt, out=str(tmp_path / "x"))
+    exec(code.replace('"rotations/', f'"{Path(__file__).parent}/rotations/'), env)
+    x, spec, cfg = prompt, env["spec"], env["cfg"]
     for _ in range(8):
-        ours.append(int(logits.argmax(-1)))
-        logits = optr.decode_step(folded, cache, seqs, torch.tensor(ours[-1:]))
-    assert env["ids"][0, 12:].tolist() == ours
+        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg):
+            x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    assert env["ids"].tolist() == x.tolist()
+    d = tmp_path / "x" / "sglang"
+    back = optr.import_sglang(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
+    for a, b in zip(back, spec):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean)
+        assert torch.equal(a.r_v, torch.eye(cfg.head_dim).expand_as(a.r_v))
+    assert optr.load_kv_rotations(tmp_path / "x")[1]["r_v_folded"]["optr"]
 
 
 # ----------------------------------------------------------------------------------------
