@@ -3946,6 +3946,23 @@ def test_eval_llm_wilson_at_known_values():
     assert ladder.wilson(0, 0) == (None, None)
 
 
+@given(arrays(np.float64, st.tuples(st.integers(1, 3), st.integers(1, 40)),
+              elements=st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)),
+       st.integers(1, 20))
+def test_block_interval_is_a_t_interval_over_block_means_centred_on_the_mean(x, n_blocks):
+    """ladder.block_interval (eval_llm's rough KL interval): with m = rows x min(n_blocks, n)
+    contiguous block means, their Student t 95% half-width t_{0.975, m-1} s / sqrt(m) (s with
+    m - 1 in the divisor) either side of the mean of all values, as numpy computes it; no
+    interval for one block."""
+    got = ladder.block_interval(torch.tensor(x), n_blocks)
+    means = np.concatenate([b.mean(1) for b in np.array_split(x, min(n_blocks, x.shape[1]), axis=1)])
+    if len(means) < 2:
+        assert got is None
+        return
+    half = _t975_by_integration(len(means) - 1) * means.std(ddof=1) / math.sqrt(len(means))
+    assert got == pytest.approx((x.mean() - half, x.mean() + half), rel=0, abs=1e-3 * half + 1e-9)
+
+
 def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
     """RunConfig refuses a passkey context that leaves the needle no INT2 region between the
     sink (or the header) and the recent window; the shortest length it accepts does build
