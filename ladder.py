@@ -2,9 +2,10 @@
 The ladder harness both scripts share (train_tiny.py on the tiny model, eval_llm.py on a
 real LLM): what both do the same way, whatever the model and the data. The run config and
 its command line, the variants, calibration of every variant, key statistics, the Eq. 8
-split and E_rec, bits per element measured from the paged cache, the decode check through
-the paged cache, the gap closed, the table, the rotation file and results.json. Each
-script keeps only its data, its model and its metrics.
+split (and its key term per cached token) and E_rec, bits per element measured from the
+paged cache, the decode check through the paged cache, the gap closed, means and 95%
+intervals (Wilson, Student t), the table, the rotation file and results.json. Each script
+keeps only its data, its model and its metrics.
 kernel.py is not imported here: without a GPU it switches Triton to its CPU interpreter
 on import. A run that decodes with the kernel imports it at its start (decode_attention).
 """
@@ -151,6 +152,13 @@ def per_layer_variant(name: str) -> str:
     src = name.removesuffix("+e2e")
     assert VARIANTS[name].e2e and VARIANTS[src] == VARIANTS[name]._replace(e2e=False), name
     return src
+
+
+def learns_from_data(name: str) -> bool:
+    """Whether a variant's rotations or key means come from the calibration data (OSCAR's
+    covariances, centering's mean, OptR): such rows change with the calibration data."""
+    v = VARIANTS[name]
+    return v is not None and (v.base == "oscar" or v.center or v.learn)
 
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
@@ -379,6 +387,24 @@ def output_errors(model, captured: list, kv, positions: torch.Tensor) -> dict:
     return {name: s / len(captured) for name, s in sums.items()}
 
 
+@torch.no_grad()
+def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
+    """For KV head `head`, the key-induced output error each cached token s contributes,
+    |dp_s| |v_s W_O,j^T| (the norm of its term in dy_K, Eq. 8), mean over the last n_queries
+    positions and the head's query heads (eval_llm's Figure 2). q (1, H_q, T, d)."""
+    c = model.cfg
+    T = k.shape[2]
+    pos = torch.arange(T - n_queries, T)
+    mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
+    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, c)                      # Eq. 4
+    qs = q[:, :, pos]
+    p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
+    p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
+    js = torch.arange(head * c.n_rep, (head + 1) * c.n_rep)
+    vo = torch.einsum("sd,jmd->jsm", v[0, head], w_o[js]).norm(dim=-1)             # (n_rep, T)
+    return ((p_tilde - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
+
+
 # ----------------------------------------------------------------------------------------
 # H5. Serving: bits as stored, and the decode check through the paged INT2 cache
 # ----------------------------------------------------------------------------------------
@@ -510,7 +536,7 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
 
 
 # ----------------------------------------------------------------------------------------
-# H6. Gap closed, the table, results.json
+# H6. Gap closed, means and 95% intervals, the table, results.json
 # ----------------------------------------------------------------------------------------
 
 def gap_closed(variants: dict, metrics: dict) -> dict:
@@ -559,6 +585,62 @@ def gap_closed_mean_std(per_run: list[dict]) -> tuple[dict, dict]:
             mean[base][key] = t.mean().item() if xs else None
             std[base][key] = (t.std().item() if len(xs) > 1 else 0.0) if xs else None
     return mean, std
+
+
+def wilson(k: int, n: int, z: float = 1.96):
+    """Wilson score 95% interval of a proportion k/n."""
+    if n == 0:
+        return (None, None)
+    p = k / n
+    den = 1 + z * z / n
+    mid = (p + z * z / (2 * n)) / den
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / den
+    return (max(0.0, mid - half), min(1.0, mid + half))
+
+
+# t_{0.975, df} for df = 1..30 (two-sided 95%), from the standard tables
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228,
+        2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086,
+        2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def t975(df: int) -> float:
+    """The 0.975 quantile of Student's t with df degrees of freedom: the table up to 30,
+    beyond it the Cornish-Fisher series in 1/df around the normal's 1.96 (error < 1e-4)."""
+    assert df >= 1, df
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959964
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def t_interval(x) -> dict:
+    """The mean of the values x and its Student t 95% interval (None for fewer than two)."""
+    x = torch.as_tensor(x, dtype=torch.float64).flatten()
+    n = len(x)
+    mean = x.mean().item() if n else None
+    if n < 2:
+        return {"n": n, "mean": mean, "ci": None}
+    half = t975(n - 1) * x.std().item() / math.sqrt(n)              # std: n - 1 in the divisor
+    return {"n": n, "mean": mean, "ci": (mean - half, mean + half)}
+
+
+def block_interval(x: torch.Tensor, n_blocks: int = 16):
+    """A rough 95% interval of the mean of x (B, n), values in order along n (positions): a t
+    interval over the means of n_blocks contiguous blocks of each row, centred on the mean of x;
+    None for fewer than two blocks. Rough: neighbouring values are correlated, so blocks are
+    closer to independent than values, yet not independent."""
+    blocks = x.tensor_split(min(n_blocks, x.shape[1]), dim=1)
+    ci = t_interval(torch.cat([b.mean(1) for b in blocks]))["ci"]               # B * n_blocks means
+    mid = x.mean().item()
+    return None if ci is None else (mid - (ci[1] - ci[0]) / 2, mid + (ci[1] - ci[0]) / 2)
+
+
+def mean_ci(x: dict, f: str = "+.2f") -> str:
+    """A t_interval's result as 'mean [lo, hi]' ('[n/a]' without an interval)."""
+    ci = "[n/a]" if x["ci"] is None else f"[{x['ci'][0]:{f}}, {x['ci'][1]:{f}}]"
+    return f"{x['mean']:{f}} {ci}"
 
 
 def print_table(variants: dict, columns: list, log=print):

@@ -46,7 +46,6 @@ import kernel  # first: without CUDA it switches Triton to its interpreter befor
 import eval_llm
 import ladder
 import optr
-import passkey
 from kernel import int2_paged_decode
 
 F64 = torch.float64
@@ -3855,7 +3854,6 @@ def _check_calibration_samples(res: dict, out):
     per-sample rows, computed here with numpy; the rows no calibration data changes are the
     same in both samples; each sample wrote its own rotation file; the gap closed
     is the mean of each sample's own."""
-    import eval_llm
     assert res["calib_samples"] == 2 and res["calib_seeds"] == [0, 1]
     per = [res["per_sample"][f"sample{i}"] for i in range(2)]
     for name, v in res["variants"].items():
@@ -3863,7 +3861,7 @@ def _check_calibration_samples(res: dict, out):
             xs = np.array([p["variants"][name][key] for p in per])
             assert v[key] == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
             assert res["variants_std"][name][key] == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
-            if not eval_llm.learns_from_data(name):
+            if not ladder.learns_from_data(name):
                 assert xs[0] == xs[1]
     kl = [p["variants"]["quarot+optr"]["kl"] for p in per]
     assert kl[0] != kl[1]                                    # two samples, two calibrations
@@ -3927,10 +3925,9 @@ def _t975_by_integration(df: int) -> float:
 
 @pytest.mark.parametrize("df", list(range(1, 31)) + [31, 35, 40, 60, 100, 1000])
 def test_eval_llm_t_quantile_matches_the_t_density(df):
-    """passkey.t975(df), the two-sided 95% quantile of Student's t, equals the point where
+    """ladder.t975(df), the two-sided 95% quantile of Student's t, equals the point where
     the numerically integrated t density reaches 0.975, to the table's three decimals."""
-    import eval_llm
-    assert abs(passkey.t975(df) - _t975_by_integration(df)) < 1e-3
+    assert abs(ladder.t975(df) - _t975_by_integration(df)) < 1e-3
 
 
 @st.composite
@@ -3949,13 +3946,13 @@ def paired_scores(draw):
 
 @given(paired_scores())
 def test_eval_llm_paired_interval_matches_numpy(scores):
-    """passkey.paired_difference gives, per length and pooled over lengths, the mean of the
+    """eval_llm.retrieval_paired gives, per length and pooled over lengths, the mean of the
     per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
     n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
     the correct indicator; no interval for one prompt."""
     import eval_llm
     base, better = scores
-    got = passkey.paired_difference(base, better)
+    got = eval_llm.retrieval_paired({"quarot": base, "quarot+optr": better})["quarot+optr - quarot"]
     for key in ("logprob", "correct"):
         d = {L: np.asarray(better[L][key], float) - np.asarray(base[L][key], float) for L in base}
         for where, x in [(str(L), d[L]) for L in d] + [("pooled", np.concatenate(list(d.values())))]:
@@ -3973,18 +3970,34 @@ def test_eval_llm_paired_interval_matches_numpy(scores):
 
 
 def test_eval_llm_wilson_at_known_values():
-    """passkey.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
+    """ladder.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
     0..0.2775, 2/2: 0.3424..1), and each bound it does not clip solves the score equation
     (k/n - p)^2 = z^2 p (1 - p) / n."""
-    import eval_llm
     for (k, n), want in {(5, 10): (0.2366, 0.7634), (0, 10): (0.0, 0.2775),
                          (2, 2): (0.3424, 1.0)}.items():
-        assert passkey.wilson(k, n) == pytest.approx(want, abs=1e-4)
+        assert ladder.wilson(k, n) == pytest.approx(want, abs=1e-4)
     z = 1.96
     for k, n in ((1, 7), (3, 8), (13, 40)):
-        for p in passkey.wilson(k, n):
+        for p in ladder.wilson(k, n):
             assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
-    assert passkey.wilson(0, 0) == (None, None)
+    assert ladder.wilson(0, 0) == (None, None)
+
+
+@given(arrays(np.float64, st.tuples(st.integers(1, 3), st.integers(1, 40)),
+              elements=st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)),
+       st.integers(1, 20))
+def test_block_interval_is_a_t_interval_over_block_means_centred_on_the_mean(x, n_blocks):
+    """ladder.block_interval (eval_llm's rough KL interval): with m = rows x min(n_blocks, n)
+    contiguous block means, their Student t 95% half-width t_{0.975, m-1} s / sqrt(m) (s with
+    m - 1 in the divisor) either side of the mean of all values, as numpy computes it; no
+    interval for one block."""
+    got = ladder.block_interval(torch.tensor(x), n_blocks)
+    means = np.concatenate([b.mean(1) for b in np.array_split(x, min(n_blocks, x.shape[1]), axis=1)])
+    if len(means) < 2:
+        assert got is None
+        return
+    half = _t975_by_integration(len(means) - 1) * means.std(ddof=1) / math.sqrt(len(means))
+    assert got == pytest.approx((x.mean() - half, x.mean() + half), rel=0, abs=1e-3 * half + 1e-9)
 
 
 def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
@@ -3994,12 +4007,12 @@ def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
     import eval_llm
     tok = _byte_tokenizer()
     for sink, window in ((64, 256), (4, 16)):
-        L = passkey.min_passkey_context(sink, window)
+        L = next(L for L in range(sink + window, 10_000) if eval_llm.needle_fits(L, sink, window))
         with pytest.raises(ValueError, match=r"passkey_contexts: expected .* each >= " + str(L)):
             eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L - 1, 2048))
         eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
         cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
-        idx, _, starts = passkey.passkey_prompts(tok, L, 3, cfg, torch.Generator())
+        idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
         assert idx.shape[0] == 3 and idx.shape[1] <= L and all(s >= sink for s in starts)
     with pytest.raises(ValueError, match="passkey_contexts"):
         eval_llm.RunConfig(passkey_contexts=())
@@ -4017,27 +4030,27 @@ def test_eval_llm_passkey_prompts_are_whole_sentences():
     tok = _byte_tokenizer()
     enc = lambda s: tok.encode(s).ids
     cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
-    cycle = "".join(passkey.PK_SENTENCES)
-    assert cycle == passkey.PK_FILLER and len(passkey.PK_SENTENCES) == 5
-    whole = r"(?:" + "|".join(re.escape(x) for x in passkey.PK_SENTENCES) + r")*"
+    cycle = "".join(eval_llm.PK_SENTENCES)
+    assert cycle == eval_llm.PK_FILLER and len(eval_llm.PK_SENTENCES) == 5
+    whole = r"(?:" + "|".join(re.escape(x) for x in eval_llm.PK_SENTENCES) + r")*"
     for L in (400, 512, 777):
-        idx, n_ans, starts = passkey.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
+        idx, n_ans, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
         T = idx.shape[1]
         for row, start in zip(idx.tolist(), starts):
             text = tok.decode(row)
             key = re.search(r"The pass key is (\d+)\.", text)[1]
-            tail = passkey.PK_QUESTION + passkey.PK_ANSWER.format(key=key)
-            assert text.startswith(passkey.PK_HEADER) and text.endswith(tail)
-            body = text[len(passkey.PK_HEADER):len(text) - len(tail)]
-            before, after = body.split(passkey.PK_NEEDLE.format(key=key))
+            tail = eval_llm.PK_QUESTION + eval_llm.PK_ANSWER.format(key=key)
+            assert text.startswith(eval_llm.PK_HEADER) and text.endswith(tail)
+            body = text[len(eval_llm.PK_HEADER):len(text) - len(tail)]
+            before, after = body.split(eval_llm.PK_NEEDLE.format(key=key))
             assert re.fullmatch(whole, before) and re.fullmatch(whole, after)
             filler = before + after
             assert filler == (cycle * (len(filler) // len(cycle) + 1))[:len(filler)]
             n_sent = filler.count(".")
-            nxt = passkey.PK_SENTENCES[n_sent % 5]
+            nxt = eval_llm.PK_SENTENCES[n_sent % 5]
             assert T <= L < T + len(enc(nxt))                       # one more would not fit
-            assert start == len(enc(passkey.PK_HEADER + before))
-            assert len(row) == T and row[T - n_ans:] == enc(passkey.PK_ANSWER.format(key=key))
+            assert start == len(enc(eval_llm.PK_HEADER + before))
+            assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
 
 
 def test_eval_llm_passkey_prompts_are_paired_across_variants():
@@ -4051,10 +4064,10 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
                     n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
     model = optr.TinyLM(c).eval()
     L, n = 512, 3                          # room for three filler-aligned needle starts
-    build = lambda: passkey.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
+    build = lambda: eval_llm.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
     (idx, n_ans, starts), (again, _, _) = build(), build()
     assert torch.equal(idx, again)
-    needle = len(tok.encode(passkey.PK_NEEDLE.format(key="12345")).ids)
+    needle = len(tok.encode(eval_llm.PK_NEEDLE.format(key="12345")).ids)
     assert all(c.sink <= s and s + needle <= L - n_ans - 1 - c.window for s in starts)
     assert len(set(starts)) == n                                        # spread, not stacked
     scores = {}
@@ -4068,7 +4081,7 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
     assert scores[1]["quarot"] == scores[1]["quarot+optr"]
     for name in scores[1]:
         assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
-    paired = passkey.retrieval_paired(scores[1])
+    paired = eval_llm.retrieval_paired(scores[1])
     assert list(paired) == ["quarot+optr - quarot"]                      # no oscar+optr: no e2e pair
     for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
         assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
