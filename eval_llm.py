@@ -1121,12 +1121,13 @@ def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference):
 
 
 def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
-    """The plots in OUT, of layer fig_layer, KV head fig_head, or by default the layer and head
+    """The plots in OUT, of layer fig_layer, KV head fig_head, or by default the INT2 layer and head
     with the most post-RoPE channels whose |mean| exceeds their std."""
     cfg, t0 = run.cfg, time.perf_counter()
-    counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in ref.stats.items()}
+    int2 = {l for kv in specs.values() if kv for l, s in enumerate(kv) if s.quant_k}    # Gemma 3: full layers
+    counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in ref.stats.items() if int(k[5:]) in int2}
     layer = cfg.fig_layer if cfg.fig_layer >= 0 else max(counts, key=lambda l: (max(counts[l]), -l))
-    optr.need(layer in counts, f"fig_layer: expected a layer < {len(counts)}, got {layer}")
+    optr.need(layer in counts, f"fig_layer: expected one of the INT2 layers {sorted(counts)}, got {layer}")
     head = cfg.fig_head if cfg.fig_head >= 0 else max(range(len(counts[layer])), key=lambda h: counts[layer][h])
     optr.need(head < len(counts[layer]), f"fig_head: expected a KV head < {len(counts[layer])}, got {head}")
     files = dict(figure2=f"figure2_layer{layer}_head{head}.png",
