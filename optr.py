@@ -1313,7 +1313,12 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
             bos_token_id=None, eos_token_id=None)                # TinyLM has no special tokens
         tiny, model = model, transformers.AutoModelForCausalLM.from_config(hf, dtype=model.lm_head.weight.dtype)
         model.load_state_dict(tiny.state_dict())
-    fold_value_rotation(model, kv, c).save_pretrained(out_dir)
+    folded = fold_value_rotation(model, kv, c)
+    quant = getattr(folded, "hf_quantizer", None)       # a GGUF is dequantized on load: saved as the floats held
+    if quant is not None and getattr(quant.quantization_config.quant_method, "value", None) == "gguf":
+        folded.hf_quantizer = None
+        del folded.config.quantization_config
+    folded.save_pretrained(out_dir)
     served = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, quant_k=s.quant_k, quant_v=s.quant_v) for s in kv]
     save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,))
     with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
