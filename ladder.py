@@ -191,20 +191,12 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
 
     def calibrate_one(name):
         base, center, learn, _ = VARIANTS[name]
-        t0, done = time.perf_counter(), set()
-
-        def progress(line):          # optr.calibrate logs each held-out score; the last V one
-            m = re.match(rf"\s*L(\d+) V step\s+{steps}\b", line)       # ends a layer
-            if m and (int(m[1]) + 1) % progress_every == 0 and m[1] not in done:
-                done.add(m[1])
-                log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | "
-                    f"{time.perf_counter() - t0:6.1f} s")
-
+        t0 = time.perf_counter()
         if not captured:             # one full-precision forward, shared by every variant
             captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
                             else optr.full_precision_captures(model, cal, held))
         args = dict(base=base, center=center, learn=learn, query_positions=query_positions,
-                    log=progress if learn and progress_every else None)
+                    log=layer_progress(name, L, steps, progress_every, log) if learn and progress_every else None)
 
         def run(layer_map=map):
             if hf is not None:       # a transformers model: its captures through its attention
@@ -242,6 +234,19 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
             log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
                 f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")
     return specs, reports
+
+
+def layer_progress(name: str, L: int, steps: int, every: int, log):
+    """optr.calibrate's log function: of its held-out lines, the last V one ends a layer; a line
+    every `every` layers with the time since this call."""
+    t0, done = time.perf_counter(), set()
+
+    def progress(line):
+        m = re.match(rf"\s*L(\d+) V step\s+{steps}\b", line)
+        if m and (int(m[1]) + 1) % every == 0 and m[1] not in done:
+            done.add(m[1])
+            log(f"  calibrating {name:<21} | layer {int(m[1]) + 1:3d}/{L} | {time.perf_counter() - t0:6.1f} s")
+    return progress
 
 
 def log_calibration(name: str, report: list, seconds: float, per_head_layers: int, log):

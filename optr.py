@@ -1640,14 +1640,14 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
         pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
         first = 0 if pos is None else (T - 1 - pos[:, -1]).view(-1, 1, 1, 1)
         spec = exact_spec if kv is None else kv[l].to(key.device)       # specs loaded on the CPU
-        k_tilde, v_tilde = effective_kv(key, value, spec, cfg)                      # Eq. 4
-        if not (spec.quant_k or spec.quant_v):                   # an exact layer: Eq. 1-2, as sdpa computes them
+        kv_tilde = (spec.quant_k or spec.quant_v) and effective_kv(key, value, spec, cfg)   # Eq. 4
+        if not kv_tilde:                                         # an exact layer: Eq. 1-2, as sdpa computes them
             o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, enable_gqa=True)
         elif block and Tq == T and bool((mask == causal_mask(q_idx, T)).all()):    # Appendix A
-            o = block_simulated_attention(q, key, value, k_tilde, v_tilde, cfg.sink, cfg.window, block)
+            o = block_simulated_attention(q, key, value, *kv_tilde, cfg.sink, cfg.window, block)
         else:                                                    # the exact windows per sequence
             exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window)      # (B, 1, Tq, T)
-            o = effective_attention(q, key, value, k_tilde, v_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
+            o = effective_attention(q, key, value, *kv_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
         if capture is not None:
             capture[l] = ((q, key, value), module, kwargs.get("sliding_window"))
         return o.transpose(1, 2).to(query.dtype), None                             # (B, Tq, H_q, d)
