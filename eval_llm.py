@@ -38,7 +38,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -715,10 +715,10 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
     for base, g in results["gap_closed"].items():
         fmt = lambda key: "n/a" if g[key] is None else f"{g[key]:6.1%}" + (
             f" ± {gstd[base][key]:5.1%}" if n_s > 1 else "")
-        log(f"gap closed by OptR over {base:<6}: KL@{C} {fmt('kl')} | NLL@{C} {fmt('nll')}")
-        if "kl_e2e" in g:
-            log(f"gap closed by OptR+e2e over {base:<6}: KL@{C} {fmt('kl_e2e')} | NLL@{C} "
-                f"{fmt('nll_e2e')}  (e2e: ours, not the paper's)")
+        for key in [k for k in g if k.startswith("kl")]:          # kl: OptR; kl_e2e, kl_mu, ...: ours
+            sfx, what = key[2:], {"": "OptR", "_plus": "OptR+"}.get(key[2:], "OptR" + key[2:].replace("_", "+"))
+            log(f"gap closed by {what} over {base:<6}: KL@{C} {fmt(key)} | NLL@{C} {fmt('nll' + sfx)}"
+                + ("  (ours, not the paper's)" if sfx else ""))
     log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)"
         + ("; mean ± std of each sample's own" if n_s > 1 else ""))
     for pair, r in results["retrieval_paired"].items():
@@ -751,7 +751,7 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True, dtype=torch.float32).eval()
         P, n = c.sink + c.window + 32, cfg.hf_generate
         x, ids = text[:, :P], {"simulate_hf": []}
-        folded = [replace(s, r_v=None) for s in kv]        # R_V is in the checkpoint's weights
+        folded = [optr.served_spec(s) for s in kv]         # R_V is in the checkpoint's weights
         for _ in range(n):
             with torch.no_grad(), optr.simulate_hf(hf, folded, c):
                 ids["simulate_hf"].append(int(hf(x, use_cache=False).logits[0, -1].argmax()))

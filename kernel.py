@@ -1101,7 +1101,7 @@ def _check_prefill(device, small):
     # token by token on the device: appends of the k, v of prefill's simulated forward
     one, _ = _paged_cache(cfg, kv, B, T + 1, device)
     captured = []
-    specs = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in kv]          # R_V is folded
+    specs = [optr.served_spec(s) for s in kv]                              # R_V is folded
     with torch.no_grad():
         sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg), capture=captured)
     for l, (_, k, v) in enumerate(captured):

@@ -23,7 +23,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import field, fields
+from dataclasses import field, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -130,6 +130,13 @@ class Variant(NamedTuple):
     center: bool                   # key centering (Section 4)
     learn: bool                    # OptR's per-layer correction (Section 6)
     e2e: bool = False              # then every layer refined on the end-to-end KL (optr appendix D)
+    levers: tuple = ()             # OptR+ (ours): (optr.Config field, value) pairs of its calibration
+
+
+CLIP_GRID = (0.8, 0.84, 0.88, 0.92, 1.0)    # OptR+'s clip search: these and the run's c_K, c_V
+LEVERS = {"mu": (("learn_mu", True),), "nu": (("value_offset", "learn"),), "clip": (("clip_grid", CLIP_GRID),),
+          "steps": (("steps", 160), ("lr_decay", True))}
+PLUS = ("mu", "nu", "clip", "steps")        # the levers of optr+: those that lowered KL@2k on every sample
 
 
 VARIANTS = {                       # name: how its cache is stored, or None: not quantized
@@ -144,6 +151,9 @@ VARIANTS = {                       # name: how its cache is stored, or None: not
     # beyond the paper (ours): NAME+e2e starts from NAME's rotations (optr.refine_end_to_end)
     "quarot+optr+e2e": Variant("quarot", True, True, e2e=True),
     "oscar+optr+e2e": Variant("oscar", True, True, e2e=True),
+    # beyond the paper (ours): OptR+, one lever each (optr.Config's levers), and optr+ with PLUS
+    **{f"quarot+optr+{n}": Variant("quarot", True, True, levers=LEVERS[n]) for n in LEVERS},
+    "quarot+optr+": Variant("quarot", True, True, levers=sum((LEVERS[n] for n in PLUS), ())),
 }
 
 
@@ -180,7 +190,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
     held-out KL at the start -> the kept step's."""
     timer = timer or Timer()
-    L, steps = model.cfg.n_layers, model.cfg.steps
+    L = model.cfg.n_layers
     hf = getattr(model, "hf", None)  # eval_llm.HFModel: a transformers model, optr.calibrate_hf
     specs, reports, per_layer, captured = {}, {}, {}, []
 
@@ -190,22 +200,22 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
         return per_layer[name]
 
     def calibrate_one(name):
-        base, center, learn, _ = VARIANTS[name]
-        t0 = time.perf_counter()
+        base, center, learn, _, levers = VARIANTS[name]
+        cfg, t0 = replace(model.cfg, **dict(levers)), time.perf_counter()
         if not captured:             # one full-precision forward, shared by every variant
             captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
                             else optr.full_precision_captures(model, cal, held))
         args = dict(base=base, center=center, learn=learn, query_positions=query_positions,
-                    log=layer_progress(name, L, steps, progress_every, log) if learn and progress_every else None)
+                    log=layer_progress(name, L, cfg.steps, progress_every, log) if learn and progress_every else None)
 
         def run(layer_map=map):
             if hf is not None:       # a transformers model: its captures through its attention
-                return optr.calibrate_hf(hf, cal, held, model.cfg, layer_map=layer_map,
+                return optr.calibrate_hf(hf, cal, held, cfg, layer_map=layer_map,
                                          captured=captured, sliding=sliding, **args)
-            return optr.calibrate(model, cal, held, cfg=model.cfg, captured=captured,
+            return optr.calibrate(model, cal, held, cfg=cfg, captured=captured,
                                   layer_map=layer_map, **args)
         if propagate:                # ours: layer l sees the INT2 layers below
-            kv, report = optr.calibrate_propagated(model, cal, held, cfg=model.cfg,
+            kv, report = optr.calibrate_propagated(model, cal, held, cfg=cfg,
                                                    captured=None if hf else captured, **args)
         elif workers > 1 and learn:  # layers at once, one torch thread each
             threads = torch.get_num_threads()
@@ -401,7 +411,7 @@ def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
     T = k.shape[2]
     pos = torch.arange(T - n_queries, T)
     mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
-    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, c)                      # Eq. 4
+    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, spec.quantizer(c))      # Eq. 4
     qs = q[:, :, pos]
     p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
     p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
@@ -549,16 +559,18 @@ def gap_closed(variants: dict, metrics: dict) -> dict:
     gap to full precision that OptR closes, (optr - base) / (full - base), for each metric
     {name: (value of a variant's results, +1 if higher is better, -1 if lower is)}; None
     where full is not better than the base (no gap). For KL (full 0) that is
-    (KL_base - KL_optr) / KL_base. With the base's +optr+e2e variant (ours) present, the
-    same fraction for it under the key METRIC_e2e (e.g. kl_e2e)."""
+    (KL_base - KL_optr) / KL_base. For the base's other +optr variants (ours: +e2e, OptR+'s
+    +mu, ..., and optr+ "+") the same fraction under the key METRIC_SUFFIX (kl_e2e, kl_mu, kl_plus)."""
     out = {}
     for base in ("quarot", "oscar"):
         if base not in variants or base + "+optr" not in variants:
             continue
         f, b = variants["full"], variants[base]
         out[base] = {}
-        for suffix, name in (("", base + "+optr"), ("_e2e", base + "+optr+e2e")):
-            for m, (get, sign) in metrics.items() if name in variants else ():
+        for name in [n for n in variants if n.startswith(base + "+optr")]:
+            rest = name.removeprefix(base + "+optr")
+            suffix = "_plus" if rest == "+" else rest.replace("+", "_")
+            for m, (get, sign) in metrics.items():
                 gap = get(f) - get(b)
                 out[base][m + suffix] = (get(variants[name]) - get(b)) / gap if gap * sign > 0 else None
     return out

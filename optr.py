@@ -82,6 +82,11 @@ class Config:
     # end-to-end refinement (appendix D; ours, not in the paper)
     e2e_steps: int = 10          # full-batch Adam steps on the end-to-end KL (0: keep OptR's result)
     e2e_lr: float = 2e-3         # Adam learning rate on every layer's A in the end-to-end refinement
+    # OptR+ levers (ours, not in the paper; the defaults are the paper's OptR)
+    learn_mu: bool = False       # learn the key offset mu beside A, from the mean
+    value_offset: str = "none"   # nu: "none", "mean" (the values' mean) or "learn" (then learned beside A)
+    clip_grid: tuple[float, ...] = ()  # per layer and side, the c (clip_k/v or one of these) of least held-out loss
+    lr_decay: bool = False       # cosine decay of lr to 0 over the steps
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):
@@ -98,6 +103,8 @@ class Config:
             "must be finite and > 0, lam finite and >= 0"
         assert self.out_reduce in ("mean", "sum") and self.calib_windows in ("static", "relative"), \
             "out_reduce must be 'mean' or 'sum', calib_windows 'static' or 'relative'"
+        assert self.value_offset in ("none", "mean", "learn") and all(0 < c <= 1 for c in self.clip_grid), \
+            "value_offset must be 'none', 'mean' or 'learn', clip_grid values in (0, 1]"
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -324,15 +331,19 @@ the same -<q, mu>/sqrt(d), so softmax is unchanged exactly; centering before RoP
 not be, since RoPE rotates mu differently at each position. It removes per-channel
 offsets that would otherwise use up INT2's four levels. (A model with learned attention-
 sink logits would have to shift those by the same amount; this model has none.)
+Any mu keeps softmax, so the mean is a choice: OptR+ (ours) may learn mu (Section 6), and
+may store values as v - nu too: a query's weights sum to 1, so sum_s p_s (v_s - nu) + nu =
+sum_s p_s v_s exactly; nu is added back once after the readout.
 """
 
 def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d) fp32 (summed in float64)."""
+    """k (N, H_kv, T, d) post-RoPE calibration keys (or values) -> mu (or nu) (H_kv, d) fp32
+    (summed in float64)."""
     return k.double().mean(dim=(0, 2)).float()
 
 
 def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
-    """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype."""
+    """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype (values: v - nu)."""
     return k if k_mean is None else k - k_mean[None, :, None, :].to(k.dtype)
 
 
@@ -376,10 +387,16 @@ class KVQuant:
     r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
     quant_k: bool = True                 # keys outside the windows in INT2
     quant_v: bool = True                 # values outside the windows in INT2
+    v_mean: torch.Tensor | None = None   # (H_kv, d) value offset nu, or None (OptR+, ours)
+    clip_k: float | None = None          # this layer's c_K, or None: the Config's (OptR+, ours)
+    clip_v: float | None = None          # this layer's c_V, or None: the Config's
 
     def to(self, device) -> KVQuant:     # the same spec with its tensors on `device`
-        return replace(self, **{f: getattr(self, f).to(device) for f in ("k_mean", "r_k", "r_v")
+        return replace(self, **{f: getattr(self, f).to(device) for f in ("k_mean", "r_k", "r_v", "v_mean")
                                 if getattr(self, f) is not None})
+
+    def quantizer(self, cfg: Config) -> Config:   # cfg with this layer's clips
+        return replace(cfg, clip_k=self.clip_k or cfg.clip_k, clip_v=self.clip_v or cfg.clip_v)
 
 
 def dequant_keys(k, k_mean, r_k, cfg: Config):
@@ -388,12 +405,18 @@ def dequant_keys(k, k_mean, r_k, cfg: Config):
     return k_tilde if k_mean is None else k_tilde + k_mean[None, :, None, :].to(k_tilde.dtype)
 
 
+def dequant_values(v, v_mean, r_v, cfg: Config):
+    """v~ = nu + D_{R_V,c_V}(v - nu) (nu None: Eq. 4's D_{R_V,c_V}(v)), v (B, H_kv, T, d)."""
+    v_tilde = rotate_dequant(center_keys(v, v_mean), r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)
+    return v_tilde if v_mean is None else v_tilde + v_mean[None, :, None, :].to(v_tilde.dtype)
+
+
 def effective_kv(k, v, spec: KVQuant, cfg: Config):
-    """Dequantized keys and values in the model's own basis (no windows applied):
-    k~ = mu + D_{R_K,c_K}(k - mu),  v~ = D_{R_V,c_V}(v)   (Eq. 4)."""
-    k_tilde = dequant_keys(k, spec.k_mean, spec.r_k, cfg) if spec.quant_k else k
-    v_tilde = rotate_dequant(v, spec.r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) \
-        if spec.quant_v else v                                                       # Eq. 4
+    """Dequantized keys and values in the model's own basis (no windows applied), with the
+    layer's clips: k~ = mu + D_{R_K,c_K}(k - mu),  v~ = nu + D_{R_V,c_V}(v - nu)   (Eq. 4)."""
+    c = spec.quantizer(cfg)
+    k_tilde = dequant_keys(k, spec.k_mean, spec.r_k, c) if spec.quant_k else k
+    v_tilde = dequant_values(v, spec.v_mean, spec.r_v, c) if spec.quant_v else v       # Eq. 4
     return k_tilde, v_tilde
 
 
@@ -470,6 +493,8 @@ tokens exact for every query) or "relative" (each query's own, as served). Adam 
 mean of the per-head losses, full batch; each head is scored on held-out sequences after
 updates 1, 1 + eval_every, ... and the last, keeps its best A, and falls back to R_base
 if that is not below the base's held-out loss. Layers are calibrated independently.
+OptR+ (ours; Config's levers): mu, and nu in L_V, learned beside A from the means; per side
+the clip of a small grid with the lowest held-out loss at R_base; more steps, lr decaying.
 """
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -510,36 +535,43 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, exact, cfg: Config):
     return per_head(kl_divergence(p, p_tilde) + cfg.lam * output_error(dy_k, cfg), k.shape[1])
 
 
-def optr_value_loss(p_tilde, v, w_o, r_v, mask, exact, cfg: Config):
+def optr_value_loss(p_tilde, v, w_o, r_v, mask, exact, cfg: Config, v_mean=None):
     """Per-head L_V = mean (dy_V)^2, (H_kv,), given the final INT2-key attention p~
-    (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d)."""
-    dv = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) - v      # Eq. 4
+    (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d); v_mean (H_kv, d) or None."""
+    dv = dequant_values(v, v_mean, r_v, cfg) - v                                    # Eq. 4
     dy_v = value_error(p_tilde, dv, int2_mask(mask, exact), w_o)                    # Eq. 8
     return per_head(output_error(dy_v, cfg), v.shape[1])
 
 
-def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
-    """Learn R = R_base exp(A - A^T) per head. loss_fn(R, split) -> per-head losses (H_kv,)
-    on split "cal" (differentiable) or "held". Returns R (H_kv, d, d) and report rows."""
+def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None, offset=None, learn_offset=False):
+    """Learn R = R_base exp(A - A^T) per head. loss_fn(R, split, offset) -> per-head losses
+    (H_kv,) on split "cal" (differentiable) or "held"; offset: mu or nu (H_kv, d) or None, fixed
+    or (learn_offset, OptR+) learned beside A. Returns R (H_kv, d, d), the offset, report rows."""
     H, d, _ = r_base.shape
     r_base = r_base.float()
     A = torch.zeros(H, d, d, device=r_base.device, requires_grad=True)
-    opt = torch.optim.Adam([A], lr=cfg.lr)
+    m = None if offset is None else offset.detach().float().clone().requires_grad_(learn_offset)
+    opt = torch.optim.Adam([A] + ([m] if learn_offset else []), lr=cfg.lr)
+    decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.steps) if cfg.lr_decay else None
     with torch.no_grad():
-        base = loss_fn(r_base, "held")
-    best, best_A = base.clone(), torch.zeros_like(A)
+        base = loss_fn(r_base, "held", m)
+    best, best_A, best_m = base.clone(), torch.zeros_like(A), None if m is None else m.detach().clone()
     best_step = torch.zeros(H, dtype=torch.long, device=r_base.device)
     for step in range(1, cfg.steps + 1):
-        loss = loss_fn(optr_rotation(r_base, A), "cal").mean()   # mean of the per-head losses
+        loss = loss_fn(optr_rotation(r_base, A), "cal", m).mean()   # mean of the per-head losses
         opt.zero_grad()
         loss.backward()
         opt.step()
+        if decay is not None:
+            decay.step()
         if (step - 1) % cfg.eval_every == 0 or step == cfg.steps:   # after updates 1, 21, ..., last
             with torch.no_grad():
-                held = loss_fn(optr_rotation(r_base, A), "held")
+                held = loss_fn(optr_rotation(r_base, A), "held", m)
                 better = held < best
                 best = torch.where(better, held, best)
                 best_A[better] = A.detach()[better]
+                if m is not None:
+                    best_m[better] = m.detach()[better]
                 best_step[better] = step
             if log:
                 log(f"  {tag} step {step:4d} | cal loss {loss.item():.5f} | "
@@ -549,7 +581,7 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
         R = torch.where(kept[:, None, None], optr_rotation(r_base, best_A), r_base)
     rows = [dict(head=h, base_loss=base[h].item(), best_loss=best[h].item(),
                  best_step=int(best_step[h]), kept=bool(kept[h])) for h in range(H)]
-    return R.detach(), rows
+    return R.detach(), best_m, rows
 
 
 def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
@@ -568,11 +600,11 @@ def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
 
 
 def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_positions=None,
-                    learn_k=True, learn_v=True, tag="", log=None, fast=True):
+                    learn_k=True, learn_v=True, tag="", log=None, fast=True, v_mean=None):
     """OptR for one layer. cal, held: full-precision (q (N, H_q, T, d), k, v (N, H_kv, T, d))
     post-RoPE, any float dtype (the math runs in fp32 on k's device); w_o (H_q, d_model, d);
-    r_k0, r_v0 (H_kv, d, d) bases; k_mean (H_kv, d) or None. fast: L_K by fast_key_loss
-    (Appendix A: the same loss and gradient). Returns r_k, r_v and report rows."""
+    r_k0, r_v0 (H_kv, d, d) bases; k_mean, v_mean (H_kv, d) or None. fast: L_K by
+    fast_key_loss (Appendix A: the same loss and gradient). Returns a KVQuant and report rows."""
     dev = cal[1].device
     data = {}
     for split, (q, k, v) in (("cal", cal), ("held", held)):
@@ -580,31 +612,41 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
         data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
                        mask, exact)
     w_o = w_o.detach().float().to(dev)
-    k_mean = None if k_mean is None else k_mean.float().to(dev)
-    if fast:
-        key_loss = fast_key_loss(data, w_o, k_mean, cfg)                # Appendix A
-    else:
-        def key_loss(R, split):
-            q, k, v, mask, exact = data[split]
-            return optr_key_loss(q, k, v, w_o, R, k_mean, mask, exact, cfg)
-    r_k, rows_k = fit_rotation(key_loss, r_k0.float().to(dev), cfg, f"{tag}K", log) \
-        if learn_k else (r_k0.float().to(dev), [])
+    k_mean, v_mean, r_k0, r_v0 = (None if x is None else x.float().to(dev) for x in (k_mean, v_mean, r_k0, r_v0))
+
+    def key_loss_at(c):                                  # L_K at clip c_K = c
+        ck = replace(cfg, clip_k=c)
+        if fast:
+            return fast_key_loss(data, w_o, ck)                                # Appendix A
+        return lambda R, split, mu: optr_key_loss(*data[split][:3], w_o, R, mu, *data[split][3:], ck)
+    clip_k = best_clip(lambda c: key_loss_at(c)(r_k0, "held", k_mean), cfg.clip_k, cfg.clip_grid)
+    ck = replace(cfg, clip_k=clip_k)
+    r_k, k_mean, rows_k = fit_rotation(key_loss_at(clip_k), r_k0, cfg, f"{tag}K", log, k_mean, cfg.learn_mu) \
+        if learn_k else (r_k0, k_mean, [])
 
     value_data = {}                                      # the final INT2-key attention, fixed
     with torch.no_grad():
         for split, (q, k, v, mask, exact) in data.items():
-            p_tilde = torch.softmax(effective_logits(q, k, dequant_keys(k, k_mean, r_k, cfg),
+            p_tilde = torch.softmax(effective_logits(q, k, dequant_keys(k, k_mean, r_k, ck),
                                                      mask, exact), dim=-1)
             s = int2_tokens(mask, exact)                 # no query reads the others' dv
             value_data[split] = (p_tilde[..., s], v[:, :, s], mask[:, s], exact[:, s])
 
-    def value_loss(R, split):
-        p_tilde, v, mask, exact = value_data[split]
-        return optr_value_loss(p_tilde, v, w_o, R, mask, exact, cfg)
+    def value_loss_at(c):                                # L_V at clip c_V = c
+        return lambda R, split, nu: optr_value_loss(*value_data[split][:2], w_o, R, *value_data[split][2:],
+                                                    replace(ck, clip_v=c), nu)
+    clip_v = best_clip(lambda c: value_loss_at(c)(r_v0, "held", v_mean), cfg.clip_v, cfg.clip_grid)
+    r_v, v_mean, rows_v = fit_rotation(value_loss_at(clip_v), r_v0, cfg, f"{tag}V", log, v_mean,
+                                       cfg.value_offset == "learn") if learn_v else (r_v0, v_mean, [])
+    spec = KVQuant(k_mean=k_mean, r_k=r_k, r_v=r_v, v_mean=v_mean, clip_k=cfg.clip_grid and clip_k or None,
+                   clip_v=cfg.clip_grid and clip_v or None)
+    return spec, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
 
-    r_v, rows_v = fit_rotation(value_loss, r_v0.float().to(dev), cfg, f"{tag}V", log) \
-        if learn_v else (r_v0.float().to(dev), [])
-    return r_k, r_v, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
+
+def best_clip(held_loss, default: float, grid: tuple) -> float:
+    """OptR+ (ours): the c of (default, *grid) whose held-out loss at R_base, summed over heads, is lowest."""
+    with torch.no_grad():
+        return min((default, *grid), key=lambda c: held_loss(c).sum().item()) if grid else default
 
 
 @torch.no_grad()
@@ -622,12 +664,13 @@ def calibrate_one_layer(w_o, l, cal, held, cfg: Config, base="quarot", center=Tr
     -> KVQuant, report rows."""
     q, k, v = cal
     mu = key_mean(k) if center else None                                   # Section 4
+    nu = key_mean(v) if cfg.value_offset != "none" else None               # OptR+ (ours)
     r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                        # Section 3
     if not learn:
-        return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
-    r_k, r_v, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, cfg,
-                                     query_positions, tag=f"L{l} ", log=log)
-    return KVQuant(k_mean=mu, r_k=r_k, r_v=r_v), [dict(r, layer=l) for r in rows]
+        return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0, v_mean=nu), []
+    spec, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, cfg, query_positions,
+                                 tag=f"L{l} ", log=log, v_mean=nu)
+    return spec, [dict(r, layer=l) for r in rows]
 
 
 def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
@@ -805,7 +848,8 @@ class TinyLM(nn.Module):
 # 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
 # ----------------------------------------------------------------------------------------
 """
-The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
+The cache stores (k - mu) R_K and (v - nu) R_V (nu: OptR+'s, else 0, added back to the
+readout): the sink and recent windows in full precision
 (window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
 are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
 weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
@@ -829,6 +873,12 @@ def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
 def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
     """(k - mu) R_K, the keys as cached; k (n, H_kv, T, d)."""
     return rotate_rows(center_keys(k, spec.k_mean), spec.r_k)
+
+
+def served_spec(spec: KVQuant) -> KVQuant:
+    """The spec beside weights with R_V folded in: no R_V, and nu in their basis, nu R_V."""
+    nu = spec.v_mean if spec.v_mean is None else rotate_rows(spec.v_mean[None, :, None], spec.r_v)[0, :, 0]
+    return replace(spec, r_v=None, v_mean=nu)
 
 
 def fold_value_rotation(model, kv: list, cfg: Config | None = None):
@@ -864,7 +914,7 @@ class PagedKVCache:
                  window_dtype=torch.float32, device="cpu"):
         assert num_pages >= 1 and max_seqs >= 1 and len(kv) == cfg.n_layers, "pages, seqs, a KVQuant per layer"
         assert all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context"
-        self.cfg, self.kv = cfg, kv
+        self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         NW = cfg.sink + cfg.window
         u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
@@ -932,7 +982,7 @@ class PagedKVCache:
     def _write_int2(self, layer, seq, n, k_rows, v_rows):
         """Quantize and pack INT2 token n of `seq` (an index and rows (H_kv, d), or indices (N,)
         and rows (N, H_kv, d)) into slot n % page_size of page block_table[seq, n // page_size]."""
-        c = self.cfg
+        c = self.kv[layer].quantizer(self.cfg)                         # the layer's clips
         page, slot = self.block_table[seq, n // c.page_size].long(), n % c.page_size
         assert bool((page >= 0).all()), "reserve takes a page before it is written"
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
@@ -942,12 +992,13 @@ class PagedKVCache:
 
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
-        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
+        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis; stored as v - nu)."""
         c = self.cfg
         check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         self.reserve(layer, seqs, 1)
         kr = stored_keys(self.kv[layer], k[:, :, None])[:, :, 0]       # (n, H_kv, d)
+        v = center_keys(v[:, :, None], self.kv[layer].v_mean)[:, :, 0]  # v - nu
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
             pos = int(self.length[layer, s])
@@ -972,6 +1023,7 @@ class PagedKVCache:
         T, S, W = k.shape[2], c.sink, c.window
         self.reserve(layer, seqs, T)
         kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
+        v = center_keys(v, self.kv[layer].v_mean)                        # v - nu
         dev = self.block_table.device
         for i, s in enumerate(seqs):
             n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
@@ -1010,7 +1062,7 @@ class PagedKVCache:
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                            n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
     """The decode the Triton kernel must match, in torch: q (B, H_q, d) already rotated by R_K,
-    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis."""
+    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis (nu not added)."""
     B, Hq, d = q.shape
     H, P = k_codes.shape[1], k_codes.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -1049,6 +1101,8 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
             qr = qr @ cache.kv[layer].r_k.unsqueeze(0).to(qr.dtype)        # q R_K
         o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(layer, seqs),
                    group_size=c.group_size, **options)                     # (n, H_q, d)
+        nu = cache.kv[layer].v_mean                                        # sum_s p_s (v_s - nu) + nu
+        o = o if nu is None else o + nu.repeat_interleave(c.n_rep, 0).to(o)
         return o[:, :, None]                                               # (n, H_q, 1, d)
     # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
     # layer holds as many between steps)
@@ -1075,8 +1129,8 @@ Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
 """
 
-def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
-    """L_K of optr_key_loss as a function (R_K, split) -> (H_kv,), for the splits of
+def fast_key_loss(data: dict, w_o, cfg: Config):
+    """L_K of optr_key_loss as a function (R_K, split, mu) -> (H_kv,), for the splits of
     data {split: (q, k, v, mask, exact)} (as calibrate_layer builds them)."""
     fixed = {}
     for split, (q, k, v, mask, exact) in data.items():
@@ -1089,7 +1143,7 @@ def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
         fixed[split] = (q, k[:, :, stored], v[:, :, stored], int2_mask(mask, exact)[:, stored],
                         a_s, (a_s - lse[..., None]).exp(), lse, lse_rest, o_rest)
 
-    def loss(r_k, split):
+    def loss(r_k, split, k_mean):
         q, k_s, v_s, int2, a_s, p_s, lse, lse_rest, o_rest = fixed[split]
         k_tilde = dequant_keys(k_s, k_mean, r_k, cfg)                              # Eq. 4 on S
         a_tilde = torch.where(int2, gqa_logits(q, k_tilde), a_s)                   # Eq. 5 on S
@@ -1138,9 +1192,8 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, b
             raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
                              f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
     cache.reserve(0, seqs, idx.shape[1])           # an exhausted pool raises before the forward
-    specs = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, r_v=None) for s in cache.kv]  # R_V is folded
     captured = []
-    logits = model(idx, SimulatedINT2(specs, m, block), capture=captured)
+    logits = model(idx, SimulatedINT2(cache.kv, m, block), capture=captured)   # R_V is folded
     for l, (_, k, v) in enumerate(captured):
         cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
     return logits
@@ -1157,8 +1210,10 @@ file, export_hf the one it serves): a safetensors file holding, per variant NAME
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
   NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
   NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
+  NAME/layers.N.v_mean  float32 (H_kv, d)     value offset nu (OptR+; absent: 0)
 and as metadata the format, geometry, quantizer settings and per variant its parts, its
-quant_k / quant_v flags and whether R_V is folded. A part a variant lacks is None; loading
+quant_k / quant_v flags, per-layer clips (OptR+; absent or null: the settings') and whether
+R_V is folded. A part a variant lacks is None; loading
 checks every tensor (name, shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL).
 """
 
@@ -1216,7 +1271,7 @@ def reconfigure(model: TinyLM, **changes) -> TinyLM:
 
 ROTATION_FORMAT = "optr-kv-rotations-1"
 KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
-KV_PARTS = ("r_k", "r_v", "k_mean")
+KV_PARTS = ("r_k", "r_v", "k_mean", "v_mean")
 
 
 def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: dict | None = None):
@@ -1235,7 +1290,7 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
                 tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
         parts[name] = have
         flags[name] = dict(quant_k=[bool(s.quant_k) for s in kv], quant_v=[bool(s.quant_v) for s in kv],
-                           r_v_folded=name in folded)
+                           r_v_folded=name in folded, clip_k=[s.clip_k for s in kv], clip_v=[s.clip_v for s in kv])
     info = dict(format=ROTATION_FORMAT, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads,
                 head_dim=cfg.head_dim, settings={n: getattr(cfg, n) for n in KV_SETTINGS},
                 variants=list(variants), parts=parts, flags=flags, meta=meta or {})
@@ -1269,30 +1324,35 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
                                     f"model's {want}, got {(L, H, d)}")
     flags = {name: info["flags"][name] for name in info["variants"]}
     for name, fl in flags.items():
-        need(len(fl["quant_k"]) == L and len(fl["quant_v"]) == L, f"{path}: flags of {name!r}: expected {L} layers")
+        fl.setdefault("clip_k", [None] * L), fl.setdefault("clip_v", [None] * L)      # older files
+        need(all(len(fl[f]) == L for f in ("quant_k", "quant_v", "clip_k", "clip_v")),
+             f"{path}: flags of {name!r}: expected {L} layers")
+        need(all(c is None or (isinstance(c, float) and 0 < c <= 1) for c in fl["clip_k"] + fl["clip_v"]),
+             f"{path}: flags of {name!r}: clips must be null or in (0, 1]")
     expected = {f"{name}/layers.{l}.{p}" for name, fl in flags.items() for p in info["parts"][name]
                 for l in range(L) if fl["quant_k"][l] or fl["quant_v"][l]}     # exact layers: none
     need(set(tensors) <= expected, f"{path}: unexpected tensors {sorted(set(tensors) - expected)[:8]}")
     need(expected <= set(tensors), f"{path}: missing tensors {sorted(expected - set(tensors))[:8]}")
-    shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d))
+    shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d), v_mean=(H, d))
     for key, t in tensors.items():
         p = key.rsplit(".", 1)[1]
         check_tensor(f"{path}: tensor {key}", t, shape=shapes[p], dtype=(torch.float32,), finite=True)
-        if p != "k_mean":
+        if p.startswith("r_"):
             check_rotation(f"{path}: tensor {key}", t, H, d)
     variants = {}
     for name, fl in flags.items():
         variants[name] = [KVQuant(**{p: tensors.get(f"{name}/layers.{l}.{p}") for p in KV_PARTS},
-                                  quant_k=bool(fl["quant_k"][l]), quant_v=bool(fl["quant_v"][l]))
+                                  **{f: fl[f][l] for f in ("quant_k", "quant_v", "clip_k", "clip_v")})
                           for l in range(L)]
     info["r_v_folded"] = {name: bool(info["flags"][name]["r_v_folded"]) for name in info["variants"]}
     return variants, info
 
 
 KV_LAYOUT = """kv_rotations.safetensors: this checkpoint's KV cache (OptR). R_V is folded into
-the weights; per layer N of variant NAME the file holds NAME/layers.N.r_k (H_kv, d, d) and
-NAME/layers.N.k_mean (H_kv, d). Cache a post-RoPE key as (k - mu) R_K and rotate queries by
-R_K; all but the first `sink` and the `window` latest tokens are INT2 (settings in the
+the weights; per layer N of variant NAME the file holds NAME/layers.N.r_k (H_kv, d, d),
+NAME/layers.N.k_mean (H_kv, d) and, if the variant has one, the value offset NAME/layers.N.v_mean
+(H_kv, d) in the folded basis. Cache a post-RoPE key as (k - mu) R_K and a value as v - nu, add nu
+to each head's readout, and rotate queries by R_K; all but the first `sink` and the `window` latest tokens are INT2 (settings in the
 metadata). Load: transformers' from_pretrained(dir), optr.load_kv_rotations(dir).
 """
 
@@ -1319,7 +1379,7 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
         folded.hf_quantizer = None
         del folded.config.quantization_config
     folded.save_pretrained(out_dir)
-    served = [KVQuant(k_mean=s.k_mean, r_k=s.r_k, quant_k=s.quant_k, quant_v=s.quant_v) for s in kv]
+    served = [served_spec(s) for s in kv]
     save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,))
     with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
         f.write(KV_LAYOUT)
@@ -1466,7 +1526,12 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
                     (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
             (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
              "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
-            for l, s in enumerate(kv)]:
+            for l, s in enumerate(kv)] + [
+            (s.v_mean is None, f"kv[{l}]: a value offset nu (OptR+), but the engine has none: use a variant "
+             "without +nu") for l, s in enumerate(kv)] + [
+            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips "
+             f"{s.clip_k}, {s.clip_v} of its own (OptR+), but the engine has one per side: use a variant "
+             "without +clip") for l, s in enumerate(kv)]:
         need(ok, f"export_sglang: {msg}")
     os.makedirs(out_dir, exist_ok=True)
     eye = torch.eye(d).expand(H, d, d)
@@ -1539,7 +1604,7 @@ class Int2Layer:
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, spec: KVQuant, cfg: Config, folded: bool):
-        self.spec, self.cfg, self.folded, self.n = spec, cfg, folded, 0
+        self.spec, self.cfg, self.n = served_spec(spec) if folded else spec, cfg, 0
         self.keys = self.values = self.k = self.v = None               # k, v: Int2Tokens
 
     def get_seq_length(self) -> int:
@@ -1556,7 +1621,7 @@ class Int2Layer:
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values (B, H_kv, n, d)."""
         self.spec = self.spec.to(key_states.device)                       # specs loaded on the CPU
-        c, sp, S = self.cfg, self.spec, self.cfg.sink
+        c, sp, S = self.spec.quantizer(self.cfg), self.spec, self.cfg.sink
         self.n += key_states.shape[-2]
         self.keys, self.values = (x if old is None else torch.cat([old, x], -2) for old, x in
                                   ((self.keys, key_states), (self.values, value_states)))
@@ -1564,7 +1629,7 @@ class Int2Layer:
         if out:
             k, v = (x[..., S:S + out, :].float() for x in (self.keys, self.values))
             self.k = self.pack(self.k, stored_keys(sp, k), c.clip_k)
-            self.v = self.pack(self.v, v if self.folded else rotate_rows(v, sp.r_v), c.clip_v)
+            self.v = self.pack(self.v, rotate_rows(center_keys(v, sp.v_mean), sp.r_v), c.clip_v)
             self.keys, self.values = (torch.cat([x[..., :S, :], x[..., S + out:, :]], -2)
                                       for x in (self.keys, self.values))
         if self.k is None:
@@ -1572,7 +1637,8 @@ class Int2Layer:
         k, v = (q2_dequantize(t.codes, t.scale, t.zero, c.group_size) for t in (self.k, self.v))
         k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)                  # back to the model's basis
         k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
-        v = v if sp.r_v is None or self.folded else v @ sp.r_v.mT.to(v)
+        v = v if sp.r_v is None else v @ sp.r_v.mT.to(v)                   # folded: no R_V
+        v = v if sp.v_mean is None else v + sp.v_mean[None, :, None, :].to(v)
         cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
         return cat(self.keys, k), cat(self.values, v)
 

@@ -1564,6 +1564,12 @@ def test_relative_calibration_windows_follow_each_query_as_the_cache_serves():
                                      11: [2, 3, 4, 5, 6, 7, 8]}
 
 
+def layer_rotations(*args, **kw):
+    """calibrate_layer's R_K, R_V and report rows."""
+    spec, rows = optr.calibrate_layer(*args, **kw)
+    return spec.r_k, spec.r_v, rows
+
+
 def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
     """fit_rotation with a dummy per-head loss: the calibration loss pulls R towards the
     identity, head h weighted h + 1; the held-out loss of head h after n updates is
@@ -1573,7 +1579,7 @@ def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
     state = dict(n=0, held_after=[], d_scalar=[])
     r_base = random_rotations(H, d, 3)
 
-    def loss_fn(R, split):
+    def loss_fn(R, split, offset):
         if split == "cal":
             state["n"] += 1
             loss = ((R - torch.eye(d)) ** 2).sum(dim=(1, 2)) * torch.arange(1.0, H + 1)
@@ -1583,7 +1589,7 @@ def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
         return torch.tensor(held_of_update(state["n"]), dtype=torch.float32)
 
     cfg = optr.Config(head_dim=d, group_size=d, n_heads=H, n_kv_heads=H, steps=steps, eval_every=eval_every)
-    R, rows = optr.fit_rotation(loss_fn, r_base, cfg)
+    R, _, rows = optr.fit_rotation(loss_fn, r_base, cfg)
     return state, rows, R, r_base
 
 
@@ -1630,8 +1636,8 @@ def test_calibrate_layer_scores_heads_by_the_authors_held_out_losses():
     cfg = small_cfg(steps=1, eval_every=1)
     cal, held, w_o = layer_fixture(seed=5, N=2, T=40, T_held=32)
     mu, R = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
-    _, _, rows = optr.calibrate_layer(cal, held, w_o, R, R, mu, cfg, learn_v=False)
-    _, _, rows_v = optr.calibrate_layer(cal, held, w_o, R, R, mu, cfg, learn_k=False)
+    _, _, rows = layer_rotations(cal, held, w_o, R, R, mu, cfg, learn_v=False)
+    _, _, rows_v = layer_rotations(cal, held, w_o, R, R, mu, cfg, learn_k=False)
     lk, lv = authors_losses(held, w_o, R, R, mu, cfg)
     assert [r["part"] for r in rows] == ["k", "k"] and [r["part"] for r in rows_v] == ["v", "v"]
     assert torch.allclose(torch.tensor([r["base_loss"] for r in rows]), lk, rtol=2e-5)
@@ -1646,7 +1652,7 @@ def test_optr_strictly_improves_a_poor_base():
     cfg = small_cfg()
     cal, held, w_o = layer_fixture()
     r0 = optr.identity_rotation(2, 16)
-    r_k, r_v, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg)
+    r_k, r_v, rows = layer_rotations(cal, held, w_o, r0, r0, None, cfg)
     lk_base, _ = authors_losses(held, w_o, r0, r0, None, cfg)
     lk, lv = authors_losses(held, w_o, r_k, r_v, None, cfg)
     _, lv_base = authors_losses(held, w_o, r_k, r0, None, cfg)       # same keys, base values
@@ -1668,12 +1674,12 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
                                       torch.randint(0, 4, shape[:-1] + (shape[-1] - 4,), generator=g).float()], -1)
     held = (cal[0], exact(6, 2, 48, 16), exact(6, 2, 48, 16))
     r0 = optr.identity_rotation(2, 16)
-    r_k, r_v, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg)
+    r_k, r_v, rows = layer_rotations(cal, held, w_o, r0, r0, None, cfg)
     assert len(rows) == 4
     for r in rows:
         assert r["base_loss"] == 0.0 and not r["kept"] and r["best_step"] == 0
     assert torch.equal(r_k, r0) and torch.equal(r_v, r0)
-    learned, _, _ = optr.calibrate_layer(cal, cal, w_o, r0, r0, None, cfg)   # it did learn
+    learned, _, _ = layer_rotations(cal, cal, w_o, r0, r0, None, cfg)   # it did learn
     assert not torch.equal(learned, r0)
 
 
@@ -1688,8 +1694,8 @@ def test_calibration_runs_in_fp32_for_bf16_inputs_on_the_tensors_device(device):
     r0 = optr.quarot_rotation(2, 16, device)
     mu = optr.key_mean(cal16[1])
     assert mu.dtype == torch.float32 and mu.device.type == device.type
-    out16 = optr.calibrate_layer(cal16, held16, w_o.to(device), r0, r0, mu, cfg)
-    out32 = optr.calibrate_layer(to(cal16, torch.float32), to(held16, torch.float32),
+    out16 = layer_rotations(cal16, held16, w_o.to(device), r0, r0, mu, cfg)
+    out32 = layer_rotations(to(cal16, torch.float32), to(held16, torch.float32),
                                  w_o.to(device), r0, r0, mu, cfg)
     for a, b in zip(out16[:2], out32[:2]):
         assert a.dtype == torch.float32 and a.device.type == device.type
@@ -1750,7 +1756,7 @@ def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_
     r0 = optr.quarot_rotation(cfg.n_kv_heads, cfg.head_dim)
     for l in range(cfg.n_layers):
         mu = optr.key_mean(cal[l][1])
-        r_k, r_v, _ = optr.calibrate_layer(cal[l], held[l], model.o_proj_heads(l), r0, r0, mu, cfg)
+        r_k, r_v, _ = layer_rotations(cal[l], held[l], model.o_proj_heads(l), r0, r0, mu, cfg)
         assert torch.equal(got[l].k_mean, mu)
         assert torch.equal(got[l].r_k, r_k) and torch.equal(got[l].r_v, r_v)
 
@@ -1772,7 +1778,7 @@ def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
         model(data[1], below, capture=held)
     mu = optr.key_mean(cal[1][1])
     r0 = optr.quarot_rotation(cfg.n_kv_heads, cfg.head_dim)
-    r_k, r_v, _ = optr.calibrate_layer(cal[1], held[1], model.o_proj_heads(1), r0, r0, mu, cfg)
+    r_k, r_v, _ = layer_rotations(cal[1], held[1], model.o_proj_heads(1), r0, r0, mu, cfg)
     assert torch.equal(prop[1].r_k, r_k) and torch.equal(prop[1].r_v, r_v)
     assert not torch.equal(prop[1].k_mean, specs[1].k_mean)      # its inputs did change
 
@@ -2246,7 +2252,7 @@ def fast_and_reference(cfg, seed=0, mean=True, T=20, T_held=16):
     for split, (q, k, v) in (("cal", cal), ("held", held)):
         q_pos, mask, exact = optr.loss_queries(k.shape[2], cfg)
         data[split] = (q[:, :, q_pos], k, v, mask, exact)
-    fast = optr.fast_key_loss(data, w_o, mu, cfg)
+    fast = lambda R, split, loss=optr.fast_key_loss(data, w_o, cfg): loss(R, split, mu)
     ref = lambda R, split: optr.optr_key_loss(*data[split][:3], w_o, R, mu, *data[split][3:], cfg)
     return fast, ref
 
@@ -2282,8 +2288,8 @@ def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns
     cfg = small_cfg(steps=5, eval_every=1, n_loss_queries=8)
     cal, held, w_o = layer_fixture(seed=6, N=2, T=20)
     r0, mu = optr.identity_rotation(2, 16), None                           # a poor base: OptR learns
-    fast = optr.calibrate_layer(cal, held, w_o, r0, r0, mu, cfg, learn_v=False)
-    ref = optr.calibrate_layer(cal, held, w_o, r0, r0, mu, cfg, learn_v=False, fast=False)
+    fast = layer_rotations(cal, held, w_o, r0, r0, mu, cfg, learn_v=False)
+    ref = layer_rotations(cal, held, w_o, r0, r0, mu, cfg, learn_v=False, fast=False)
     assert not torch.allclose(fast[0], r0, atol=1e-4)                      # it did learn
     assert torch.allclose(fast[0], ref[0], atol=1e-4)
     for a, b in zip(fast[2], ref[2]):
@@ -2293,12 +2299,12 @@ def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns
 def test_the_fast_key_loss_check_can_fail(monkeypatch):
     """The check fails for a fast loss that drops the exactly-read keys (C) from the
     softmax: the loss of the INT2 columns alone."""
-    def without_exact_keys(data, w_o, k_mean, cfg):
+    def without_exact_keys(data, w_o, cfg):
         cut = {}
         for split, (q, k, v, mask, exact) in data.items():
             s = optr.int2_tokens(mask, exact)
             cut[split] = (q, k[:, :, s], v[:, :, s], mask[:, s], exact[:, s])
-        return lambda R, split: optr.optr_key_loss(*cut[split][:3], w_o, R, k_mean, *cut[split][3:], cfg)
+        return lambda R, split, k_mean: optr.optr_key_loss(*cut[split][:3], w_o, R, k_mean, *cut[split][3:], cfg)
     real = optr.fast_key_loss
     monkeypatch.setattr(optr, "fast_key_loss", without_exact_keys)
     assert fails(check_fast_key_loss, small_cfg(n_loss_queries=8))
@@ -5264,3 +5270,161 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
         r = run_script(str(here / "train_tiny.py"), *args, cwd=here)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
+
+
+# ========================================================================================
+# OptR+ (ours, beyond the paper): learned mu, value offset nu, per-layer clips, step budget
+# ========================================================================================
+
+def tiny_exact_cache_model(seed=0):
+    """A small random model whose sink + window hold every token of a 12-token text."""
+    cfg = optr.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64,
+                      group_size=16, sink=4, window=8, page_size=8, seed=seed)
+    return optr.TinyLM(cfg)
+
+
+@settings(max_examples=15)
+@given(nu=arrays(np.float32, (2, 16), elements=st.floats(-40, 40, width=32)),
+       seed=st.integers(0, 3))
+def test_any_value_offset_subtracted_in_the_cache_and_added_after_the_readout_keeps_attention(nu, seed):
+    """Values cached as v - nu, with nu added back to each head's readout: since a query's
+    weights sum to 1, sum_s p_s (v_s - nu) + nu = sum_s p_s v_s, so decode_step's logits
+    are the exact model's for any nu (every token in the exact windows here).
+    Optr against the exact forward (scaled_dot_product_attention on the plain values)."""
+    model = tiny_exact_cache_model(seed)
+    idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
+    kv = [optr.KVQuant(v_mean=torch.from_numpy(nu) * (l + 1)) for l in range(model.cfg.n_layers)]
+    cache = optr.PagedKVCache(model.cfg, 4, 1, kv)
+    seq = [cache.add_sequence()]
+    got = torch.stack([optr.decode_step(model, cache, seq, idx[:, t]) for t in range(12)], 1)
+    assert torch.allclose(got, model(idx), atol=2e-4, rtol=1e-4)
+
+
+def with_offsets_and_clips(specs, seed=9):
+    """specs with a value offset nu and per-layer clips of their own (OptR+)."""
+    H, d = specs[0].r_k.shape[:2]
+    return [replace_cfg(s, v_mean=rand(H, d, seed=seed + l) * 3 + 2, clip_k=0.8 + 0.05 * l, clip_v=0.9 - 0.05 * l)
+            for l, s in enumerate(specs)]
+
+
+def test_the_paged_decode_with_nu_and_layer_clips_is_the_simulation_token_by_token(calibrated_tiny):
+    """With nu and per-layer clips, prefill and decode_step through the paged cache give the
+    logits of SimulatedINT2 (v~ = nu + D(v - nu), each layer's c_K, c_V) position by position.
+    Optr against optr: the paged decode path against SimulatedINT2."""
+    model, data, specs, _ = calibrated_tiny
+    kv, idx = with_offsets_and_clips(specs), data[1]
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
+    folded = optr.fold_value_rotation(model, kv)
+    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
+    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
+    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
+    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
+    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
+    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
+    plain = model(idx, optr.SimulatedINT2([replace_cfg(s, v_mean=None) for s in kv], model.cfg))
+    assert not torch.allclose(plain[:, 10:], sim[:, 10:], atol=1e-2)      # nu does change the INT2 error
+
+
+@torch.no_grad()
+def test_hf_cache_with_nu_and_layer_clips_gives_the_greedy_tokens_of_our_decode_loop(tmp_path):
+    """generate() with hf_cache beside export_hf's checkpoint (nu stored in the folded basis)
+    gives the greedy tokens of prefill + decode_step through the paged cache.
+    Optr against optr: generate() with hf_cache against the paged decode loop."""
+    model, kv = served_model("qwen2")
+    kv = with_offsets_and_clips(kv)
+    out = optr.export_hf(model, kv, str(tmp_path / "x"))
+    hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
+    served, _ = optr.load_kv_rotations(out, model.cfg)
+    cache = optr.PagedKVCache(model.cfg, 32, 2, kv)
+    seqs = [cache.add_sequence() for _ in range(2)]
+    logits, ours = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
+    for _ in range(20):
+        ours.append(logits.argmax(-1))
+        logits = optr.decode_step(folded, cache, seqs, ours[-1])
+    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, folded=True),
+                         max_new_tokens=20, do_sample=False)
+    assert torch.equal(theirs[:, 12:], torch.stack(ours, 1))
+
+
+def test_rotation_files_round_trip_nu_and_clips_and_older_files_load_without_them(tmp_path):
+    """v_mean and per-layer clips come back bit for bit; a file written before them (no
+    v_mean tensors, no clip flags) loads with nu None and the settings' clips (None)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    cfg = random_model("llama", sink=3, window=5).cfg
+    kv = with_offsets_and_clips(quarot_specs(cfg, seed=3))
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
+    loaded, _ = optr.load_kv_rotations(path, cfg)
+    for a, b in zip(kv, loaded["plus"]):
+        assert torch.equal(a.v_mean, b.v_mean) and (a.clip_k, a.clip_v) == (b.clip_k, b.clip_v)
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
+    flags = json.loads(meta["flags"])
+    old = {"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={**meta, "flags": json.dumps(old),
+              "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})})
+    older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
+    assert all(s.v_mean is None and s.clip_k is None and s.clip_v is None for s in older["plain"])
+
+
+def test_a_learned_key_offset_moves_off_the_mean_and_keeps_every_attention_distribution():
+    """learn_mu: mu is trained beside A from the mean and ends elsewhere, and (any mu) the
+    centered keys' softmax is the plain one, checked against the float64 per-query loop."""
+    cfg = small_cfg(steps=20, eval_every=5, learn_mu=True)
+    cal, held, w_o = layer_fixture(seed=11)
+    mu0, r0 = optr.key_mean(cal[1]), optr.identity_rotation(2, 16)
+    spec, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, mu0, cfg, learn_v=False)
+    assert any(r["kept"] for r in rows) and not torch.allclose(spec.k_mean, mu0, atol=1e-3)
+    q, k = held[0][:2].double(), held[1][:2].double()
+    check_softmax_unchanged(q[:, :, -3:], k, spec.k_mean.double(), torch.arange(45, 48))
+
+
+def test_the_learned_value_offset_lowers_the_held_out_value_loss_from_the_mean():
+    """value_offset="learn": nu starts at the values' mean and is learned beside A; the
+    reported held-out L_V of what is kept is below the base's (R_V,0, the mean), as the
+    authors' loss code (value term, transcribed independently) computes it on the held-out data."""
+    cfg = small_cfg(steps=20, eval_every=5, value_offset="learn")
+    cal, held, w_o = layer_fixture(seed=12)
+    nu0, r0 = optr.key_mean(cal[2]), optr.quarot_rotation(2, 16)
+    spec, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg, learn_k=False, v_mean=nu0)
+    assert not torch.allclose(spec.v_mean, nu0, atol=1e-3)
+    for r in rows:
+        assert r["best_loss"] < r["base_loss"] and r["kept"]
+
+
+def test_the_clip_search_picks_the_grid_clip_with_the_lowest_held_out_key_loss():
+    """clip_grid: per side, the c (of the default and the grid) whose held-out loss at
+    R_base is lowest, by the authors' loss code (independent of optr's); it lies in (0, 1]
+    and calibration then learns at that clip."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg(steps=1, eval_every=1, clip_k=1.0, clip_v=1.0, clip_grid=grid)
+    cal, held, w_o = layer_fixture(seed=13)
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    spec, _ = optr.calibrate_layer(cal, held, w_o, r0, r0, mu, cfg, learn_k=False, learn_v=False)
+    lk = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c))[0].sum().item() for c in (1.0, *grid)}
+    assert spec.clip_k == min(lk, key=lk.get) and 0 < spec.clip_k <= 1
+    assert spec.clip_k != 1.0                        # the grid did win here: the search matters
+
+
+def test_export_sglang_refuses_nu_and_clips_of_its_own():
+    """The engine has no value offset and one clip per side: a variant with either is a
+    ValueError naming it."""
+    model, kv = served_model("qwen2")
+    for change, word in ((dict(v_mean=torch.ones(2, 16)), "value offset"), (dict(clip_k=0.8), "clips")):
+        bad = [replace_cfg(s, **change) for s in kv]
+        with pytest.raises(ValueError, match=word):
+            optr.export_sglang(bad, model.cfg, "/nonexistent/never-written")
+
+
+def test_the_lever_variants_calibrate_with_their_config_changes(calibrated_tiny):
+    """Each OptR+ row calibrates with its levers and nothing else changes: +nu stores nu,
+    +clip a clip per layer from the grid, +mu a mu off the mean, +steps more steps."""
+    model, data, specs, _ = calibrated_tiny
+    names = ["quarot+optr", "quarot+optr+mu", "quarot+optr+nu", "quarot+optr+clip"]
+    got, reports = ladder.calibrate_variants(model, data[0], data[1], names, log=lambda *_: None)
+    assert all(s.v_mean is None and s.clip_k is None for s in got["quarot+optr"])
+    assert all(s.v_mean is not None for s in got["quarot+optr+nu"])
+    grid = (model.cfg.clip_k, *ladder.CLIP_GRID)
+    assert all(s.clip_k in grid and s.clip_v in (model.cfg.clip_v, *ladder.CLIP_GRID) for s in got["quarot+optr+clip"])
+    assert any(not torch.equal(a.k_mean, b.k_mean) for a, b in zip(got["quarot+optr+mu"], got["quarot+optr"]))
+    assert ladder.VARIANTS["quarot+optr+steps"].levers == (("steps", 160), ("lr_decay", True))

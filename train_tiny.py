@@ -406,7 +406,8 @@ def run_once(cfg: RunConfig, attend, log=print, timer=None) -> dict:
     # e2e variants (ours): the KL at OptR's loss queries, the answer positions the ladder
     # scores (calib_queries "answers"), or with "last" every position past the windows; the
     # tiny model's (T, T) attention fits in memory: kept for the backward, not recomputed
-    specs, reports = calibrate_variants(model, cal, held, list(VARIANTS), qpos, per_head=True,
+    names = [n for n, v in VARIANTS.items() if v is None or not v.levers]    # OptR+ rows: eval_llm's
+    specs, reports = calibrate_variants(model, cal, held, names, qpos, per_head=True,
                                         timer=timer, log=log, e2e=dict(positions=qpos, recompute=False))
     save_ladder(os.path.join(cfg.out, "kv_rotations.safetensors"), specs, cfg,
                 meta=dict(config=config_dict(cfg)))
