@@ -134,7 +134,8 @@ class Variant(NamedTuple):
 
 
 CLIP_GRID = (0.8, 0.84, 0.88, 0.92, 1.0)    # OptR+'s clip search: these and the run's c_K, c_V
-LEVERS = {"mu": (("learn_mu", True),), "nu": (("value_offset", "learn"),), "clip": (("clip_grid", CLIP_GRID),),
+LEVERS = {"mu": (("learn_mu", True),), "nu": (("value_offset", "learn"),), "numean": (("value_offset", "mean"),),
+          "clip": (("clip_grid", CLIP_GRID),),
           "steps": (("steps", 160), ("lr_decay", True))}
 PLUS = ("mu", "nu", "clip", "steps")        # the levers of optr+: those that lowered KL@2k on every sample
 

@@ -638,15 +638,9 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
     clip_v = best_clip(lambda c: value_loss_at(c)(r_v0, "held", v_mean), cfg.clip_v, cfg.clip_grid)
     r_v, v_mean, rows_v = fit_rotation(value_loss_at(clip_v), r_v0, cfg, f"{tag}V", log, v_mean,
                                        cfg.value_offset == "learn") if learn_v else (r_v0, v_mean, [])
-    spec = KVQuant(k_mean=k_mean, r_k=r_k, r_v=r_v, v_mean=v_mean, clip_k=cfg.clip_grid and clip_k or None,
-                   clip_v=cfg.clip_grid and clip_v or None)
-    return spec, [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v]
-
-
-def best_clip(held_loss, default: float, grid: tuple) -> float:
-    """OptR+ (ours): the c of (default, *grid) whose held-out loss at R_base, summed over heads, is lowest."""
-    with torch.no_grad():
-        return min((default, *grid), key=lambda c: held_loss(c).sum().item()) if grid else default
+    clips = dict(clip_k=clip_k, clip_v=clip_v) if cfg.clip_grid else {}      # searched: the layer's own
+    return (KVQuant(k_mean=k_mean, r_k=r_k, r_v=r_v, v_mean=v_mean, **clips),
+            [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v])
 
 
 @torch.no_grad()
@@ -1402,7 +1396,15 @@ A starts at zero (step 0: the per-layer result), mu and the model stay fixed; Ad
 e2e_lr for e2e_steps full-batch steps; the step with the best held-out L_e2e is kept (the
 input if none beats it). The backward recomputes each layer's (T, T) attention.
 Propagated calibration: layer l fitted on the q, k, v it gets with INT2 layers below.
+OptR+'s levers live in Sections 0-8 (Config's learn_mu, value_offset, clip_grid, lr_decay);
+the clip search is here.
 """
+
+def best_clip(held_loss, default: float, grid: tuple) -> float:
+    """OptR+ (Section 6's clip_grid): the c of (default, *grid) whose held-out loss at R_base, summed over heads, is lowest."""
+    with torch.no_grad():
+        return min((default, *grid), key=lambda c: held_loss(c).sum().item()) if grid else default
+
 
 def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     """P of L_e2e for sequences of T tokens: sink + window .. T - 2, or the given ones."""

@@ -5428,3 +5428,11 @@ def test_the_lever_variants_calibrate_with_their_config_changes(calibrated_tiny)
     assert all(s.clip_k in grid and s.clip_v in (model.cfg.clip_v, *ladder.CLIP_GRID) for s in got["quarot+optr+clip"])
     assert any(not torch.equal(a.k_mean, b.k_mean) for a, b in zip(got["quarot+optr+mu"], got["quarot+optr"]))
     assert ladder.VARIANTS["quarot+optr+steps"].levers == (("steps", 160), ("lr_decay", True))
+
+
+def test_gap_closed_names_each_optr_plus_row_by_its_lever():
+    """ladder.gap_closed gives every quarot+optr* row its own key: kl (the paper's OptR),
+    kl_mu for +mu, kl_plus for optr+ ("quarot+optr+"), each (KL_base - KL_row) / KL_base."""
+    kl = {"full": 0.0, "quarot": 0.2, "quarot+optr": 0.1, "quarot+optr+mu": 0.08, "quarot+optr+": 0.05}
+    got = ladder.gap_closed({n: {"kl": x} for n, x in kl.items()}, dict(kl=(lambda v: v["kl"], -1)))
+    assert got == {"quarot": pytest.approx({"kl": 0.5, "kl_mu": 0.6, "kl_plus": 0.75})}
