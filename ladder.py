@@ -137,7 +137,8 @@ CLIP_GRID = (0.8, 0.84, 0.88, 0.92, 1.0)    # OptR+'s clip search: these and the
 LEVERS = {"mu": (("learn_mu", True),), "nu": (("value_offset", "learn"),), "numean": (("value_offset", "mean"),),
           "clip": (("clip_grid", CLIP_GRID),),
           "steps": (("steps", 160), ("lr_decay", True))}
-PLUS = ("mu", "nu", "clip", "steps")        # the levers of optr+: those that lowered KL@2k on every sample
+# optr+: the levers that lowered KL@2k on every calibration sample of SmolLM2 and Gemma 3 (README)
+PLUS = ("clip",)
 
 
 VARIANTS = {                       # name: how its cache is stored, or None: not quantized
@@ -155,6 +156,8 @@ VARIANTS = {                       # name: how its cache is stored, or None: not
     # beyond the paper (ours): OptR+, one lever each (optr.Config's levers), and optr+ with PLUS
     **{f"quarot+optr+{n}": Variant("quarot", True, True, levers=LEVERS[n]) for n in LEVERS},
     "quarot+optr+": Variant("quarot", True, True, levers=sum((LEVERS[n] for n in PLUS), ())),
+    "quarot+optr+all": Variant("quarot", True, True,            # the four levers together
+                               levers=sum((LEVERS[n] for n in ("mu", "nu", "clip", "steps")), ())),
 }
 
 

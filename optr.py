@@ -85,7 +85,7 @@ class Config:
     # OptR+ levers (ours, not in the paper; the defaults are the paper's OptR)
     learn_mu: bool = False       # learn the key offset mu beside A, from the mean
     value_offset: str = "none"   # nu: "none", "mean" (the values' mean) or "learn" (then learned beside A)
-    clip_grid: tuple[float, ...] = ()  # per layer and side, the c (clip_k/v or one of these) of least held-out loss
+    clip_grid: tuple[float, ...] = ()  # per layer and side: c_K/c_V or one of these, least held-out loss
     lr_decay: bool = False       # cosine decay of lr to 0 over the steps
     seed: int = 0                # seed of everything random
 
@@ -612,7 +612,7 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
         data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
                        mask, exact)
     w_o = w_o.detach().float().to(dev)
-    k_mean, v_mean, r_k0, r_v0 = (None if x is None else x.float().to(dev) for x in (k_mean, v_mean, r_k0, r_v0))
+    k_mean, v_mean, r_k0, r_v0 = (x if x is None else x.float().to(dev) for x in (k_mean, v_mean, r_k0, r_v0))
 
     def key_loss_at(c):                                  # L_K at clip c_K = c
         ck = replace(cfg, clip_k=c)
@@ -1284,7 +1284,8 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
                 tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
         parts[name] = have
         flags[name] = dict(quant_k=[bool(s.quant_k) for s in kv], quant_v=[bool(s.quant_v) for s in kv],
-                           r_v_folded=name in folded, clip_k=[s.clip_k for s in kv], clip_v=[s.clip_v for s in kv])
+                           r_v_folded=name in folded, clip_k=[s.clip_k for s in kv],
+                           clip_v=[s.clip_v for s in kv])
     info = dict(format=ROTATION_FORMAT, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads,
                 head_dim=cfg.head_dim, settings={n: getattr(cfg, n) for n in KV_SETTINGS},
                 variants=list(variants), parts=parts, flags=flags, meta=meta or {})
@@ -1345,9 +1346,10 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
 KV_LAYOUT = """kv_rotations.safetensors: this checkpoint's KV cache (OptR). R_V is folded into
 the weights; per layer N of variant NAME the file holds NAME/layers.N.r_k (H_kv, d, d),
 NAME/layers.N.k_mean (H_kv, d) and, if the variant has one, the value offset NAME/layers.N.v_mean
-(H_kv, d) in the folded basis. Cache a post-RoPE key as (k - mu) R_K and a value as v - nu, add nu
-to each head's readout, and rotate queries by R_K; all but the first `sink` and the `window` latest tokens are INT2 (settings in the
-metadata). Load: transformers' from_pretrained(dir), optr.load_kv_rotations(dir).
+(H_kv, d) in the folded basis. Cache a post-RoPE key as (k - mu) R_K and a value as v - nu, add
+nu to each head's readout, and rotate queries by R_K; all but the first `sink` and the `window`
+latest tokens are INT2 (settings, and per-layer clips if any, in the metadata). Load:
+transformers' from_pretrained(dir), optr.load_kv_rotations(dir).
 """
 
 
@@ -1401,7 +1403,8 @@ the clip search is here.
 """
 
 def best_clip(held_loss, default: float, grid: tuple) -> float:
-    """OptR+ (Section 6's clip_grid): the c of (default, *grid) whose held-out loss at R_base, summed over heads, is lowest."""
+    """OptR+ (Section 6's clip_grid): of (default, *grid), the c whose held-out loss at R_base,
+    held_loss(c) summed over heads, is lowest."""
     with torch.no_grad():
         return min((default, *grid), key=lambda c: held_loss(c).sum().item()) if grid else default
 
