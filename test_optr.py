@@ -3664,7 +3664,7 @@ def test_train_tiny_quick_smoke(tmp_path):
     assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
     assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
     names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
-             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e"}
+             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e", "quarot+optr+"}
     assert set(on_disk["variants"]) == names
     assert set(on_disk["timing_s"]) >= {"e2e"}
     for base in ("quarot", "oscar"):                       # the e2e variants (ours) too

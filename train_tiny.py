@@ -406,7 +406,7 @@ def run_once(cfg: RunConfig, attend, log=print, timer=None) -> dict:
     # e2e variants (ours): the KL at OptR's loss queries, the answer positions the ladder
     # scores (calib_queries "answers"), or with "last" every position past the windows; the
     # tiny model's (T, T) attention fits in memory: kept for the backward, not recomputed
-    names = [n for n, v in VARIANTS.items() if v is None or not v.levers]    # OptR+ rows: eval_llm's
+    names = [n for n, v in VARIANTS.items() if v is None or not v.levers or n == "quarot+optr+"]  # + optr+
     specs, reports = calibrate_variants(model, cal, held, names, qpos, per_head=True,
                                         timer=timer, log=log, e2e=dict(positions=qpos, recompute=False))
     save_ladder(os.path.join(cfg.out, "kv_rotations.safetensors"), specs, cfg,
@@ -463,9 +463,10 @@ def print_summary(results: dict, std: dict | None = None, log=print):
     for base, g in results["gap_closed"].items():
         log(f"gap closed by OptR over {base:<6}: accuracy@{lens[-1]} {fmt(base, 'accuracy')} | "
             f"KL {fmt(base, 'kl')}")
-        if "kl_e2e" in g:
-            log(f"gap closed by OptR+e2e over {base:<6}: accuracy@{lens[-1]} "
-                f"{fmt(base, 'accuracy_e2e')} | KL {fmt(base, 'kl_e2e')}  (e2e: ours, not the paper's)")
+        for sfx, what in (("_e2e", "OptR+e2e"), ("_plus", "OptR+")):       # ours, where present
+            if "kl" + sfx in g:
+                log(f"gap closed by {what} over {base:<6}: accuracy@{lens[-1]} {fmt(base, 'accuracy' + sfx)} "
+                    f"| KL {fmt(base, 'kl' + sfx)}  (ours, not the paper's)")
     log("  gap closed = (optr - base) / (full - base); for KL, (KL_base - KL_optr) / KL_base")
     if std is not None:
         seeds = results["seeds"]
