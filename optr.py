@@ -614,12 +614,16 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
     w_o = w_o.detach().float().to(dev)
     k_mean, v_mean, r_k0, r_v0 = (x if x is None else x.float().to(dev) for x in (k_mean, v_mean, r_k0, r_v0))
 
+    @torch.no_grad()
+    def best_clip(held_loss, c0):        # OptR+ (clip_grid): the c of least held-out loss at R_base
+        return min((c0, *cfg.clip_grid), key=lambda c: held_loss(c).sum().item()) if cfg.clip_grid else c0
+
     def key_loss_at(c):                                  # L_K at clip c_K = c
         ck = replace(cfg, clip_k=c)
         if fast:
             return fast_key_loss(data, w_o, ck)                                # Appendix A
         return lambda R, split, mu: optr_key_loss(*data[split][:3], w_o, R, mu, *data[split][3:], ck)
-    clip_k = best_clip(lambda c: key_loss_at(c)(r_k0, "held", k_mean), cfg.clip_k, cfg.clip_grid)
+    clip_k = best_clip(lambda c: key_loss_at(c)(r_k0, "held", k_mean), cfg.clip_k)
     ck = replace(cfg, clip_k=clip_k)
     r_k, k_mean, rows_k = fit_rotation(key_loss_at(clip_k), r_k0, cfg, f"{tag}K", log, k_mean, cfg.learn_mu) \
         if learn_k else (r_k0, k_mean, [])
@@ -635,7 +639,7 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
     def value_loss_at(c):                                # L_V at clip c_V = c
         return lambda R, split, nu: optr_value_loss(*value_data[split][:2], w_o, R, *value_data[split][2:],
                                                     replace(ck, clip_v=c), nu)
-    clip_v = best_clip(lambda c: value_loss_at(c)(r_v0, "held", v_mean), cfg.clip_v, cfg.clip_grid)
+    clip_v = best_clip(lambda c: value_loss_at(c)(r_v0, "held", v_mean), cfg.clip_v)
     r_v, v_mean, rows_v = fit_rotation(value_loss_at(clip_v), r_v0, cfg, f"{tag}V", log, v_mean,
                                        cfg.value_offset == "learn") if learn_v else (r_v0, v_mean, [])
     clips = dict(clip_k=clip_k, clip_v=clip_v) if cfg.clip_grid else {}      # searched: the layer's own
@@ -869,6 +873,11 @@ def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
     return rotate_rows(center_keys(k, spec.k_mean), spec.r_k)
 
 
+def stored_values(spec: KVQuant, v: torch.Tensor) -> torch.Tensor:
+    """(v - nu) R_V, the values as cached (beside folded weights spec has no R_V); v (n, H_kv, T, d)."""
+    return rotate_rows(center_keys(v, spec.v_mean), spec.r_v)
+
+
 def served_spec(spec: KVQuant) -> KVQuant:
     """The spec beside weights with R_V folded in: no R_V, and nu in their basis, nu R_V."""
     nu = spec.v_mean if spec.v_mean is None else rotate_rows(spec.v_mean[None, :, None], spec.r_v)[0, :, 0]
@@ -909,6 +918,7 @@ class PagedKVCache:
         assert num_pages >= 1 and max_seqs >= 1 and len(kv) == cfg.n_layers, "pages, seqs, a KVQuant per layer"
         assert all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context"
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
+        self.quant = [s.quantizer(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         NW = cfg.sink + cfg.window
         u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
@@ -976,7 +986,7 @@ class PagedKVCache:
     def _write_int2(self, layer, seq, n, k_rows, v_rows):
         """Quantize and pack INT2 token n of `seq` (an index and rows (H_kv, d), or indices (N,)
         and rows (N, H_kv, d)) into slot n % page_size of page block_table[seq, n // page_size]."""
-        c = self.kv[layer].quantizer(self.cfg)                         # the layer's clips
+        c = self.quant[layer]
         page, slot = self.block_table[seq, n // c.page_size].long(), n % c.page_size
         assert bool((page >= 0).all()), "reserve takes a page before it is written"
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
@@ -992,7 +1002,7 @@ class PagedKVCache:
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         self.reserve(layer, seqs, 1)
         kr = stored_keys(self.kv[layer], k[:, :, None])[:, :, 0]       # (n, H_kv, d)
-        v = center_keys(v[:, :, None], self.kv[layer].v_mean)[:, :, 0]  # v - nu
+        v = stored_values(self.kv[layer], v[:, :, None])[:, :, 0]       # v - nu
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
             pos = int(self.length[layer, s])
@@ -1017,7 +1027,7 @@ class PagedKVCache:
         T, S, W = k.shape[2], c.sink, c.window
         self.reserve(layer, seqs, T)
         kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
-        v = center_keys(v, self.kv[layer].v_mean)                        # v - nu
+        v = stored_values(self.kv[layer], v)                             # v - nu
         dev = self.block_table.device
         for i, s in enumerate(seqs):
             n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
@@ -1398,16 +1408,7 @@ A starts at zero (step 0: the per-layer result), mu and the model stay fixed; Ad
 e2e_lr for e2e_steps full-batch steps; the step with the best held-out L_e2e is kept (the
 input if none beats it). The backward recomputes each layer's (T, T) attention.
 Propagated calibration: layer l fitted on the q, k, v it gets with INT2 layers below.
-OptR+'s levers live in Sections 0-8 (Config's learn_mu, value_offset, clip_grid, lr_decay);
-the clip search is here.
 """
-
-def best_clip(held_loss, default: float, grid: tuple) -> float:
-    """OptR+ (Section 6's clip_grid): of (default, *grid), the c whose held-out loss at R_base,
-    held_loss(c) summed over heads, is lowest."""
-    with torch.no_grad():
-        return min((default, *grid), key=lambda c: held_loss(c).sum().item()) if grid else default
-
 
 def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     """P of L_e2e for sequences of T tokens: sink + window .. T - 2, or the given ones."""
@@ -1532,11 +1533,9 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
             (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
              "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
             for l, s in enumerate(kv)] + [
-            (s.v_mean is None, f"kv[{l}]: a value offset nu (OptR+), but the engine has none: use a variant "
-             "without +nu") for l, s in enumerate(kv)] + [
-            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips "
-             f"{s.clip_k}, {s.clip_v} of its own (OptR+), but the engine has one per side: use a variant "
-             "without +clip") for l, s in enumerate(kv)]:
+            (s.v_mean is None and s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: "
+             "a value offset nu or clips of its own (OptR+), which the engine lacks: use a variant without them")
+            for l, s in enumerate(kv)]:
         need(ok, f"export_sglang: {msg}")
     os.makedirs(out_dir, exist_ok=True)
     eye = torch.eye(d).expand(H, d, d)
@@ -1609,7 +1608,8 @@ class Int2Layer:
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, spec: KVQuant, cfg: Config, folded: bool):
-        self.spec, self.cfg, self.n = served_spec(spec) if folded else spec, cfg, 0
+        self.spec = served_spec(spec) if folded else spec
+        self.cfg, self.n = self.spec.quantizer(cfg), 0                    # the layer's clips
         self.keys = self.values = self.k = self.v = None               # k, v: Int2Tokens
 
     def get_seq_length(self) -> int:
@@ -1626,7 +1626,7 @@ class Int2Layer:
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values (B, H_kv, n, d)."""
         self.spec = self.spec.to(key_states.device)                       # specs loaded on the CPU
-        c, sp, S = self.spec.quantizer(self.cfg), self.spec, self.cfg.sink
+        c, sp, S = self.cfg, self.spec, self.cfg.sink
         self.n += key_states.shape[-2]
         self.keys, self.values = (x if old is None else torch.cat([old, x], -2) for old, x in
                                   ((self.keys, key_states), (self.values, value_states)))
@@ -1634,7 +1634,7 @@ class Int2Layer:
         if out:
             k, v = (x[..., S:S + out, :].float() for x in (self.keys, self.values))
             self.k = self.pack(self.k, stored_keys(sp, k), c.clip_k)
-            self.v = self.pack(self.v, rotate_rows(center_keys(v, sp.v_mean), sp.r_v), c.clip_v)
+            self.v = self.pack(self.v, stored_values(sp, v), c.clip_v)
             self.keys, self.values = (torch.cat([x[..., :S, :], x[..., S + out:, :]], -2)
                                       for x in (self.keys, self.values))
         if self.k is None:

@@ -5318,6 +5318,10 @@ def test_the_paged_decode_with_nu_and_layer_clips_is_the_simulation_token_by_tok
     cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
     pre = optr.prefill(folded, cache, seqs, idx[:, :10])
+    captured, S = [], model.cfg.sink                # layer 0's sink values, as cached: (v - nu) R_V
+    folded(idx[:, :S], capture=captured)
+    nu_rv = torch.einsum("hd,hde->he", kv[0].v_mean, kv[0].r_v)
+    assert torch.allclose(cache.win_v[0, seqs][:, :, :S], captured[0][2] - nu_rv[None, :, None], atol=1e-5)
     dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
     assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
     assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
