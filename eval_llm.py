@@ -48,7 +48,7 @@ from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, decode_attention, decode_check,
     gap_closed, gap_closed_mean_std, key_error_per_token, key_stats, key_stats_summary, ladder_bits,
     learns_from_data, load_ladder, mean_ci, mean_std, output_errors, parse_run_config, print_config,
-    print_key_stats, print_table, run_cli, save_ladder, t_interval, wilson, write_results)
+    print_gap_closed, print_key_stats, print_table, run_cli, save_ladder, t_interval, wilson, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -711,15 +711,8 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
     log("  the INT2 part; " + (f"bits per K/V element of the cache as stored at {results['bits_context']} "
         f"tokens (sink and window in bf16; the INT2 part alone {bits:.2f} bits)." if bits is not None
         else "no bits: no paged cache for this model."))
-    gstd = results["gap_closed_std"]
-    for base, g in results["gap_closed"].items():
-        fmt = lambda key: "n/a" if g[key] is None else f"{g[key]:6.1%}" + (
-            f" ± {gstd[base][key]:5.1%}" if n_s > 1 else "")
-        for key in [k for k in g if k.startswith("kl")]:          # kl: OptR; kl_e2e, kl_mu, ...: ours
-            sfx, what = key[2:], {"": "OptR", "_plus": "OptR+"}.get(key[2:], "OptR" + key[2:].replace("_", "+"))
-            log(f"gap closed by {what} over {base:<6}: KL@{C} {fmt(key)} | NLL@{C} {fmt('nll' + sfx)}"
-                + ("  (ours, not the paper's)" if sfx else ""))
-    log("  gap closed = (KL_base - KL_optr) / KL_base, and (NLL_base - NLL_optr) / (NLL_base - NLL_full)"
+    print_gap_closed(results, {"kl": f"KL@{C}", "nll": f"NLL@{C}"}, n_s > 1, log)
+    log("  gap closed = (KL_base - KL_row) / KL_base, and (NLL_base - NLL_row) / (NLL_base - NLL_full)"
         + ("; mean ± std of each sample's own" if n_s > 1 else ""))
     for pair, r in results["retrieval_paired"].items():
         for where, d in [(f"@{L}", d) for L, d in r["by_ctx"].items()] + [("pooled", r["pooled"])]:

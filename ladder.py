@@ -130,15 +130,10 @@ class Variant(NamedTuple):
     center: bool                   # key centering (Section 4)
     learn: bool                    # OptR's per-layer correction (Section 6)
     e2e: bool = False              # then every layer refined on the end-to-end KL (optr appendix D)
-    levers: tuple = ()             # OptR+ (ours): (optr.Config field, value) pairs of its calibration
+    clip: bool = False             # each layer's own c_K, c_V searched at the base (optr.search_clips, ours)
 
 
-CLIP_GRID = (0.8, 0.84, 0.88, 0.92, 1.0)    # OptR+'s clip search: these and the run's c_K, c_V
-LEVERS = {"mu": (("learn_mu", True),), "nu": (("value_offset", "learn"),), "numean": (("value_offset", "mean"),),
-          "clip": (("clip_grid", CLIP_GRID),),
-          "steps": (("steps", 160), ("lr_decay", True))}
-# optr+: the levers that lowered KL@2k on every calibration sample of SmolLM2 and Gemma 3 (README)
-PLUS = ("clip",)
+CLIP_GRID = (0.8, 0.84, 0.88, 0.92, 1.0)    # the clip search's grid, beside the run's c_K, c_V
 
 
 VARIANTS = {                       # name: how its cache is stored, or None: not quantized
@@ -153,11 +148,10 @@ VARIANTS = {                       # name: how its cache is stored, or None: not
     # beyond the paper (ours): NAME+e2e starts from NAME's rotations (optr.refine_end_to_end)
     "quarot+optr+e2e": Variant("quarot", True, True, e2e=True),
     "oscar+optr+e2e": Variant("oscar", True, True, e2e=True),
-    # beyond the paper (ours): OptR+, one lever each (optr.Config's levers), and optr+ with PLUS
-    **{f"quarot+optr+{n}": Variant("quarot", True, True, levers=LEVERS[n]) for n in LEVERS},
-    "quarot+optr+": Variant("quarot", True, True, levers=sum((LEVERS[n] for n in PLUS), ())),
-    "quarot+optr+all": Variant("quarot", True, True,            # the four levers together
-                               levers=sum((LEVERS[n] for n in ("mu", "nu", "clip", "steps")), ())),
+    # beyond the paper (ours): a searched clip per layer, on the base alone and under OptR (optr+)
+    "quarot+clip": Variant("quarot", False, False, clip=True),
+    "quarot+center+clip": Variant("quarot", True, False, clip=True),
+    "quarot+optr+": Variant("quarot", True, True, clip=True),
 }
 
 
@@ -170,9 +164,9 @@ def per_layer_variant(name: str) -> str:
 
 def learns_from_data(name: str) -> bool:
     """Whether a variant's rotations or key means come from the calibration data (OSCAR's
-    covariances, centering's mean, OptR): such rows change with the calibration data."""
+    covariances, centering's mean, OptR, a searched clip): such rows change with the calibration data."""
     v = VARIANTS[name]
-    return v is not None and (v.base == "oscar" or v.center or v.learn)
+    return v is not None and (v.base == "oscar" or v.center or v.learn or v.clip)
 
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
@@ -204,12 +198,13 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
         return per_layer[name]
 
     def calibrate_one(name):
-        base, center, learn, _, levers = VARIANTS[name]
-        cfg, t0 = replace(model.cfg, **dict(levers)), time.perf_counter()
+        base, center, learn, _, clip = VARIANTS[name]
+        cfg, t0 = model.cfg, time.perf_counter()
         if not captured:             # one full-precision forward, shared by every variant
             captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
                             else optr.full_precision_captures(model, cal, held))
         args = dict(base=base, center=center, learn=learn, query_positions=query_positions,
+                    clip_grid=CLIP_GRID if clip else (),
                     log=layer_progress(name, L, cfg.steps, progress_every, log) if learn and progress_every else None)
 
         def run(layer_map=map):
@@ -415,7 +410,7 @@ def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
     T = k.shape[2]
     pos = torch.arange(T - n_queries, T)
     mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
-    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, spec.quantizer(c))      # Eq. 4
+    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, spec.layer_cfg(c))      # Eq. 4
     qs = q[:, :, pos]
     p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
     p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
@@ -558,26 +553,48 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
 # H6. Gap closed, means and 95% intervals, the table, results.json
 # ----------------------------------------------------------------------------------------
 
+def gap_suffix(base: str, name: str) -> str:
+    """The key suffix of variant `name`'s gap closed over `base`: "" for base+optr (the
+    paper's), "_plus" for optr+, else the rest of the name (quarot+center+clip: "_center_clip")."""
+    rest = name.removeprefix(base + "+")
+    return {"optr": "", "optr+": "_plus"}.get(rest, "_" + rest.removeprefix("optr+").replace("+", "_"))
+
+
 def gap_closed(variants: dict, metrics: dict) -> dict:
     """For each base (quarot, oscar) present with its +optr variant: the fraction of the
     gap to full precision that OptR closes, (optr - base) / (full - base), for each metric
     {name: (value of a variant's results, +1 if higher is better, -1 if lower is)}; None
     where full is not better than the base (no gap). For KL (full 0) that is
-    (KL_base - KL_optr) / KL_base. For the base's other +optr variants (ours: +e2e, OptR+'s
-    +mu, ..., and optr+ "+") the same fraction under the key METRIC_SUFFIX (kl_e2e, kl_mu, kl_plus)."""
+    (KL_base - KL_optr) / KL_base. For the base's other variants (base+center, base+clip, and
+    ours: +e2e, optr+) the same fraction under the key METRIC + gap_suffix (kl_center, kl_plus)."""
     out = {}
     for base in ("quarot", "oscar"):
         if base not in variants or base + "+optr" not in variants:
             continue
         f, b = variants["full"], variants[base]
         out[base] = {}
-        for name in [n for n in variants if n.startswith(base + "+optr")]:
-            rest = name.removeprefix(base + "+optr")
-            suffix = "_plus" if rest == "+" else rest.replace("+", "_")
+        for name in [n for n in variants if n.startswith(base + "+")]:
+            suffix = gap_suffix(base, name)
             for m, (get, sign) in metrics.items():
                 gap = get(f) - get(b)
                 out[base][m + suffix] = (get(variants[name]) - get(b)) / gap if gap * sign > 0 else None
     return out
+
+
+def print_gap_closed(results: dict, metrics: dict, spread: bool, log=print):
+    """One line per variant beside each base of results["gap_closed"]: the gap it closes in each
+    metric {key: label}, +- the std over runs (spread); ours (+e2e, a searched clip) labelled."""
+    for base, g in results["gap_closed"].items():
+        for name in [n for n in results["variants"] if n.startswith(base + "+")]:
+            sfx, cells = gap_suffix(base, name), []
+            for key, label in metrics.items():
+                x = g[key + sfx]
+                s = results["gap_closed_std"][base][key + sfx] if spread and x is not None else None
+                cells.append(f"{label} " + ("n/a (no gap)" if x is None else f"{x:6.1%}")
+                             + ("" if s is None else f" ± {s:5.1%}"))
+            ours = VARIANTS[name].e2e or VARIANTS[name].clip
+            log(f"gap closed by {name:<20} over {base:<6}: " + " | ".join(cells)
+                + ("  (ours)" if ours else ""))
 
 
 def mean_std(tables: list[dict]) -> tuple[dict, dict]:

@@ -82,11 +82,6 @@ class Config:
     # end-to-end refinement (appendix D; ours, not in the paper)
     e2e_steps: int = 10          # full-batch Adam steps on the end-to-end KL (0: keep OptR's result)
     e2e_lr: float = 2e-3         # Adam learning rate on every layer's A in the end-to-end refinement
-    # OptR+ levers (ours, not in the paper; the defaults are the paper's OptR)
-    learn_mu: bool = False       # learn the key offset mu beside A, from the mean
-    value_offset: str = "none"   # nu: "none", "mean" (the values' mean) or "learn" (then learned beside A)
-    clip_grid: tuple[float, ...] = ()  # per layer and side: c_K/c_V or one of these, least held-out loss
-    lr_decay: bool = False       # cosine decay of lr to 0 over the steps
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):
@@ -103,8 +98,6 @@ class Config:
             "must be finite and > 0, lam finite and >= 0"
         assert self.out_reduce in ("mean", "sum") and self.calib_windows in ("static", "relative"), \
             "out_reduce must be 'mean' or 'sum', calib_windows 'static' or 'relative'"
-        assert self.value_offset in ("none", "mean", "learn") and all(0 < c <= 1 for c in self.clip_grid), \
-            "value_offset must be 'none', 'mean' or 'learn', clip_grid values in (0, 1]"
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -331,19 +324,15 @@ the same -<q, mu>/sqrt(d), so softmax is unchanged exactly; centering before RoP
 not be, since RoPE rotates mu differently at each position. It removes per-channel
 offsets that would otherwise use up INT2's four levels. (A model with learned attention-
 sink logits would have to shift those by the same amount; this model has none.)
-Any mu keeps softmax, so the mean is a choice: OptR+ (ours) may learn mu (Section 6), and
-may store values as v - nu too: a query's weights sum to 1, so sum_s p_s (v_s - nu) + nu =
-sum_s p_s v_s exactly; nu is added back once after the readout.
 """
 
 def key_mean(k: torch.Tensor) -> torch.Tensor:
-    """k (N, H_kv, T, d) post-RoPE calibration keys (or values) -> mu (or nu) (H_kv, d) fp32
-    (summed in float64)."""
+    """k (N, H_kv, T, d) post-RoPE calibration keys -> mu (H_kv, d) fp32 (summed in float64)."""
     return k.double().mean(dim=(0, 2)).float()
 
 
 def center_keys(k: torch.Tensor, k_mean: torch.Tensor | None) -> torch.Tensor:
-    """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype (values: v - nu)."""
+    """k (B, H_kv, T, d) - mu (H_kv, d), in k's dtype."""
     return k if k_mean is None else k - k_mean[None, :, None, :].to(k.dtype)
 
 
@@ -387,15 +376,14 @@ class KVQuant:
     r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
     quant_k: bool = True                 # keys outside the windows in INT2
     quant_v: bool = True                 # values outside the windows in INT2
-    v_mean: torch.Tensor | None = None   # (H_kv, d) value offset nu, or None (OptR+, ours)
-    clip_k: float | None = None          # this layer's c_K, or None: the Config's (OptR+, ours)
-    clip_v: float | None = None          # this layer's c_V, or None: the Config's
+    clip_k: float | None = None          # this layer's c_K, or None: Config's (appendix D searches one)
+    clip_v: float | None = None          # this layer's c_V, or None: Config's
 
     def to(self, device) -> KVQuant:     # the same spec with its tensors on `device`
-        return replace(self, **{f: getattr(self, f).to(device) for f in ("k_mean", "r_k", "r_v", "v_mean")
+        return replace(self, **{f: getattr(self, f).to(device) for f in ("k_mean", "r_k", "r_v")
                                 if getattr(self, f) is not None})
 
-    def quantizer(self, cfg: Config) -> Config:   # cfg with this layer's clips
+    def layer_cfg(self, cfg: Config) -> Config:   # cfg with this layer's clips
         return replace(cfg, clip_k=self.clip_k or cfg.clip_k, clip_v=self.clip_v or cfg.clip_v)
 
 
@@ -405,18 +393,12 @@ def dequant_keys(k, k_mean, r_k, cfg: Config):
     return k_tilde if k_mean is None else k_tilde + k_mean[None, :, None, :].to(k_tilde.dtype)
 
 
-def dequant_values(v, v_mean, r_v, cfg: Config):
-    """v~ = nu + D_{R_V,c_V}(v - nu) (nu None: Eq. 4's D_{R_V,c_V}(v)), v (B, H_kv, T, d)."""
-    v_tilde = rotate_dequant(center_keys(v, v_mean), r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps)
-    return v_tilde if v_mean is None else v_tilde + v_mean[None, :, None, :].to(v_tilde.dtype)
-
-
 def effective_kv(k, v, spec: KVQuant, cfg: Config):
     """Dequantized keys and values in the model's own basis (no windows applied), with the
-    layer's clips: k~ = mu + D_{R_K,c_K}(k - mu),  v~ = nu + D_{R_V,c_V}(v - nu)   (Eq. 4)."""
-    c = spec.quantizer(cfg)
+    layer's clips: k~ = mu + D_{R_K,c_K}(k - mu),  v~ = D_{R_V,c_V}(v)   (Eq. 4)."""
+    c = spec.layer_cfg(cfg)
     k_tilde = dequant_keys(k, spec.k_mean, spec.r_k, c) if spec.quant_k else k
-    v_tilde = dequant_values(v, spec.v_mean, spec.r_v, c) if spec.quant_v else v       # Eq. 4
+    v_tilde = rotate_dequant(v, spec.r_v, c.clip_v, c.group_size, c.scale_eps) if spec.quant_v else v  # Eq. 4
     return k_tilde, v_tilde
 
 
@@ -493,8 +475,6 @@ tokens exact for every query) or "relative" (each query's own, as served). Adam 
 mean of the per-head losses, full batch; each head is scored on held-out sequences after
 updates 1, 1 + eval_every, ... and the last, keeps its best A, and falls back to R_base
 if that is not below the base's held-out loss. Layers are calibrated independently.
-OptR+ (ours; Config's levers): mu, and nu in L_V, learned beside A from the means; per side
-the clip of a small grid with the lowest held-out loss at R_base; more steps, lr decaying.
 """
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
@@ -535,43 +515,36 @@ def optr_key_loss(q, k, v, w_o, r_k, k_mean, mask, exact, cfg: Config):
     return per_head(kl_divergence(p, p_tilde) + cfg.lam * output_error(dy_k, cfg), k.shape[1])
 
 
-def optr_value_loss(p_tilde, v, w_o, r_v, mask, exact, cfg: Config, v_mean=None):
+def optr_value_loss(p_tilde, v, w_o, r_v, mask, exact, cfg: Config):
     """Per-head L_V = mean (dy_V)^2, (H_kv,), given the final INT2-key attention p~
-    (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d); v_mean (H_kv, d) or None."""
-    dv = dequant_values(v, v_mean, r_v, cfg) - v                                    # Eq. 4
+    (B, H_q, Tq, T); v (B, H_kv, T, d); r_v (H_kv, d, d)."""
+    dv = rotate_dequant(v, r_v, cfg.clip_v, cfg.group_size, cfg.scale_eps) - v      # Eq. 4
     dy_v = value_error(p_tilde, dv, int2_mask(mask, exact), w_o)                    # Eq. 8
     return per_head(output_error(dy_v, cfg), v.shape[1])
 
 
-def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None, offset=None, learn_offset=False):
-    """Learn R = R_base exp(A - A^T) per head. loss_fn(R, split, offset) -> per-head losses
-    (H_kv,) on split "cal" (differentiable) or "held"; offset: mu or nu (H_kv, d) or None, fixed
-    or (learn_offset, OptR+) learned beside A. Returns R (H_kv, d, d), the offset, report rows."""
+def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
+    """Learn R = R_base exp(A - A^T) per head. loss_fn(R, split) -> per-head losses (H_kv,) on
+    split "cal" (differentiable) or "held". Returns R (H_kv, d, d) and report rows."""
     H, d, _ = r_base.shape
     r_base = r_base.float()
     A = torch.zeros(H, d, d, device=r_base.device, requires_grad=True)
-    m = None if offset is None else offset.detach().float().clone().requires_grad_(learn_offset)
-    opt = torch.optim.Adam([A] + ([m] if learn_offset else []), lr=cfg.lr)
-    decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, cfg.steps) if cfg.lr_decay else None
+    opt = torch.optim.Adam([A], lr=cfg.lr)
     with torch.no_grad():
-        base = loss_fn(r_base, "held", m)
-    best, best_A, best_m = base.clone(), torch.zeros_like(A), None if m is None else m.detach().clone()
+        base = loss_fn(r_base, "held")
+    best, best_A = base.clone(), torch.zeros_like(A)
     best_step = torch.zeros(H, dtype=torch.long, device=r_base.device)
     for step in range(1, cfg.steps + 1):
-        loss = loss_fn(optr_rotation(r_base, A), "cal", m).mean()   # mean of the per-head losses
+        loss = loss_fn(optr_rotation(r_base, A), "cal").mean()      # mean of the per-head losses
         opt.zero_grad()
         loss.backward()
         opt.step()
-        if decay is not None:
-            decay.step()
         if (step - 1) % cfg.eval_every == 0 or step == cfg.steps:   # after updates 1, 21, ..., last
             with torch.no_grad():
-                held = loss_fn(optr_rotation(r_base, A), "held", m)
+                held = loss_fn(optr_rotation(r_base, A), "held")
                 better = held < best
                 best = torch.where(better, held, best)
                 best_A[better] = A.detach()[better]
-                if m is not None:
-                    best_m[better] = m.detach()[better]
                 best_step[better] = step
             if log:
                 log(f"  {tag} step {step:4d} | cal loss {loss.item():.5f} | "
@@ -581,7 +554,7 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None, offset=N
         R = torch.where(kept[:, None, None], optr_rotation(r_base, best_A), r_base)
     rows = [dict(head=h, base_loss=base[h].item(), best_loss=best[h].item(),
                  best_step=int(best_step[h]), kept=bool(kept[h])) for h in range(H)]
-    return R.detach(), best_m, rows
+    return R.detach(), rows
 
 
 def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
@@ -599,51 +572,52 @@ def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
     return q_pos, mask, exact
 
 
-def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_positions=None,
-                    learn_k=True, learn_v=True, tag="", log=None, fast=True, v_mean=None):
-    """OptR for one layer. cal, held: full-precision (q (N, H_q, T, d), k, v (N, H_kv, T, d))
-    post-RoPE, any float dtype (the math runs in fp32 on k's device); w_o (H_q, d_model, d);
-    r_k0, r_v0 (H_kv, d, d) bases; k_mean, v_mean (H_kv, d) or None. fast: L_K by
-    fast_key_loss (Appendix A: the same loss and gradient). Returns a KVQuant and report rows."""
-    dev = cal[1].device
+def loss_data(splits: dict, cfg: Config, query_positions=None) -> dict:
+    """{split: (q, k, v)} full-precision captures -> {split: (q at the loss queries, k, v,
+    mask, exact)}, fp32 on k's device: what the two losses read."""
     data = {}
-    for split, (q, k, v) in (("cal", cal), ("held", held)):
-        q_pos, mask, exact = loss_queries(k.shape[2], cfg, query_positions, dev)
+    for split, (q, k, v) in splits.items():
+        q_pos, mask, exact = loss_queries(k.shape[2], cfg, query_positions, k.device)
         data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
                        mask, exact)
-    w_o = w_o.detach().float().to(dev)
-    k_mean, v_mean, r_k0, r_v0 = (x if x is None else x.float().to(dev) for x in (k_mean, v_mean, r_k0, r_v0))
+    return data
 
-    @torch.no_grad()
-    def best_clip(held_loss, c0):        # OptR+ (clip_grid): the c of least held-out loss at R_base
-        return min((c0, *cfg.clip_grid), key=lambda c: held_loss(c).sum().item()) if cfg.clip_grid else c0
 
-    def key_loss_at(c):                                  # L_K at clip c_K = c
-        ck = replace(cfg, clip_k=c)
-        if fast:
-            return fast_key_loss(data, w_o, ck)                                # Appendix A
-        return lambda R, split, mu: optr_key_loss(*data[split][:3], w_o, R, mu, *data[split][3:], ck)
-    clip_k = best_clip(lambda c: key_loss_at(c)(r_k0, "held", k_mean), cfg.clip_k)
-    ck = replace(cfg, clip_k=clip_k)
-    r_k, k_mean, rows_k = fit_rotation(key_loss_at(clip_k), r_k0, cfg, f"{tag}K", log, k_mean, cfg.learn_mu) \
-        if learn_k else (r_k0, k_mean, [])
+def key_loss(data: dict, w_o, k_mean, cfg: Config, fast: bool = True):
+    """L_K as a function (R_K, split) -> (H_kv,) on loss_data's splits. fast: fast_key_loss
+    (Appendix A: the same value and gradient, the exactly read keys in closed form)."""
+    if fast:
+        return fast_key_loss(data, w_o, k_mean, cfg)
+    return lambda R, split: optr_key_loss(*data[split][:3], w_o, R, k_mean, *data[split][3:], cfg)
 
-    value_data = {}                                      # the final INT2-key attention, fixed
-    with torch.no_grad():
-        for split, (q, k, v, mask, exact) in data.items():
-            p_tilde = torch.softmax(effective_logits(q, k, dequant_keys(k, k_mean, r_k, ck),
-                                                     mask, exact), dim=-1)
-            s = int2_tokens(mask, exact)                 # no query reads the others' dv
-            value_data[split] = (p_tilde[..., s], v[:, :, s], mask[:, s], exact[:, s])
 
-    def value_loss_at(c):                                # L_V at clip c_V = c
-        return lambda R, split, nu: optr_value_loss(*value_data[split][:2], w_o, R, *value_data[split][2:],
-                                                    replace(ck, clip_v=c), nu)
-    clip_v = best_clip(lambda c: value_loss_at(c)(r_v0, "held", v_mean), cfg.clip_v)
-    r_v, v_mean, rows_v = fit_rotation(value_loss_at(clip_v), r_v0, cfg, f"{tag}V", log, v_mean,
-                                       cfg.value_offset == "learn") if learn_v else (r_v0, v_mean, [])
-    clips = dict(clip_k=clip_k, clip_v=clip_v) if cfg.clip_grid else {}      # searched: the layer's own
-    return (KVQuant(k_mean=k_mean, r_k=r_k, r_v=r_v, v_mean=v_mean, **clips),
+@torch.no_grad()
+def value_loss(data: dict, w_o, k_mean, r_k, cfg: Config):
+    """L_V as a function (R_V, split) -> (H_kv,), with the final INT2-key attention p~ (keys
+    at r_k) computed once and fixed."""
+    fixed = {}
+    for split, (q, k, v, mask, exact) in data.items():
+        k_tilde = dequant_keys(k, k_mean, r_k, cfg)                                       # Eq. 4
+        p_tilde = torch.softmax(effective_logits(q, k, k_tilde, mask, exact), dim=-1)     # Eq. 5
+        s = int2_tokens(mask, exact)                     # no query reads the others' dv
+        fixed[split] = (p_tilde[..., s], v[:, :, s], mask[:, s], exact[:, s])
+    return lambda R, split: optr_value_loss(*fixed[split][:2], w_o, R, *fixed[split][2:], cfg)
+
+
+def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_positions=None,
+                    learn_k=True, learn_v=True, tag="", log=None, fast=True):
+    """OptR for one layer. cal, held: full-precision (q (N, H_q, T, d), k, v (N, H_kv, T, d))
+    post-RoPE, any float dtype (the math runs in fp32 on k's device); w_o (H_q, d_model, d);
+    r_k0, r_v0 (H_kv, d, d) bases; k_mean (H_kv, d) or None. Keys first, then values at the
+    learned R_K. Returns a KVQuant and report rows."""
+    data = loss_data({"cal": cal, "held": held}, cfg, query_positions)
+    dev = data["cal"][1].device
+    w_o, k_mean, r_k0, r_v0 = (x if x is None else x.float().to(dev) for x in (w_o, k_mean, r_k0, r_v0))
+    r_k, rows_k = fit_rotation(key_loss(data, w_o, k_mean, cfg, fast), r_k0, cfg, f"{tag}K", log) \
+        if learn_k else (r_k0, [])
+    r_v, rows_v = fit_rotation(value_loss(data, w_o, k_mean, r_k, cfg), r_v0, cfg, f"{tag}V", log) \
+        if learn_v else (r_v0, [])
+    return (KVQuant(k_mean=k_mean, r_k=r_k, r_v=r_v),
             [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v])
 
 
@@ -657,30 +631,31 @@ def full_precision_captures(model, calib_idx, heldout_idx):
 
 
 def calibrate_one_layer(w_o, l, cal, held, cfg: Config, base="quarot", center=True, learn=True,
-                        query_positions=None, log=None):
+                        query_positions=None, log=None, clip_grid=()):
     """Layer l from its captured (q, k, v) and W_O (H_q, d_model, d): mu, the base, then OptR
-    -> KVQuant, report rows."""
+    -> KVQuant, report rows. clip_grid: ours (appendix D), the layer's own clips."""
     q, k, v = cal
     mu = key_mean(k) if center else None                                   # Section 4
-    nu = key_mean(v) if cfg.value_offset != "none" else None               # OptR+ (ours)
     r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                        # Section 3
+    spec = KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0)
+    spec = search_clips(spec, w_o, held, cfg, clip_grid, query_positions) if clip_grid else spec  # D (ours)
     if not learn:
-        return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0, v_mean=nu), []
-    spec, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, cfg, query_positions,
-                                 tag=f"L{l} ", log=log, v_mean=nu)
-    return spec, [dict(r, layer=l) for r in rows]
+        return spec, []
+    fitted, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, spec.layer_cfg(cfg), query_positions,
+                                   tag=f"L{l} ", log=log)
+    return replace(fitted, clip_k=spec.clip_k, clip_v=spec.clip_v), [dict(r, layer=l) for r in rows]
 
 
 def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
               query_positions=None, cfg: Config | None = None, log=None, captured=None,
-              layer_map=map):
+              layer_map=map, clip_grid=()):
     """Every layer of a frozen model from its full-precision q, k, v: calib_idx (N, T) and
     heldout_idx (M, T') disjoint tokens, or their `captured` (cal, held). layer_map (a thread
     pool's, say) may run the independent layers at once. Returns per-layer KVQuant and rows
     (layer, head, part, base_loss, best_loss, best_step, kept)."""
     cal, held = captured or full_precision_captures(model, calib_idx, heldout_idx)
     one = lambda l: calibrate_one_layer(model.o_proj_heads(l), l, cal[l], held[l], cfg or model.cfg,
-                                        base, center, learn, query_positions, log)
+                                        base, center, learn, query_positions, log, clip_grid)
     done = list(layer_map(one, range(len(cal))))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
@@ -846,8 +821,7 @@ class TinyLM(nn.Module):
 # 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
 # ----------------------------------------------------------------------------------------
 """
-The cache stores (k - mu) R_K and (v - nu) R_V (nu: OptR+'s, else 0, added back to the
-readout): the sink and recent windows in full precision
+The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
 (window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
 are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
 weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
@@ -874,14 +848,13 @@ def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
 
 
 def stored_values(spec: KVQuant, v: torch.Tensor) -> torch.Tensor:
-    """(v - nu) R_V, the values as cached (beside folded weights spec has no R_V); v (n, H_kv, T, d)."""
-    return rotate_rows(center_keys(v, spec.v_mean), spec.r_v)
+    """v R_V, the values as cached (beside folded weights spec has no R_V); v (n, H_kv, T, d)."""
+    return rotate_rows(v, spec.r_v)
 
 
 def served_spec(spec: KVQuant) -> KVQuant:
-    """The spec beside weights with R_V folded in: no R_V, and nu in their basis, nu R_V."""
-    nu = spec.v_mean if spec.v_mean is None else rotate_rows(spec.v_mean[None, :, None], spec.r_v)[0, :, 0]
-    return replace(spec, r_v=None, v_mean=nu)
+    """The spec beside weights with R_V folded in: no R_V."""
+    return replace(spec, r_v=None)
 
 
 def fold_value_rotation(model, kv: list, cfg: Config | None = None):
@@ -918,7 +891,7 @@ class PagedKVCache:
         assert num_pages >= 1 and max_seqs >= 1 and len(kv) == cfg.n_layers, "pages, seqs, a KVQuant per layer"
         assert all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context"
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
-        self.quant = [s.quantizer(cfg) for s in self.kv]                   # per layer: its clips
+        self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         NW = cfg.sink + cfg.window
         u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
@@ -996,13 +969,13 @@ class PagedKVCache:
 
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
-        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis; stored as v - nu)."""
+        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
         c = self.cfg
         check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
         self.reserve(layer, seqs, 1)
         kr = stored_keys(self.kv[layer], k[:, :, None])[:, :, 0]       # (n, H_kv, d)
-        v = stored_values(self.kv[layer], v[:, :, None])[:, :, 0]       # v - nu
+        v = stored_values(self.kv[layer], v[:, :, None])[:, :, 0]
         S, W = c.sink, c.window
         for i, s in enumerate(seqs):
             pos = int(self.length[layer, s])
@@ -1027,7 +1000,7 @@ class PagedKVCache:
         T, S, W = k.shape[2], c.sink, c.window
         self.reserve(layer, seqs, T)
         kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
-        v = stored_values(self.kv[layer], v)                             # v - nu
+        v = stored_values(self.kv[layer], v)
         dev = self.block_table.device
         for i, s in enumerate(seqs):
             n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
@@ -1066,7 +1039,7 @@ class PagedKVCache:
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                            n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
     """The decode the Triton kernel must match, in torch: q (B, H_q, d) already rotated by R_K,
-    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis (nu not added)."""
+    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis."""
     B, Hq, d = q.shape
     H, P = k_codes.shape[1], k_codes.shape[2]
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
@@ -1105,8 +1078,6 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
             qr = qr @ cache.kv[layer].r_k.unsqueeze(0).to(qr.dtype)        # q R_K
         o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(layer, seqs),
                    group_size=c.group_size, **options)                     # (n, H_q, d)
-        nu = cache.kv[layer].v_mean                                        # sum_s p_s (v_s - nu) + nu
-        o = o if nu is None else o + nu.repeat_interleave(c.n_rep, 0).to(o)
         return o[:, :, None]                                               # (n, H_q, 1, d)
     # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
     # layer holds as many between steps)
@@ -1133,9 +1104,9 @@ Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
 """
 
-def fast_key_loss(data: dict, w_o, cfg: Config):
-    """L_K of optr_key_loss as a function (R_K, split, mu) -> (H_kv,), for the splits of
-    data {split: (q, k, v, mask, exact)} (as calibrate_layer builds them)."""
+def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
+    """L_K of optr_key_loss as a function (R_K, split) -> (H_kv,), for the splits of
+    data {split: (q, k, v, mask, exact)} (loss_data's) and the key mean mu (or None)."""
     fixed = {}
     for split, (q, k, v, mask, exact) in data.items():
         stored = int2_tokens(mask, exact)                                          # S
@@ -1147,7 +1118,7 @@ def fast_key_loss(data: dict, w_o, cfg: Config):
         fixed[split] = (q, k[:, :, stored], v[:, :, stored], int2_mask(mask, exact)[:, stored],
                         a_s, (a_s - lse[..., None]).exp(), lse, lse_rest, o_rest)
 
-    def loss(r_k, split, k_mean):
+    def loss(r_k, split):
         q, k_s, v_s, int2, a_s, p_s, lse, lse_rest, o_rest = fixed[split]
         k_tilde = dequant_keys(k_s, k_mean, r_k, cfg)                              # Eq. 4 on S
         a_tilde = torch.where(int2, gqa_logits(q, k_tilde), a_s)                   # Eq. 5 on S
@@ -1214,10 +1185,9 @@ file, export_hf the one it serves): a safetensors file holding, per variant NAME
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
   NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
   NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
-  NAME/layers.N.v_mean  float32 (H_kv, d)     value offset nu (OptR+; absent: 0)
 and as metadata the format, geometry, quantizer settings and per variant its parts, its
-quant_k / quant_v flags, per-layer clips (OptR+; absent or null: the settings') and whether
-R_V is folded. A part a variant lacks is None; loading
+quant_k / quant_v flags, per-layer clips (appendix D; absent or null: the settings') and
+whether R_V is folded. A part a variant lacks is None; loading
 checks every tensor (name, shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL).
 """
 
@@ -1275,7 +1245,7 @@ def reconfigure(model: TinyLM, **changes) -> TinyLM:
 
 ROTATION_FORMAT = "optr-kv-rotations-1"
 KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
-KV_PARTS = ("r_k", "r_v", "k_mean", "v_mean")
+KV_PARTS = ("r_k", "r_v", "k_mean")
 
 
 def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: dict | None = None):
@@ -1336,9 +1306,11 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
              f"{path}: flags of {name!r}: clips must be null or in (0, 1]")
     expected = {f"{name}/layers.{l}.{p}" for name, fl in flags.items() for p in info["parts"][name]
                 for l in range(L) if fl["quant_k"][l] or fl["quant_v"][l]}     # exact layers: none
+    need(not any(k.endswith(".v_mean") for k in tensors), f"{path}: holds value offsets nu (v_mean, "
+         "OptR+ at commit 5235131), which this version does not apply; use a variant without them")
     need(set(tensors) <= expected, f"{path}: unexpected tensors {sorted(set(tensors) - expected)[:8]}")
     need(expected <= set(tensors), f"{path}: missing tensors {sorted(expected - set(tensors))[:8]}")
-    shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d), v_mean=(H, d))
+    shapes = dict(r_k=(H, d, d), r_v=(H, d, d), k_mean=(H, d))
     for key, t in tensors.items():
         p = key.rsplit(".", 1)[1]
         check_tensor(f"{path}: tensor {key}", t, shape=shapes[p], dtype=(torch.float32,), finite=True)
@@ -1355,9 +1327,8 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
 
 KV_LAYOUT = """kv_rotations.safetensors: this checkpoint's KV cache (OptR). R_V is folded into
 the weights; per layer N of variant NAME the file holds NAME/layers.N.r_k (H_kv, d, d),
-NAME/layers.N.k_mean (H_kv, d) and, if the variant has one, the value offset NAME/layers.N.v_mean
-(H_kv, d) in the folded basis. Cache a post-RoPE key as (k - mu) R_K and a value as v - nu, add
-nu to each head's readout, and rotate queries by R_K; all but the first `sink` and the `window`
+NAME/layers.N.k_mean (H_kv, d). Cache a post-RoPE key as (k - mu) R_K and a value as it comes
+from v_proj, and rotate queries by R_K; all but the first `sink` and the `window`
 latest tokens are INT2 (settings, and per-layer clips if any, in the metadata). Load:
 transformers' from_pretrained(dir), optr.load_kv_rotations(dir).
 """
@@ -1408,7 +1379,24 @@ A starts at zero (step 0: the per-layer result), mu and the model stay fixed; Ad
 e2e_lr for e2e_steps full-batch steps; the step with the best held-out L_e2e is kept (the
 input if none beats it). The backward recomputes each layer's (T, T) attention.
 Propagated calibration: layer l fitted on the q, k, v it gets with INT2 layers below.
+OptR+ (clip_grid): per layer, c_K of {Config's c_K} + grid with the least held-out L_K at the
+base rotation, then c_V of {c_V} + grid by L_V at that c_K; the layer's rotations (base or
+OptR's) are then used at its own clips. The same search with learn=False: quarot+clip rows.
 """
+
+@torch.no_grad()
+def search_clips(spec: KVQuant, w_o, held, cfg: Config, grid, query_positions=None) -> KVQuant:
+    """spec (the base: mu, R_K,0, R_V,0) with its layer's clip_k, clip_v: of {cfg's} + grid, the
+    ones with the least held-out loss (summed over heads) at spec's rotations."""
+    data = loss_data({"held": held}, cfg, query_positions)
+    dev = data["held"][1].device
+    w_o, mu, r_k, r_v = (x if x is None else x.float().to(dev) for x in (w_o, spec.k_mean, spec.r_k, spec.r_v))
+    held_loss = lambda loss, R: loss(R, "held").sum().item()
+    c_k = min((cfg.clip_k, *grid), key=lambda c: held_loss(key_loss(data, w_o, mu, replace(cfg, clip_k=c)), r_k))
+    cfg = replace(cfg, clip_k=c_k)
+    c_v = min((cfg.clip_v, *grid), key=lambda c: held_loss(value_loss(data, w_o, mu, r_k, replace(cfg, clip_v=c)), r_v))
+    return replace(spec, clip_k=c_k, clip_v=c_v)
+
 
 def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     """P of L_e2e for sequences of T tokens: sink + window .. T - 2, or the given ones."""
@@ -1484,7 +1472,8 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 
 
 def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
-                         query_positions=None, cfg: Config | None = None, log=None, captured=None):
+                         query_positions=None, cfg: Config | None = None, log=None, captured=None,
+                         clip_grid=()):
     """calibrate's arguments and result; layer l learns from the q, k, v of a forward whose
     layers below run their INT2 cache (layer 0: the full-precision `captured`, if given)."""
     cfg = cfg or model.cfg
@@ -1500,7 +1489,7 @@ def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=Tr
                 model(heldout_idx, below, capture=held)
             cal, held = cal[l], held[l]
         done.append(calibrate_one_layer(model.o_proj_heads(l), l, cal, held, cfg, base, center, learn,
-                                        query_positions, log))
+                                        query_positions, log, clip_grid))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: the authors' SGLang engine; transformers' generate() and models
@@ -1533,8 +1522,9 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
             (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
              "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
             for l, s in enumerate(kv)] + [
-            (s.v_mean is None and s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: "
-             "a value offset nu or clips of its own (OptR+), which the engine lacks: use a variant without them")
+            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips of its own "
+             f"(c_K {s.clip_k}, c_V {s.clip_v}; appendix D), but the engine clips every layer at cfg's: "
+             "use a variant without them")
             for l, s in enumerate(kv)]:
         need(ok, f"export_sglang: {msg}")
     os.makedirs(out_dir, exist_ok=True)
@@ -1609,7 +1599,7 @@ class Int2Layer:
 
     def __init__(self, spec: KVQuant, cfg: Config, folded: bool):
         self.spec = served_spec(spec) if folded else spec
-        self.cfg, self.n = self.spec.quantizer(cfg), 0                    # the layer's clips
+        self.cfg, self.n = self.spec.layer_cfg(cfg), 0                    # the layer's clips
         self.keys = self.values = self.k = self.v = None               # k, v: Int2Tokens
 
     def get_seq_length(self) -> int:
@@ -1643,7 +1633,6 @@ class Int2Layer:
         k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)                  # back to the model's basis
         k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
         v = v if sp.r_v is None else v @ sp.r_v.mT.to(v)                   # folded: no R_V
-        v = v if sp.v_mean is None else v + sp.v_mean[None, :, None, :].to(v)
         cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
         return cat(self.keys, k), cat(self.values, v)
 
@@ -1748,7 +1737,7 @@ def hf_captures(model, cfg: Config, *ids) -> list:
 
 
 def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", center=True, learn=True,
-                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None):
+                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None, clip_grid=()):
     """calibrate for a transformers model: per layer, the q, k, v simulate_hf captures in exact mode
     (or hf_captures' `captured` of both) and W_O (o_proj; on Gemma 3 before its post-attention norm)
     into calibrate_one_layer. Sliding layers (Gemma 3's five in six) stay exact unless sliding=True:
@@ -1764,6 +1753,6 @@ def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", cent
         need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
              f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
         return calibrate_one_layer(split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
-                                   base, center, learn, query_positions, log)
+                                   base, center, learn, query_positions, log, clip_grid)
     done = list(layer_map(one, range(cfg.n_layers)))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]

@@ -63,7 +63,7 @@ from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, config_dict, decode_attention,
     decode_check, gap_closed, gap_closed_mean_std, key_stats, ladder_bits, mean_std, output_errors,
     parse_run_config,
-    print_config, print_key_stats, print_table, run_cli, save_ladder, write_results)
+    print_config, print_gap_closed, print_key_stats, print_table, run_cli, save_ladder, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -406,8 +406,7 @@ def run_once(cfg: RunConfig, attend, log=print, timer=None) -> dict:
     # e2e variants (ours): the KL at OptR's loss queries, the answer positions the ladder
     # scores (calib_queries "answers"), or with "last" every position past the windows; the
     # tiny model's (T, T) attention fits in memory: kept for the backward, not recomputed
-    names = [n for n, v in VARIANTS.items() if v is None or not v.levers or n == "quarot+optr+"]  # + optr+
-    specs, reports = calibrate_variants(model, cal, held, names, qpos, per_head=True,
+    specs, reports = calibrate_variants(model, cal, held, list(VARIANTS), qpos, per_head=True,
                                         timer=timer, log=log, e2e=dict(positions=qpos, recompute=False))
     save_ladder(os.path.join(cfg.out, "kv_rotations.safetensors"), specs, cfg,
                 meta=dict(config=config_dict(cfg)))
@@ -451,23 +450,9 @@ def print_summary(results: dict, std: dict | None = None, log=print):
         "part; bits per K/V element")
     log(f"of the whole cache as stored (sink and window in bf16; the INT2 part alone "
         f"{int2_bits:.2f} bits).")
-    gstd = results.get("gap_closed_std")
-    pct = lambda x: "n/a (no gap)" if x is None else f"{x:6.1%}"
-
-    def fmt(base, key):                # the gap closed, and +- its std over seeds when given
-        x = results["gap_closed"][base][key]
-        if gstd is None or x is None:
-            return pct(x)
-        return f"{x:6.1%} ± {gstd[base][key]:5.1%}"
-
-    for base, g in results["gap_closed"].items():
-        log(f"gap closed by OptR over {base:<6}: accuracy@{lens[-1]} {fmt(base, 'accuracy')} | "
-            f"KL {fmt(base, 'kl')}")
-        for sfx, what in (("_e2e", "OptR+e2e"), ("_plus", "OptR+")):       # ours, where present
-            if "kl" + sfx in g:
-                log(f"gap closed by {what} over {base:<6}: accuracy@{lens[-1]} {fmt(base, 'accuracy' + sfx)} "
-                    f"| KL {fmt(base, 'kl' + sfx)}  (ours, not the paper's)")
-    log("  gap closed = (optr - base) / (full - base); for KL, (KL_base - KL_optr) / KL_base")
+    print_gap_closed(results, {"accuracy": f"accuracy@{lens[-1]}", "kl": "KL"},
+                     results.get("gap_closed_std") is not None, log)
+    log("  gap closed = (row - base) / (full - base); for KL, (KL_base - KL_row) / KL_base")
     if std is not None:
         seeds = results["seeds"]
         log(f"  mean ± std over seeds {', '.join(map(str, seeds))} (each its own model, data and "
