@@ -1398,6 +1398,12 @@ def search_clips(spec: KVQuant, w_o, held, cfg: Config, grid, query_positions=No
     return replace(spec, clip_k=c_k, clip_v=c_v)
 
 
+def token_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last dim from log-probabilities, sum p (log p - log q), no clamp:
+    the next-token KL that L_e2e and the ladders report. (..., vocab) -> (...)."""
+    return (logp.exp() * (logp - logq)).sum(-1)
+
+
 def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
     """P of L_e2e for sequences of T tokens: sink + window .. T - 2, or the given ones."""
     first = cfg.sink + cfg.window                     # the first query with an INT2 key
@@ -1418,7 +1424,7 @@ def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config 
     recompute = recompute and torch.is_grad_enabled()
     logits = model(idx, attention if recompute else simulated)[:, positions]     # (B, P, vocab)
     logp = logits.float().log_softmax(-1)                                      # (B, P, vocab)
-    return (logp_full.exp() * (logp_full - logp)).sum(-1).mean()
+    return token_kl(logp_full, logp).mean()
 
 
 def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = None,
@@ -1684,7 +1690,6 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
     included) and sdpa's mask builder (padding, sliding windows). capture: {layer: ((q, k, v), module,
     sliding window)}. block: a layer whose mask is causal runs block by block (Appendix A). A model
     whose layers bypass the interface (gpt_neo, falcon) is a ValueError."""
-    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.masking_utils import sdpa_mask
     assert kv is None or len(kv) == cfg.n_layers, "a KVQuant per layer"
     exact_spec, called, arch = KVQuant(quant_k=False, quant_v=False), set(), model.config.model_type
@@ -1714,17 +1719,32 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
 
     check = lambda *_: need(len(called) == cfg.n_layers, f"{arch}: {cfg.n_layers - len(called)} of "
         f"{cfg.n_layers} layers never called transformers' attention interface (this architecture bypasses it)")
-    AttentionInterface.register("optr", attention)
-    AttentionMaskInterface.register("optr", lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False}))
-    before, base = model.config._attn_implementation, model.base_model
+    base = model.base_model
     hooks = [base.register_forward_pre_hook(lambda *_: called.clear()), base.register_forward_hook(check)]
-    model.set_attn_implementation("optr")
+    try:
+        with attention_interface(model, attention, lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False})):
+            yield model
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+@contextlib.contextmanager
+def attention_interface(model, attention, mask=None, name: str = "optr"):
+    """`with attention_interface(model, fn):` every layer of the transformers model calls
+    fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs), registered
+    under `name` in transformers' AttentionInterface (and `mask` as its mask builder, if given);
+    the model's own implementation is back on exit."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    AttentionInterface.register(name, attention)
+    if mask is not None:
+        AttentionMaskInterface.register(name, mask)
+    before = model.config._attn_implementation
+    model.set_attn_implementation(name)
     try:
         yield model
     finally:
         model.set_attn_implementation(before)
-        for h in hooks:
-            h.remove()
 
 
 def hf_captures(model, cfg: Config, *ids) -> list:
