@@ -90,6 +90,29 @@ def run_cli(main):
         sys.exit(2)
 
 
+# Fields fixed once the model is built: they shape the weights or what they compute.
+ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+                "ffn_dim", "rope_theta", "rms_eps", "qk_norm", "attention_bias", "tie_embeddings")
+
+
+def reconfigure(model: optr.TinyLM, **changes) -> optr.TinyLM:
+    """In place, model.cfg <- replace(model.cfg, **changes) on every submodule (a rotation
+    file's settings, say): any field but the architecture's (RoPE base included)."""
+    unknown = sorted(set(changes) - {f.name for f in fields(optr.Config)})
+    optr.need(not unknown, f"reconfigure: unknown Config fields {unknown}")
+    fixed = sorted(n for n in set(changes) & set(ARCHITECTURE) if changes[n] != getattr(model.cfg, n))
+    optr.need(not fixed, f"reconfigure: {fixed} are fixed by the trained weights "
+              f"(got {[(n, getattr(model.cfg, n), changes[n]) for n in fixed]})")
+    try:
+        cfg = replace(model.cfg, **changes)
+    except AssertionError as e:
+        raise ValueError(f"reconfigure: {e}") from None
+    for m in model.modules():
+        if isinstance(getattr(m, "cfg", None), optr.Config):
+            m.cfg = cfg
+    return model
+
+
 def print_config(cfg, log=print, tag="config"):
     items = [f"{k}={','.join(map(str, v)) if isinstance(v, list) else v}"
              for k, v in config_dict(cfg).items()]
@@ -170,7 +193,7 @@ def learns_from_data(name: str) -> bool:
 
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
-                       progress_every=0, timer=None, log=print, workers=1, propagate=False,
+                       progress_every=0, timer=None, log=print, workers=1,
                        e2e: dict | None = None, sliding=False) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
@@ -178,56 +201,26 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
     variant: the held-out loss of the base -> OptR, summed over heads, and the heads that
     kept their OptR rotation; per_head: then one line per layer and part with each head's
     losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
-    workers > 1: that many layers at once, in threads with one torch thread each (the same
-    numbers; log lines interleave); propagate: optr.calibrate_propagated (ours) instead.
-    A model with an `hf` attribute (eval_llm.HFModel) is calibrated by optr.calibrate_hf
-    (`sliding`: its sliding-window layers in INT2 too).
+    workers, sliding: calibrate_one's.
     An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
     call, listed or not) by optr.refine_end_to_end on the same tokens, `e2e` its keyword
     arguments (positions: None for every position past the windows; block; recompute); its report
     is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
     held-out KL at the start -> the kept step's."""
-    timer = timer or Timer()
-    L = model.cfg.n_layers
-    hf = getattr(model, "hf", None)  # eval_llm.HFModel: a transformers model, optr.calibrate_hf
+    timer, L, hf = timer or Timer(), model.cfg.n_layers, getattr(model, "hf", None)
     specs, reports, per_layer, captured = {}, {}, {}, []
 
     def calibrated(name):            # a per-layer variant, calibrated once per call
         if name not in per_layer:
-            per_layer[name] = calibrate_one(name)
+            t0 = time.perf_counter()
+            if not captured:         # one full-precision forward, shared by every variant
+                captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
+                                else optr.full_precision_captures(model, cal, held))
+            progress = layer_progress(name, L, model.cfg.steps, progress_every, log) if progress_every else None
+            per_layer[name] = calibrate_one(model, name, cal, held, captured, query_positions, workers,
+                                            sliding, progress)
+            log_calibration(name, per_layer[name][1], timer.lap("calibrate", t0), L if per_head else 0, log)
         return per_layer[name]
-
-    def calibrate_one(name):
-        base, center, learn, _, clip = VARIANTS[name]
-        cfg, t0 = model.cfg, time.perf_counter()
-        if not captured:             # one full-precision forward, shared by every variant
-            captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
-                            else optr.full_precision_captures(model, cal, held))
-        args = dict(base=base, center=center, learn=learn, query_positions=query_positions,
-                    clip_grid=CLIP_GRID if clip else (),
-                    log=layer_progress(name, L, cfg.steps, progress_every, log) if learn and progress_every else None)
-
-        def run(layer_map=map):
-            if hf is not None:       # a transformers model: its captures through its attention
-                return optr.calibrate_hf(hf, cal, held, cfg, layer_map=layer_map,
-                                         captured=captured, sliding=sliding, **args)
-            return optr.calibrate(model, cal, held, cfg=cfg, captured=captured,
-                                  layer_map=layer_map, **args)
-        if propagate:                # ours: layer l sees the INT2 layers below
-            kv, report = optr.calibrate_propagated(model, cal, held, cfg=cfg,
-                                                   captured=None if hf else captured, **args)
-        elif workers > 1 and learn:  # layers at once, one torch thread each
-            threads = torch.get_num_threads()
-            torch.set_num_threads(1)
-            try:
-                with ThreadPoolExecutor(workers) as pool:
-                    kv, report = run(pool.map)
-            finally:
-                torch.set_num_threads(threads)
-        else:
-            kv, report = run()
-        log_calibration(name, report, timer.lap("calibrate", t0), L if per_head else 0, log)
-        return kv, report
 
     for name in names:
         if VARIANTS[name] is None:
@@ -243,6 +236,32 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
             log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
                 f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")
     return specs, reports
+
+
+def calibrate_one(model, name, cal, held, captured, query_positions=None, workers=1, sliding=False,
+                  log=None) -> tuple[list, list]:
+    """One per-layer variant through optr.calibrate on the full-precision `captured` (a model with
+    an `hf` attribute, eval_llm.HFModel: optr.calibrate_hf, `sliding` its sliding-window layers in
+    INT2 too). workers > 1: that many layers at once, in threads with one torch thread each (the
+    same numbers; log lines interleave). Returns ([KVQuant per layer], report rows)."""
+    base, center, learn, _, clip = VARIANTS[name]
+    hf = getattr(model, "hf", None)
+    args = dict(base=base, center=center, learn=learn, query_positions=query_positions, captured=captured,
+                clip_grid=CLIP_GRID if clip else (), log=log if learn else None)
+
+    def run(layer_map=map):
+        if hf is not None:           # a transformers model: its captures through its attention
+            return optr.calibrate_hf(hf, cal, held, model.cfg, layer_map=layer_map, sliding=sliding, **args)
+        return optr.calibrate(model, cal, held, cfg=model.cfg, layer_map=layer_map, **args)
+    if workers <= 1 or not learn:
+        return run()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)         # layers at once, one torch thread each
+    try:
+        with ThreadPoolExecutor(workers) as pool:
+            return run(pool.map)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def layer_progress(name: str, L: int, steps: int, every: int, log):
@@ -451,7 +470,7 @@ def serving_setup(model, kv, T: int):
     cache's per-layer specs: R_V folded into v_proj and o_proj; full precision (kv None)
     as one recent window covering the context, with nothing in INT2."""
     if kv is None:
-        full = optr.reconfigure(copy.deepcopy(model), sink=0, window=T)
+        full = reconfigure(copy.deepcopy(model), sink=0, window=T)
         return full, [optr.KVQuant()] * model.cfg.n_layers
     return optr.fold_value_rotation(model, kv), kv
 

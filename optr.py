@@ -6,20 +6,22 @@ INT2 KV Cache Quantization" (arXiv 2608.02691); equation numbers follow its Sect
 Where it is silent (the quantizer's details, the loss normalisation, OSCAR's composition,
 the schedule) this file follows the authors' code; README.md lists where it does not.
 
-Reading map. Sections 0-6 are the method, in the paper's order; 7-8 run it in a model
-and serve it from a paged cache; the appendices are infrastructure a learner may skip.
+Reading map. Sections 0-6 are the paper's method alone, in its order; 7-8 run it in a model
+and serve it from a paged cache; the appendices are infrastructure a learner may skip, and
+what goes beyond the paper (ours) is in appendix D alone, reached from Section 6 by one
+labelled line (calibrate_one_layer's clip search).
   0. Config                one dataclass: model, quantizer, windows, pages, calibration
   1. Attention (Eq. 1-3)   logits, softmax, readout, the post-W_O head contribution
-  2. INT2 quantizer        Q2: clip, asymmetric affine, straight-through rounding; packing
+  2. INT2 quantizer        Q2: clip, asymmetric affine, straight-through rounding
   3. Rotations (Eq. 4)     D_R,c(z) = Q2(zR) R^T; bases: identity, QuaRot, OSCAR
   4. Key centering         k - mu after RoPE: softmax unchanged, INT2 range shrinks
   5. Windows, error split  exact sink/recent windows; Eq. 5-10: dy_K + dy_V, exactly
   6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
   7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
-  8. Serving               value-rotation folding, the paged INT2 cache, decode_step
+  8. Serving               value-rotation folding, INT2 packing, the paged INT2 cache, decode_step
   A. Fast paths            the key loss on the INT2 columns, block-wise simulation, prefill
   B. Files                 checks of outside data; rotation files; Hugging Face export
-  D. Beyond the paper      ours: end-to-end refinement; calibration with INT2 layers below
+  D. Beyond the paper      ours: a clip searched per layer (optr+); end-to-end refinement
   E. Serving elsewhere     the authors' SGLang engine; transformers: a Cache, any model's attention
   (C. Real checkpoints, GGUF and Hugging Face, load in eval_llm.py, their one caller.)
 
@@ -160,13 +162,10 @@ input dtype (the authors' quantizer, formula for formula):
   code    = clamp(floor(x / scale + zero + 0.5), 0, 3)       (straight-through in training)
   dequant = (code - zero) * scale
 Gradients flow through the rounding (STE) and through scale, zero, min and max.
-Storage: 4 codes per byte. Byte j of a d-channel row holds channels j, j + d/4, j + d/2,
-j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7, so unpacking one byte vector gives four contiguous
-quarter-rows (the layout the Triton kernel reads). scale and zero are fp32.
 """
 
 def _q2_params(x, clip, G, eps):
-    """Shared by the fake-quant and storage forms, so both compute the same numbers.
+    """Shared by the fake-quant and storage (Section 8) forms, so both compute the same numbers.
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     assert x.shape[-1] % G == 0 and 0 < clip <= 1 and eps > 0, "G must divide d; clip in (0, 1]"
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
@@ -187,35 +186,6 @@ def q2(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8) -> torch.Tensor:
     u = xg / scale + zero
     code = u + (torch.clamp(torch.floor(u + 0.5), 0, 3) - u).detach()  # STE: forward = code
     return ((code - zero) * scale).reshape(x.shape).to(x.dtype)
-
-
-def pack_int2(codes: torch.Tensor) -> torch.Tensor:
-    """(..., d) integer codes in [0, 3] -> (..., d/4) uint8, byte j = dims j, j+d/4, j+d/2, j+3d/4."""
-    d = codes.shape[-1]
-    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], 4, d // 4)
-    return c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
-
-
-def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
-    """(..., d/4) uint8 -> (..., d) uint8 codes; inverse of pack_int2."""
-    parts = [(packed >> (2 * i)) & 3 for i in range(4)]
-    return torch.cat(parts, dim=-1)
-
-
-def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
-    """Storage form of Q2. x (..., d) float, d a multiple of 4 -> (packed (..., d/4) uint8,
-    scale (..., d/G) fp32, zero (..., d/G) fp32)."""
-    assert x.shape[-1] % 4 == 0, "4 codes per byte: d must be a multiple of 4"
-    xg, scale, zero = _q2_params(x.float(), clip, G, eps)
-    code = torch.clamp(torch.floor(xg / scale + zero + 0.5), 0, 3)
-    return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
-
-
-def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
-    """(packed (..., d/4), scale (..., d/G), zero (..., d/G)) -> (..., d) fp32."""
-    code = unpack_int2(packed).float()
-    cg = code.reshape(*code.shape[:-1], code.shape[-1] // G, G)
-    return ((cg - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(code.shape)
 
 
 # ----------------------------------------------------------------------------------------
@@ -583,14 +553,6 @@ def loss_data(splits: dict, cfg: Config, query_positions=None) -> dict:
     return data
 
 
-def key_loss(data: dict, w_o, k_mean, cfg: Config, fast: bool = True):
-    """L_K as a function (R_K, split) -> (H_kv,) on loss_data's splits. fast: fast_key_loss
-    (Appendix A: the same value and gradient, the exactly read keys in closed form)."""
-    if fast:
-        return fast_key_loss(data, w_o, k_mean, cfg)
-    return lambda R, split: optr_key_loss(*data[split][:3], w_o, R, k_mean, *data[split][3:], cfg)
-
-
 @torch.no_grad()
 def value_loss(data: dict, w_o, k_mean, r_k, cfg: Config):
     """L_V as a function (R_V, split) -> (H_kv,), with the final INT2-key attention p~ (keys
@@ -609,25 +571,18 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
     """OptR for one layer. cal, held: full-precision (q (N, H_q, T, d), k, v (N, H_kv, T, d))
     post-RoPE, any float dtype (the math runs in fp32 on k's device); w_o (H_q, d_model, d);
     r_k0, r_v0 (H_kv, d, d) bases; k_mean (H_kv, d) or None. Keys first, then values at the
-    learned R_K. Returns a KVQuant and report rows."""
+    learned R_K. fast: L_K by fast_key_loss (Appendix A: the same value and gradient, the
+    exactly read keys in closed form). Returns a KVQuant and report rows."""
     data = loss_data({"cal": cal, "held": held}, cfg, query_positions)
     dev = data["cal"][1].device
     w_o, k_mean, r_k0, r_v0 = (x if x is None else x.float().to(dev) for x in (w_o, k_mean, r_k0, r_v0))
-    r_k, rows_k = fit_rotation(key_loss(data, w_o, k_mean, cfg, fast), r_k0, cfg, f"{tag}K", log) \
-        if learn_k else (r_k0, [])
+    key_loss = fast_key_loss(data, w_o, k_mean, cfg) if fast else \
+        lambda R, split: optr_key_loss(*data[split][:3], w_o, R, k_mean, *data[split][3:], cfg)   # L_K
+    r_k, rows_k = fit_rotation(key_loss, r_k0, cfg, f"{tag}K", log) if learn_k else (r_k0, [])
     r_v, rows_v = fit_rotation(value_loss(data, w_o, k_mean, r_k, cfg), r_v0, cfg, f"{tag}V", log) \
         if learn_v else (r_v0, [])
     return (KVQuant(k_mean=k_mean, r_k=r_k, r_v=r_v),
             [dict(r, part="k") for r in rows_k] + [dict(r, part="v") for r in rows_v])
-
-
-@torch.no_grad()
-def full_precision_captures(model, calib_idx, heldout_idx):
-    """Per layer, the full-precision (q, k, v) that calibration learns from: two lists."""
-    cal, held = [], []
-    model(calib_idx, capture=cal)
-    model(heldout_idx, capture=held)
-    return cal, held
 
 
 def calibrate_one_layer(w_o, l, cal, held, cfg: Config, base="quarot", center=True, learn=True,
@@ -817,6 +772,15 @@ class TinyLM(nn.Module):
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
 
 
+@torch.no_grad()
+def full_precision_captures(model, calib_idx, heldout_idx):
+    """Per layer, the full-precision (q, k, v) that calibration learns from: two lists."""
+    cal, held = [], []
+    model(calib_idx, capture=cal)
+    model(heldout_idx, capture=held)
+    return cal, held
+
+
 # ----------------------------------------------------------------------------------------
 # 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
 # ----------------------------------------------------------------------------------------
@@ -826,7 +790,7 @@ The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full pre
 are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
 weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
 Layout (per layer; the Triton kernel in kernel.py reads exactly this):
-  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (Section 2)
+  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (below)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
                block_table[seq, n // page_size], slot n % page_size; -1 = no page
@@ -834,7 +798,39 @@ Layout (per layer; the Triton kernel in kernel.py reads exactly this):
                ring of the most recent; valid slots [0, win_len), win_len = min(length, sink + window)
 One page pool and block table serve all sequences and layers; a token leaving the recent
 window is quantized, packed and written to its page; only the cache's methods write it.
+Storage form of Q2: 4 codes per byte. Byte j of a d-channel row holds channels j, j + d/4,
+j + d/2, j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7, so unpacking one byte vector gives four
+contiguous quarter-rows (the layout the Triton kernel reads). scale and zero are fp32.
 """
+
+def pack_int2(codes: torch.Tensor) -> torch.Tensor:
+    """(..., d) integer codes in [0, 3] -> (..., d/4) uint8, byte j = dims j, j+d/4, j+d/2, j+3d/4."""
+    d = codes.shape[-1]
+    c = codes.to(torch.uint8).reshape(*codes.shape[:-1], 4, d // 4)
+    return c[..., 0, :] | (c[..., 1, :] << 2) | (c[..., 2, :] << 4) | (c[..., 3, :] << 6)
+
+
+def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
+    """(..., d/4) uint8 -> (..., d) uint8 codes; inverse of pack_int2."""
+    parts = [(packed >> (2 * i)) & 3 for i in range(4)]
+    return torch.cat(parts, dim=-1)
+
+
+def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
+    """Storage form of Q2. x (..., d) float, d a multiple of 4 -> (packed (..., d/4) uint8,
+    scale (..., d/G) fp32, zero (..., d/G) fp32)."""
+    assert x.shape[-1] % 4 == 0, "4 codes per byte: d must be a multiple of 4"
+    xg, scale, zero = _q2_params(x.float(), clip, G, eps)
+    code = torch.clamp(torch.floor(xg / scale + zero + 0.5), 0, 3)
+    return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
+    """(packed (..., d/4), scale (..., d/G), zero (..., d/G)) -> (..., d) fp32."""
+    code = unpack_int2(packed).float()
+    cg = code.reshape(*code.shape[:-1], code.shape[-1] // G, G)
+    return ((cg - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(code.shape)
+
 
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
     """x (n, H, T, d) @ R (H, d, d) per head, one (1, d) x (d, d) product per token, so that
@@ -1220,29 +1216,6 @@ def check_rotation(name: str, R, n_heads: int, d: int):
                             f"got {err.item():.3g}")
 
 
-# Fields fixed once the model is built: they shape the weights or what they compute.
-ARCHITECTURE = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
-                "ffn_dim", "rope_theta", "rms_eps", "qk_norm", "attention_bias", "tie_embeddings")
-
-
-def reconfigure(model: TinyLM, **changes) -> TinyLM:
-    """In place, model.cfg <- replace(model.cfg, **changes) on every submodule (a rotation
-    file's settings, say): any field but the architecture's (RoPE base included)."""
-    unknown = sorted(set(changes) - {f.name for f in fields(Config)})
-    need(not unknown, f"reconfigure: unknown Config fields {unknown}")
-    fixed = sorted(n for n in set(changes) & set(ARCHITECTURE) if changes[n] != getattr(model.cfg, n))
-    need(not fixed, f"reconfigure: {fixed} are fixed by the trained weights "
-                     f"(got {[(n, getattr(model.cfg, n), changes[n]) for n in fixed]})")
-    try:
-        cfg = replace(model.cfg, **changes)
-    except AssertionError as e:
-        raise ValueError(f"reconfigure: {e}") from None
-    for m in model.modules():
-        if isinstance(getattr(m, "cfg", None), Config):
-            m.cfg = cfg
-    return model
-
-
 ROTATION_FORMAT = "optr-kv-rotations-1"
 KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", "page_size")
 KV_PARTS = ("r_k", "r_v", "k_mean")
@@ -1276,7 +1249,7 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
 def load_kv_rotations(path: str, cfg: Config | None = None):
     """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants
     {name: [KVQuant per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}).
-    With cfg, the geometry must be that model's. info["settings"] suits reconfigure."""
+    With cfg, the geometry must be that model's. info["settings"] suits ladder.reconfigure."""
     from safetensors import safe_open
     path = os.fspath(path)
     if os.path.isdir(path):
@@ -1367,9 +1340,13 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
 
 
 # ----------------------------------------------------------------------------------------
-# D. Beyond the paper (ours): end-to-end refinement; calibration with the layers below in INT2
+# D. Beyond the paper (ours): a clip searched per layer (OptR+), end-to-end refinement
 # ----------------------------------------------------------------------------------------
 """
+Clip search (calibrate(clip_grid=...), the ladders' +clip rows and optr+): per layer, c_K of
+{Config's c_K} + grid with the least held-out L_K at the base rotation, then c_V of {c_V} +
+grid by L_V at that c_K; the layer's rotations (the base, or OptR's learned at these clips)
+are used at its own clips everywhere (KVQuant.clip_k, clip_v).
 End-to-end refinement. Starting from OptR's per-layer result R_l, every layer's key and
 value corrections are trained at once on the next-token distribution:
     L_e2e(A) = mean_{b, t in P} KL(p_full(. | x_b,<=t) || p_int2(. | x_b,<=t)),
@@ -1378,10 +1355,6 @@ P: positions sink + window (the first query reading an INT2 token) .. T - 2, or 
 A starts at zero (step 0: the per-layer result), mu and the model stay fixed; Adam at
 e2e_lr for e2e_steps full-batch steps; the step with the best held-out L_e2e is kept (the
 input if none beats it). The backward recomputes each layer's (T, T) attention.
-Propagated calibration: layer l fitted on the q, k, v it gets with INT2 layers below.
-OptR+ (clip_grid): per layer, c_K of {Config's c_K} + grid with the least held-out L_K at the
-base rotation, then c_V of {c_V} + grid by L_V at that c_K; the layer's rotations (base or
-OptR's) are then used at its own clips. The same search with learn=False: quarot+clip rows.
 """
 
 @torch.no_grad()
@@ -1391,11 +1364,10 @@ def search_clips(spec: KVQuant, w_o, held, cfg: Config, grid, query_positions=No
     data = loss_data({"held": held}, cfg, query_positions)
     dev = data["held"][1].device
     w_o, mu, r_k, r_v = (x if x is None else x.float().to(dev) for x in (w_o, spec.k_mean, spec.r_k, spec.r_v))
-    held_loss = lambda loss, R: loss(R, "held").sum().item()
-    c_k = min((cfg.clip_k, *grid), key=lambda c: held_loss(key_loss(data, w_o, mu, replace(cfg, clip_k=c)), r_k))
-    cfg = replace(cfg, clip_k=c_k)
-    c_v = min((cfg.clip_v, *grid), key=lambda c: held_loss(value_loss(data, w_o, mu, r_k, replace(cfg, clip_v=c)), r_v))
-    return replace(spec, clip_k=c_k, clip_v=c_v)
+    key = lambda c: fast_key_loss(data, w_o, mu, replace(cfg, clip_k=c))(r_k, "held").sum().item()   # L_K
+    c_k = min((cfg.clip_k, *grid), key=key)
+    value = lambda c: value_loss(data, w_o, mu, r_k, replace(cfg, clip_k=c_k, clip_v=c))(r_v, "held").sum().item()
+    return replace(spec, clip_k=c_k, clip_v=min((cfg.clip_v, *grid), key=value))                      # L_V
 
 
 def token_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -1477,26 +1449,6 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
         return ([replace(s) for s in kv] if best_step == 0 else refined(best_A)), report
 
 
-def calibrate_propagated(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
-                         query_positions=None, cfg: Config | None = None, log=None, captured=None,
-                         clip_grid=()):
-    """calibrate's arguments and result; layer l learns from the q, k, v of a forward whose
-    layers below run their INT2 cache (layer 0: the full-precision `captured`, if given)."""
-    cfg = cfg or model.cfg
-    exact, done = KVQuant(quant_k=False, quant_v=False), []
-    for l in range(cfg.n_layers):
-        if l == 0 and captured is not None:
-            cal, held = captured[0][0], captured[1][0]
-        else:
-            below = SimulatedINT2([spec for spec, _ in done] + [exact] * (cfg.n_layers - l), cfg)
-            cal, held = [], []
-            with torch.no_grad():
-                model(calib_idx, below, capture=cal)
-                model(heldout_idx, below, capture=held)
-            cal, held = cal[l], held[l]
-        done.append(calibrate_one_layer(model.o_proj_heads(l), l, cal, held, cfg, base, center, learn,
-                                        query_positions, log, clip_grid))
-    return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: the authors' SGLang engine; transformers' generate() and models
 # ----------------------------------------------------------------------------------------
@@ -1557,35 +1509,6 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
                 f'"--kv-cache-dtype int2 --kv-cache-quant-group-size {G} --page-size 8"\n'
                 + "".join(f"export {k}={v}\n" for k, v in env.items()))
     return out_dir
-
-
-def import_sglang(k_path: str, v_path: str, cfg: Config, mean_path: str | None = None) -> list:
-    """The engine's files -> a KVQuant per layer (a (d, d) rotation is expanded per head).
-    Everything read is checked as data from outside: ValueError naming file and tensor."""
-    L, H, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-
-    def read(path, key, shapes):
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise ValueError(f"{path}: expected a torch.save file of plain tensors ({e})") from None
-        layers = state.get("layers") if isinstance(state, dict) else None
-        need(isinstance(layers, dict), f"{path}: expected a dict with a 'layers' mapping")
-        out = []
-        for l in range(L):
-            e = layers.get(l, layers.get(str(l)))
-            t = e.get(key) if isinstance(e, dict) else None
-            ok = isinstance(t, torch.Tensor) and t.is_floating_point() and tuple(t.shape) in shapes
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            need(ok and bool(torch.isfinite(t).all()), f"{path}: layers[{l}][{key!r}]: expected a "
-                 f"finite float tensor of shape {' or '.join(map(str, shapes))}, got {got}")
-            out.append(t.float().expand(*shapes[0]).clone())
-            if key == "rotation":
-                check_rotation(f"{path}: layers[{l}]['rotation']", out[-1], H, d)
-        return out
-    r_k, r_v = (read(p, "rotation", [(H, d, d), (d, d)]) for p in (k_path, v_path))
-    mu = read(mean_path, "mu", [(H, d)]) if mean_path else [None] * L
-    return [KVQuant(k_mean=m, r_k=a, r_v=b) for m, a, b in zip(mu, r_k, r_v)]
 
 
 @dataclass

