@@ -3822,11 +3822,13 @@ def test_train_tiny_quick_smoke(tmp_path):
     assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
     assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
     names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
-             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e", "quarot+optr+"}
+             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e", "quarot+optr+",
+             "quarot+clip", "quarot+center+clip"}
     assert set(on_disk["variants"]) == names
     assert set(on_disk["timing_s"]) >= {"e2e"}
     for base in ("quarot", "oscar"):                       # the e2e variants (ours) too
         assert {"kl", "accuracy", "kl_e2e", "accuracy_e2e"} <= set(on_disk["gap_closed"][base])
+    assert {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"]["quarot"])
         assert on_disk["report"][base + "+optr+e2e"]["steps"][0]["step"] == 0
     for v in on_disk["variants"].values():
         assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}

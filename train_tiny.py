@@ -1,8 +1,8 @@
 """
 The paper's ladder in miniature: train a tiny model, calibrate, evaluate, one command.
 
-    python train_tiny.py                   # seeds 0, 1, 2 side by side: mean +- std, ~5 min
-    python train_tiny.py --seeds 0         # one seed (--seed 0 too), about 3 minutes
+    python train_tiny.py                   # seeds 0, 1, 2 side by side: mean +- std (README: times)
+    python train_tiny.py --seeds 0         # one seed (--seed 0 too)
     python train_tiny.py --quick           # under a minute: smaller everything, one seed
     python train_tiny.py --per-seed        # also print each seed's own table
     python train_tiny.py --attention-bias  # Qwen2-style q/k/v biases: keys may carry offsets
@@ -17,9 +17,11 @@ What it shows, on a model small enough to train on a laptop CPU:
   2. Post-RoPE key statistics (per-channel offsets, outlier channels, attention sink):
      what rotations and centering are meant to fix, measured rather than assumed.
   3. The ladder: full precision, naive INT2, QuaRot and OSCAR base rotations, each with
-     OptR's output-oriented correction, plus two ablations (centering alone; OptR without
-     centering) and, beyond the paper (ours), each OptR variant refined end to end on the
-     model's next-token KL (+e2e, optr appendix D). For each: answer accuracy at several
+     OptR's output-oriented correction, plus ablations (centering alone; OptR without
+     centering) and, beyond the paper (ours, optr appendix D), a clip searched per layer on
+     QuaRot with and without centering and under OptR (quarot+clip, quarot+center+clip,
+     optr+ = quarot+optr+), and each OptR variant refined end to end on the model's
+     next-token KL (+e2e). For each: answer accuracy at several
      context lengths, KL(full || variant) at answer positions, the post-W_O output error at
      answer positions split into its key- and value-induced parts (Eq. 8), the
      reconstruction error E_rec (Eq. 9), and the bits per element of the cache as stored
