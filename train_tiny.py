@@ -359,7 +359,7 @@ def evaluate(model, specs: dict, cfg: RunConfig, data: dict, captured: list, log
             acc[str(T)] = (logits.argmax(-1) == ans).float().mean().item()
             if T == T_max:
                 logp_full, logp = full_logits.log_softmax(-1), logits.log_softmax(-1)
-                kl = (logp_full.exp() * (logp_full - logp)).sum(-1).mean().item()
+                kl = optr.token_kl(logp_full, logp).mean().item()
         results[name] = dict(accuracy=acc, kl=kl, **output_errors(model, captured, kv, pos))
         log(f"evaluated {name:<21} in {time.perf_counter() - t0:5.1f} s | accuracy "
             + " ".join(f"{a:.4f}@{T}" for T, a in acc.items()))
