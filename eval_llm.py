@@ -68,7 +68,6 @@ class RunConfig(PaperConfig):
     heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
     calib_len: int = _f(512, "tokens per calibration and held-out sequence")
     calib_queries: str = _f("last", "OptR loss queries: 'last' n_loss_queries (the authors') or 'spread'")
-    calib_propagate: bool = _f(False, "ours: calibrate layer l on what it gets from INT2 layers below")
     int2_sliding: bool = _f(False, "sliding-window layers (Gemma 3's) in INT2 too (calibration sequences must "
                             "fit in the window); by default exact: their cache stops at the window")
     gen_temperature: float = _f(0.8, "sampling temperature of the model-written text")
@@ -532,7 +531,7 @@ AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_
               "e_out_value", "e_out", "e_rec")        # averaged over calibration samples (+- std)
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
-                               "calib_queries", "calib_propagate", "int2_sliding", "gen_temperature",
+                               "calib_queries", "int2_sliding", "gen_temperature",
                                "gen_top_k")
 
 
@@ -631,18 +630,13 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
 
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
-    """--export-sglang: the authors' SGLang files, read back. --hf-generate N: greedy generate() from the
+    """--export-sglang: the authors' SGLang files (the spec reads them back with their loaders). --hf-generate N: greedy generate() from the
     export with optr.hf_cache (prompt at once, token by token) and simulate_hf (whole sequence each token)."""
     out, c = {}, model.cfg
     if cfg.export_sglang:
         d = optr.export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
-        mean = os.path.join(d, "k_mean.pt")
-        back = optr.import_sglang(os.path.join(d, "k_rotation.pt"), os.path.join(d, "v_rotation.pt"),
-                                  c, mean if os.path.exists(mean) else None)
-        same = all(torch.equal(a.r_k, b.r_k) and (a.k_mean is None or torch.equal(a.k_mean, b.k_mean))
-                   for a, b in zip(kv, back))
-        out["sglang"] = dict(dir=os.path.abspath(d), reloaded_equal=same)
-        log(f"export | SGLang files -> {d} (serve.env) | read back equal: {same}")
+        out["sglang"] = dict(dir=os.path.abspath(d))
+        log(f"export | SGLang files -> {d} (serve.env)")
     if cfg.hf_generate:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True, dtype=torch.float32).eval()
@@ -808,8 +802,6 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
     settings = {f: getattr(cfg, f) for f in MODEL_FIELDS if f != "group_size" or cfg.group_size}
     model = HFModel(hf, optr.hf_config(hf.config, **settings))
     c = model.cfg
-    optr.need(not (cfg.calib_propagate and model.sliding), f"calib_propagate: {name} has sliding-"
-              f"window layers, which optr.calibrate_propagated would calibrate as full ones")
     twin, why = tinylm_twin(hf, c, torch.tensor([encode(tok, PK_FILLER * 8)[:64]]))
     optr.need(not (cfg.export_sglang and model.sliding and not cfg.int2_sliding), f"export_sglang: the "
               f"engine stores every layer in INT2; {name}'s sliding layers stay exact without --int2-sliding")
@@ -898,8 +890,7 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
         return specs, meta.get("report", {})
     queries = None if cfg.calib_queries == "last" else past_windows(cfg, cfg.calib_len, cfg.n_loss_queries)
     specs, reports = calibrate_variants(run.model, cal, held, names, queries, progress_every=10, timer=run.timer,
-                                        log=run.log, workers=torch.get_num_threads(),
-                                        propagate=cfg.calib_propagate, sliding=cfg.int2_sliding)
+                                        log=run.log, workers=torch.get_num_threads(), sliding=cfg.int2_sliding)
     save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
     return specs, reports
 

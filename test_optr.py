@@ -3828,7 +3828,7 @@ def test_train_tiny_quick_smoke(tmp_path):
     assert set(on_disk["timing_s"]) >= {"e2e"}
     for base in ("quarot", "oscar"):                       # the e2e variants (ours) too
         assert {"kl", "accuracy", "kl_e2e", "accuracy_e2e"} <= set(on_disk["gap_closed"][base])
-    assert {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"]["quarot"])
+        assert base == "oscar" or {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"][base])
         assert on_disk["report"][base + "+optr+e2e"]["steps"][0]["step"] == 0
     for v in on_disk["variants"].values():
         assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
@@ -4840,8 +4840,8 @@ def test_serving_checks_can_fail(hf_served, monkeypatch):
 
 
 def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
-    """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint and
-    reads them back equal; --hf-generate N prints transformers' greedy tokens (hf_cache, the
+    """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint, which
+    their loaders read back as the specs; --hf-generate N prints transformers' greedy tokens (hf_cache, the
     prompt token by token) beside greedy decoding through simulate_hf on the same checkpoint
     (the whole sequence each token), and they are the same.
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
@@ -4852,7 +4852,10 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
     lines = []
     out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
-    assert out["sglang"]["reloaded_equal"] and (tmp_path / "x" / "sglang" / "serve.env").exists()
+    d = tmp_path / "x" / "sglang"
+    back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", model.cfg, d / "k_mean.pt")
+    assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) for a, b in zip(kv, back))
+    assert out["sglang"]["dir"] == str(d) and (d / "serve.env").exists()
     gen = out["hf_generate"]
     assert len(gen["simulate_hf"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["simulate_hf"]
     assert sum(line.startswith("generate |") for line in lines) == 3
