@@ -8,8 +8,7 @@ the schedule) this file follows the authors' code; README.md lists where it does
 
 Reading map. Sections 0-6 are the paper's method alone, in its order; 7-8 run it in a model
 and serve it from a paged cache; the appendices are infrastructure a learner may skip, and
-what goes beyond the paper (ours) is in appendix D alone, reached from Section 6 by one
-labelled line (calibrate_one_layer's clip search).
+ours (beyond the paper) is appendix D alone, reached from Section 6 by one labelled line.
   0. Config                one dataclass: model, quantizer, windows, pages, calibration
   1. Attention (Eq. 1-3)   logits, softmax, readout, the post-W_O head contribution
   2. INT2 quantizer        Q2: clip, asymmetric affine, straight-through rounding
