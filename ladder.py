@@ -247,7 +247,8 @@ def calibrate_one(model, name, cal, held, captured, query_positions=None, worker
     base, center, learn, _, clip = VARIANTS[name]
     hf = getattr(model, "hf", None)
     args = dict(base=base, center=center, learn=learn, query_positions=query_positions, captured=captured,
-                clip_grid=CLIP_GRID if clip else (), log=log if learn else None)
+                one_layer=optr.clipped(CLIP_GRID) if clip else optr.calibrate_one_layer,
+                log=log if learn else None)
 
     def run(layer_map=map):
         if hf is not None:           # a transformers model: its captures through its attention

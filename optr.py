@@ -8,7 +8,7 @@ the schedule) this file follows the authors' code; README.md lists where it does
 
 Reading map. Sections 0-6 are the paper's method alone, in its order; 7-8 run it in a model
 and serve it from a paged cache; the appendices are infrastructure a learner may skip, and
-ours (beyond the paper) is appendix D alone, reached from Section 6 by one labelled line.
+ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped).
   0. Config                one dataclass: model, quantizer, windows, pages, calibration
   1. Attention (Eq. 1-3)   logits, softmax, readout, the post-W_O head contribution
   2. INT2 quantizer        Q2: clip, asymmetric affine, straight-through rounding
@@ -345,7 +345,7 @@ class KVQuant:
     r_v: torch.Tensor | None = None      # (H_kv, d, d) value rotation, or None (identity)
     quant_k: bool = True                 # keys outside the windows in INT2
     quant_v: bool = True                 # values outside the windows in INT2
-    clip_k: float | None = None          # this layer's c_K, or None: Config's (appendix D searches one)
+    clip_k: float | None = None          # this layer's c_K, or None: Config's
     clip_v: float | None = None          # this layer's c_V, or None: Config's
 
     def to(self, device) -> KVQuant:     # the same spec with its tensors on `device`
@@ -542,8 +542,7 @@ def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
 
 
 def loss_data(splits: dict, cfg: Config, query_positions=None) -> dict:
-    """{split: (q, k, v)} full-precision captures -> {split: (q at the loss queries, k, v,
-    mask, exact)}, fp32 on k's device: what the two losses read."""
+    """{split: (q, k, v)} -> {split: (q at the loss queries, k, v, mask, exact)}, fp32 on k's device."""
     data = {}
     for split, (q, k, v) in splits.items():
         q_pos, mask, exact = loss_queries(k.shape[2], cfg, query_positions, k.device)
@@ -585,31 +584,28 @@ def calibrate_layer(cal, held, w_o, r_k0, r_v0, k_mean, cfg: Config, query_posit
 
 
 def calibrate_one_layer(w_o, l, cal, held, cfg: Config, base="quarot", center=True, learn=True,
-                        query_positions=None, log=None, clip_grid=()):
+                        query_positions=None, log=None):
     """Layer l from its captured (q, k, v) and W_O (H_q, d_model, d): mu, the base, then OptR
-    -> KVQuant, report rows. clip_grid: ours (appendix D), the layer's own clips."""
+    -> KVQuant, report rows."""
     q, k, v = cal
     mu = key_mean(k) if center else None                                   # Section 4
     r_k0, r_v0 = base_rotations(base, q, k, v, cfg)                        # Section 3
-    spec = KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0)
-    spec = search_clips(spec, w_o, held, cfg, clip_grid, query_positions) if clip_grid else spec  # D (ours)
     if not learn:
-        return spec, []
-    fitted, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, spec.layer_cfg(cfg), query_positions,
-                                   tag=f"L{l} ", log=log)
-    return replace(fitted, clip_k=spec.clip_k, clip_v=spec.clip_v), [dict(r, layer=l) for r in rows]
+        return KVQuant(k_mean=mu, r_k=r_k0, r_v=r_v0), []
+    spec, rows = calibrate_layer(cal, held, w_o, r_k0, r_v0, mu, cfg, query_positions, tag=f"L{l} ", log=log)
+    return spec, [dict(r, layer=l) for r in rows]
 
 
 def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=True,
               query_positions=None, cfg: Config | None = None, log=None, captured=None,
-              layer_map=map, clip_grid=()):
+              layer_map=map, one_layer=calibrate_one_layer):
     """Every layer of a frozen model from its full-precision q, k, v: calib_idx (N, T) and
     heldout_idx (M, T') disjoint tokens, or their `captured` (cal, held). layer_map (a thread
     pool's, say) may run the independent layers at once. Returns per-layer KVQuant and rows
     (layer, head, part, base_loss, best_loss, best_step, kept)."""
     cal, held = captured or full_precision_captures(model, calib_idx, heldout_idx)
-    one = lambda l: calibrate_one_layer(model.o_proj_heads(l), l, cal[l], held[l], cfg or model.cfg,
-                                        base, center, learn, query_positions, log, clip_grid)
+    one = lambda l: one_layer(model.o_proj_heads(l), l, cal[l], held[l], cfg or model.cfg,
+                              base, center, learn, query_positions, log)
     done = list(layer_map(one, range(len(cal))))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
@@ -1299,10 +1295,9 @@ def load_kv_rotations(path: str, cfg: Config | None = None):
 
 KV_LAYOUT = """kv_rotations.safetensors: this checkpoint's KV cache (OptR). R_V is folded into
 the weights; per layer N of variant NAME the file holds NAME/layers.N.r_k (H_kv, d, d),
-NAME/layers.N.k_mean (H_kv, d). Cache a post-RoPE key as (k - mu) R_K and a value as it comes
-from v_proj, and rotate queries by R_K; all but the first `sink` and the `window`
-latest tokens are INT2 (settings, and per-layer clips if any, in the metadata). Load:
-transformers' from_pretrained(dir), optr.load_kv_rotations(dir).
+NAME/layers.N.k_mean (H_kv, d). Cache a post-RoPE key as (k - mu) R_K, a value as v_proj gives
+it; rotate queries by R_K; all but the first `sink` and `window` latest tokens are INT2 (settings,
+per-layer clips: metadata). Load: from_pretrained(dir), optr.load_kv_rotations(dir).
 """
 
 
@@ -1342,10 +1337,9 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
 # D. Beyond the paper (ours): a clip searched per layer (OptR+), end-to-end refinement
 # ----------------------------------------------------------------------------------------
 """
-Clip search (calibrate(clip_grid=...), the ladders' +clip rows and optr+): per layer, c_K of
-{Config's c_K} + grid with the least held-out L_K at the base rotation, then c_V of {c_V} +
-grid by L_V at that c_K; the layer's rotations (the base, or OptR's learned at these clips)
-are used at its own clips everywhere (KVQuant.clip_k, clip_v).
+Clip search (calibrate(one_layer=clipped(grid)): the +clip rows, optr+): per layer, c_K of {c_K}
++ grid with the least held-out L_K at the base, then c_V of {c_V} + grid by L_V at that c_K;
+the base, or OptR learned there, is then served at these clips (KVQuant.clip_k, clip_v).
 End-to-end refinement. Starting from OptR's per-layer result R_l, every layer's key and
 value corrections are trained at once on the next-token distribution:
     L_e2e(A) = mean_{b, t in P} KL(p_full(. | x_b,<=t) || p_int2(. | x_b,<=t)),
@@ -1367,6 +1361,17 @@ def search_clips(spec: KVQuant, w_o, held, cfg: Config, grid, query_positions=No
     c_k = min((cfg.clip_k, *grid), key=key)
     value = lambda c: value_loss(data, w_o, mu, r_k, replace(cfg, clip_k=c_k, clip_v=c))(r_v, "held").sum().item()
     return replace(spec, clip_k=c_k, clip_v=min((cfg.clip_v, *grid), key=value))                      # L_V
+
+
+def clipped(grid):
+    """calibrate's one_layer: calibrate_one_layer at the layer's clips, searched first at its base."""
+    def one_layer(w_o, l, cal, held, cfg, base, center, learn, query_positions, log):
+        spec = KVQuant(key_mean(cal[1]) if center else None, *base_rotations(base, *cal, cfg))
+        spec = search_clips(spec, w_o, held, cfg, grid, query_positions)
+        got, rows = calibrate_one_layer(w_o, l, cal, held, spec.layer_cfg(cfg), base, center, learn,
+                                        query_positions, log)
+        return replace(got, clip_k=spec.clip_k, clip_v=spec.clip_v), rows
+    return one_layer
 
 
 def token_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
@@ -1455,12 +1460,11 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,
 Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its attention,
 calibrate_hf runs Section 6 on what that attention reads.
-The authors' SGLang fork (engine/sglang-research of their repository) reads torch.save dicts:
-{k,v}_rotation.pt {"format_version": 2, ..., "layers": {l: {"layer_id": l, "rotation": (H_kv,
-d, d) or (d, d)}}}, k_mean.pt {"format_version": 1, "layers": {l: {..., "mu": (H_kv, d)}}},
-the rest from serve.env. Ours in orientation and packing, but it folds R_V into v_proj only,
-clips per row (ours per group: equal at G = d), moves tokens to INT2 eight at a time (sink,
-window multiples of 8; the recent window jitters by up to 7), needs d a power of two.
+The authors' SGLang fork (engine/sglang-research) reads torch.save dicts {k,v}_rotation.pt
+{"layers": {l: {"rotation": (H_kv, d, d) or (d, d)}}}, k_mean.pt {"layers": {l: {"mu": (H_kv,
+d)}}} and serve.env. Ours in orientation and packing, but it folds R_V into v_proj only, clips
+per row (equal at G = d), moves tokens to INT2 8 at a time (sink, window multiples of 8), needs
+d a power of two.
 hf_cache returns keys and values de-rotated, so HF's attention is unchanged; a prompt written
 in one update gives its queries the last query's INT2 view (prefill_chunk_size=1: decode_step's).
 """
@@ -1606,12 +1610,10 @@ def hf_config(hf_config, **settings) -> Config:
 
 @contextlib.contextmanager
 def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int | None = None):
-    """`with simulate_hf(model, kv, cfg):` a transformers model's attention reads Section 5's INT2
-    cache of the specs kv (kv=None: exact), sink and window counted in the model's positions, through
-    transformers' attention interface (q (B, H_q, Tq, d), k, v (B, H_kv, T, d) post-RoPE, cache
-    included) and sdpa's mask builder (padding, sliding windows). capture: {layer: ((q, k, v), module,
-    sliding window)}. block: a layer whose mask is causal runs block by block (Appendix A). A model
-    whose layers bypass the interface (gpt_neo, falcon) is a ValueError."""
+    """`with simulate_hf(model, kv, cfg):` the model's attention interface reads Section 5's INT2
+    cache of kv (None: exact), windows in the model's positions, sdpa's masks (padding, sliding).
+    capture: {layer: ((q, k, v), module, window)}; block: causal layers block by block (Appendix A).
+    Layers that bypass the interface (gpt_neo, falcon): a ValueError."""
     from transformers.masking_utils import sdpa_mask
     assert kv is None or len(kv) == cfg.n_layers, "a KVQuant per layer"
     exact_spec, called, arch = KVQuant(quant_k=False, quant_v=False), set(), model.config.model_type
@@ -1679,13 +1681,11 @@ def hf_captures(model, cfg: Config, *ids) -> list:
 
 
 def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", center=True, learn=True,
-                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None, clip_grid=()):
+                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None,
+                 one_layer=calibrate_one_layer):
     """calibrate for a transformers model: per layer, the q, k, v simulate_hf captures in exact mode
-    (or hf_captures' `captured` of both) and W_O (o_proj; on Gemma 3 before its post-attention norm)
-    into calibrate_one_layer. Sliding layers (Gemma 3's five in six) stay exact unless sliding=True:
-    their cache stops at the window, so INT2 saves little there while its error reaches every token;
-    sliding=True needs sequences within the window (Section 6's loss has none). Returns
-    calibrate's (KVQuant per layer, rows)."""
+    (or `captured`, hf_captures') and W_O (o_proj) into one_layer. Sliding layers (Gemma 3's) stay
+    exact unless sliding=True, which needs sequences within the window. Returns calibrate's."""
     data = captured or hf_captures(model, cfg, calib_ids, heldout_ids)
 
     def one(l):
@@ -1694,7 +1694,7 @@ def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", cent
             return KVQuant(quant_k=False, quant_v=False), []
         need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
              f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
-        return calibrate_one_layer(split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
-                                   base, center, learn, query_positions, log, clip_grid)
+        return one_layer(split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
+                         base, center, learn, query_positions, log)
     done = list(layer_map(one, range(cfg.n_layers)))
     return [spec for spec, _ in done], [r for _, rows in done for r in rows]

@@ -2991,13 +2991,13 @@ def test_the_clip_search_picks_on_each_side_the_clip_of_least_held_out_loss_at_t
 
 
 def test_optr_learns_each_rotation_at_its_layers_searched_clips():
-    """calibrate_one_layer with a clip grid learns R_K and R_V at the layer's searched clips,
+    """calibrate_one_layer through clipped(grid) learns R_K and R_V at the layer's searched clips,
     not at Config's: the base losses it reports are the authors' held-out L_K of R_K,0 and L_V
     of R_V,0 (at the learned R_K's p~) at those clips, which its KVQuant carries."""
     grid = (0.5, 0.7, 0.85)
     cfg = small_cfg(steps=4, eval_every=2)
     cal, held, w_o = layer_fixture(seed=13)
-    spec, rows = optr.calibrate_one_layer(w_o, 0, cal, held, cfg, base="quarot", clip_grid=grid)
+    spec, rows = optr.clipped(grid)(w_o, 0, cal, held, cfg, "quarot", True, True, None, None)
     assert spec.clip_k in grid and spec.clip_v in grid                  # else this says nothing
     mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
     at = replace_cfg(cfg, clip_k=spec.clip_k, clip_v=spec.clip_v)
