@@ -646,8 +646,7 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         with optr.simulate_hf(hf, [optr.served_spec(s) for s in kv], c):     # R_V is in the checkpoint
             ids = {"simulate_hf": greedy(use_cache=False)}
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
-            ids[name] = greedy(past_key_values=optr.hf_cache(kv, c, folded=True, model=hf),
-                               prefill_chunk_size=chunk)
+            ids[name] = greedy(past_key_values=optr.hf_cache(kv, c, hf, folded=True), prefill_chunk_size=chunk)
         for name, x in ids.items():
             log(f"generate | {name:17s} | {tok.decode(x)!r}")
         out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[

@@ -1028,27 +1028,34 @@ class PagedKVCache:
 
 
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                           n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
+                           n_quant, win_k, win_v, win_len, group_size, sm_scale=None, chunk=4096):
     """The decode the Triton kernel must match, in torch: q (B, H_q, d) already rotated by R_K,
-    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis."""
+    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis. INT2 tokens are read
+    about `chunk` at a time (whole pages) in Q2's affine form, q . k~ = sum_g s_g (q_g . c_g -
+    z_g sum q_g) over groups g (codes c, scale s, zero z), and p~ V~ alike: a step holds one
+    chunk in fp32, whatever the history."""
     B, Hq, d = q.shape
-    H, P = k_codes.shape[1], k_codes.shape[2]
+    H, P, G = k_codes.shape[1], k_codes.shape[2], group_size
+    chunk = max(1, chunk // P) * P
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         n, w = int(n_quant[b]), int(win_len[b])
         assert n + w >= 1, "every sequence holds at least one token"
         pages = block_table[b, :(n + P - 1) // P].long()
-
-        def gather(codes, sc, zr):                                        # (H_kv, n, d)
-            x = q2_dequantize(codes[pages], sc[pages], zr[pages], group_size)  # (nb, H, P, d)
-            return x.permute(1, 0, 2, 3).reshape(H, -1, d)[:, :n]
-
-        K = torch.cat([gather(k_codes, k_scale, k_zero), win_k[b, :, :w].float()], dim=1)
-        V = torch.cat([gather(v_codes, v_scale, v_zero), win_v[b, :, :w].float()], dim=1)
-        qg = q[b].float().view(H, Hq // H, d)                             # (H_kv, n_rep, d)
-        p = torch.softmax(qg @ K.transpose(1, 2) * scale, dim=-1)         # Eq. 1
-        out[b] = (p @ V).reshape(Hq, d)                                   # Eq. 2
+        spans = [(t, pages[t // P:(t + chunk) // P]) for t in range(0, n, chunk)]
+        tokens = lambda x, t, pg: x[pg].transpose(0, 1).flatten(1, 2)[:, :n - t]   # (H_kv, tokens, ...)
+        codes = lambda x, t, pg: unpack_int2(tokens(x, t, pg)).float().unflatten(-1, (d // G, G))
+        qg = (q[b].float() * scale).view(H, Hq // H, d // G, G)           # (H_kv, n_rep, d/G, G)
+        logits = [(torch.einsum("hrgk,htgk->hrtg", qg, codes(k_codes, t, pg)) - tokens(k_zero, t, pg)[:, None]
+                   * qg.sum(-1)[:, :, None]).mul(tokens(k_scale, t, pg)[:, None]).sum(-1) for t, pg in spans]
+        p = torch.softmax(torch.cat(logits + [qg.flatten(-2) @ win_k[b, :, :w].float().mT], -1), -1)  # Eq. 1
+        o = p[..., n:] @ win_v[b, :, :w].float()                          # Eq. 2: the windows,
+        for t, pg in spans:                                               # then the INT2 tokens
+            ps = p[..., t:min(n, t + chunk), None] * tokens(v_scale, t, pg)[:, None]   # (H, n_rep, t, d/G)
+            o = o + (torch.einsum("hrtg,htgk->hrgk", ps, codes(v_codes, t, pg))
+                     - (ps * tokens(v_zero, t, pg)[:, None]).sum(2)[..., None]).flatten(-2)
+        out[b] = o.reshape(Hq, d)
     return out
 
 
@@ -1465,8 +1472,9 @@ The authors' SGLang fork (engine/sglang-research) reads torch.save dicts {k,v}_r
 d)}}} and serve.env. Ours in orientation and packing, but it folds R_V into v_proj only, clips
 per row (equal at G = d), moves tokens to INT2 8 at a time (sink, window multiples of 8), needs
 d a power of two.
-hf_cache returns keys and values de-rotated, so HF's attention is unchanged; a prompt written
-in one update gives its queries the last query's INT2 view (prefill_chunk_size=1: decode_step's).
+hf_cache holds INT2 layers in Section 8's pages; paged_attention (the model's attention, set by
+hf_cache) rotates each query by R_K and decodes over them: the Triton kernel on CUDA, the torch
+reference on the CPU. A prompt goes in one pass, as Appendix A's prefill; left padding is skipped.
 """
 
 def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> str:
@@ -1514,25 +1522,17 @@ def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> 
     return out_dir
 
 
-@dataclass
-class Int2Tokens:
-    """Tokens as Section 2 packs them, (B, H_kv, n, ...): codes (.., d/4) uint8, scale, zero (.., d/G)."""
-    codes: torch.Tensor
-    scale: torch.Tensor
-    zero: torch.Tensor
-
-
-class Int2Layer:
-    """One INT2 layer of hf_cache in transformers' cache-layer interface: the sink and recent window
-    exact (keys, values), older tokens packed (k, v); update returns all of them de-rotated."""
+class PagedLayer:
+    """An INT2 layer of hf_cache in transformers' cache-layer interface. Its tokens live in Section
+    8's PagedKVCache (layer `index` of one page pool for the model's INT2 layers, made at the first
+    update for its batch); update hands the layer to paged_attention, which stores and attends."""
     # Duck-typed: hf_cache registers it as a virtual subclass of transformers' CacheLayerMixin (an
     # ABC), so `import optr` needs no transformers. What generate() calls is here, beam search not.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
-    def __init__(self, spec: KVQuant, cfg: Config, folded: bool):
-        self.spec = served_spec(spec) if folded else spec
-        self.cfg, self.n = self.spec.layer_cfg(cfg), 0                    # the layer's clips
-        self.keys = self.values = self.k = self.v = None               # k, v: Int2Tokens
+    def __init__(self, pool: dict, index: int, spec: KVQuant, cfg: Config, folded: bool):
+        self.pool, self.index, self.n, self.new = pool, index, 0, None
+        self.spec, self.cfg = served_spec(spec) if folded else spec, spec.layer_cfg(cfg)
 
     def get_seq_length(self) -> int:
         return self.n
@@ -1540,53 +1540,95 @@ class Int2Layer:
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:     # keys update returns, offset
         return self.n + query_length, 0
 
-    def pack(self, old: Int2Tokens | None, rows, clip: float) -> Int2Tokens:   # rows after old's
-        new = Int2Tokens(*q2_quantize(rows, clip, self.cfg.group_size, self.cfg.scale_eps))
-        return new if old is None else Int2Tokens(*(torch.cat([a, b], -2) for a, b in
-                                                    zip(vars(old).values(), vars(new).values())))
-
     def update(self, key_states, value_states, *args, **kwargs):
-        """key_states, value_states (B, H_kv, T, d) post-RoPE -> all keys and values (B, H_kv, n, d)."""
-        self.spec = self.spec.to(key_states.device)                       # specs loaded on the CPU
-        c, sp, S = self.cfg, self.spec, self.cfg.sink
-        self.n += key_states.shape[-2]
-        self.keys, self.values = (x if old is None else torch.cat([old, x], -2) for old, x in
-                                  ((self.keys, key_states), (self.values, value_states)))
-        out = max(0, self.keys.shape[-2] - S - c.window)                 # tokens leaving the window
-        if out:
-            k, v = (x[..., S:S + out, :].float() for x in (self.keys, self.values))
-            self.k = self.pack(self.k, stored_keys(sp, k), c.clip_k)
-            self.v = self.pack(self.v, stored_values(sp, v), c.clip_v)
-            self.keys, self.values = (torch.cat([x[..., :S, :], x[..., S + out:, :]], -2)
-                                      for x in (self.keys, self.values))
-        if self.k is None:
-            return self.keys, self.values
-        k, v = (q2_dequantize(t.codes, t.scale, t.zero, c.group_size) for t in (self.k, self.v))
-        k = k if sp.r_k is None else k @ sp.r_k.mT.to(k)                  # back to the model's basis
-        k = k if sp.k_mean is None else k + sp.k_mean[None, :, None, :].to(k)
-        v = v if sp.r_v is None else v @ sp.r_v.mT.to(v)                   # folded: no R_V
-        cat = lambda x, t: torch.cat([x[..., :S, :], t.to(x.dtype), x[..., S:, :]], -2)
-        return cat(self.keys, k), cat(self.values, v)
+        """key_states, value_states (B, H_kv, T, d) post-RoPE: kept for paged_attention."""
+        if "cache" not in self.pool:
+            self.pool["cache"] = self.pool["make"](key_states)
+        self.spec, self.n, self.new = self.spec.to(key_states.device), self.n + key_states.shape[-2], (key_states, value_states)
+        return self, self
 
     def nbytes(self) -> int:
-        """Bytes held: the exact tokens and the packed INT2 ones (codes, scales, zeros)."""
-        ts = [self.keys, self.values] + [x for t in (self.k, self.v) if t is not None for x in vars(t).values()]
-        return sum(t.numel() * t.element_size() for t in ts if t is not None)
+        """Bytes this layer's part of the page pool and windows take (allocated, used or not)."""
+        cache = self.pool["cache"][0]
+        return sum(getattr(cache, t)[self.index].nbytes for t in ("k_codes", "k_scale", "k_zero", "v_codes",
+                                                                  "v_scale", "v_zero", "win_k", "win_v"))
+
+    def attend(self, query, scaling, pos):
+        """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d). Into empty
+        sequences in one pass (each query its own windows), then extend; else token by token,
+        append then Section 8's decode. Left padding: tokens before position 0 are not stored."""
+        (cache, seqs, limit), (k, v), c, sp = self.pool["cache"], self.new, self.cfg, self.spec
+        B, Hq, Tq, d = query.shape
+        held = cache.length[self.index, seqs]
+        real = torch.full((B,), Tq) if pos is None else pos[:, -1].cpu() + 1 - held
+        need(bool((held + real <= limit).all()), f"hf_cache: a sequence passes max_tokens={limit}")
+        scaling, vr = scaling or d ** -0.5, stored_values(sp, v.float())           # R_V's basis
+        if Tq > 1 and not bool(held.any()):
+            o = torch.zeros(B, Hq, Tq, d, device=query.device)
+            for b, s in enumerate(seqs):                                          # Appendix A's prefill
+                t, kb, vb = slice(Tq - int(real[b]), Tq), k[b:b + 1].float(), v[b:b + 1].float()
+                qb = query[b:b + 1, :, t].float() * (scaling * math.sqrt(d))
+                o[b:b + 1, :, t] = block_simulated_attention(qb, kb[:, :, t], vb[:, :, t], *effective_kv(
+                    kb[:, :, t], vb[:, :, t], sp, c), c.sink, c.window, PREFILL_BLOCK)   # Eq. 4, 5, 2
+                cache.extend(self.index, [s], kb[:, :, t], vr[b:b + 1, :, t])
+            return o.transpose(1, 2).to(query.dtype)
+        assert bool((real == Tq).all()), "left padding only before the prompt"
+        attend = paged_decode_reference
+        if query.device.type == "cuda":
+            from kernel import int2_paged_decode as attend
+        out = []
+        for t in range(Tq):                                                       # Section 8's decode
+            cache.append(self.index, seqs, k[:, :, t].float(), vr[:, :, t])
+            qr = query[:, :, t].float().view(B, c.n_kv_heads, c.n_rep, d)          # q R_K per KV head
+            out.append(attend(rotate_rows(qr, sp.r_k).reshape(B, Hq, d).contiguous(),
+                              **cache.layer_view(self.index, seqs), group_size=c.group_size, sm_scale=scaling))
+        o = torch.stack(out, 2).view(B, -1, c.n_rep * Tq, d)                       # (B, H_kv, n_rep Tq, d)
+        o = o if sp.r_v is None else rotate_rows(o, sp.r_v.mT)                    # back from R_V's basis
+        return o.view(B, Hq, Tq, d).transpose(1, 2).to(query.dtype)
 
 
-def hf_cache(kv: list, cfg: Config, folded: bool = False, model=None):
-    """A transformers Cache for generate(past_key_values=...): an Int2Layer per INT2 layer, transformers'
-    own layer per exact one (model given: its sliding layers slide, as Gemma 3's). folded=True beside
-    export_hf's weights (R_V in them), False for the original weights."""
-    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, DynamicLayer
+PREFILL_BLOCK = 256      # queries per block of hf_cache's one-pass prefill (Appendix A)
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention interface "optr-paged": hf_cache's INT2 layers decode from the pages
+    (PagedLayer.attend), every other layer is transformers' sdpa."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    if not isinstance(key, PagedLayer):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    need(kwargs.get("softcap") is None, "hf_cache: attention logit soft-capping is not Eq. 1")
+    return key.attend(query, scaling, kwargs.get("position_ids")), None
+
+
+def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int = 8192):
+    """A transformers Cache for model.generate(past_key_values=...): INT2 layers in one
+    PagedKVCache (sequences of up to max_tokens tokens), exact ones in transformers' own layers
+    (sliding ones slide, as Gemma 3's). Sets the model's attention to "optr-paged" (paged_attention:
+    sdpa for every layer this cache does not hold). folded=True beside export_hf's weights (R_V in
+    them), False for the original weights (values rotated by R_V here)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+    from transformers.masking_utils import sdpa_mask
     assert len(kv) == cfg.n_layers, "one KVQuant per layer"
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
     need(not mixed, f"hf_cache: kv{mixed}: keys and values both in INT2 or both exact")
-    theirs = DynamicCache(config=model.config).layers if model is not None else [DynamicLayer() for _ in kv]
+    theirs = DynamicCache(config=model.config).layers
     need(len({s.quant_k for s, t in zip(kv, theirs) if t.is_sliding}) <= 1,
          "hf_cache: sliding layers both in INT2 and exact (their lengths differ; masks need one)")
-    CacheLayerMixin.register(Int2Layer)
-    return Cache(layers=[Int2Layer(s, cfg, folded) if s.quant_k else t for s, t in zip(kv, theirs)])
+    int2 = [s for s in kv if s.quant_k]
+
+    def make(k):             # the page pool, at the first update: a sequence per row of k
+        B, c, n = k.shape[0], replace(cfg, n_layers=len(int2)), max(1, max_tokens - cfg.sink - cfg.window)
+        cache = PagedKVCache(c, B * -(-n // cfg.page_size), B, int2, window_dtype=k.dtype, device=k.device)
+        return cache, [cache.add_sequence() for _ in range(B)], max_tokens
+    AttentionInterface.register("optr-paged", paged_attention)
+    AttentionMaskInterface.register("optr-paged", sdpa_mask)
+    model.set_attn_implementation("optr-paged")
+    CacheLayerMixin.register(PagedLayer)
+    pool, index = {"make": make}, {l: i for i, l in enumerate(l for l, s in enumerate(kv) if s.quant_k)}
+    return Cache(layers=[PagedLayer(pool, index[l], s, cfg, folded) if s.quant_k else t
+                         for l, (s, t) in enumerate(zip(kv, theirs))])
 
 
 def hf_config(hf_config, **settings) -> Config:

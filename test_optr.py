@@ -3065,7 +3065,7 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
             steps.append(logits)
             logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
         return torch.stack(steps, 1)
-    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, folded=True),
+    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, hf, folded=True),
                          max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ours = paged(kv)
     assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
@@ -4696,18 +4696,18 @@ def paged_rows(cache, layer, seq, n, codes, *rest):
 
 @torch.no_grad()
 def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
-    """While every token fits in the sink and the recent window, hf_cache holds the tokens
-    exactly and its logits are DynamicCache's, bit for bit."""
+    """While every token fits in the sink and the recent window, hf_cache takes no page and its
+    logits are DynamicCache's within round-off (query and keys both rotated by R_K: 1e-4)."""
     from transformers import DynamicCache
     model, kv, _, hf = hf_served
     idx = IDX_E[:, :16]
-    a = hf(idx[:, :10], past_key_values=(ca := optr.hf_cache(kv, model.cfg, folded=True))).logits
+    a = hf(idx[:, :10], past_key_values=(ca := optr.hf_cache(kv, model.cfg, hf, folded=True))).logits
     b = hf(idx[:, :10], past_key_values=(cb := DynamicCache())).logits
-    assert torch.equal(a, b)
+    assert torch.allclose(a, b, atol=1e-4)
     for t in range(10, 16):
-        assert torch.equal(hf(idx[:, t:t + 1], past_key_values=ca).logits,
-                           hf(idx[:, t:t + 1], past_key_values=cb).logits)
-    assert all(layer.k is None for layer in ca.layers) and ca.get_seq_length() == 16
+        assert torch.allclose(hf(idx[:, t:t + 1], past_key_values=ca).logits,
+                              hf(idx[:, t:t + 1], past_key_values=cb).logits, atol=1e-4)
+    assert bool((pages(ca).block_table < 0).all()) and ca.get_seq_length() == 16
 
 
 # Transformers' RoPE and ours round differently (an ulp or so of a key), and from layer 1
@@ -4720,40 +4720,36 @@ HF_ROPE_TOL = 64 * torch.finfo(torch.float32).eps
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")      # PagedKVCache's names
 
 
-def packed(layer):
-    """An optr.Int2Layer's packed INT2 tokens in PACKED's order: K's codes, scale, zero, then V's."""
-    return [getattr(t, f) for t in (layer.k, layer.v) for f in ("codes", "scale", "zero")]
+def pages(cache):
+    """The PagedKVCache behind an optr.hf_cache (the page pool of its INT2 layers)."""
+    return next(layer for layer in cache.layers if isinstance(layer, optr.PagedLayer)).pool["cache"][0]
 
 
 def check_hf_cache_is_decode_step(hf_served, T=30):
     """Fed token by token, hf_cache's logits are optr.decode_step's through PagedKVCache and
-    its packed codes are the paged cache's, bit for bit (scales and zeros within
-    HF_ROPE_TOL: transformers' RoPE rounds differently); fed optr's own keys and values,
-    all of it is, bit for bit."""
+    its pages hold the paged cache's codes, bit for bit, and scales and zeros within
+    HF_ROPE_TOL (transformers' RoPE rounds differently)."""
     model, kv, folded, hf = hf_served
-    captured, n = [], T - 16
-    folded(IDX_E[:, :T], capture=captured)
     cache, seqs = ours_paged(folded, kv, 2)
-    mine = optr.hf_cache(kv, model.cfg, folded=True)
-    for l, (_, k, v) in enumerate(captured):
-        cache.extend(l, seqs, k, v)
-        mine.update(k, v, l)
-        for s in seqs:
-            stored = paged_rows(cache, l, s, n, *PACKED)
-            assert all(torch.equal(a[s], b) for a, b in zip(packed(mine.layers[l]), stored)), (l, s)
-    cache, seqs = ours_paged(folded, kv, 2)
-    mine = optr.hf_cache(kv, model.cfg, folded=True)
+    mine = optr.hf_cache(kv, model.cfg, hf, folded=True)
     with torch.no_grad():
         for t in range(T):
             ours = optr.decode_step(folded, cache, seqs, IDX_E[:, t])
             theirs = hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1]
             assert torch.allclose(theirs, ours, atol=1e-4, rtol=1e-5), t
-    for l, layer in enumerate(mine.layers):
-        for s in seqs:
-            stored = paged_rows(cache, l, s, n, *PACKED)
-            assert torch.equal(layer.k.codes[s], stored[0]) and torch.equal(layer.v.codes[s], stored[3])
-            assert all(torch.allclose(a[s], b, rtol=HF_ROPE_TOL, atol=HF_ROPE_TOL)
-                       for a, b in zip(packed(layer), stored))
+    check_same_pages(pages(mine), cache, T - 16)
+
+
+def check_same_pages(mine, cache, n, tol=HF_ROPE_TOL):
+    """Both caches hold, per layer and sequence, the same n INT2 tokens (codes equal, scales and
+    zeros within tol) and the same windows."""
+    for l in range(cache.cfg.n_layers):
+        for s in range(len(cache.active)):
+            a, b = paged_rows(mine, l, s, n, *PACKED), paged_rows(cache, l, s, n, *PACKED)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[3], b[3]), (l, s)
+            assert all(torch.allclose(x, y, rtol=tol, atol=tol) for x, y in zip(a, b)), (l, s)
+            assert torch.allclose(mine.win_k[l, s], cache.win_k[l, s], rtol=tol, atol=tol)
+            assert torch.allclose(mine.win_v[l, s], cache.win_v[l, s], rtol=tol, atol=tol)
 
 
 def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
@@ -4772,7 +4768,7 @@ def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp
     model, kv, folded, _ = hf_served
     hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], str(tmp_path / "o")))
     cache, seqs = ours_paged(folded, kv, 2)
-    mine = optr.hf_cache(kv, model.cfg, folded=False)
+    mine = optr.hf_cache(kv, model.cfg, hf, folded=False)
     for t in range(26):
         assert torch.allclose(hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1],
                               optr.decode_step(folded, cache, seqs, IDX_E[:, t]), atol=1e-4, rtol=1e-5), t
@@ -4782,51 +4778,49 @@ def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp
 def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
     """Greedy generate() with hf_cache gives the tokens of optr's own loop (prefill, then
     decode_step through the paged cache, argmax): with a prompt inside the windows, and
-    with a longer prompt written token by token (prefill_chunk_size=1).
+    with longer ones, each written in one pass (each query its own windows).
     Optr against optr: generate() with hf_cache against prefill + decode_step."""
     model, kv, folded, hf = hf_served
-    for P, chunk in ((12, None), (23, 1)):
+    for P in (12, 23, 40):
         cache, seqs = ours_paged(folded, kv, 2)
         logits = optr.prefill(folded, cache, seqs, IDX_E[:, :P])[:, -1]
         ours = []
         for _ in range(20):
             ours.append(logits.argmax(-1))
             logits = optr.decode_step(folded, cache, seqs, ours[-1])
-        out = hf.generate(IDX_E[:, :P], past_key_values=optr.hf_cache(kv, model.cfg, folded=True),
-                          max_new_tokens=20, do_sample=False, prefill_chunk_size=chunk)
+        out = hf.generate(IDX_E[:, :P], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True),
+                          max_new_tokens=20, do_sample=False)
         assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
 
 
+@torch.no_grad()
 def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_caches():
-    """hf_cache keeps the INT2 tokens packed: at 4k tokens (d = G = 64, sink 64, window 256)
-    its bytes are the layout's, per KV head and layer 3776 INT2 tokens of 48 bytes (K and V:
-    2-bit codes, an fp32 scale and zero per group) and 320 bf16 tokens of 256 bytes, which
-    is PagedKVCache.bits_per_element's account of the same tokens too; DynamicCache's bf16
-    holds (4096 * 256) / (3776 * 48 + 320 * 256) = 3.98 times as many (the README's 4.0x)."""
-    from transformers import DynamicCache
-    cfg = optr.Config(n_layers=2, n_kv_heads=2, head_dim=64, group_size=64, sink=64, window=256)
-    kv = [optr.KVQuant()] * 2
+    """A 4k-token prompt in bf16 (d = G = 64, sink 64, window 256, max_tokens 4096): hf_cache's
+    pages and windows take, per KV head and layer, 3776 INT2 tokens of 48 bytes (K and V: 2-bit
+    codes, an fp32 scale and zero per group) and 320 bf16 tokens of 256 bytes, which is
+    bits_per_element's account of its PagedKVCache too; DynamicCache's bf16 holds
+    (4096 * 256) / (3776 * 48 + 320 * 256) = 3.98 times as many (the README's 4.0x)."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    hf = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=2, head_dim=64)).bfloat16().eval()
+    cfg = optr.hf_config(hf.config, sink=64, window=256)
     N, elems = 4096, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
-    mine, dyn = optr.hf_cache(kv, cfg), DynamicCache()
-    paged = optr.PagedKVCache(cfg, N // 16 + 1, 1, kv, window_dtype=torch.bfloat16)
-    s = paged.add_sequence()
-    for l in range(cfg.n_layers):
-        k, v = rand(1, 2, N, 64, seed=l), rand(1, 2, N, 64, seed=10 + l)
-        mine.update(k.bfloat16(), v.bfloat16(), l)
-        dyn.update(k.bfloat16(), v.bfloat16(), l)
-        paged.extend(l, [s], k, v)
+    idx = torch.randint(0, 300, (1, N), generator=torch.Generator().manual_seed(1))
+    hf(idx, past_key_values=(mine := optr.hf_cache([optr.KVQuant()] * 2, cfg, hf, max_tokens=N)))
+    hf(idx, past_key_values=(dyn := DynamicCache()))
     L, H, d, G, S = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size, cfg.sink + cfg.window
     int2_token, bf16_token = 2 * (d // 4 + 2 * 4 * (d // G)), 2 * d * 2    # bytes, K and V of one head
     assert (int2_token, bf16_token, N - S, S) == (48, 256, 3776, 320)
     mine_bytes = sum(layer.nbytes() for layer in mine.layers)
     assert mine_bytes == L * H * ((N - S) * int2_token + S * bf16_token)
-    assert mine_bytes * 8 == pytest.approx(ladder.bits_per_element(paged, s) * N * elems, rel=1e-12)
+    assert mine_bytes * 8 == pytest.approx(ladder.bits_per_element(pages(mine), 0) * N * elems, rel=1e-12)
     dyn_bytes = sum(x.numel() * x.element_size() for layer in dyn.layers for x in (layer.keys, layer.values))
     assert dyn_bytes == L * H * N * bf16_token
     ratio = dyn_bytes / mine_bytes                                     # 3.98
     assert f"{ratio:.1f}" == "4.0"                                        # as the README prints it
     print(f"\n4k tokens, d 64, G 64, sink 64, window 256: hf_cache {mine_bytes / N:.0f} B/token "
-          f"({ladder.bits_per_element(paged, s):.2f} bits/element), DynamicCache bf16 {dyn_bytes / N:.0f} "
+          f"({ladder.bits_per_element(pages(mine), 0):.2f} bits/element), DynamicCache bf16 {dyn_bytes / N:.0f} "
           f"B/token: {ratio:.1f}x")
 
 
@@ -5208,12 +5202,12 @@ def greedy_through_simulate_hf(model, kv, cfg, prompt, n):
 
 
 def check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg, P=12, n=18):
-    """generate() with hf_cache (the prompt token by token) gives the loop's tokens, and its
+    """generate() with hf_cache (the prompt in one pass) gives the loop's tokens, and its
     logits within 1e-4 (transformers' sdpa against simulate_hf: round-off); returns the cache."""
-    cache = optr.hf_cache(kv, cfg, model=model)
+    cache = optr.hf_cache(kv, cfg, model)
     with torch.no_grad():
         out = model.generate(IDX_HF[:, :P], past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, prefill_chunk_size=1, output_logits=True,
+                             do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
     tokens, logits = greedy_through_simulate_hf(model, kv, cfg, IDX_HF[:, :P], n)
     assert torch.equal(out.sequences[:, P:], tokens)
@@ -5227,8 +5221,8 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
     """Greedy generate() with hf_cache gives the tokens (and logits) of decoding token by token
     through simulate_hf, the prompt of 12 included, over 30 tokens with sink 2 and window 4:
     on Gemma 3 (sliding layers of 12, exact as calibrate_hf leaves them) transformers' own
-    sliding cache holds those layers (its last 11 tokens) and optr's Int2Layer the full ones
-    (24 tokens packed in INT2 after 29 written); on Llama every layer is optr's."""
+    sliding cache holds those layers (its last 11 tokens) and optr's PagedLayer the full ones
+    (29 tokens written); on Llama every layer is optr's."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     kv = quarot_specs(cfg, seed=7)
@@ -5236,7 +5230,7 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
     cache = check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg)
     for layer, spec in zip(cache.layers, kv):
         if spec.quant_k:
-            assert isinstance(layer, optr.Int2Layer) and layer.k.codes.shape[2] == 29 - 2 - 4
+            assert isinstance(layer, optr.PagedLayer) and int(layer.pool["cache"][0].length[layer.index, 0]) == 29
         else:
             assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
 
@@ -5248,9 +5242,9 @@ def test_hf_cache_refuses_specs_it_cannot_hold():
     cfg = optr.hf_config(model.config, **hf_settings())
     kv = quarot_specs(cfg, seed=7)
     with pytest.raises(ValueError, match=r"hf_cache: kv\[1\]: keys and values both in INT2 or both exact"):
-        optr.hf_cache([replace_cfg(s, quant_v=l != 1) for l, s in enumerate(kv)], cfg, model=model)
+        optr.hf_cache([replace_cfg(s, quant_v=l != 1) for l, s in enumerate(kv)], cfg, model)
     with pytest.raises(ValueError, match="hf_cache: sliding layers both in INT2 and exact"):
-        optr.hf_cache([optr.KVQuant(quant_k=False, quant_v=False)] + kv[1:], cfg, model=model)
+        optr.hf_cache([optr.KVQuant(quant_k=False, quant_v=False)] + kv[1:], cfg, model)
 
 
 def check_export_hf_folds_r_v(model, kv, cfg, out):
