@@ -5235,6 +5235,65 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
             assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
 
 
+def generate_logits(model, cache, prompt, n, **kw):
+    """Greedy generate() through cache: (tokens (B, n), logits (B, n, vocab))."""
+    with torch.no_grad():
+        out = model.generate(prompt, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
+    return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, 1)
+
+
+@pytest.mark.parametrize("kind", ["qwen3-GQA", "gemma3-GQA"])
+def test_hf_cache_greedy_generate_is_the_float64_loop_over_numpy_q2(kind):
+    """Greedy generate() through hf_cache (a prompt of 12 in one pass, 18 tokens decoded from the
+    pages) gives, at every step, the logits of the test's float64 windowed loop (numpy Q2, sink 2,
+    window 4, Gemma 3's sliding window) run on the sequence it produced, within 1e-4 (fp32
+    round-off through 2-4 layers; measured below 1e-5), and so its argmax tokens."""
+    from transformers import AttentionInterface
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    kv = quarot_specs(cfg, seed=7)
+    kv, types = (gemma_full_only(kv), GEMMA_LAYERS) if kind.startswith("gemma") else (kv, ["full_attention"] * 2)
+    tokens, logits = generate_logits(model, optr.hf_cache(kv, cfg, model), IDX_HF[:, :12], 18)
+    AttentionInterface.register("test_loop", windowed_loop(kv, cfg, types, GEMMA_SLIDING))
+    model.set_attn_implementation("test_loop")
+    with torch.no_grad():
+        loop = model(torch.cat([IDX_HF[:, :12], tokens], 1), use_cache=False).logits[:, 11:-1]
+    err = (logits - loop).abs().max().item()
+    assert err <= 1e-4, err
+    assert torch.equal(tokens, loop.argmax(-1))
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+def test_batched_left_padded_generate_is_each_sequence_alone(kind):
+    """generate() on two prompts in one page pool, the second left-padded by 7, gives each row
+    the tokens and logits (1e-4) of generating that prompt alone: padding is not stored, each
+    sequence's sink starts at its own first token."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    kv = quarot_specs(cfg, seed=7)
+    kv = gemma_full_only(kv) if kind.startswith("gemma") else kv
+    ids = IDX_HF * PAD_HF
+    both = generate_logits(model, optr.hf_cache(kv, cfg, model), ids, 12, attention_mask=PAD_HF)
+    for row, start in ((0, 0), (1, 7)):
+        alone = generate_logits(model, optr.hf_cache(kv, cfg, model), ids[row:row + 1, start:], 12)
+        assert torch.equal(both[0][row], alone[0][0]), row
+        assert (both[1][row] - alone[1][0]).abs().max().item() <= 1e-4, row
+
+
+@torch.no_grad()
+def test_a_prompt_in_one_pass_stores_what_token_by_token_appends_store(hf_served):
+    """generate()'s prompt of 40 written in one pass (Appendix A's prefill, then extend) leaves
+    the pages and windows that writing it token by token leaves (prefill_chunk_size=1: codes
+    equal, scales and zeros within HF_ROPE_TOL), and both decode the same 8 tokens."""
+    model, kv, _, hf = hf_served
+    a, b = (optr.hf_cache(kv, model.cfg, hf, folded=True) for _ in range(2))
+    ta = hf.generate(IDX_E[:, :40], past_key_values=a, max_new_tokens=8, do_sample=False)
+    tb = hf.generate(IDX_E[:, :40], past_key_values=b, max_new_tokens=8, do_sample=False, prefill_chunk_size=1)
+    assert torch.equal(ta, tb)
+    check_same_pages(pages(a), pages(b), 47 - 16)
+
+
 def test_hf_cache_refuses_specs_it_cannot_hold():
     """Keys in INT2 with exact values (or the reverse), and Gemma 3's sliding layers partly in
     INT2 (their caches would report different lengths to one mask), are ValueErrors."""
