@@ -1024,6 +1024,80 @@ def _bench(peak_gbs, batches=(1, 8, 32, 64), contexts=(1024, 4096, 16384, 32768,
     _print_bench(_bench_rows(batches, contexts, device, s), peak_gbs)
 
 
+# ---- python kernel.py --bench-hf: a real model's decoding, DynamicCache against optr.hf_cache ----
+def _cache_bytes(cache) -> int:
+    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values."""
+    import optr
+    return sum(layer.nbytes() if isinstance(layer, optr.PagedLayer) else
+               sum(t.nbytes for t in (layer.keys, layer.values) if t is not None) for layer in cache.layers)
+
+
+def _peak_mib(device) -> float:
+    """Peak memory so far: the process's resident set on the CPU, allocated memory on CUDA."""
+    import resource
+    if device == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+
+
+@torch.no_grad()
+def _bench_hf_row(job) -> dict:
+    """One row of --bench-hf, in a process of its own (its peak memory is its own): the model and
+    its published quarot+optr rotations, a prompt of T random tokens in one forward, then `new`
+    greedy steps (what generate() runs) through DynamicCache or optr.hf_cache."""
+    import time
+    import eval_llm
+    import optr
+    from transformers import DynamicCache
+    model, kind, T, new, device = job
+    os.environ["TQDM_DISABLE"] = "1"                                     # GGUF's progress bar
+    hf, _ = eval_llm.load_model(eval_llm.model_path(model)[0])
+    hf = hf.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
+    kv, info = optr.load_kv_rotations(os.path.join(os.path.dirname(os.path.abspath(__file__)), "rotations", model))
+    cfg = optr.hf_config(hf.config, **info["settings"])
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
+    cache = DynamicCache() if kind == "DynamicCache" else optr.hf_cache(kv["quarot+optr"], cfg, hf, max_tokens=T + new)
+    hf.set_attn_implementation("sdpa") if kind == "DynamicCache" else None
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    before, t0 = _peak_mib(device), time.perf_counter()
+    tok = hf(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)  # as generate()
+    sync()
+    prefill, steps = time.perf_counter() - t0, []
+    for _ in range(new):
+        t0 = time.perf_counter()
+        tok = hf(tok, past_key_values=cache).logits[:, -1].argmax(-1, keepdim=True)
+        sync()
+        steps.append(time.perf_counter() - t0)
+    return dict(cache=kind, T=T, prefill_s=prefill, decode_ms=1e3 * sorted(steps)[len(steps) // 2],
+                cache_mib=_cache_bytes(cache) / 2**20, peak_mib=_peak_mib(device), loaded_mib=before)
+
+
+def _bench_hf(model="smollm2", contexts=(1024, 4096, 8192), new=16):
+    """python kernel.py --bench-hf: per context, DynamicCache (sdpa) against optr.hf_cache (the
+    kernel on CUDA, the chunked torch reference on the CPU), each row a fresh process."""
+    import multiprocessing
+    device = "cuda" if torch.cuda.is_available() and not _INTERPRETED else "cpu"
+    print(f"{model} on {device} ({torch.get_num_threads()} threads), prompt in one forward, then "
+          f"{new} greedy tokens; decode: median ms/token; peak: {'max allocated' if device == 'cuda' else 'max RSS'}")
+    print(f"{'cache':14s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'cache MiB':>9s} "
+          f"{'peak MiB':>9s} {'loaded MiB':>10s}")
+    rows, ctx = [], multiprocessing.get_context("spawn")
+    for T in contexts:
+        for kind in ("DynamicCache", "optr.hf_cache"):
+            with ctx.Pool(1) as pool:
+                r = pool.apply(_bench_hf_row, ((model, kind, T, new, device),))
+            rows.append(r)
+            print(f"{r['cache']:14s} {T:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} {r['cache_mib']:9.1f} "
+                  f"{r['peak_mib']:9.0f} {r['loaded_mib']:10.0f}", flush=True)
+        dyn, ours = rows[-2], rows[-1]
+        print(f"{'':14s} {T:6d} ours/theirs: decode {ours['decode_ms'] / dyn['decode_ms']:.2f}x, cache "
+              f"{dyn['cache_mib'] / ours['cache_mib']:.1f}x smaller, peak lower by "
+              f"{dyn['peak_mib'] - ours['peak_mib']:.0f} MiB of the caches' {dyn['cache_mib'] - ours['cache_mib']:.0f}")
+    return rows
+
+
 # ---- python kernel.py --gpu-check: everything a lent GPU should confirm, in one command ----
 _GPU_CHECK_SECONDS = 480          # the whole check, start-up of the tests included
 _MARK = {True: "ok", False: "FAIL", None: "skip"}   # a step's result: passed, failed, skipped
@@ -1233,6 +1307,31 @@ def _check_transformers(device, tests=None):
     return not failed, "; ".join(details) + (f"; FAILED: {', '.join(failed)}" if failed else "")
 
 
+def _check_generate(device, tests=None):
+    """Greedy generate() of a tiny random Llama (the test file's tiny_hf, GQA, windows 2 and 4)
+    through optr.hf_cache on `device` (int2_paged_decode behind transformers' attention on CUDA)
+    against the CPU (the torch reference): the same 12 tokens after a 20-token prompt, and the
+    step logits within 2e-2 (as _check_prefill: a code at a rounding boundary may flip).
+    Returns (ok, detail), or (None, why) without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None, "skipped: transformers is not importable here"
+    import optr
+    tests, out = tests or _test_module(_kernel_test_file(None)), []
+    for dev in (torch.device("cpu"), device):
+        model = tests.tiny_hf("llama-GQA").to(dev)
+        cfg = optr.hf_config(model.config, **tests.hf_settings(sink=2, window=4))
+        with torch.no_grad():
+            out.append(model.generate(tests.IDX_HF[:, :20].to(dev), past_key_values=optr.hf_cache(
+                tests.quarot_specs(cfg, seed=7), cfg, model), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True))
+    a, b = out
+    err = max((x.cpu() - y.cpu()).abs().max().item() for x, y in zip(a.logits, b.logits))
+    same = torch.equal(a.sequences.cpu(), b.sequences.cpu())
+    return same and err <= 2e-2, f"tokens {'equal' if same else 'DIFFER'}, max |logit diff| {err:.1e}"
+
+
 def _kernel_tests(small, seconds):
     """The kernel tests of the test file (its KERNEL_TESTS), run by pytest in a child
     process on this machine's device.  The dry run only collects them.  (ok, detail)."""
@@ -1258,7 +1357,7 @@ def gpu_check(small=False, peak_gbs=None):
     """python kernel.py --gpu-check, for a lent GPU (at most _GPU_CHECK_SECONDS): a tiny
     kernel-vs-reference check, optr.decode_step and optr.prefill on the device, a CUDA-graph
     capture and replay, tiny transformers models calibrated and simulated on the device
-    against the CPU (skipped without transformers), the kernel tests on the device and the
+    against the CPU and generate() through optr.hf_cache (skipped without transformers), the kernel tests on the device and the
     bench table (batch 1 and 8, 4k to 128k tokens; rows past the time limit are skipped),
     then a summary.  small=True is the dry run on the CPU interpreter: the same steps at
     small sizes (transformers: the CPU against itself), the tests collected but not run.
@@ -1287,6 +1386,7 @@ def gpu_check(small=False, peak_gbs=None):
     step("prefill into PagedKVCache, bf16 windows", lambda: _check_prefill(device, small))
     step("CUDA graph capture + replay", lambda: _check_cuda_graph(device, small))
     step("transformers models on the device vs CPU", lambda: _check_transformers(device))
+    step("transformers generate() through hf_cache vs CPU", lambda: _check_generate(device))
 
     def bench():
         s = _DRY_SHAPE if small else _BENCH_SHAPE
@@ -1866,8 +1966,17 @@ def main():
                              "calibrated and simulated on the GPU against the CPU (where "
                              "transformers is importable), the bench table (batch 1 and 8, "
                              "4k-128k tokens) and the kernel tests; exits 2 without CUDA")
+    parser.add_argument("--bench-hf", action="store_true",
+                        help="SmolLM2 (or --model) through transformers, DynamicCache against "
+                             "optr.hf_cache: prefill s, decode ms/token, cache and peak MiB at "
+                             "--contexts tokens (the kernel on CUDA, the torch reference on CPU)")
+    parser.add_argument("--model", default="smollm2", help="with --bench-hf: smollm2 or gemma3-270m")
+    parser.add_argument("--contexts", default="1024,4096,8192", help="with --bench-hf: prompt lengths")
     parser.add_argument("--dry-run", action="store_true", help=argparse.SUPPRESS)  # CPU test
     args = parser.parse_args()
+    if args.bench_hf:
+        _bench_hf(args.model, tuple(int(t) for t in args.contexts.split(",")))
+        return
     if args.sass:
         _run_sass(args.all, args.tests)
     if args.gpu_check:

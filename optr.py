@@ -1014,6 +1014,14 @@ class PagedKVCache:
             self.length[layer, s] = n0 + T
 
     # -- reads --------------------------------------------------------------------------
+    def decode(self, layer: int, seqs: list, q, attend=None, **options):
+        """q (n, H_q, d) of the tokens just appended -> (n, H_q, d) fp32 in R_V's basis: q R_K per
+        KV head, then `attend` (paged_decode_reference, or kernel.int2_paged_decode) over the pages."""
+        c = self.cfg
+        qr = rotate_rows(q.float().view(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim), self.kv[layer].r_k)
+        return (attend or paged_decode_reference)(qr.reshape(q.shape).contiguous(), **self.layer_view(layer, seqs),
+                                                  group_size=c.group_size, **options)
+
     def layer_view(self, layer: int, seqs: list) -> dict:
         """The tensors a decode kernel reads for these sequences (keyword arguments of
         paged_decode_reference and kernel.int2_paged_decode)."""
@@ -1067,16 +1075,10 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
     with attend=kernel.int2_paged_decode: the reference has no such option)."""
     assert tokens.shape == (len(seqs),), "one token per sequence"
     cache.check_seqs(seqs)
-    c, n = cache.cfg, len(seqs)
 
     def paged_attention(layer: int, q, k, v):       # append k, v; rotate q by R_K; attend
         cache.append(layer, seqs, k[:, :, 0], v[:, :, 0])
-        qr = q[:, :, 0].reshape(n, c.n_kv_heads, c.n_rep, c.head_dim)     # (n, H_kv, n_rep, d)
-        if cache.kv[layer].r_k is not None:
-            qr = qr @ cache.kv[layer].r_k.unsqueeze(0).to(qr.dtype)        # q R_K
-        o = attend(qr.reshape(n, c.n_heads, c.head_dim).contiguous(), **cache.layer_view(layer, seqs),
-                   group_size=c.group_size, **options)                     # (n, H_q, d)
-        return o[:, :, None]                                               # (n, H_q, 1, d)
+        return cache.decode(layer, seqs, q[:, :, 0], attend, **options)[:, :, None]   # (n, H_q, 1, d)
     # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
     # layer holds as many between steps)
     pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]
@@ -1569,25 +1571,20 @@ class PagedLayer:
                 t, kb, vb = slice(Tq - int(real[b]), Tq), k[b:b + 1].float(), v[b:b + 1].float()
                 qb = query[b:b + 1, :, t].float() * (scaling * math.sqrt(d))
                 o[b:b + 1, :, t] = block_simulated_attention(qb, kb[:, :, t], vb[:, :, t], *effective_kv(
-                    kb[:, :, t], vb[:, :, t], sp, c), c.sink, c.window, PREFILL_BLOCK)   # Eq. 4, 5, 2
+                    kb[:, :, t], vb[:, :, t], sp, c), c.sink, c.window, block=256)   # Eq. 4, 5, 2
                 cache.extend(self.index, [s], kb[:, :, t], vr[b:b + 1, :, t])
             return o.transpose(1, 2).to(query.dtype)
         assert bool((real == Tq).all()), "left padding only before the prompt"
-        attend = paged_decode_reference
-        if query.device.type == "cuda":
+        attend = self.pool["attend"]
+        if attend is None and query.device.type == "cuda":
             from kernel import int2_paged_decode as attend
         out = []
         for t in range(Tq):                                                       # Section 8's decode
             cache.append(self.index, seqs, k[:, :, t].float(), vr[:, :, t])
-            qr = query[:, :, t].float().view(B, c.n_kv_heads, c.n_rep, d)          # q R_K per KV head
-            out.append(attend(rotate_rows(qr, sp.r_k).reshape(B, Hq, d).contiguous(),
-                              **cache.layer_view(self.index, seqs), group_size=c.group_size, sm_scale=scaling))
+            out.append(cache.decode(self.index, seqs, query[:, :, t], attend, sm_scale=scaling))
         o = torch.stack(out, 2).view(B, -1, c.n_rep * Tq, d)                       # (B, H_kv, n_rep Tq, d)
         o = o if sp.r_v is None else rotate_rows(o, sp.r_v.mT)                    # back from R_V's basis
         return o.view(B, Hq, Tq, d).transpose(1, 2).to(query.dtype)
-
-
-PREFILL_BLOCK = 256      # queries per block of hf_cache's one-pass prefill (Appendix A)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -1601,12 +1598,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return key.attend(query, scaling, kwargs.get("position_ids")), None
 
 
-def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int = 8192):
+def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int = 8192, attend=None):
     """A transformers Cache for model.generate(past_key_values=...): INT2 layers in one
     PagedKVCache (sequences of up to max_tokens tokens), exact ones in transformers' own layers
     (sliding ones slide, as Gemma 3's). Sets the model's attention to "optr-paged" (paged_attention:
     sdpa for every layer this cache does not hold). folded=True beside export_hf's weights (R_V in
-    them), False for the original weights (values rotated by R_V here)."""
+    them), False for the original weights (values rotated by R_V here). attend: the decode
+    (None: kernel.int2_paged_decode on CUDA, paged_decode_reference elsewhere)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
     from transformers.masking_utils import sdpa_mask
@@ -1626,7 +1624,7 @@ def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int
     AttentionMaskInterface.register("optr-paged", sdpa_mask)
     model.set_attn_implementation("optr-paged")
     CacheLayerMixin.register(PagedLayer)
-    pool, index = {"make": make}, {l: i for i, l in enumerate(l for l, s in enumerate(kv) if s.quant_k)}
+    pool, index = {"make": make, "attend": attend}, {l: i for i, l in enumerate(l for l, s in enumerate(kv) if s.quant_k)}
     return Cache(layers=[PagedLayer(pool, index[l], s, cfg, folded) if s.quant_k else t
                          for l, (s, t) in enumerate(zip(kv, theirs))])
 

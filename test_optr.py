@@ -4793,6 +4793,18 @@ def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
         assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
 
 
+def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_served):
+    """generate() with hf_cache's decode set to kernel.int2_paged_decode (its default on CUDA;
+    the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
+    (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16)."""
+    model, kv, _, hf = hf_served
+    out = [hf.generate(IDX_E[:, :20], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True, attend=a),
+                       max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
+           for a in (None, kernel.int2_paged_decode)]
+    assert torch.equal(out[0].sequences, out[1].sequences)
+    assert max((a - b).abs().max().item() for a, b in zip(out[0].logits, out[1].logits)) <= 1e-4
+
+
 @torch.no_grad()
 def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_caches():
     """A 4k-token prompt in bf16 (d = G = 64, sink 64, window 256, max_tokens 4096): hf_cache's
