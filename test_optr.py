@@ -3765,7 +3765,7 @@ def test_gpu_check_dry_run_passes_on_the_interpreter():
                     "import kernel; kernel.main()")
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     summary = r.stdout[r.stdout.index("\ncheck "):]
-    assert summary.count(" ok ") == 7 and "FAIL" not in summary, summary
+    assert summary.count(" ok ") == 8 and "FAIL" not in summary, summary
 
 
 def tf32_rounded(x):
@@ -4765,8 +4765,13 @@ def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp
     and hf_cache rotates each value by R_V before quantizing and back after: the logits are
     decode_step's on the folded model, within round-off.
     Optr against optr: hf_cache inside transformers against decode_step."""
+    check_hf_cache_unfolded_is_decode_step(hf_served, str(tmp_path / "o"))
+
+
+def check_hf_cache_unfolded_is_decode_step(hf_served, out):
+    """hf_cache with folded=False beside the original weights (exported to `out`) is decode_step."""
     model, kv, folded, _ = hf_served
-    hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], str(tmp_path / "o")))
+    hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], out))
     cache, seqs = ours_paged(folded, kv, 2)
     mine = optr.hf_cache(kv, model.cfg, hf, folded=False)
     for t in range(26):
@@ -4780,6 +4785,11 @@ def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
     decode_step through the paged cache, argmax): with a prompt inside the windows, and
     with longer ones, each written in one pass (each query its own windows).
     Optr against optr: generate() with hf_cache against prefill + decode_step."""
+    check_generate_is_our_decode_loop(hf_served)
+
+
+def check_generate_is_our_decode_loop(hf_served):
+    """generate() with hf_cache gives prefill + decode_step's greedy tokens, prompts of 12, 23, 40."""
     model, kv, folded, hf = hf_served
     for P in (12, 23, 40):
         cache, seqs = ours_paged(folded, kv, 2)
@@ -4838,11 +4848,16 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 
 # -- the checks can fail ------------------------------------------------------------------
 
-def test_serving_checks_can_fail(hf_served, monkeypatch):
-    """The hf_cache check fails on a cache that quantizes without the key rotation, and the
-    oracle's per-row clip is not our per-group clip (checked above at G < d)."""
-    monkeypatch.setattr(optr, "rotate_rows", lambda x, R: x)
-    assert fails(check_hf_cache_is_decode_step, hf_served)
+def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
+    """The generate() check fails when hf_cache's one-pass prefill reads one more recent token
+    exactly (window + 1), and the token-by-token check when its pages hold values that were not
+    rotated by R_V (the original weights' path storing v, not v R_V)."""
+    sim = optr.block_simulated_attention
+    monkeypatch.setattr(optr, "block_simulated_attention", lambda *a, block: sim(*a[:6], a[6] + 1, block))
+    assert fails(check_generate_is_our_decode_loop, hf_served)
+    monkeypatch.undo()
+    monkeypatch.setattr(optr, "stored_values", lambda spec, v: v)
+    assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
 
 
 def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
