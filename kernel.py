@@ -1032,12 +1032,17 @@ def _cache_bytes(cache) -> int:
                sum(t.nbytes for t in (layer.keys, layer.values) if t is not None) for layer in cache.layers)
 
 
-def _peak_mib(device) -> float:
-    """Peak memory so far: the process's resident set on the CPU, allocated memory on CUDA."""
-    import resource
+def _peak_mib(device, reset=False) -> float:
+    """Peak memory since the last reset: allocated memory on CUDA; on the CPU the process's
+    resident set (Linux's VmHWM, reset through /proc/self/clear_refs)."""
     if device == "cuda":
+        torch.cuda.reset_peak_memory_stats() if reset else None
         return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**10
 
 
 @torch.no_grad()
@@ -1059,9 +1064,7 @@ def _bench_hf_row(job) -> dict:
     cache = DynamicCache() if kind == "DynamicCache" else optr.hf_cache(kv["quarot+optr"], cfg, hf, max_tokens=T + new)
     hf.set_attn_implementation("sdpa") if kind == "DynamicCache" else None
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    before, t0 = _peak_mib(device), time.perf_counter()
+    before, t0 = _peak_mib(device, reset=True), time.perf_counter()
     tok = hf(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)  # as generate()
     sync()
     prefill, steps = time.perf_counter() - t0, []
@@ -1080,7 +1083,8 @@ def _bench_hf(model="smollm2", contexts=(1024, 4096, 8192), new=16):
     import multiprocessing
     device = "cuda" if torch.cuda.is_available() and not _INTERPRETED else "cpu"
     print(f"{model} on {device} ({torch.get_num_threads()} threads), prompt in one forward, then "
-          f"{new} greedy tokens; decode: median ms/token; peak: {'max allocated' if device == 'cuda' else 'max RSS'}")
+          f"{new} greedy tokens; decode: median ms/token; peak: {'max allocated' if device == 'cuda' else 'max RSS'} "
+          f"while generating (loaded: before)")
     print(f"{'cache':14s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'cache MiB':>9s} "
           f"{'peak MiB':>9s} {'loaded MiB':>10s}")
     rows, ctx = [], multiprocessing.get_context("spawn")

@@ -829,8 +829,10 @@ def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
 
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
     """x (n, H, T, d) @ R (H, d, d) per head, one (1, d) x (d, d) product per token, so that
-    writing T tokens at once stores what T appends of one token store, bit for bit."""
-    return x if R is None else (x.unsqueeze(-2) @ R[:, None].to(x.dtype)).squeeze(-2)
+    writing T tokens at once stores what T appends of one token store, bit for bit (256 tokens
+    at a time: the broadcast copies R per token)."""
+    return x if R is None else torch.cat([(c.unsqueeze(-2) @ R[:, None].to(x.dtype)).squeeze(-2)
+                                          for c in x.split(256, dim=2)], 2)
 
 
 def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
@@ -1560,6 +1562,7 @@ class PagedLayer:
         sequences in one pass (each query its own windows), then extend; else token by token,
         append then Section 8's decode. Left padding: tokens before position 0 are not stored."""
         (cache, seqs, limit), (k, v), c, sp = self.pool["cache"], self.new, self.cfg, self.spec
+        self.new = None                                       # the pages hold them from here
         B, Hq, Tq, d = query.shape
         held = cache.length[self.index, seqs]
         real = torch.full((B,), Tq) if pos is None else pos[:, -1].cpu() + 1 - held
