@@ -1062,7 +1062,8 @@ def _bench_hf_row(job) -> dict:
     cfg = optr.hf_config(hf.config, **info["settings"])
     ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
     cache = DynamicCache() if kind == "DynamicCache" else optr.hf_cache(kv["quarot+optr"], cfg, hf, max_tokens=T + new)
-    hf.set_attn_implementation("sdpa") if kind == "DynamicCache" else None
+    if kind == "DynamicCache":
+        hf.set_attn_implementation("sdpa")
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     before, t0 = _peak_mib(device, reset=True), time.perf_counter()
     tok = hf(ids, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)  # as generate()

@@ -21,7 +21,7 @@ ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped)
   A. Fast paths            the key loss on the INT2 columns, block-wise simulation, prefill
   B. Files                 checks of outside data; rotation files; Hugging Face export
   D. Beyond the paper      ours: a clip searched per layer (optr+); end-to-end refinement
-  E. Serving elsewhere     the authors' SGLang engine; transformers: a Cache, any model's attention
+  E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: eval_llm.py)
   (C. Real checkpoints, GGUF and Hugging Face, load in eval_llm.py, their one caller.)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
@@ -820,13 +820,6 @@ def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
     return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
 
 
-def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
-    """(packed (..., d/4), scale (..., d/G), zero (..., d/G)) -> (..., d) fp32."""
-    code = unpack_int2(packed).float()
-    cg = code.reshape(*code.shape[:-1], code.shape[-1] // G, G)
-    return ((cg - zero.unsqueeze(-1)) * scale.unsqueeze(-1)).reshape(code.shape)
-
-
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
     """x (n, H, T, d) @ R (H, d, d) per head, one (1, d) x (d, d) product per token, so that
     writing T tokens at once stores what T appends of one token store, bit for bit (256 tokens
@@ -1465,66 +1458,16 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 
 
 # ----------------------------------------------------------------------------------------
-# E. Serving elsewhere: the authors' SGLang engine; transformers' generate() and models
+# E. Serving elsewhere: transformers' generate() and models (SGLang's files: eval_llm.py)
 # ----------------------------------------------------------------------------------------
 """
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,
 Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its attention,
 calibrate_hf runs Section 6 on what that attention reads.
-The authors' SGLang fork (engine/sglang-research) reads torch.save dicts {k,v}_rotation.pt
-{"layers": {l: {"rotation": (H_kv, d, d) or (d, d)}}}, k_mean.pt {"layers": {l: {"mu": (H_kv,
-d)}}} and serve.env. Ours in orientation and packing, but it folds R_V into v_proj only, clips
-per row (equal at G = d), moves tokens to INT2 8 at a time (sink, window multiples of 8), needs
-d a power of two.
 hf_cache holds INT2 layers in Section 8's pages; paged_attention (the model's attention, set by
 hf_cache) rotates each query by R_K and decodes over them: the Triton kernel on CUDA, the torch
 reference on the CPU. A prompt goes in one pass, as Appendix A's prefill; left padding is skipped.
 """
-
-def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> str:
-    """Write k_rotation.pt, v_rotation.pt (R_V for the original weights; the identity with
-    folded=True, beside export_hf's checkpoint), k_mean.pt when the variant centers, and
-    serve.env (the engine's flags and environment, from cfg). Returns out_dir."""
-    L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
-    for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
-                    (cfg.sink % 8 == cfg.window % 8 == 0,
-                     f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
-                    (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
-                    (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
-                    (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
-            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
-             "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
-            for l, s in enumerate(kv)] + [
-            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips of its own "
-             f"(c_K {s.clip_k}, c_V {s.clip_v}; appendix D), but the engine clips every layer at cfg's: "
-             "use a variant without them")
-            for l, s in enumerate(kv)]:
-        need(ok, f"export_sglang: {msg}")
-    os.makedirs(out_dir, exist_ok=True)
-    eye = torch.eye(d).expand(H, d, d)
-    f32 = lambda t, default: (default if t is None else t).detach().float().cpu().contiguous().clone()
-    for side, Rs in (("k", [s.r_k for s in kv]), ("v", [None if folded else s.r_v for s in kv])):
-        torch.save({"format_version": 2, "objective": f"optr_output_aware_{side}",
-                    "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
-                    f32(R, eye)} for l, R in enumerate(Rs)}}, os.path.join(out_dir, f"{side}_rotation.pt"))
-    center = any(s.k_mean is not None for s in kv)
-    if center:                                      # a layer without mu gets mu = 0
-        torch.save({"format_version": 1, "layers": {l: {"layer_id": l, "mu": f32(s.k_mean,
-                    torch.zeros(H, d))} for l, s in enumerate(kv)}}, os.path.join(out_dir, "k_mean.pt"))
-    p = os.path.abspath(out_dir)
-    env = dict(SGLANG_ENABLE_MIXED_KV_WINDOWS=1, SGLANG_OSCAR_ABSORB_V_ROTATION=1,
-               SGLANG_MIXED_KV_PREFIX_TOKENS=cfg.sink, SGLANG_MIXED_KV_RECENT_TOKENS=cfg.window,
-               SGLANG_MIXED_KV_HP_DTYPE="bfloat16", SGLANG_MIXED_KV_SCALE_DTYPE="float32",
-               SGLANG_OSCAR_K_ROTATION_PATH=f"{p}/k_rotation.pt", SGLANG_OSCAR_V_ROTATION_PATH=f"{p}/v_rotation.pt",
-               SGLANG_OSCAR_K_CLIP_RATIO=cfg.clip_k, SGLANG_OSCAR_V_CLIP_RATIO=cfg.clip_v,
-               SGLANG_OSCAR_K_MEAN_IN_POOL=int(center), SGLANG_OSCAR_K_MEAN_PATH=f"{p}/k_mean.pt" if center else "")
-    with open(os.path.join(out_dir, "serve.env"), "w") as f:
-        f.write(f"# source this, then python -m sglang.launch_server --model-path MODEL $SGLANG_SERVER_ARGS"
-                f"\n# MODEL: {'optr.export_hf' if folded else 'the original'} checkpoint\nSGLANG_SERVER_ARGS="
-                f'"--kv-cache-dtype int2 --kv-cache-quant-group-size {G} --page-size 8"\n'
-                + "".join(f"export {k}={v}\n" for k, v in env.items()))
-    return out_dir
-
 
 class PagedLayer:
     """An INT2 layer of hf_cache in transformers' cache-layer interface. Its tokens live in Section
@@ -1548,7 +1491,9 @@ class PagedLayer:
         """key_states, value_states (B, H_kv, T, d) post-RoPE: kept for paged_attention."""
         if "cache" not in self.pool:
             self.pool["cache"] = self.pool["make"](key_states)
-        self.spec, self.n, self.new = self.spec.to(key_states.device), self.n + key_states.shape[-2], (key_states, value_states)
+        if self.n == 0:
+            self.spec = self.spec.to(key_states.device)                    # specs loaded on the CPU
+        self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
         return self, self
 
     def nbytes(self) -> int:
@@ -1578,13 +1523,13 @@ class PagedLayer:
                 cache.extend(self.index, [s], kb[:, :, t], vr[b:b + 1, :, t])
             return o.transpose(1, 2).to(query.dtype)
         assert bool((real == Tq).all()), "left padding only before the prompt"
-        attend = self.pool["attend"]
-        if attend is None and query.device.type == "cuda":
-            from kernel import int2_paged_decode as attend
+        decode = self.pool["attend"]
+        if decode is None and query.device.type == "cuda":
+            from kernel import int2_paged_decode as decode
         out = []
         for t in range(Tq):                                                       # Section 8's decode
             cache.append(self.index, seqs, k[:, :, t].float(), vr[:, :, t])
-            out.append(cache.decode(self.index, seqs, query[:, :, t], attend, sm_scale=scaling))
+            out.append(cache.decode(self.index, seqs, query[:, :, t], decode, sm_scale=scaling))
         o = torch.stack(out, 2).view(B, -1, c.n_rep * Tq, d)                       # (B, H_kv, n_rep Tq, d)
         o = o if sp.r_v is None else rotate_rows(o, sp.r_v.mT)                    # back from R_V's basis
         return o.view(B, Hq, Tq, d).transpose(1, 2).to(query.dtype)

@@ -67,6 +67,12 @@ def random_rotations(H, d, seed=0):
     return torch.stack([random_orthogonal(d, seed + h) for h in range(H)])
 
 
+def q2_dequantize(packed, scale, zero, G):
+    """The test's reading of Q2's storage form: (packed (..., d/4), scale, zero (..., d/G)) -> (..., d)."""
+    code = optr.unpack_int2(packed).float()
+    return ((code.unflatten(-1, (-1, G)) - zero[..., None]) * scale[..., None]).flatten(-2)
+
+
 def replace_cfg(cfg, **kw):
     """A copy of the config with these fields changed (validated by Config)."""
     import dataclasses
@@ -740,7 +746,7 @@ def test_q2_computes_in_fp32_whatever_the_input_dtype(dtype, data, clip):
     what calibration optimizes is what the cache serves."""
     x, G = data.draw(q2_inputs(dtype))
     check_q2_is_the_authors(x, G, clip)
-    stored = optr.q2_dequantize(*optr.q2_quantize(x, clip, G), G)
+    stored = q2_dequantize(*optr.q2_quantize(x, clip, G), G)
     assert stored.dtype == torch.float32
     assert torch.equal(optr.q2(x, clip, G), stored.to(dtype))
 
@@ -783,7 +789,7 @@ def test_q2_error_inside_the_clip_range_is_at_most_half_a_step(data, clip):
     (scale / 2) of itself."""
     x, G = data
     packed, scale, zero = optr.q2_quantize(x, clip, G)
-    deq = optr.q2_dequantize(packed, scale, zero, G)
+    deq = q2_dequantize(packed, scale, zero, G)
     xg, dg = x.view(x.shape[0], -1, G), deq.view(x.shape[0], -1, G)
     rank = min(int(math.floor(clip * G)), G - 1)
     inside = xg.abs() <= xg.abs().sort(-1).values[..., rank:rank + 1]
@@ -834,7 +840,7 @@ def test_constant_group_stays_finite_and_within_one_rounding(value):
     every code is 0, and the value comes back as (value / scale) * scale, the authors'
     formula: within two fp32 roundings of the value, exactly equal for 0."""
     x = torch.full((3, 32), value)
-    for out in (optr.q2(x, 0.96, 16), optr.q2_dequantize(*optr.q2_quantize(x, 0.96, 16), 16)):
+    for out in (optr.q2(x, 0.96, 16), q2_dequantize(*optr.q2_quantize(x, 0.96, 16), 16)):
         assert torch.isfinite(out).all()
         assert ((out - x).abs() <= 2 * 2.0 ** -24 * abs(value)).all()
     assert torch.equal(optr.unpack_int2(optr.q2_quantize(x, 0.96, 16)[0]), torch.zeros(3, 32, dtype=torch.uint8))
@@ -3104,7 +3110,7 @@ def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
     own on either side is a ValueError naming the layer."""
     model, kv = served_model("qwen2")
     with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
-        optr.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
+        eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
 
 
 def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
@@ -4545,7 +4551,7 @@ def served_model(kind="qwen2", seed=3, **kw):
 
 
 def exported(tmp_path, kv, cfg, folded=False, name="sglang"):
-    out = optr.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
+    out = eval_llm.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
     return [os.path.join(out, f) for f in ("k_rotation.pt", "v_rotation.pt", "k_mean.pt")]
 
 
@@ -4593,9 +4599,9 @@ def test_their_write_path_stores_our_codes_bit_for_bit_at_G_equal_d():
             and torch.equal(sz[..., 1::2], ours[2])
         assert same == (G == d), G
         if G == d:
-            assert torch.equal(sglang_dequantize(packed, sz, G), optr.q2_dequantize(*ours, G))
+            assert torch.equal(sglang_dequantize(packed, sz, G), q2_dequantize(*ours, G))
     (kp, ksz), (vp, vsz) = sglang_write(k, v, spec.r_k, spec.r_v, spec.k_mean, 0.9, 0.9, d, absorbed=False)
-    ours_k = optr.q2_dequantize(*optr.q2_quantize(rows, 0.9, d), d)
+    ours_k = q2_dequantize(*optr.q2_quantize(rows, 0.9, d), d)
     assert torch.allclose(sglang_dequantize(kp, ksz, d), ours_k, atol=1e-5)
     ours_v = optr.q2_quantize(optr.rotate_rows(v, spec.r_v), 0.9, d)
     assert torch.equal(vp, ours_v[0])
@@ -4656,7 +4662,7 @@ def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_
     cfg = replace_cfg(model.cfg, **change)
     kv = quarot_specs(cfg) if "head_dim" in change else kv
     with pytest.raises(ValueError, match=match):
-        optr.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
+        eval_llm.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
 
 
 def hf_load(path):
@@ -5375,7 +5381,7 @@ def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tm
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False)
     with pytest.raises(ValueError, match=r"kv\[0\]: keys or values kept exact.*calibrate_hf\(\.\.\., sliding=True\)"):
-        optr.export_sglang(kv, cfg, str(tmp_path / "default"))
+        eval_llm.export_sglang(kv, cfg, str(tmp_path / "default"))
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
     k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
     for a, b in zip(kv, sglang_specs(k_path, v_path, cfg, mu_path)):
