@@ -1367,14 +1367,20 @@ def search_clips(spec: KVQuant, w_o, held, cfg: Config, grid, query_positions=No
     return replace(spec, clip_k=c_k, clip_v=min((cfg.clip_v, *grid), key=value))                      # L_V
 
 
-def clipped(grid, again=False):
+def clipped(grid, again=False, keys=True):
     """calibrate's one_layer: calibrate_one_layer at the layer's clips, searched first at its base;
-    again: then searched once more at the learned rotations (clip, R, clip)."""
+    again: then searched once more at the learned rotations (clip, R, clip); keys=False: R_K stays
+    the base, only R_V is learned."""
     def one_layer(w_o, l, cal, held, cfg, base, center, learn, query_positions, log):
         spec = KVQuant(key_mean(cal[1]) if center else None, *base_rotations(base, *cal, cfg))
         spec = search_clips(spec, w_o, held, cfg, grid, query_positions)
-        got, rows = calibrate_one_layer(w_o, l, cal, held, spec.layer_cfg(cfg), base, center, learn,
-                                        query_positions, log)
+        if learn and not keys:
+            got, rows = calibrate_layer(cal, held, w_o, spec.r_k, spec.r_v, spec.k_mean, spec.layer_cfg(cfg),
+                                        query_positions, learn_k=False, tag=f"L{l} ", log=log)
+            rows = [dict(r, layer=l) for r in rows]
+        else:
+            got, rows = calibrate_one_layer(w_o, l, cal, held, spec.layer_cfg(cfg), base, center, learn,
+                                            query_positions, log)
         got = replace(got, clip_k=spec.clip_k, clip_v=spec.clip_v)
         return (search_clips(got, w_o, held, cfg, grid, query_positions) if again and learn else got), rows
     return one_layer
