@@ -49,11 +49,12 @@ PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+o
 # optr.Config's quantizer, window and calibration fields at the paper's values (--help: optr.Config's
 # comments); e2e (ours) takes fewer, smaller steps on a real LLM than optr's defaults (10, 2e-3)
 PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_size=16, lr=0.02, steps=80,
-             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, calib_windows="static", seed=0,
+             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, seed=0,
              e2e_steps=4, e2e_lr=3e-4)
 PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
                                              for f in fields(optr.Config) if f.name in PAPER])
-EXPORTABLE = ("quarot+optr", "oscar+optr", "quarot+optr-nocenter", "quarot+optr+")   # --export's; optr+: ours
+EXPORTABLE = ("quarot+optr", "oscar+optr", "quarot+optr-nocenter", "quarot+optr+",   # --export's; the
+              "quarot+center+clip")                                               # last two: ours
 
 
 @dataclass
@@ -67,7 +68,6 @@ class RunConfig(PaperConfig):
     calib_seqs: int = _f(2, "calibration sequences")
     heldout_seqs: int = _f(1, "held-out sequences OptR scores its heads on")
     calib_len: int = _f(512, "tokens per calibration and held-out sequence")
-    calib_queries: str = _f("last", "OptR loss queries: 'last' n_loss_queries (the authors') or 'spread'")
     int2_sliding: bool = _f(False, "sliding-window layers (Gemma 3's) in INT2 too (calibration sequences must "
                             "fit in the window); by default exact: their cache stops at the window")
     gen_temperature: float = _f(0.8, "sampling temperature of the model-written text")
@@ -94,7 +94,8 @@ class RunConfig(PaperConfig):
     out: str = _f("runs/llm", "output directory: results.json, safetensors, plots, cached text")
     resume: bool = _f(False, "reuse OUT's rotation files instead of calibrating (same settings)")
     threads: int = _f(0, "torch CPU threads, and layers calibrated at once (0 = all cores)")
-    export: str = _f("", "write the OptR variant (optr+ too) of lowest KL at gap_ctx here (optr.export_hf)")
+    export: str = _f("", "write the variant of lowest KL at gap_ctx of the OptR ones, optr+ and "
+                     "quarot+center+clip here (optr.export_hf)")
     export_sglang: bool = _f(False, "with --export: also the authors' SGLang files, read back; the best "
                              "without per-layer clips (not optr+: the engine clips every layer alike)")
     hf_generate: int = _f(0, "with --export: greedy-generate N tokens in transformers with optr.hf_cache")
@@ -112,8 +113,6 @@ class RunConfig(PaperConfig):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("passkey_prompts", "passkey_samples", "decode_prompts", "threads", "group_size"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(self.calib_queries in ("last", "spread"),
-             f"calib_queries: expected 'last' or 'spread', got {self.calib_queries!r}")
         need(len(self.contexts) >= 1 and all(c > self.sink + self.window for c in self.contexts),
              f"contexts: expected lengths > sink + window = {self.sink + self.window}, got {self.contexts}")
         shortest = next(L for L in itertools.count(self.sink + self.window)         # the needle fits
@@ -531,12 +530,12 @@ AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_
               "e_out_value", "e_out", "e_rec")        # averaged over calibration samples (+- std)
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
-                               "calib_queries", "int2_sliding", "gen_temperature",
+                               "int2_sliding", "gen_temperature",
                                "gen_top_k")
 
 
 def past_windows(cfg: RunConfig, T: int, n: int) -> torch.Tensor:
-    """n query positions evenly over [sink + window, T - 1]: --calib-queries spread's, the Eq. 8 split's."""
+    """n query positions evenly over [sink + window, T - 1]: the Eq. 8 split's."""
     return torch.linspace(cfg.sink + cfg.window, T - 1, n).round().long().unique()
 
 
@@ -936,8 +935,7 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
         specs, meta = load_ladder(path, names, run.model.cfg, settings)
         run.log(f"resumed sample {i}'s rotations and key means from {path}")
         return specs, meta.get("report", {})
-    queries = None if cfg.calib_queries == "last" else past_windows(cfg, cfg.calib_len, cfg.n_loss_queries)
-    specs, reports = calibrate_variants(run.model, cal, held, names, queries, progress_every=10, timer=run.timer,
+    specs, reports = calibrate_variants(run.model, cal, held, names, progress_every=10, timer=run.timer,
                                         log=run.log, workers=torch.get_num_threads(), sliding=cfg.int2_sliding)
     save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
     return specs, reports

@@ -154,8 +154,6 @@ class Variant(NamedTuple):
     learn: bool                    # OptR's per-layer correction (Section 6)
     e2e: bool = False              # then every layer refined on the end-to-end KL (optr appendix D)
     clip: bool = False             # each layer's own c_K, c_V searched at the base (optr.search_clips, ours)
-    reclip: bool = False           # then searched again at the learned rotations (optr.clipped, ours)
-    keys: bool = True              # OptR learns R_K too; False: R_V alone, R_K the base (optr.clipped, ours)
 
 
 CLIP_GRID = (0.8, 0.84, 0.88, 0.92, 1.0)    # the clip search's grid, beside the run's c_K, c_V
@@ -177,9 +175,6 @@ VARIANTS = {                       # name: how its cache is stored, or None: not
     "quarot+clip": Variant("quarot", False, False, clip=True),
     "quarot+center+clip": Variant("quarot", True, False, clip=True),
     "quarot+optr+": Variant("quarot", True, True, clip=True),
-    "quarot+optr+reclip": Variant("quarot", True, True, clip=True, reclip=True),   # clip, R, clip
-    "quarot+center+clip+e2e": Variant("quarot", True, False, e2e=True, clip=True),
-    "quarot+center+clip+optr-v": Variant("quarot", True, True, clip=True, keys=False),   # R_V learned alone
 }
 
 
@@ -249,10 +244,10 @@ def calibrate_one(model, name, cal, held, captured, query_positions=None, worker
     an `hf` attribute, eval_llm.HFModel: optr.calibrate_hf, `sliding` its sliding-window layers in
     INT2 too). workers > 1: that many layers at once, in threads with one torch thread each (the
     same numbers; log lines interleave). Returns ([KVQuant per layer], report rows)."""
-    base, center, learn, _, clip, reclip, keys = VARIANTS[name]
+    base, center, learn, _, clip = VARIANTS[name]
     hf = getattr(model, "hf", None)
     args = dict(base=base, center=center, learn=learn, query_positions=query_positions, captured=captured,
-                one_layer=optr.clipped(CLIP_GRID, reclip, keys) if clip else optr.calibrate_one_layer,
+                one_layer=optr.clipped(CLIP_GRID) if clip else optr.calibrate_one_layer,
                 log=log if learn else None)
 
     def run(layer_map=map):

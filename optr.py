@@ -79,7 +79,6 @@ class Config:
     lam: float = 1.0             # lambda: weight of the output term beside KL in the key loss
     out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
     eval_every: int = 20         # score heads on held-out data after updates 1, 1 + this, ..., last
-    calib_windows: str = "static"  # loss windows: "static" (the authors') or "relative" (as served)
     # end-to-end refinement (appendix D; ours, not in the paper)
     e2e_steps: int = 10          # full-batch Adam steps on the end-to-end KL (0: keep OptR's result)
     e2e_lr: float = 2e-3         # Adam learning rate on every layer's A in the end-to-end refinement
@@ -97,8 +96,7 @@ class Config:
         assert all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta,
             self.rms_eps)) and 0 <= self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps "\
             "must be finite and > 0, lam finite and >= 0"
-        assert self.out_reduce in ("mean", "sum") and self.calib_windows in ("static", "relative"), \
-            "out_reduce must be 'mean' or 'sum', calib_windows 'static' or 'relative'"
+        assert self.out_reduce in ("mean", "sum"), "out_reduce must be 'mean' or 'sum'"
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -440,7 +438,7 @@ d_model hidden units (out_reduce="sum": summed over d_model); KL summed over key
 their 1e-12 clamp, averaged over queries; both averaged over the group's query heads and
 the sequences. Queries: the last n_loss_queries positions (from max(1, T - n)), causal;
 windows static as in their calibration (the sequence's first `sink` and last `window`
-tokens exact for every query) or "relative" (each query's own, as served). Adam on the
+tokens exact for every query). Adam on the
 mean of the per-head losses, full batch; each head is scored on held-out sequences after
 updates 1, 1 + eval_every, ... and the last, keeps its best A, and falls back to R_base
 if that is not below the base's held-out loss. Layers are calibrated independently.
@@ -528,15 +526,12 @@ def fit_rotation(loss_fn, r_base, cfg: Config, tag: str = "", log=None):
 
 def loss_queries(T: int, cfg: Config, query_positions=None, device=None):
     """The loss's query positions (given, or the authors' max(1, T - n_loss_queries) .. T - 1),
-    their causal mask and exact-window mask (Tq, T), static or relative (cfg.calib_windows)."""
+    their causal mask and the authors' static exact-window mask (Tq, T): the sequence's own sink and
+    last window, for every query."""
     q_pos = torch.arange(max(1, T - cfg.n_loss_queries), T, device=device) \
         if query_positions is None else query_positions.to(device)
     mask = causal_mask(q_pos, T)
-    if cfg.calib_windows == "static":                 # the sequence's own sink and last window
-        exact = exact_window_mask(torch.full_like(q_pos, T - 1), T, cfg.sink, cfg.window)
-        exact = exact.expand(len(q_pos), T)
-    else:                                             # each query's windows, as served
-        exact = exact_window_mask(q_pos, T, cfg.sink, cfg.window)
+    exact = exact_window_mask(torch.full_like(q_pos, T - 1), T, cfg.sink, cfg.window).expand(len(q_pos), T)
     assert bool(int2_mask(mask, exact).any()), f"T = {T}: no loss query reads an INT2 token"
     return q_pos, mask, exact
 
@@ -1367,22 +1362,14 @@ def search_clips(spec: KVQuant, w_o, held, cfg: Config, grid, query_positions=No
     return replace(spec, clip_k=c_k, clip_v=min((cfg.clip_v, *grid), key=value))                      # L_V
 
 
-def clipped(grid, again=False, keys=True):
-    """calibrate's one_layer: calibrate_one_layer at the layer's clips, searched first at its base;
-    again: then searched once more at the learned rotations (clip, R, clip); keys=False: R_K stays
-    the base, only R_V is learned."""
+def clipped(grid):
+    """calibrate's one_layer: calibrate_one_layer at the layer's clips, searched first at its base."""
     def one_layer(w_o, l, cal, held, cfg, base, center, learn, query_positions, log):
         spec = KVQuant(key_mean(cal[1]) if center else None, *base_rotations(base, *cal, cfg))
         spec = search_clips(spec, w_o, held, cfg, grid, query_positions)
-        if learn and not keys:
-            got, rows = calibrate_layer(cal, held, w_o, spec.r_k, spec.r_v, spec.k_mean, spec.layer_cfg(cfg),
-                                        query_positions, learn_k=False, tag=f"L{l} ", log=log)
-            rows = [dict(r, layer=l) for r in rows]
-        else:
-            got, rows = calibrate_one_layer(w_o, l, cal, held, spec.layer_cfg(cfg), base, center, learn,
-                                            query_positions, log)
-        got = replace(got, clip_k=spec.clip_k, clip_v=spec.clip_v)
-        return (search_clips(got, w_o, held, cfg, grid, query_positions) if again and learn else got), rows
+        got, rows = calibrate_one_layer(w_o, l, cal, held, spec.layer_cfg(cfg), base, center, learn,
+                                        query_positions, log)
+        return replace(got, clip_k=spec.clip_k, clip_v=spec.clip_v), rows
     return one_layer
 
 

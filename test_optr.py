@@ -643,7 +643,7 @@ CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 
 @pytest.mark.parametrize("field, value", [("group_size", 24), ("n_heads", 3), ("clip_k", 1.5),
                                           ("clip_v", 0.0), ("head_dim", 10), ("window", -1),
-                                          ("calib_windows", "sliding"), ("out_reduce", "max"),
+                                          ("out_reduce", "max"),
                                           ("e2e_steps", -1), ("e2e_lr", 0.0)])
 
 
@@ -1550,25 +1550,17 @@ def test_loss_queries_start_at_max_1_T_minus_n_loss_queries():
         assert torch.equal(mask, torch.arange(T)[None] <= q_pos[:, None])
 
 
-def int2_keys(calib_windows, T=12, sink=2, window=3, n_loss_queries=4):
-    q_pos, mask, exact = optr.loss_queries(T, small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window,
-                                                    calib_windows=calib_windows))
+def int2_keys(T=12, sink=2, window=3, n_loss_queries=4):
+    q_pos, mask, exact = optr.loss_queries(T, small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window))
     return {int(t): torch.nonzero(r).flatten().tolist() for t, r in zip(q_pos, optr.int2_mask(mask, exact))}
 
 
 def test_static_calibration_windows_are_the_sequences_first_and_last_tokens_for_every_query():
-    """calib_windows="static" (the authors' calibration): the sequence's first `sink` and
+    """The loss's windows are static (the authors' calibration): the sequence's first `sink` and
     last `window` tokens are exact for every loss query, every token between is INT2, so
     query t reads keys sink .. T - window - 1 in INT2 (those <= t)."""
-    assert int2_keys("static") == {8: [2, 3, 4, 5, 6, 7, 8], 9: [2, 3, 4, 5, 6, 7, 8],
+    assert int2_keys() == {8: [2, 3, 4, 5, 6, 7, 8], 9: [2, 3, 4, 5, 6, 7, 8],
                                    10: [2, 3, 4, 5, 6, 7, 8], 11: [2, 3, 4, 5, 6, 7, 8]}
-
-
-def test_relative_calibration_windows_follow_each_query_as_the_cache_serves():
-    """calib_windows="relative": query t reads exactly what the cache serves it, the sink
-    and its own `window` most recent tokens exact, keys sink .. t - window in INT2."""
-    assert int2_keys("relative") == {8: [2, 3, 4, 5], 9: [2, 3, 4, 5, 6], 10: [2, 3, 4, 5, 6, 7],
-                                     11: [2, 3, 4, 5, 6, 7, 8]}
 
 
 def layer_rotations(*args, **kw):
@@ -1788,10 +1780,9 @@ def test_calibrate_reports_every_head_of_every_layer(calibrated_tiny):
 
 
 def test_calibration_checks_can_fail(monkeypatch):
-    """The authors'-loss check fails for relative windows, for loss queries starting at 0,
+    """The authors'-loss check fails for loss queries starting at 0,
     for a KL without the 1e-12 clamp (on peaky attention) and for output errors summed
     over d_model."""
-    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, calib_windows="relative"))
     assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24), query_positions=torch.arange(0, 20))
     assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, out_reduce="sum"))
     monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
@@ -2254,16 +2245,14 @@ def check_fast_key_loss(cfg, **kw):
         assert torch.allclose(g_fast, g_ref, rtol=1e-3, atol=1e-6 * g_ref.abs().max().item())
 
 
-@pytest.mark.parametrize("windows", ["static", "relative"])
 @pytest.mark.parametrize("mean", [True, False])
-def test_the_fast_key_loss_has_the_key_losss_value_and_gradient(windows, mean):
+def test_the_fast_key_loss_has_the_key_losss_value_and_gradient(mean):
     """fast_key_loss (Appendix A: the INT2 columns only, the exact ones in closed form,
     what calibration uses) gives optr_key_loss's per-head value and its gradient with
-    respect to A, on calibration and held-out splits of other lengths, static or relative
-    windows, with and without centering.
+    respect to A, on calibration and held-out splits of other lengths, with and without centering.
     Optr against optr: the fast path against its reference, optr_key_loss (which section 6
     checks against the authors' loss)."""
-    check_fast_key_loss(small_cfg(calib_windows=windows, n_loss_queries=8, lam=0.5), mean=mean)
+    check_fast_key_loss(small_cfg(n_loss_queries=8, lam=0.5), mean=mean)
 
 
 def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns():
@@ -3111,6 +3100,17 @@ def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
     model, kv = served_model("qwen2")
     with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
         eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
+
+
+def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
+    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates; with
+    --export-sglang it is refused (its per-layer clips), naming the field, exit 2."""
+    import eval_llm
+    argv = ["--variants", "full,quarot,quarot+center+clip", "--export", "/nonexistent/never-written"]
+    assert eval_llm.parse_config(argv).export_candidates() == ["quarot+center+clip"]
+    with pytest.raises(SystemExit) as e:
+        eval_llm.parse_config(argv + ["--export-sglang"])
+    assert e.value.code == 2 and "RunConfig: export" in capsys.readouterr().err
 
 
 def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
