@@ -438,10 +438,10 @@ d_model hidden units (out_reduce="sum": summed over d_model); KL summed over key
 their 1e-12 clamp, averaged over queries; both averaged over the group's query heads and
 the sequences. Queries: the last n_loss_queries positions (from max(1, T - n)), causal;
 windows static as in their calibration (the sequence's first `sink` and last `window`
-tokens exact for every query). Adam on the
-mean of the per-head losses, full batch; each head is scored on held-out sequences after
-updates 1, 1 + eval_every, ... and the last, keeps its best A, and falls back to R_base
-if that is not below the base's held-out loss. Layers are calibrated independently.
+tokens exact for every query). Adam on the mean of the per-head losses, full batch; each
+head is scored on held-out sequences after updates 1, 1 + eval_every, ... and the last,
+keeps its best A, and falls back to R_base if that is not below the base's held-out loss.
+Layers are calibrated independently.
 """
 
 def optr_rotation(r_base: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
