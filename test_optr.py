@@ -1560,7 +1560,7 @@ def test_static_calibration_windows_are_the_sequences_first_and_last_tokens_for_
     last `window` tokens are exact for every loss query, every token between is INT2, so
     query t reads keys sink .. T - window - 1 in INT2 (those <= t)."""
     assert int2_keys() == {8: [2, 3, 4, 5, 6, 7, 8], 9: [2, 3, 4, 5, 6, 7, 8],
-                                   10: [2, 3, 4, 5, 6, 7, 8], 11: [2, 3, 4, 5, 6, 7, 8]}
+                           10: [2, 3, 4, 5, 6, 7, 8], 11: [2, 3, 4, 5, 6, 7, 8]}
 
 
 def layer_rotations(*args, **kw):
