@@ -91,6 +91,7 @@ import functools
 import math
 import sys
 
+import numpy as np
 import triton
 import triton.language as tl
 
@@ -823,6 +824,211 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
                            "TRITON_INTERPRET=1 in the environment")
     return _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
                    win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes)
+
+
+# ----------------------------------------------------------------------------
+# CPU kernels (numba): the same algorithm without a GPU, and the INT2 write
+# ----------------------------------------------------------------------------
+# Why numba: measured on 2 CPU cores for 30 SmolLM2-shaped layers (the issue's prototype
+# and this file), a numba loop over the packed codes beat torch.compile's elementwise form
+# by about 2x, compiles in 10-20 s once and then loads from its disk cache (__pycache__)
+# in about 0.3 s; a C++ extension was faster still but took 40-70 s to compile and needs
+# a compiler at run time.  numba is imported at the first CPU call, never at import.
+# Algorithm: as the Triton kernel.  A job owns one (sequence, KV head, split): its share
+# of the INT2 tokens and of the window slots, all query heads of the KV head together
+# (each code row is unpacked once for them), an online softmax over 32-token tiles, and
+# q.k~ and p.V~ in Q2's affine form straight from the codes; the jobs run in parallel and
+# their partials merge by log-sum-exp.  fastmath (reassociation) lets LLVM vectorise the
+# dot products; the result is the reference's up to round-off.
+
+def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile,
+                    o_part, lse_part, job):
+    """One (sequence b, KV head h, split sp): its share of the INT2 tokens and window slots."""
+    f32 = np.float32
+    B, Hq, d = q.shape
+    H, P, D4 = kc.shape[1], kc.shape[2], kc.shape[3]
+    R, NG = Hq // H, d // G
+    b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
+    n, w = nq[b], wl[b]
+    t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split          # INT2 tokens [t0, t1)
+    w0, w1 = (w * sp) // n_split, (w * (sp + 1)) // n_split          # window slots [w0, w1)
+    qs = np.empty((R, d), dtype=f32)                                  # the group's queries, scaled
+    qsum = np.zeros((R, NG), dtype=f32)                               # their sum per Q2 group
+    for r in range(R):
+        for ch in range(d):
+            qs[r, ch] = q[b, h * R + r, ch] * scale
+        for g in range(NG):
+            qsum[r, g] = qs[r, g * G:(g + 1) * G].sum()
+    m = np.full(R, -np.inf, dtype=f32)                                # online softmax: max,
+    l = np.zeros(R, dtype=f32)                                        # sum of e^(a - m),
+    acc = np.zeros((R, d), dtype=f32)                                 # sum p s c + sum p v,
+    accz = np.zeros((R, NG), dtype=f32)                               # sum p s z (INT2 values)
+    code, prod, ps = np.empty(d, dtype=f32), np.empty(d, dtype=f32), np.empty(d, dtype=f32)
+    p = np.empty((R, tile), dtype=f32)
+    end = t1 + (w1 - w0)                  # items t0 .. t1 - 1 are INT2 tokens, then window slots
+    for u0 in range(t0, end, tile):
+        nt = min(tile, end - u0)
+        for i in range(nt):               # logits: q.k~ = sum_g s_g (q_g . c_g - z_g sum q_g)
+            u = u0 + i
+            if u < t1:
+                page, slot = bt[b, u // P], u % P
+                row = kc[page, h, slot]
+                for c in range(4):        # byte j holds dims j, j + d/4, j + d/2, j + 3d/4
+                    for j in range(D4):
+                        code[c * D4 + j] = f32((row[j] >> (2 * c)) & 3)
+                for r in range(R):
+                    for ch in range(d):
+                        prod[ch] = qs[r, ch] * code[ch]
+                    a = f32(0.0)
+                    for g in range(NG):
+                        a += ks[page, h, slot, g] * (prod[g * G:(g + 1) * G].sum() - kz[page, h, slot, g] * qsum[r, g])
+                    p[r, i] = a
+            else:                         # a window token, exact
+                krow = wk[b, h, w0 + u - t1]
+                for r in range(R):
+                    for ch in range(d):
+                        prod[ch] = qs[r, ch] * krow[ch]
+                    p[r, i] = prod.sum()
+        for r in range(R):                # rescale the running state to the new max
+            mt = m[r]
+            for i in range(nt):
+                mt = max(mt, p[r, i])
+            alpha = np.exp(m[r] - mt)
+            l[r] *= alpha
+            acc[r] *= alpha
+            accz[r] *= alpha
+            m[r] = mt
+            for i in range(nt):
+                p[r, i] = np.exp(p[r, i] - mt)
+                l[r] += p[r, i]
+        for i in range(nt):               # p V~ = (p s) . c - sum p s z;  p v in the windows
+            u = u0 + i
+            if u < t1:
+                page, slot = bt[b, u // P], u % P
+                row = vc[page, h, slot]
+                for c in range(4):
+                    for j in range(D4):
+                        code[c * D4 + j] = f32((row[j] >> (2 * c)) & 3)
+                for r in range(R):
+                    for g in range(NG):
+                        x = p[r, i] * vs[page, h, slot, g]
+                        accz[r, g] += x * vz[page, h, slot, g]
+                        ps[g * G:(g + 1) * G] = x
+                    for ch in range(d):
+                        acc[r, ch] += ps[ch] * code[ch]
+            else:
+                vrow = wv[b, h, w0 + u - t1]
+                for r in range(R):
+                    for ch in range(d):
+                        acc[r, ch] += p[r, i] * vrow[ch]
+    for r in range(R):
+        if l[r] > 0:
+            for ch in range(d):
+                o_part[b, h * R + r, sp, ch] = (acc[r, ch] - accz[r, ch // G]) / l[r]
+            lse_part[b, h * R + r, sp] = m[r] + np.log(l[r])
+
+
+def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile):
+    """Stage 1 over (sequence, KV head, split) in parallel, then the log-sum-exp merge."""
+    B, Hq, d = q.shape
+    H = kc.shape[1]
+    o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
+    lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
+    for job in numba_prange(B * H * n_split):
+        cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile,
+                       o_part, lse_part, job)
+    out = np.zeros((B, Hq, d), dtype=np.float32)
+    for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
+        b, j = bj // Hq, bj % Hq
+        M = lse_part[b, j].max()
+        tot = np.float32(0.0)
+        for sp in range(n_split):
+            if lse_part[b, j, sp] > -np.inf:
+                wgt = np.exp(lse_part[b, j, sp] - M)
+                tot += wgt
+                out[b, j] += wgt * o_part[b, j, sp]
+        out[b, j] /= tot
+    return out
+
+
+def _cpu_q2_store(rows, clip_rank, G, eps, codes, scale, zero, page, slot):
+    """Q2's storage form of rows (N, H, d) fp32 into codes (pages, H, P, d/4), scale and zero
+    (pages, H, P, d/G) at [page[i], :, slot[i]]: q2_quantize's numbers, bit for bit."""
+    f32 = np.float32
+    N, H, d = rows.shape
+    D4 = d // 4
+    code = np.empty(d, dtype=np.uint8)
+    for i in range(N):
+        for h in range(H):
+            x = rows[i, h]
+            for g in range(d // G):
+                xg = x[g * G:(g + 1) * G]
+                tau = np.sort(np.abs(xg))[clip_rank]               # |x| at rank floor(c G)
+                mn, mx = f32(np.inf), f32(-np.inf)
+                for k in range(G):
+                    y = max(min(xg[k], tau), -tau)
+                    mn, mx = min(mn, y), max(mx, y)
+                s = max(mx - mn, eps) / f32(3.0)                    # range floored, then divided
+                z = -mn / s
+                for k in range(G):
+                    y = max(min(xg[k], tau), -tau)
+                    code[g * G + k] = np.uint8(min(max(np.floor(y / s + z + f32(0.5)), f32(0.0)), f32(3.0)))
+                scale[page[i], h, slot[i], g], zero[page[i], h, slot[i], g] = s, z
+            for j in range(D4):
+                codes[page[i], h, slot[i], j] = (code[j] | (code[D4 + j] << 2) | (code[2 * D4 + j] << 4)
+                                                 | (code[3 * D4 + j] << 6))
+
+@functools.lru_cache(maxsize=None)
+def _numba():
+    """The compiled CPU kernels, jitted at the first call (compiled once, then cached on disk)."""
+    import numba
+    g = globals()
+    g["numba_prange"] = numba.prange
+    g["cpu_decode_job"] = numba.njit(cache=True, fastmath=True)(_cpu_decode_job)
+    decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
+    store = numba.njit(cache=True)(_cpu_q2_store)
+    numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
+    return decode, store
+
+
+def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                          n_quant, win_k, win_v, win_len, group_size, num_splits=None,
+                          sm_scale=None, checked=True) -> torch.Tensor:
+    """int2_paged_decode on the CPU, compiled by numba: the same arguments and result (B, H_q, d)
+    fp32.  checked=False checks shapes and dtypes only (the lengths and block table as given)."""
+    sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+                          n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
+    if q.device.type != "cpu":
+        _fail("q", "a CPU tensor (int2_paged_decode runs on CUDA)", q.device)
+    longest = int(n_quant.max()) + int(win_len.max())
+    if checked:
+        _check_values(k_codes, block_table, n_quant, win_len, sizes)
+    decode, _ = _numba()
+    if num_splits is None:      # about two jobs per thread, at least 256 tokens each
+        threads = torch.get_num_threads()
+        num_splits = max(1, min(-(-2 * threads // (sizes["B"] * sizes["H_kv"])), longest // 256))
+    fp32 = lambda x: x.detach().float().numpy()   # bf16 windows: numba has no bf16
+    out = decode(q.detach().float().numpy(), k_codes.numpy(), k_scale.numpy(), k_zero.numpy(), v_codes.numpy(),
+                 v_scale.numpy(), v_zero.numpy(), block_table.numpy(), n_quant.numpy(), fp32(win_k),
+                 fp32(win_v), win_len.numpy(), group_size,
+                 np.float32(1.0 / math.sqrt(sizes["d"]) if sm_scale is None else sm_scale), num_splits, 32)
+    return torch.from_numpy(out)
+
+
+def paged_decode(q, **view) -> torch.Tensor:
+    """The decode the serving code calls: the device's kernel for q's device (Triton on CUDA,
+    numba on the CPU), with the arguments of int2_paged_decode."""
+    return (int2_paged_decode if q.is_cuda else int2_paged_decode_cpu)(q, **view)
+
+
+def q2_store(rows, clip, group_size, eps, codes, scale, zero, page, slot):
+    assert rows.dim() == 3 and page.shape == slot.shape == rows.shape[:1], "a page and slot per row"
+    """Write Q2's storage form of rows (N, H, d) fp32 (CPU) into codes[page[i], :, slot[i]] and
+    its scale and zero, as optr.q2_quantize computes them, bit for bit (compiled by numba)."""
+    assert rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(), "fp32 rows"
+    rank = min(max(int(math.floor(clip * group_size)), 0), group_size - 1)
+    _numba()[1](rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
+                zero.numpy(), page.numpy(), slot.numpy())
 
 
 # ----------------------------------------------------------------------------

@@ -936,90 +936,89 @@ class PagedKVCache:
         for _, _, s, blk in sorted(want):
             self.block_table[s, blk] = self.free_pages.pop(0)
 
-    # -- writes -------------------------------------------------------------------------
+    # -- writes: one path, extend; append is extend of one token ------------------------
     def _write_int2(self, layer, seq, n, k_rows, v_rows):
-        """Quantize and pack INT2 token n of `seq` (an index and rows (H_kv, d), or indices (N,)
-        and rows (N, H_kv, d)) into slot n % page_size of page block_table[seq, n // page_size]."""
+        """Quantize and pack INT2 tokens n (N,) of `seq`, rows (N, H_kv, d), into slot n % page_size
+        of page block_table[seq, n // page_size]: compiled (kernel.q2_store) on the CPU, else torch."""
         c = self.quant[layer]
         page, slot = self.block_table[seq, n // c.page_size].long(), n % c.page_size
         assert bool((page >= 0).all()), "reserve takes a page before it is written"
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
                                                (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
+            if codes.device.type == "cpu":
+                from kernel import q2_store                    # the same numbers, bit for bit
+                q2_store(rows.float().contiguous(), clip, c.group_size, c.scale_eps, codes[layer],
+                         scale[layer], zero[layer], page, slot)
+                continue
             pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
             codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
 
-    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-        """Append one token per sequence. k (n, H_kv, d) post-RoPE keys as the model made
-        them; v (n, H_kv, d) from the folded v_proj (already in the R_V basis)."""
-        c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        check_tensor("v", v, shape=(len(seqs), c.n_kv_heads, c.head_dim), dtype="float", finite=True)
-        self.reserve(layer, seqs, 1)
-        kr = stored_keys(self.kv[layer], k[:, :, None])[:, :, 0]       # (n, H_kv, d)
-        v = stored_values(self.kv[layer], v[:, :, None])[:, :, 0]
-        S, W = c.sink, c.window
-        for i, s in enumerate(seqs):
-            pos = int(self.length[layer, s])
-            self.length[layer, s] += 1
-            if pos >= S and W == 0:                                      # no recent window
-                self._write_int2(layer, s, pos - S, kr[i], v[i])
-                continue
-            slot = pos if pos < S else S + (pos - S) % W
-            if pos - S >= W:                                             # evict the oldest
-                self._write_int2(layer, s, pos - S - W, self.win_k[layer, s, :, slot],
-                                 self.win_v[layer, s, :, slot])
-            self.win_k[layer, s, :, slot] = kr[i].to(self.win_k.dtype)
-            self.win_v[layer, s, :, slot] = v[i].to(self.win_v.dtype)
+    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor, checked: bool = True):
+        """extend by one token per sequence: k, v (n, H_kv, d)."""
+        if checked:
+            check_tensor("k", k, shape=(len(seqs), self.cfg.n_kv_heads, self.cfg.head_dim), dtype="float")
+            check_tensor("v", v, shape=tuple(k.shape), dtype="float")
+        self.extend(layer, seqs, k[:, :, None], v[:, :, None], checked)
 
-    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-        """append for T tokens per sequence at once, k, v (n, H_kv, T, d) (prefill's writes,
-        appendix A): bit for bit the state of T appends, with one quantizer call per sequence
-        for all its tokens going INT2. Pages are reserved first: a full pool writes nothing."""
+    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor, checked: bool = True):
+        """Append T tokens per sequence: k (n, H_kv, T, d) post-RoPE keys as the model made them, v
+        (n, H_kv, T, d) from the folded v_proj (already in R_V's basis). Pages are reserved first:
+        a full pool writes nothing. Token p of a sequence lives in window slot p (p < sink), in ring
+        slot sink + (p - sink) % window while among the `window` newest, else at INT2 index
+        p - sink: the tokens that leave the ring are quantized in one call, old ring slots and new
+        tokens alike, each having passed through the window dtype as if appended one by one.
+        checked=False (the model's own k and v, inside a forward): no value check, no host sync."""
         c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
-        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+        if checked:
+            check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
+            check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
         T, S, W = k.shape[2], c.sink, c.window
         self.reserve(layer, seqs, T)
         kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
-        v = stored_values(self.kv[layer], v)
+        ring = lambda p: p if p < S else S + (p - S) % W                 # window slot of position p
         dev = self.block_table.device
         for i, s in enumerate(seqs):
             n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
             lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
             if hi > lo:
-                old = _span(lo, min(hi, n0), dev)                        # held in the ring
-                new = _span(max(lo, n0), hi, dev) - n0                   # from k, v
-                ring = S + (old - S) % W if W else old
-                # new tokens pass through the window dtype, as append stores (then reads) them
-                nk, nv = (kr[i], v[i]) if W == 0 else (kr[i].to(win_k.dtype), v[i].to(win_v.dtype))
-                self._write_int2(layer, s, _span(lo, hi, dev) - S,
-                                 torch.cat([win_k[:, ring], nk[:, new]], 1).transpose(0, 1),
-                                 torch.cat([win_v[:, ring], nv[:, new]], 1).transpose(0, 1))
-            p_sink = _span(n0, min(S, n0 + T), dev)                      # into the sink
-            p_ring = _span(max(S, n0 + T - W, n0), n0 + T, dev)          # into the ring (none if W = 0)
-            slot = torch.cat([p_sink, S + (p_ring - S) % W if W else p_ring])
-            pos = torch.cat([p_sink, p_ring]) - n0
-            win_k[:, slot] = kr[i][:, pos].to(win_k.dtype)
-            win_v[:, slot] = v[i][:, pos].to(win_v.dtype)
+                new = slice(max(lo, n0) - n0, max(hi, n0) - n0)          # rows of k, v going INT2
+                nk, nv = kr[i, :, new], v[i, :, new]
+                if W:                                                    # old ring slots, then new
+                    old = [ring(p) for p in range(lo, min(hi, n0))]     # tokens through the window dtype
+                    nk = torch.cat([win_k[:, old].float(), nk.to(win_k.dtype).float()], 1)
+                    nv = torch.cat([win_v[:, old].float(), nv.to(win_v.dtype).float()], 1)
+                self._write_int2(layer, s, torch.arange(lo - S, hi - S, device=dev), nk.transpose(0, 1),
+                                 nv.transpose(0, 1))
+            pos = [*range(n0, min(S, n0 + T)), *(range(max(S, n0 + T - W, n0), n0 + T) if W else ())]
+            if pos:
+                slots, rows = [ring(p) for p in pos], [p - n0 for p in pos]
+                win_k[:, slots] = kr[i][:, rows].to(win_k.dtype)
+                win_v[:, slots] = v[i][:, rows].to(win_v.dtype)
             self.length[layer, s] = n0 + T
 
     # -- reads --------------------------------------------------------------------------
     def decode(self, layer: int, seqs: list, q, attend=None, **options):
         """q (n, H_q, d) of the tokens just appended -> (n, H_q, d) fp32 in R_V's basis: q R_K per
-        KV head, then `attend` (paged_decode_reference, or kernel.int2_paged_decode) over the pages."""
+        KV head, then `attend` over the pages (None: kernel.paged_decode, the device's compiled
+        decode, unchecked: the cache made its arguments; paged_decode_reference is the oracle)."""
         c = self.cfg
+        if attend is None:
+            from kernel import paged_decode as attend
+            options = {"checked": False, **options}
         qr = rotate_rows(q.float().view(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim), self.kv[layer].r_k)
-        return (attend or paged_decode_reference)(qr.reshape(q.shape).contiguous(), **self.layer_view(layer, seqs),
-                                                  group_size=c.group_size, **options)
+        return attend(qr.reshape(q.shape).contiguous(), **self.layer_view(layer, seqs),
+                      group_size=c.group_size, **options)
 
     def layer_view(self, layer: int, seqs: list) -> dict:
         """The tensors a decode kernel reads for these sequences (keyword arguments of
-        paged_decode_reference and kernel.int2_paged_decode)."""
-        c, dev, idx = self.cfg, self.block_table.device, torch.tensor(seqs, dtype=torch.long)
+        paged_decode_reference and the kernels): views, no copies, for consecutive ids."""
+        c, dev = self.cfg, self.block_table.device
+        run = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+        idx = slice(seqs[0], seqs[0] + len(seqs)) if run else torch.tensor(seqs, dtype=torch.long)
         n = self.length[layer, idx]
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
-                    block_table=self.block_table[idx.to(dev)].contiguous(),
+                    block_table=self.block_table[idx if run else idx.to(dev)].contiguous(),
                     n_quant=(n - c.sink - c.window).clamp_min(0).to(torch.int32).to(dev),
                     win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
                     win_len=n.clamp_max(c.sink + c.window).to(torch.int32).to(dev))
@@ -1059,15 +1058,15 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 
 @torch.no_grad()
 def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
-                attend=paged_decode_reference, **options) -> torch.Tensor:
+                attend=None, **options) -> torch.Tensor:
     """Logits (n, vocab) of one new token per sequence through the paged cache. `model`: the
-    folded one (fold_value_rotation); `options` go to `attend` (sm_scale; checked=False only
-    with attend=kernel.int2_paged_decode: the reference has no such option)."""
+    folded one (fold_value_rotation); attend and `options` go to cache.decode (None: the
+    device's compiled decode; paged_decode_reference: the plain torch one)."""
     assert tokens.shape == (len(seqs),), "one token per sequence"
     cache.check_seqs(seqs)
 
     def paged_attention(layer: int, q, k, v):       # append k, v; rotate q by R_K; attend
-        cache.append(layer, seqs, k[:, :, 0], v[:, :, 0])
+        cache.append(layer, seqs, k[:, :, 0], v[:, :, 0], checked=False)     # the model's own k, v
         return cache.decode(layer, seqs, q[:, :, 0], attend, **options)[:, :, None]   # (n, H_q, 1, d)
     # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
     # layer holds as many between steps)
@@ -1160,7 +1159,7 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, b
     captured = []
     logits = model(idx, SimulatedINT2(cache.kv, m, block), capture=captured)   # R_V is folded
     for l, (_, k, v) in enumerate(captured):
-        cache.extend(l, seqs, k, v)                                       # (n, H_kv, T, d)
+        cache.extend(l, seqs, k, v, checked=False)                        # (n, H_kv, T, d)
     return logits
 
 

@@ -2023,7 +2023,8 @@ def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
     assert [(c["checked"], c["sm_scale"]) for c in calls] == [(False, 0.3)] * folded.cfg.n_layers
     assert all(c["n_quant"].tolist() == [11 - 6] * len(seqs) for c in calls)
     folded2, cache2, seqs2, _ = served(calibrated_tiny)
-    assert torch.equal(out, optr.decode_step(folded2, cache2, seqs2, idx[:, 10], sm_scale=0.3))
+    assert torch.equal(out, optr.decode_step(folded2, cache2, seqs2, idx[:, 10], optr.paged_decode_reference,
+                                               sm_scale=0.3))
     assert not torch.allclose(out, optr.decode_step(*served(calibrated_tiny)[:3], idx[:, 10]), atol=1e-3)
 
 
