@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import math
 import os
@@ -1056,22 +1057,50 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
     return out
 
 
+def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None, sm_scale=None,
+               pad=None, **options):
+    """One layer's attention through the paged cache: the one path of decode_step, prefill and
+    hf_cache. q (n, H_q, T, d), k, v (n, H_kv, T, d): the layer's new tokens (v in R_V's basis)
+    -> o (n, H_q, T, d) fp32 in R_V's basis. Into empty sequences (a prompt, T > 1) in one pass,
+    each query with its own windows (Appendix A's blocks), then extend; otherwise token after
+    token, append then decode (a continuation reads all the sequence holds). pad (n,): tokens
+    before a prompt's position 0 (left padding), neither attended nor stored."""
+    n, Hq, T, d = q.shape
+    if T > 1 and not bool(cache.length[layer, seqs].any()):
+        c, spec, o = cache.quant[layer], cache.kv[layer], torch.zeros(n, Hq, T, d, device=q.device)
+        for b, s in enumerate(seqs):
+            t = slice(0 if pad is None else int(pad[b]), T)
+            qb = q[b:b + 1, :, t].float() * (1.0 if sm_scale is None else sm_scale * math.sqrt(d))
+            kb, vb = k[b:b + 1, :, t].float(), v[b:b + 1, :, t].float()
+            o[b:b + 1, :, t] = block_simulated_attention(qb, kb, vb, *effective_kv(kb, vb, spec, c), c.sink,
+                                                         c.window, block=256)          # Eq. 4, 5, 2
+            cache.extend(layer, [s], kb, vb, checked=False)
+        return o
+    assert pad is None or not bool(pad.any()), "left padding only before a prompt"
+    out = []
+    for t in range(T):                                                  # Section 8's decode
+        cache.append(layer, seqs, k[:, :, t], v[:, :, t], checked=False)   # the model's own k, v
+        out.append(cache.decode(layer, seqs, q[:, :, t], attend, sm_scale=sm_scale, **options))
+    return torch.stack(out, 2)
+
+
 @torch.no_grad()
+def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, attend=None,
+                  **options) -> torch.Tensor:
+    """Logits (n, T, vocab) of tokens idx (n, T) through the paged cache, at the positions after
+    what each sequence holds (every layer holds as many between calls). `model`: the folded one
+    (fold_value_rotation); attend and `options` go to cache.decode (None: the device's compiled
+    decode; paged_decode_reference: the plain torch one)."""
+    pos = cache.length[0, seqs].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
+    return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
+
+
 def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
                 attend=None, **options) -> torch.Tensor:
-    """Logits (n, vocab) of one new token per sequence through the paged cache. `model`: the
-    folded one (fold_value_rotation); attend and `options` go to cache.decode (None: the
-    device's compiled decode; paged_decode_reference: the plain torch one)."""
-    assert tokens.shape == (len(seqs),), "one token per sequence"
+    """Logits (n, vocab) of one new token per sequence (tokens (n,)): paged_forward of one token."""
+    need(tuple(tokens.shape) == (len(seqs),), f"tokens: expected shape ({len(seqs)},), got {tuple(tokens.shape)}")
     cache.check_seqs(seqs)
-
-    def paged_attention(layer: int, q, k, v):       # append k, v; rotate q by R_K; attend
-        cache.append(layer, seqs, k[:, :, 0], v[:, :, 0], checked=False)     # the model's own k, v
-        return cache.decode(layer, seqs, q[:, :, 0], attend, **options)[:, :, None]   # (n, H_q, 1, d)
-    # (n, 1) the new tokens' positions: the tokens held, read before layer 0 appends (every
-    # layer holds as many between steps)
-    pos = cache.length[0, torch.tensor(seqs)].to(tokens.device)[:, None]
-    return model(tokens[:, None], paged_attention, pos)[:, 0]
+    return paged_forward(model, cache, seqs, tokens[:, None], attend, **options)[:, 0]
 
 
 # ========================================================================================
@@ -1141,13 +1170,12 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
     return out
 
 
-@torch.no_grad()
-def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, block: int | None = None):
-    """A prompt idx (n, T) into empty sequences: one simulated forward of the folded model,
-    one cache.extend per layer. The cache is bit for bit that of token-by-token decoding (page
-    ids included); the logits (n, T, vocab) are decode_step's up to round-off (about 1e-5)."""
+def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
+    """A prompt idx (n, T) into empty sequences: paged_forward, whose paged_step attends in one
+    pass block by block and extends each layer once. The cache is bit for bit that of token-by-
+    token decoding (page ids included); the logits (n, T, vocab) are decode_step's up to round-off."""
     m, c = model.cfg, cache.cfg
-    assert idx.shape[0] == len(seqs), "a prompt per sequence"
+    need(idx.dim() == 2 and idx.shape[0] == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
     assert (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size,
         c.clip_k, c.clip_v), "model.cfg must quantize as the cache does (the forward stores what decode would)"
     cache.check_seqs(seqs)
@@ -1156,11 +1184,7 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, b
             raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
                              f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
     cache.reserve(0, seqs, idx.shape[1])           # an exhausted pool raises before the forward
-    captured = []
-    logits = model(idx, SimulatedINT2(cache.kv, m, block), capture=captured)   # R_V is folded
-    for l, (_, k, v) in enumerate(captured):
-        cache.extend(l, seqs, k, v, checked=False)                        # (n, H_kv, T, d)
-    return logits
+    return paged_forward(model, cache, seqs, idx)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1458,20 +1482,48 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,
 Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its attention,
 calibrate_hf runs Section 6 on what that attention reads.
-hf_cache holds INT2 layers in Section 8's pages; paged_attention (the model's attention, set by
-hf_cache) rotates each query by R_K and decodes over them: the Triton kernel on CUDA, the torch
-reference on the CPU. A prompt goes in one pass, as Appendix A's prefill; left padding is skipped.
+hf_cache serves INT2 layers from Section 8's pages. How one step runs: the model's layer calls
+PagedLayer.update(k, v), which keeps k, v and returns (layer, layer) as "keys" and "values";
+transformers hands them untouched (no repeat_kv, no cast) to the attention interface
+"optr-paged" (paged_attention), which sees a PagedLayer and calls its attend: the values into
+R_V's basis (unless folded), Section 8's paged_step (a prompt in one pass, else token by token
+through kernel.paged_decode), and back. Every other layer is transformers' sdpa.
 """
 
+@dataclass
+class _Pool:
+    """What hf_cache's INT2 layers share: the specs, and the PagedKVCache made at the first update."""
+    specs: list                            # KVQuant of each INT2 layer, in order
+    cfg: Config                            # settings (n_layers: the model's)
+    max_tokens: int                        # tokens a sequence may hold, prompt and new ones
+    attend: object = None                  # the decode (None: kernel.paged_decode)
+    cache: PagedKVCache | None = None
+    seqs: list | None = None
+
+    def open(self, k):
+        """At the first update, k (B, H_kv, T, d): a sequence per row, the pages for max_tokens
+        each (rounded up to whole pages), refused before any work if the prompt cannot fit."""
+        (B, _, T, _), c = k.shape, self.cfg
+        need(T <= self.max_tokens, f"hf_cache: a prompt of {T} tokens passes max_tokens={self.max_tokens}")
+        n = max(1, self.max_tokens - c.sink - c.window)                 # INT2 tokens per sequence
+        self.cache = PagedKVCache(replace(c, n_layers=len(self.specs)), B * -(-n // c.page_size), B,
+                                  self.specs, window_dtype=k.dtype, device=k.device)
+        self.seqs = [self.cache.add_sequence() for _ in range(B)]
+
+
+def left_pad(pos, T: int):
+    """(B,) tokens before position 0 of each row of a T-token batch, from position_ids (B, T) (None: none)."""
+    return None if pos is None else (T - 1 - pos[:, -1]).long()
+
+
 class PagedLayer:
-    """An INT2 layer of hf_cache in transformers' cache-layer interface. Its tokens live in Section
-    8's PagedKVCache (layer `index` of one page pool for the model's INT2 layers, made at the first
-    update for its batch); update hands the layer to paged_attention, which stores and attends."""
+    """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
+    pool's PagedKVCache (as layer `index`)."""
     # Duck-typed: hf_cache registers it as a virtual subclass of transformers' CacheLayerMixin (an
     # ABC), so `import optr` needs no transformers. What generate() calls is here, beam search not.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
-    def __init__(self, pool: dict, index: int, spec: KVQuant, cfg: Config, folded: bool):
+    def __init__(self, pool: _Pool, index: int, spec: KVQuant, cfg: Config, folded: bool):
         self.pool, self.index, self.n, self.new = pool, index, 0, None
         self.spec, self.cfg = served_spec(spec) if folded else spec, spec.layer_cfg(cfg)
 
@@ -1483,8 +1535,8 @@ class PagedLayer:
 
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H_kv, T, d) post-RoPE: kept for paged_attention."""
-        if "cache" not in self.pool:
-            self.pool["cache"] = self.pool["make"](key_states)
+        if self.pool.cache is None:
+            self.pool.open(key_states)
         if self.n == 0:
             self.spec = self.spec.to(key_states.device)                    # specs loaded on the CPU
         self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
@@ -1492,40 +1544,23 @@ class PagedLayer:
 
     def nbytes(self) -> int:
         """Bytes this layer's part of the page pool and windows take (allocated, used or not)."""
-        cache = self.pool["cache"][0]
-        return sum(getattr(cache, t)[self.index].nbytes for t in ("k_codes", "k_scale", "k_zero", "v_codes",
-                                                                  "v_scale", "v_zero", "win_k", "win_v"))
+        return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in ("k_codes", "k_scale", "k_zero",
+                                                                           "v_codes", "v_scale", "v_zero", "win_k", "win_v"))
 
     def attend(self, query, scaling, pos):
-        """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d). Into empty
-        sequences in one pass (each query its own windows), then extend; else token by token,
-        append then Section 8's decode. Left padding: tokens before position 0 are not stored."""
-        (cache, seqs, limit), (k, v), c, sp = self.pool["cache"], self.new, self.cfg, self.spec
+        """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d): paged_step in
+        R_V's basis. Left padding (before a prompt): not stored, not attended."""
+        pool, (k, v), c, sp = self.pool, self.new, self.cfg, self.spec
         self.new = None                                       # the pages hold them from here
         B, Hq, Tq, d = query.shape
-        held = cache.length[self.index, seqs]
-        real = torch.full((B,), Tq) if pos is None else pos[:, -1].cpu() + 1 - held
-        need(bool((held + real <= limit).all()), f"hf_cache: a sequence passes max_tokens={limit}")
-        scaling, vr = scaling or d ** -0.5, stored_values(sp, v.float())           # R_V's basis
-        if Tq > 1 and not bool(held.any()):
-            o = torch.zeros(B, Hq, Tq, d, device=query.device)
-            for b, s in enumerate(seqs):                                          # Appendix A's prefill
-                t, kb, vb = slice(Tq - int(real[b]), Tq), k[b:b + 1].float(), v[b:b + 1].float()
-                qb = query[b:b + 1, :, t].float() * (scaling * math.sqrt(d))
-                o[b:b + 1, :, t] = block_simulated_attention(qb, kb[:, :, t], vb[:, :, t], *effective_kv(
-                    kb[:, :, t], vb[:, :, t], sp, c), c.sink, c.window, block=256)   # Eq. 4, 5, 2
-                cache.extend(self.index, [s], kb[:, :, t], vr[b:b + 1, :, t])
-            return o.transpose(1, 2).to(query.dtype)
-        assert bool((real == Tq).all()), "left padding only before the prompt"
-        decode = self.pool["attend"]
-        if decode is None and query.device.type == "cuda":
-            from kernel import int2_paged_decode as decode
-        out = []
-        for t in range(Tq):                                                       # Section 8's decode
-            cache.append(self.index, seqs, k[:, :, t].float(), vr[:, :, t])
-            out.append(cache.decode(self.index, seqs, query[:, :, t], decode, sm_scale=scaling))
-        o = torch.stack(out, 2).view(B, -1, c.n_rep * Tq, d)                       # (B, H_kv, n_rep Tq, d)
-        o = o if sp.r_v is None else rotate_rows(o, sp.r_v.mT)                    # back from R_V's basis
+        if self.n == Tq:                                      # the prompt (its length checked by open)
+            pad = None if pos is None else left_pad(pos, Tq).expand(B)
+        else:
+            pad = None
+            need(self.n <= pool.max_tokens, f"hf_cache: a sequence passes max_tokens={pool.max_tokens}")
+        o = paged_step(pool.cache, self.index, pool.seqs, query, k.float(), stored_values(sp, v.float()),
+                       pool.attend, scaling or d ** -0.5, pad)
+        o = o if sp.r_v is None else rotate_rows(o.view(B, -1, c.n_rep * Tq, d), sp.r_v.mT)  # from R_V's basis
         return o.view(B, Hq, Tq, d).transpose(1, 2).to(query.dtype)
 
 
@@ -1540,15 +1575,34 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return key.attend(query, scaling, kwargs.get("position_ids")), None
 
 
-def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int = 8192, attend=None):
+@functools.lru_cache(maxsize=None)
+def _int2_cache_type():
+    from transformers.cache_utils import Cache
+
+    class INT2Cache(Cache):
+        """hf_cache's Cache. `with` it, or call restore(), to give the model back its attention."""
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.restore()
+
+        def restore(self):
+            self.model.set_attn_implementation(self.attn_before)
+    return INT2Cache
+
+
+def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int | None = None, attend=None):
     """A transformers Cache for model.generate(past_key_values=...): INT2 layers in one
-    PagedKVCache (sequences of up to max_tokens tokens), exact ones in transformers' own layers
-    (sliding ones slide, as Gemma 3's). Sets the model's attention to "optr-paged" (paged_attention:
-    sdpa for every layer this cache does not hold). folded=True beside export_hf's weights (R_V in
-    them), False for the original weights (values rotated by R_V here). attend: the decode
-    (None: kernel.int2_paged_decode on CUDA, paged_decode_reference elsewhere)."""
+    PagedKVCache, exact ones in transformers' own layers (sliding ones slide, as Gemma 3's).
+    max_tokens: what a sequence may hold, prompt and new tokens (None: the model's
+    max_position_embeddings, else 8192); a longer prompt is refused before the forward runs.
+    Sets the model's attention to "optr-paged" (paged_attention: sdpa for every layer this
+    cache does not hold) until restore(), or the end of `with optr.hf_cache(...) as cache:`.
+    folded=True beside export_hf's weights (R_V in them), False for the original weights
+    (values rotated by R_V here). attend: the decode (None: kernel.paged_decode, the device's)."""
     from transformers import AttentionInterface, AttentionMaskInterface
-    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+    from transformers.cache_utils import CacheLayerMixin, DynamicCache
     from transformers.masking_utils import sdpa_mask
     assert len(kv) == cfg.n_layers, "one KVQuant per layer"
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
@@ -1556,19 +1610,19 @@ def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int
     theirs = DynamicCache(config=model.config).layers
     need(len({s.quant_k for s, t in zip(kv, theirs) if t.is_sliding}) <= 1,
          "hf_cache: sliding layers both in INT2 and exact (their lengths differ; masks need one)")
-    int2 = [s for s in kv if s.quant_k]
-
-    def make(k):             # the page pool, at the first update: a sequence per row of k
-        B, c, n = k.shape[0], replace(cfg, n_layers=len(int2)), max(1, max_tokens - cfg.sink - cfg.window)
-        cache = PagedKVCache(c, B * -(-n // cfg.page_size), B, int2, window_dtype=k.dtype, device=k.device)
-        return cache, [cache.add_sequence() for _ in range(B)], max_tokens
+    if max_tokens is None:
+        max_tokens = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 8192
+    need(isinstance(max_tokens, int) and max_tokens >= 1, f"hf_cache: max_tokens must be an int >= 1, got {max_tokens}")
+    int2 = [l for l, s in enumerate(kv) if s.quant_k]
+    pool = _Pool([kv[l] for l in int2], cfg, max_tokens, attend)
     AttentionInterface.register("optr-paged", paged_attention)
     AttentionMaskInterface.register("optr-paged", sdpa_mask)
-    model.set_attn_implementation("optr-paged")
     CacheLayerMixin.register(PagedLayer)
-    pool, index = {"make": make, "attend": attend}, {l: i for i, l in enumerate(l for l, s in enumerate(kv) if s.quant_k)}
-    return Cache(layers=[PagedLayer(pool, index[l], s, cfg, folded) if s.quant_k else t
-                         for l, (s, t) in enumerate(zip(kv, theirs))])
+    cache = _int2_cache_type()(layers=[PagedLayer(pool, int2.index(l), s, cfg, folded) if s.quant_k else t
+                                       for l, (s, t) in enumerate(zip(kv, theirs))])
+    cache.model, cache.attn_before = model, model.config._attn_implementation
+    model.set_attn_implementation("optr-paged")
+    return cache
 
 
 def hf_config(hf_config, **settings) -> Config:
@@ -1609,7 +1663,7 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
         mask = causal_mask(q_idx, T) if attention_mask is None else attention_mask  # (B, 1, Tq, T)
         mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager
         pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
-        first = 0 if pos is None else (T - 1 - pos[:, -1]).view(-1, 1, 1, 1)
+        first = 0 if pos is None else left_pad(pos, T).view(-1, 1, 1, 1)
         spec = exact_spec if kv is None else kv[l].to(key.device)       # specs loaded on the CPU
         kv_tilde = (spec.quant_k or spec.quant_v) and effective_kv(key, value, spec, cfg)   # Eq. 4
         if not kv_tilde:                                         # an exact layer: Eq. 1-2, as sdpa computes them

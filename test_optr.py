@@ -2168,7 +2168,7 @@ def prefill_and_appended(calibrated_tiny, n_prompt=13):
     logits = optr.prefill(folded, bulk, seqs, idx[:, :n_prompt])
     sim = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in specs]     # R_V is folded
     captured = []
-    ref = folded(idx[:, :n_prompt], optr.SimulatedINT2(sim, folded.cfg), capture=captured)
+    ref = folded(idx[:, :n_prompt], optr.SimulatedINT2(sim, folded.cfg, block=256), capture=captured)
     for l, (_, k, v) in enumerate(captured):
         for t in range(n_prompt):
             one.append(l, seqs, k[:, :, t], v[:, :, t])
@@ -4729,7 +4729,7 @@ PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")      #
 
 def pages(cache):
     """The PagedKVCache behind an optr.hf_cache (the page pool of its INT2 layers)."""
-    return next(layer for layer in cache.layers if isinstance(layer, optr.PagedLayer)).pool["cache"][0]
+    return next(layer for layer in cache.layers if isinstance(layer, optr.PagedLayer)).pool.cache
 
 
 def check_hf_cache_is_decode_step(hf_served, T=30):
@@ -4856,12 +4856,16 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 # -- the checks can fail ------------------------------------------------------------------
 
 def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
-    """The generate() check fails when hf_cache's one-pass prefill reads one more recent token
-    exactly (window + 1), and the token-by-token check when its pages hold values that were not
-    rotated by R_V (the original weights' path storing v, not v R_V)."""
+    """The generate() check against simulate_hf fails when the one-pass prefill (paged_step's,
+    shared by prefill and hf_cache) reads one more recent token exactly (window + 1), and the
+    token-by-token check when its pages hold values that were not rotated by R_V (the original
+    weights' path storing v, not v R_V)."""
     sim = optr.block_simulated_attention
+    model = tiny_hf("llama-GQA")
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    check_hf_cache_generate_is_simulate_hf_decoding(model, quarot_specs(cfg, seed=7), cfg)   # holds
     monkeypatch.setattr(optr, "block_simulated_attention", lambda *a, block: sim(*a[:6], a[6] + 1, block))
-    assert fails(check_generate_is_our_decode_loop, hf_served)
+    assert fails(check_hf_cache_generate_is_simulate_hf_decoding, model, quarot_specs(cfg, seed=7), cfg)
     monkeypatch.undo()
     monkeypatch.setattr(optr, "stored_values", lambda spec, v: v)
     assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
@@ -5264,7 +5268,7 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
     cache = check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg)
     for layer, spec in zip(cache.layers, kv):
         if spec.quant_k:
-            assert isinstance(layer, optr.PagedLayer) and int(layer.pool["cache"][0].length[layer.index, 0]) == 29
+            assert isinstance(layer, optr.PagedLayer) and int(layer.pool.cache.length[layer.index, 0]) == 29
         else:
             assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
 
