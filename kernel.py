@@ -838,8 +838,9 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 # of the INT2 tokens and of the window slots, all query heads of the KV head together
 # (each code row is unpacked once for them), an online softmax over 32-token tiles, and
 # q.k~ and p.V~ in Q2's affine form straight from the codes; the jobs run in parallel and
-# their partials merge by log-sum-exp.  fastmath (reassociation) lets LLVM vectorise the
-# dot products; the result is the reference's up to round-off.
+# their partials merge by log-sum-exp.  For G = d (one group per row) the dots go by lookup
+# tables on the code bytes instead.  Reassociated sums let LLVM vectorise; the result is
+# the reference's up to round-off.
 
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile,
                     o_part, lse_part, job):
@@ -928,6 +929,95 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
             lse_part[b, h * R + r, sp] = m[r] + np.log(l[r])
 
 
+def _cpu_decode_job_lut(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, scale, n_split,
+                        o_part, lse_part, job):
+    """_cpu_decode_job for one group per row (G = d, the authors' choice and the real models'),
+    by lookup tables on the code bytes (T-MAC's trick): q.c is sum_j T[j, byte_j] with
+    T[j, b] = sum_c q[c d/4 + j] code_c(b), one gather-and-add per byte and query head; and
+    p.V~ gathers sum p s per (byte column, byte value) in a histogram, unpacked once at the
+    end. Two passes (logits, then p and values), so the histogram is never rescaled."""
+    f32 = np.float32
+    B, Hq, d = q.shape
+    H, P, D4 = kc.shape[1], kc.shape[2], kc.shape[3]
+    R = Hq // H
+    b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
+    n, w = nq[b], wl[b]
+    t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split          # INT2 tokens [t0, t1)
+    w0, w1 = (w * sp) // n_split, (w * (sp + 1)) // n_split          # window slots [w0, w1)
+    qs = np.empty((R, d), dtype=f32)
+    qsum = np.zeros(R, dtype=f32)
+    for r in range(R):
+        for ch in range(d):
+            qs[r, ch] = q[b, h * R + r, ch] * scale
+            qsum[r] += qs[r, ch]
+    T = np.zeros((D4, 256, R), dtype=f32)         # T[j, b, r], built 4 -> 16 -> 64 -> 256 entries
+    for j in range(D4):
+        for c in range(4):
+            for x in range(4 ** c, 4 ** (c + 1)):
+                for r in range(R):
+                    T[j, x, r] = T[j, x % 4 ** c, r] + qs[r, c * D4 + j] * f32(x // 4 ** c)
+    m = np.full(R, -np.inf, dtype=f32)
+    a = np.empty((t1 - t0 + w1 - w0, R), dtype=f32)
+    for i in range(t1 - t0):                                         # pass 1: logits
+        u = t0 + i
+        page, slot = bt[b, u // P], u % P
+        row = kc[page, h, slot]
+        acc = np.zeros(R, dtype=f32)
+        for j in range(D4):
+            x = row[j]
+            for r in range(R):
+                acc[r] += T[j, x, r]
+        s, z = ks[page, h, slot, 0], kz[page, h, slot, 0]
+        for r in range(R):
+            a[i, r] = s * (acc[r] - z * qsum[r])
+            m[r] = max(m[r], a[i, r])
+    for i in range(w1 - w0):
+        krow = wk[b, h, w0 + i]
+        for r in range(R):
+            y = f32(0.0)
+            for ch in range(d):
+                y += qs[r, ch] * krow[ch]
+            a[t1 - t0 + i, r] = y
+            m[r] = max(m[r], y)
+    l = np.zeros(R, dtype=f32)
+    o = np.zeros((R, d), dtype=f32)
+    hist = np.zeros((D4, 256, R), dtype=f32)                         # sum p s per (column, byte)
+    psz = np.zeros(R, dtype=f32)                                     # sum p s z
+    for i in range(t1 - t0):                                         # pass 2: p, then p V~
+        u = t0 + i
+        page, slot = bt[b, u // P], u % P
+        row = vc[page, h, slot]
+        s, z = vs[page, h, slot, 0], vz[page, h, slot, 0]
+        for r in range(R):
+            p = np.exp(a[i, r] - m[r])
+            l[r] += p
+            psz[r] += p * s * z
+            a[i, r] = p * s
+        for j in range(D4):
+            x = row[j]
+            for r in range(R):
+                hist[j, x, r] += a[i, r]
+    for i in range(w1 - w0):
+        vrow = wv[b, h, w0 + i]
+        for r in range(R):
+            p = np.exp(a[t1 - t0 + i, r] - m[r])
+            l[r] += p
+            for ch in range(d):
+                o[r, ch] += p * vrow[ch]
+    for j in range(D4):                                              # unpack the histogram
+        for x in range(256):
+            for c in range(4):
+                code = f32((x >> (2 * c)) & 3)
+                if code > 0:
+                    for r in range(R):
+                        o[r, c * D4 + j] += hist[j, x, r] * code
+    for r in range(R):
+        if l[r] > 0:
+            for ch in range(d):
+                o_part[b, h * R + r, sp, ch] = (o[r, ch] - psz[r]) / l[r]
+            lse_part[b, h * R + r, sp] = m[r] + np.log(l[r])
+
+
 def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile):
     """Stage 1 over (sequence, KV head, split) in parallel, then the log-sum-exp merge."""
     B, Hq, d = q.shape
@@ -935,8 +1025,12 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split
     o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
     lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
     for job in numba_prange(B * H * n_split):
-        cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile,
-                       o_part, lse_part, job)
+        if G == d:
+            cpu_decode_job_lut(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, scale, n_split, o_part,
+                               lse_part, job)
+        else:
+            cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, tile,
+                           o_part, lse_part, job)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
         b, j = bj // Hq, bj % Hq
@@ -978,13 +1072,17 @@ def _cpu_q2_store(rows, clip_rank, G, eps, codes, scale, zero, page, slot):
                 codes[page[i], h, slot[i], j] = (code[j] | (code[D4 + j] << 2) | (code[2 * D4 + j] << 4)
                                                  | (code[3 * D4 + j] << 6))
 
+_FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep inf and NaN semantics
+
+
 @functools.lru_cache(maxsize=None)
 def _numba():
     """The compiled CPU kernels, jitted at the first call (compiled once, then cached on disk)."""
     import numba
     g = globals()
     g["numba_prange"] = numba.prange
-    g["cpu_decode_job"] = numba.njit(cache=True, fastmath=True)(_cpu_decode_job)
+    g["cpu_decode_job"] = numba.njit(cache=True, fastmath=_FASTMATH)(_cpu_decode_job)
+    g["cpu_decode_job_lut"] = numba.njit(cache=True, fastmath=_FASTMATH)(_cpu_decode_job_lut)
     decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
     store = numba.njit(cache=True)(_cpu_q2_store)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
@@ -1388,7 +1486,7 @@ def _check_prefill(device, small):
     captured = []
     specs = [optr.served_spec(s) for s in kv]                              # R_V is folded
     with torch.no_grad():
-        sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg), capture=captured)
+        sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
     for l, (_, k, v) in enumerate(captured):
         for t in range(T):
             one.append(l, seqs, k[:, :, t], v[:, :, t])

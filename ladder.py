@@ -544,7 +544,7 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
         cache = optr.PagedKVCache(c, num_pages=n * math.ceil(T / c.page_size), max_seqs=n,
                                   kv=cache_kv)
         seqs = [cache.add_sequence() for _ in range(n)]
-        optr.prefill(served, cache, seqs, idx[:, :first], block=block)
+        optr.prefill(served, cache, seqs, idx[:, :first])
         steps = [optr.decode_step(served, cache, seqs, idx[:, t], attend=attend)
                  for t in range(first, int(positions.max()) + 1)]
         dec = torch.stack(steps, 1)[:, positions - first]                  # (n, n_pos, vocab)

@@ -3394,6 +3394,81 @@ def test_a_custom_sm_scale_is_the_logit_scale():
     assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
 
 
+@pytest.mark.parametrize("n, chunk", [(5000, 4096), (100, 32)])
+def test_the_reference_reads_past_one_chunk_as_float64_attention(n, chunk):
+    """paged_decode_reference reads the INT2 tokens `chunk` at a time (one chunk held in fp32):
+    past one chunk (5,000 INT2 tokens at the default 4,096, as --bench-hf at 8k needs; 100 at
+    32, a ragged last chunk) it is float64 dense attention, a second sequence of 37 beside it."""
+    args, dense_k, dense_v = build(Case((n, 37), 2, 1, 16, 8, 16, NW=3, win_len=(3, 1)))
+    assert_close_report(optr.paged_decode_reference(**args, chunk=chunk), dense_attention(args["q"], dense_k, dense_v),
+                        *TOLERANCES[torch.float32], f"{n} tokens, chunk {chunk}")
+
+
+# ----------------------------------------------------------------------------
+# The compiled CPU decode and INT2 write (numba), against the plain torch ones
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_compiled_cpu_decode_matches_reference_and_dense(case):
+    """kernel.int2_paged_decode_cpu (what serving decodes with on a CPU) equals optr's torch
+    reference and float64 dense attention on the Triton kernel's case matrix (ragged lengths,
+    GQA 1-8, head_dim 16-256, G < d and G = d, shuffled block tables, windows none/bf16/fp32,
+    NaN where it must not read), at the matrix's splits."""
+    args, dense_k, dense_v = build(case)
+    atol, rtol = tolerance(case)
+    out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
+    assert out.dtype == torch.float32 and out.shape == args["q"].shape
+    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol, f"cpu vs dense [{case.id}]")
+    assert_close_report(out, optr.paged_decode_reference(**args), atol, rtol, f"cpu vs reference [{case.id}]")
+
+
+@st.composite
+def paged_cases(draw):
+    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor,
+    any page size, windows in fp32 or bf16 (or none), sometimes a chosen number of splits."""
+    d = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    H_kv, n_rep = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 3, 4]))
+    B, NW = draw(st.integers(1, 3)), draw(st.sampled_from([0, 5, 20]))
+    win_len = tuple(draw(st.lists(st.integers(0, NW), min_size=B, max_size=B))) if NW else None
+    n_quant = tuple(draw(st.integers(0 if NW and win_len[b] else 1, 300)) for b in range(B))
+    return Case(n_quant, n_rep * H_kv, H_kv, d, draw(st.sampled_from([d, d // 2, d // 4, 8])),
+                draw(st.sampled_from([1, 7, 16, 64])), NW=NW, win_len=win_len,
+                win_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                num_splits=draw(st.sampled_from([None, 1, 3])))
+
+
+@settings(max_examples=40)
+@given(case=paged_cases(), seed=st.integers(0, 10_000))
+def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
+    """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
+    head dims 16-256, groups, page sizes, windows fp32/bf16, splits)."""
+    args, _, _ = build(case, seed)
+    out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
+    assert_close_report(out, optr.paged_decode_reference(**args), *tolerance(case), case.id)
+
+
+@given(N=st.integers(1, 6), H=st.integers(1, 3), d=st.sampled_from([16, 32, 64, 128]),
+       G_div=st.sampled_from([1, 2, 4, 8]), clip=st.sampled_from([0.5, 0.9, 0.96, 1.0]),
+       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 10_000))
+def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, scale, seed):
+    """kernel.q2_store (the cache's write on a CPU) stores at the given pages and slots exactly
+    the codes, scales and zeros of optr.q2_quantize (the storage form of Q2), constant groups
+    included, and touches no other slot."""
+    G = d // G_div
+    x = rand(N, H, d, seed=seed, scale=scale)
+    x[0, 0, :G] = 0.25                                                  # a constant group
+    codes, sc = torch.zeros(8, H, 3, d // 4, dtype=torch.uint8), torch.zeros(8, H, 3, d // G)
+    zr = torch.zeros_like(sc)
+    page = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[:N]
+    slot = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(seed + 1))
+    kernel.q2_store(x, clip, G, 1e-8, codes, sc, zr, page, slot)
+    pk, s, z = optr.q2_quantize(x, clip, G, 1e-8)
+    assert torch.equal(codes[page, :, slot], pk) and torch.equal(sc[page, :, slot], s)
+    assert torch.equal(zr[page, :, slot], z)
+    written = torch.zeros(8, 3, dtype=torch.bool)
+    written[page, slot] = True
+    assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
+
+
 # ----------------------------------------------------------------------------
 # The assertion helper itself
 # ----------------------------------------------------------------------------
@@ -4811,13 +4886,13 @@ def check_generate_is_our_decode_loop(hf_served):
 
 
 def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_served):
-    """generate() with hf_cache's decode set to kernel.int2_paged_decode (its default on CUDA;
+    """generate() with hf_cache's decode set to kernel.int2_paged_decode (the default on CUDA;
     the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
     (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16)."""
     model, kv, _, hf = hf_served
     out = [hf.generate(IDX_E[:, :20], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True, attend=a),
                        max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-           for a in (None, kernel.int2_paged_decode)]
+           for a in (optr.paged_decode_reference, kernel.int2_paged_decode)]
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert max((a - b).abs().max().item() for a, b in zip(out[0].logits, out[1].logits)) <= 1e-4
 
@@ -5271,6 +5346,97 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
             assert isinstance(layer, optr.PagedLayer) and int(layer.pool.cache.length[layer.index, 0]) == 29
         else:
             assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
+
+
+def tiny_served(kind, **settings):
+    """A tiny transformers model, its Config (sink 2, window 4) and random QuaRot-like specs
+    (Gemma 3's sliding layers exact)."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4, **settings))
+    kv = quarot_specs(cfg, seed=7)
+    return model, cfg, gemma_full_only(kv) if kind.startswith("gemma") else kv
+
+
+@pytest.mark.parametrize("kind", ["llama-GQA", "qwen3-GQA", "gemma3-MQA"])
+def test_hf_cache_greedy_generate_through_the_compiled_cpu_decode_gives_the_references_tokens(kind):
+    """generate() with hf_cache's default decode on a CPU (kernel.paged_decode: numba) gives the
+    tokens of the same cache decoding through paged_decode_reference, and its logits within
+    1e-4, over 18 steps past a 12-token prompt (INT2 from token 7)."""
+    model, cfg, kv = tiny_served(kind)
+    (t0, l0), (t1, l1) = (generate_logits(model, optr.hf_cache(kv, cfg, model, attend=a), IDX_HF[:, :12], 18)
+                          for a in (None, optr.paged_decode_reference))
+    assert torch.equal(t0, t1)
+    assert (l0 - l1).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_hf_cache_continuation_of_several_tokens_reads_all_the_sequence_holds():
+    """A prompt of 12, then 8 tokens in one call (a chat turn, or prefill_chunk_size > 1), then
+    1: every position's logits are simulate_hf's over the whole sequence (each query with its
+    own windows over everything before it), within 1e-4."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    cache = optr.hf_cache(kv, cfg, model)
+    ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits for a, b in ((0, 12), (12, 20), (20, 21))], 1)
+    with optr.simulate_hf(model, kv, cfg):
+        theirs = model(IDX_HF[:, :21]).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+
+
+@torch.no_grad()
+def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
+    """max_tokens 19 with sink 2 and window 4 leaves 13 INT2 tokens, not a multiple of the page
+    size 4: the pool has 4 pages per sequence (rounded up), so both sequences reach 19 tokens;
+    the 20th is a ValueError naming max_tokens."""
+    model, cfg, kv = tiny_served("llama-GQA", page_size=4)
+    cache = optr.hf_cache(kv, cfg, model, max_tokens=19)
+    model(IDX_HF[:, :10], past_key_values=cache)
+    for t in range(10, 19):
+        model(IDX_HF[:, t:t + 1], past_key_values=cache)
+    assert pages(cache).block_table.shape[1] == 8 and int((pages(cache).block_table >= 0).sum()) == 8
+    with pytest.raises(ValueError, match="passes max_tokens=19"):
+        model(IDX_HF[:, 19:20], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch):
+    """A prompt longer than max_tokens is refused at the cache's first update, before any
+    attention runs; by default max_tokens is the model's max_position_embeddings."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    attended = []
+    monkeypatch.setattr(optr, "paged_step", lambda *a, **k: attended.append(1))
+    with pytest.raises(ValueError, match="a prompt of 30 tokens passes max_tokens=29"):
+        model(IDX_HF, past_key_values=optr.hf_cache(kv, cfg, model, max_tokens=29))
+    assert attended == []
+    layer = next(l for l in optr.hf_cache(kv, cfg, model).layers if isinstance(l, optr.PagedLayer))
+    assert layer.pool.max_tokens == model.config.max_position_embeddings
+
+
+@torch.no_grad()
+def test_hf_cache_gives_the_model_back_its_own_attention():
+    """Inside `with optr.hf_cache(...)` the model attends through "optr-paged"; after it (or
+    after cache.restore()) its own implementation is back and its logits are its own again."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    before, theirs = model.config._attn_implementation, model(IDX_HF).logits
+    with optr.hf_cache(kv, cfg, model) as cache:
+        assert model.config._attn_implementation == "optr-paged"
+        model(IDX_HF[:, :12], past_key_values=cache)
+    assert model.config._attn_implementation == before and torch.equal(model(IDX_HF).logits, theirs)
+    optr.hf_cache(kv, cfg, model).restore()
+    assert model.config._attn_implementation == before
+
+
+@torch.no_grad()
+def test_hf_cache_refuses_a_soft_capped_model():
+    """Gemma 2 soft-caps its attention logits (tanh), which is not Eq. 1: hf_cache's attention
+    refuses it with a ValueError instead of serving plain softmax."""
+    import transformers
+    config = transformers.Gemma2Config(vocab_size=300, hidden_size=48, intermediate_size=80, head_dim=16,
+                                       num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                       attn_logit_softcapping=50.0, sliding_window=64)
+    model = transformers.Gemma2ForCausalLM(config).eval()
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    with pytest.raises(ValueError, match="soft-capping is not Eq. 1"):
+        model(IDX_HF[:, :12], past_key_values=optr.hf_cache(quarot_specs(cfg), cfg, model))
 
 
 def generate_logits(model, cache, prompt, n, **kw):
