@@ -820,8 +820,12 @@ def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
     """x (n, H, T, d) @ R (H, d, d) per head, one (1, d) x (d, d) product per token, so that
     writing T tokens at once stores what T appends of one token store, bit for bit (256 tokens
     at a time: the broadcast copies R per token)."""
-    return x if R is None else torch.cat([(c.unsqueeze(-2) @ R[:, None].to(x.dtype)).squeeze(-2)
-                                          for c in x.split(256, dim=2)], 2)
+    if R is None:
+        return x
+    R = R.to(x.dtype)
+    if x.shape[2] == 1:                                   # one token: the same (1, d) x (d, d) products
+        return x @ R
+    return torch.cat([(c.unsqueeze(-2) @ R[:, None]).squeeze(-2) for c in x.split(256, dim=2)], 2)
 
 
 def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
@@ -861,8 +865,9 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
     return model
 
 
-def _span(a: int, b: int, device) -> torch.Tensor:   # positions a .. b - 1, empty if b <= a
-    return torch.arange(a, max(a, b), device=device)
+def _index(i: list):
+    """Indices as a slice where they run consecutively (a view, no index tensor), else the list."""
+    return slice(i[0], i[-1] + 1) if i and i[-1] - i[0] == len(i) - 1 and i == list(range(i[0], i[-1] + 1)) else i
 
 
 class PagedKVCache:
@@ -886,6 +891,7 @@ class PagedKVCache:
         self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
+        self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
         self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
         self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
@@ -901,9 +907,9 @@ class PagedKVCache:
     def free(self, seq: int):
         """Return the sequence's pages to the pool and clear its slot."""
         self.check_seqs([seq])
-        row = self.block_table[seq]
-        self.free_pages += [int(p) for p in row[row >= 0]]
-        row.fill_(-1)
+        self.free_pages += self.pages[seq]
+        self.block_table[seq].fill_(-1)
+        self.pages[seq] = []
         self.length[:, seq], self.active[seq] = 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
@@ -927,23 +933,24 @@ class PagedKVCache:
         for i, s in enumerate(seqs):
             n0 = int(self.length[layer, s])
             lo, hi = max(0, n0 - exact), max(0, n0 + n_tokens - exact)   # new INT2 indices
-            for blk in range(lo // P, (hi + P - 1) // P):
-                if blk >= num_pages or self.block_table[s, blk] < 0:
-                    want.append((max(blk * P, lo) + exact - n0, i, s, blk))  # step that writes it
-        if len(want) > len(self.free_pages):    # also when a sequence would pass num_pages pages
+            for blk in range(max(lo // P, len(self.pages[s])), (hi + P - 1) // P):   # pages it lacks
+                want.append((max(blk * P, lo) + exact - n0, i, s, blk))  # step that writes it
+        if len(want) > len(self.free_pages) or any(blk >= num_pages for *_, blk in want):
             raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, "
                                f"{len(self.free_pages)} free) while sequences {list(seqs)} "
                                f"needed {len(want)} more for {n_tokens} more tokens each")
         for _, _, s, blk in sorted(want):
-            self.block_table[s, blk] = self.free_pages.pop(0)
+            self.pages[s].append(self.free_pages.pop(0))
+            self.block_table[s, blk] = self.pages[s][-1]
 
     # -- writes: one path, extend; append is extend of one token ------------------------
     def _write_int2(self, layer, seq, n, k_rows, v_rows):
-        """Quantize and pack INT2 tokens n (N,) of `seq`, rows (N, H_kv, d), into slot n % page_size
+        """Quantize and pack INT2 tokens n (a range) of `seq`, rows (N, H_kv, d), into slot n % page_size
         of page block_table[seq, n // page_size]: compiled (kernel.q2_store) on the CPU, else torch."""
-        c = self.quant[layer]
-        page, slot = self.block_table[seq, n // c.page_size].long(), n % c.page_size
-        assert bool((page >= 0).all()), "reserve takes a page before it is written"
+        c, n = self.quant[layer], range(n[0], n[-1] + 1)
+        assert len(self.pages[seq]) > n[-1] // c.page_size, "reserve takes a page before it is written"
+        page = torch.tensor([self.pages[seq][i // c.page_size] for i in n])
+        slot = torch.tensor([i % c.page_size for i in n])
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
                                                (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
             if codes.device.type == "cpu":
@@ -951,6 +958,7 @@ class PagedKVCache:
                 q2_store(rows.float().contiguous(), clip, c.group_size, c.scale_eps, codes[layer],
                          scale[layer], zero[layer], page, slot)
                 continue
+            page, slot = page.to(codes.device), slot.to(codes.device)
             pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
             codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
 
@@ -977,7 +985,6 @@ class PagedKVCache:
         self.reserve(layer, seqs, T)
         kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
         ring = lambda p: p if p < S else S + (p - S) % W                 # window slot of position p
-        dev = self.block_table.device
         for i, s in enumerate(seqs):
             n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
             lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
@@ -985,14 +992,13 @@ class PagedKVCache:
                 new = slice(max(lo, n0) - n0, max(hi, n0) - n0)          # rows of k, v going INT2
                 nk, nv = kr[i, :, new], v[i, :, new]
                 if W:                                                    # old ring slots, then new
-                    old = [ring(p) for p in range(lo, min(hi, n0))]     # tokens through the window dtype
-                    nk = torch.cat([win_k[:, old].float(), nk.to(win_k.dtype).float()], 1)
-                    nv = torch.cat([win_v[:, old].float(), nv.to(win_v.dtype).float()], 1)
-                self._write_int2(layer, s, torch.arange(lo - S, hi - S, device=dev), nk.transpose(0, 1),
-                                 nv.transpose(0, 1))
+                    old = _index([ring(p) for p in range(lo, min(hi, n0))])   # all through the window dtype
+                    nk, nv = (w[:, old] if x.shape[1] == 0 else torch.cat([w[:, old], x.to(w.dtype)], 1)
+                              for w, x in ((win_k, nk), (win_v, nv)))
+                self._write_int2(layer, s, range(lo - S, hi - S), nk.transpose(0, 1), nv.transpose(0, 1))
             pos = [*range(n0, min(S, n0 + T)), *(range(max(S, n0 + T - W, n0), n0 + T) if W else ())]
             if pos:
-                slots, rows = [ring(p) for p in pos], [p - n0 for p in pos]
+                slots, rows = _index([ring(p) for p in pos]), _index([p - n0 for p in pos])
                 win_k[:, slots] = kr[i][:, rows].to(win_k.dtype)
                 win_v[:, slots] = v[i][:, rows].to(win_v.dtype)
             self.length[layer, s] = n0 + T
@@ -1006,7 +1012,8 @@ class PagedKVCache:
         if attend is None:
             from kernel import paged_decode as attend
             options = {"checked": False, **options}
-        qr = rotate_rows(q.float().view(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim), self.kv[layer].r_k)
+        qr, r_k = q.float().view(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim), self.kv[layer].r_k
+        qr = qr if r_k is None else qr @ r_k                                  # (n, H_kv, n_rep, d)
         return attend(qr.reshape(q.shape).contiguous(), **self.layer_view(layer, seqs),
                       group_size=c.group_size, **options)
 
@@ -1560,7 +1567,7 @@ class PagedLayer:
             need(self.n <= pool.max_tokens, f"hf_cache: a sequence passes max_tokens={pool.max_tokens}")
         o = paged_step(pool.cache, self.index, pool.seqs, query, k.float(), stored_values(sp, v.float()),
                        pool.attend, scaling or d ** -0.5, pad)
-        o = o if sp.r_v is None else rotate_rows(o.view(B, -1, c.n_rep * Tq, d), sp.r_v.mT)  # from R_V's basis
+        o = o if sp.r_v is None else o.view(B, -1, c.n_rep * Tq, d) @ sp.r_v.mT     # from R_V's basis
         return o.view(B, Hq, Tq, d).transpose(1, 2).to(query.dtype)
 
 
