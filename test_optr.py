@@ -4971,7 +4971,8 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
 def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path, smollm2):
     """The README's "Serving elsewhere" code runs as written on SmolLM2 with its published
     rotations: greedy generate() through hf_cache, the prompt past the sink and recent window,
-    gives the tokens of greedy decoding through simulate_hf (the whole sequence each token);
+    gives the tokens of greedy decoding through simulate_hf (the whole sequence each token), and
+    its default decode on a CPU (the compiled one) the tokens of the torch reference's;
     the exported checkpoint and its SGLang files read back as the specs (R_V the identity
     beside the folded weights). Optr against optr: hf_cache against simulate_hf."""
     import re
@@ -4986,6 +4987,10 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
         with torch.no_grad(), optr.simulate_hf(hf, spec, cfg):
             x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     assert env["ids"].tolist() == x.tolist()
+    with torch.no_grad():                                  # the compiled decode's tokens are the reference's
+        ref = hf.generate(prompt, past_key_values=optr.hf_cache(spec, cfg, hf, attend=optr.paged_decode_reference),
+                          max_new_tokens=8, do_sample=False)
+    assert env["ids"].tolist() == ref.tolist()
     d = tmp_path / "x" / "sglang"
     back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
     for a, b in zip(back, spec):
