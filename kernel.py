@@ -1,4 +1,4 @@
-"""Fused decode attention over an INT2 paged KV cache (Triton).
+"""Fused decode attention over an INT2 paged KV cache: Triton on CUDA, numba on a CPU.
 
 OptR keeps the ordinary paged KV-cache format: keys and values are stored as
 2-bit codes in fixed-size pages that a block table maps to sequences, with one
@@ -56,6 +56,12 @@ Design: flash-decoding ("split-K"), laid out for memory bandwidth
     (BLOCK_SPLITS, d) block at a time; over the splits i,
         out = sum_i 2^(lse_i - M) * o_i / sum_i 2^(lse_i - M),  M = max_i lse_i
     Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
+
+Entry points
+    paged_decode(q, **view): the device's kernel, what optr's serving calls (Triton's
+    int2_paged_decode for CUDA tensors, int2_paged_decode_cpu otherwise); q2_store: the
+    cache's INT2 write on a CPU.  The CPU kernels (numba, compiled at the first call and
+    cached on disk) follow the Triton launcher; numba is imported only then.
 
 Reading order
     The kernels first: _int2_decode_split_kernel (set-up, the loop over INT2 tiles,

@@ -75,7 +75,7 @@ def parse_run_config(argv, cls, quick: dict, description: str):
     given = vars(parser.parse_args(argv))
     try:
         return cls(**{**(quick if given.get("quick") else {}), **given})
-    except (ValueError, AssertionError) as e:  # RunConfig's ValueErrors, optr.Config's asserts
+    except ValueError as e:                  # RunConfig's and optr.Config's checks
         parser.error(str(e))                 # exits with the usage line and the message
 
 
@@ -105,7 +105,7 @@ def reconfigure(model: optr.TinyLM, **changes) -> optr.TinyLM:
               f"(got {[(n, getattr(model.cfg, n), changes[n]) for n in fixed]})")
     try:
         cfg = replace(model.cfg, **changes)
-    except AssertionError as e:
+    except ValueError as e:
         raise ValueError(f"reconfigure: {e}") from None
     for m in model.modules():
         if isinstance(getattr(m, "cfg", None), optr.Config):

@@ -85,19 +85,19 @@ class Config:
     e2e_lr: float = 2e-3         # Adam learning rate on every layer's A in the end-to-end refinement
     seed: int = 0                # seed of everything random
 
-    def __post_init__(self):
-        assert min(self.vocab_size, self.d_model, self.n_layers, self.n_kv_heads, self.ffn_dim,
-                   self.page_size, self.steps, self.n_loss_queries, self.eval_every) >= 1, \
-            "sizes, steps, n_loss_queries and eval_every must be >= 1"
-        assert self.n_heads % self.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads"
-        assert self.head_dim % 4 == 0 and self.head_dim % self.group_size == 0, \
-            "head_dim must be a multiple of 4 (4 codes per byte) and of group_size"
-        assert 0 < self.clip_k <= 1 and 0 < self.clip_v <= 1, "clip_k and clip_v must be in (0, 1]"
-        assert min(self.sink, self.window, self.e2e_steps) >= 0, "sink, window, e2e_steps must be >= 0"
-        assert all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta,
-            self.rms_eps)) and 0 <= self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps "\
-            "must be finite and > 0, lam finite and >= 0"
-        assert self.out_reduce in ("mean", "sum"), "out_reduce must be 'mean' or 'sum'"
+    def __post_init__(self):      # what a user sets: ValueErrors naming the field, under -O too
+        need(min(self.vocab_size, self.d_model, self.n_layers, self.n_kv_heads, self.ffn_dim, self.page_size,
+                 self.steps, self.n_loss_queries, self.eval_every) >= 1,
+             "sizes, steps, n_loss_queries and eval_every must be >= 1")
+        need(self.n_heads % self.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads")
+        need(self.head_dim % 4 == 0 and self.head_dim % self.group_size == 0,
+             "head_dim must be a multiple of 4 (4 codes per byte) and of group_size")
+        need(0 < self.clip_k <= 1 and 0 < self.clip_v <= 1, "clip_k and clip_v must be in (0, 1]")
+        need(min(self.sink, self.window, self.e2e_steps) >= 0, "sink, window, e2e_steps must be >= 0")
+        need(all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta, self.rms_eps))
+             and 0 <= self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps must be finite and > 0, "
+             "lam finite and >= 0")
+        need(self.out_reduce in ("mean", "sum"), "out_reduce must be 'mean' or 'sum'")
 
     @property
     def n_rep(self) -> int:      # query heads per KV head
@@ -780,7 +780,7 @@ The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full pre
 (window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
 are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
 weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
-Layout (per layer; the Triton kernel in kernel.py reads exactly this):
+Layout (per layer; the kernels in kernel.py read exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (below)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
@@ -1647,7 +1647,7 @@ def hf_config(hf_config, **settings) -> Config:
                       rms_eps=get("rms_norm_eps", 1e-6), qk_norm=c.model_type in ("qwen3", "gemma3_text"),
                       attention_bias=get("attention_bias", c.model_type == "qwen2"),
                       tie_embeddings=bool(get("tie_word_embeddings")))
-    except (AssertionError, TypeError) as e:                # a bad setting, or one the model fixes
+    except (ValueError, TypeError) as e:                    # a bad setting, or one the model fixes
         raise ValueError(f"hf_config: {e}") from None
 
 
