@@ -837,9 +837,9 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 # ----------------------------------------------------------------------------
 # Why numba: measured on 2 CPU cores for 30 SmolLM2-shaped layers (the prototype
 # and this file), a numba loop over the packed codes beat torch.compile's elementwise form
-# by about 2x, compiles in 10-20 s once and then loads from its disk cache (__pycache__)
-# in about 0.3 s; a C++ extension was faster still but took 40-70 s to compile and needs
-# a compiler at run time.  numba is imported at the first CPU call, never at import.
+# by about 2x, compiles once (about 40 s on 2 cores: the decode 37 s, the write 2 s) and
+# then loads from its disk cache (__pycache__) in 0.6 s; a C++ extension was faster still
+# but took 40-70 s to compile and needs a compiler at run time.  numba is imported at the first CPU call, never at import.
 # Algorithm: as the Triton kernel.  A job owns one (sequence, KV head, split): its share
 # of the INT2 tokens and of the window slots, all query heads of the KV head together
 # (each code row is unpacked once for them), an online softmax over 32-token tiles, and

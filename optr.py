@@ -86,9 +86,8 @@ class Config:
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):      # what a user sets: ValueErrors naming the field, under -O too
-        need(min(self.vocab_size, self.d_model, self.n_layers, self.n_kv_heads, self.ffn_dim, self.page_size,
-                 self.steps, self.n_loss_queries, self.eval_every) >= 1,
-             "sizes, steps, n_loss_queries and eval_every must be >= 1")
+        need(min(self.vocab_size, self.d_model, self.n_layers, self.n_kv_heads, self.ffn_dim, self.page_size, self.steps,
+                 self.n_loss_queries, self.eval_every) >= 1, "sizes, steps, n_loss_queries and eval_every must be >= 1")
         need(self.n_heads % self.n_kv_heads == 0, "n_heads must be a multiple of n_kv_heads")
         need(self.head_dim % 4 == 0 and self.head_dim % self.group_size == 0,
              "head_dim must be a multiple of 4 (4 codes per byte) and of group_size")
@@ -865,6 +864,9 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
     return model
 
 
+PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors
+
+
 def _index(i: list):
     """Indices as a slice where they run consecutively (a view, no index tensor), else the list."""
     return slice(i[0], i[-1] + 1) if i and i[-1] - i[0] == len(i) - 1 and i == list(range(i[0], i[-1] + 1)) else i
@@ -970,13 +972,11 @@ class PagedKVCache:
         self.extend(layer, seqs, k[:, :, None], v[:, :, None], checked)
 
     def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor, checked: bool = True):
-        """Append T tokens per sequence: k (n, H_kv, T, d) post-RoPE keys as the model made them, v
-        (n, H_kv, T, d) from the folded v_proj (already in R_V's basis). Pages are reserved first:
-        a full pool writes nothing. Token p of a sequence lives in window slot p (p < sink), in ring
-        slot sink + (p - sink) % window while among the `window` newest, else at INT2 index
-        p - sink: the tokens that leave the ring are quantized in one call, old ring slots and new
-        tokens alike, each having passed through the window dtype as if appended one by one.
-        checked=False (the model's own k and v, inside a forward): no value check, no host sync."""
+        """Append T tokens per sequence: k (n, H_kv, T, d) post-RoPE keys, v (n, H_kv, T, d) in R_V's
+        basis; pages reserved first (a full pool writes nothing). Token p lives in window slot p
+        (p < sink), in ring slot sink + (p - sink) % window while among the `window` newest, else at
+        INT2 index p - sink; those leaving the ring are quantized in one call, each through the
+        window dtype as if appended one by one. checked=False (a forward's own k, v): no checks."""
         c = self.cfg
         if checked:
             check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
@@ -1005,9 +1005,8 @@ class PagedKVCache:
 
     # -- reads --------------------------------------------------------------------------
     def decode(self, layer: int, seqs: list, q, attend=None, **options):
-        """q (n, H_q, d) of the tokens just appended -> (n, H_q, d) fp32 in R_V's basis: q R_K per
-        KV head, then `attend` over the pages (None: kernel.paged_decode, the device's compiled
-        decode, unchecked: the cache made its arguments; paged_decode_reference is the oracle)."""
+        """q (n, H_q, d) of the tokens just appended -> (n, H_q, d) fp32 in R_V's basis: q R_K, then
+        `attend` (None: kernel.paged_decode unchecked, the device's; or paged_decode_reference)."""
         c = self.cfg
         if attend is None:
             from kernel import paged_decode as attend
@@ -1066,12 +1065,10 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 
 def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None, sm_scale=None,
                pad=None, **options):
-    """One layer's attention through the paged cache: the one path of decode_step, prefill and
-    hf_cache. q (n, H_q, T, d), k, v (n, H_kv, T, d): the layer's new tokens (v in R_V's basis)
-    -> o (n, H_q, T, d) fp32 in R_V's basis. Into empty sequences (a prompt, T > 1) in one pass,
-    each query with its own windows (Appendix A's blocks), then extend; otherwise token after
-    token, append then decode (a continuation reads all the sequence holds). pad (n,): tokens
-    before a prompt's position 0 (left padding), neither attended nor stored."""
+    """One layer's attention through the paged cache, for decode_step, prefill and hf_cache alike:
+    q (n, H_q, T, d), k, v (n, H_kv, T, d) new tokens (v in R_V's basis) -> o (n, H_q, T, d) fp32.
+    A prompt into empty sequences in one pass (Appendix A's blocks), then extend; else token by
+    token, append then decode. pad (n,): left padding before a prompt, not attended nor stored."""
     n, Hq, T, d = q.shape
     if T > 1 and not bool(cache.length[layer, seqs].any()):
         c, spec, o = cache.quant[layer], cache.kv[layer], torch.zeros(n, Hq, T, d, device=q.device)
@@ -1094,10 +1091,8 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
 @torch.no_grad()
 def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, attend=None,
                   **options) -> torch.Tensor:
-    """Logits (n, T, vocab) of tokens idx (n, T) through the paged cache, at the positions after
-    what each sequence holds (every layer holds as many between calls). `model`: the folded one
-    (fold_value_rotation); attend and `options` go to cache.decode (None: the device's compiled
-    decode; paged_decode_reference: the plain torch one)."""
+    """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
+    `model` folded (fold_value_rotation); attend, options: cache.decode's (None: kernel's)."""
     pos = cache.length[0, seqs].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
     return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
 
@@ -1488,28 +1483,24 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 """
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,
 Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its attention,
-calibrate_hf runs Section 6 on what that attention reads.
-hf_cache serves INT2 layers from Section 8's pages. How one step runs: the model's layer calls
-PagedLayer.update(k, v), which keeps k, v and returns (layer, layer) as "keys" and "values";
-transformers hands them untouched (no repeat_kv, no cast) to the attention interface
-"optr-paged" (paged_attention), which sees a PagedLayer and calls its attend: the values into
-R_V's basis (unless folded), Section 8's paged_step (a prompt in one pass, else token by token
-through kernel.paged_decode), and back. Every other layer is transformers' sdpa.
+calibrate_hf runs Section 6 on what that attention reads. hf_cache serves INT2 layers from
+Section 8's pages: PagedLayer.update(k, v) keeps k, v and returns (layer, layer) as keys and
+values, which transformers hands untouched (no repeat_kv, no cast) to "optr-paged"
+(paged_attention); that calls the layer's attend: Section 8's paged_step in R_V's basis.
 """
 
 @dataclass
 class _Pool:
-    """What hf_cache's INT2 layers share: the specs, and the PagedKVCache made at the first update."""
+    """What hf_cache's INT2 layers share: their specs, and the PagedKVCache of the first update."""
     specs: list                            # KVQuant of each INT2 layer, in order
-    cfg: Config                            # settings (n_layers: the model's)
+    cfg: Config
     max_tokens: int                        # tokens a sequence may hold, prompt and new ones
     attend: object = None                  # the decode (None: kernel.paged_decode)
     cache: PagedKVCache | None = None
     seqs: list | None = None
 
     def open(self, k):
-        """At the first update, k (B, H_kv, T, d): a sequence per row, the pages for max_tokens
-        each (rounded up to whole pages), refused before any work if the prompt cannot fit."""
+        """k (B, H_kv, T, d) of the first update: a sequence per row, whole pages for max_tokens."""
         (B, _, T, _), c = k.shape, self.cfg
         need(T <= self.max_tokens, f"hf_cache: a prompt of {T} tokens passes max_tokens={self.max_tokens}")
         n = max(1, self.max_tokens - c.sink - c.window)                 # INT2 tokens per sequence
@@ -1549,14 +1540,11 @@ class PagedLayer:
         self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
         return self, self
 
-    def nbytes(self) -> int:
-        """Bytes this layer's part of the page pool and windows take (allocated, used or not)."""
-        return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in ("k_codes", "k_scale", "k_zero",
-                                                                           "v_codes", "v_scale", "v_zero", "win_k", "win_v"))
+    def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)
+        return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
 
     def attend(self, query, scaling, pos):
-        """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d): paged_step in
-        R_V's basis. Left padding (before a prompt): not stored, not attended."""
+        """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d), via paged_step."""
         pool, (k, v), c, sp = self.pool, self.new, self.cfg, self.spec
         self.new = None                                       # the pages hold them from here
         B, Hq, Tq, d = query.shape
@@ -1583,31 +1571,20 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 @functools.lru_cache(maxsize=None)
-def _int2_cache_type():
-    from transformers.cache_utils import Cache
-
-    class INT2Cache(Cache):
-        """hf_cache's Cache. `with` it, or call restore(), to give the model back its attention."""
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            self.restore()
-
-        def restore(self):
-            self.model.set_attn_implementation(self.attn_before)
-    return INT2Cache
+def _int2_cache_type():                   # hf_cache's Cache: `with` it, or restore(), to give
+    from transformers.cache_utils import Cache             # the model back its own attention
+    return type("INT2Cache", (Cache,), dict(
+        __enter__=lambda self: self, __exit__=lambda self, *exc: self.restore(),
+        restore=lambda self: self.model.set_attn_implementation(self.attn_before)))
 
 
 def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int | None = None, attend=None):
-    """A transformers Cache for model.generate(past_key_values=...): INT2 layers in one
-    PagedKVCache, exact ones in transformers' own layers (sliding ones slide, as Gemma 3's).
-    max_tokens: what a sequence may hold, prompt and new tokens (None: the model's
-    max_position_embeddings, else 8192); a longer prompt is refused before the forward runs.
-    Sets the model's attention to "optr-paged" (paged_attention: sdpa for every layer this
-    cache does not hold) until restore(), or the end of `with optr.hf_cache(...) as cache:`.
-    folded=True beside export_hf's weights (R_V in them), False for the original weights
-    (values rotated by R_V here). attend: the decode (None: kernel.paged_decode, the device's)."""
+    """A transformers Cache for model.generate(past_key_values=...): INT2 layers in one PagedKVCache,
+    exact ones in transformers' own (sliding ones slide). max_tokens: prompt and new tokens a
+    sequence may hold (None: max_position_embeddings, else 8192), a longer prompt refused before
+    any layer attends. The model attends through "optr-paged" (sdpa for the layers it does not
+    hold) until restore() or the end of `with optr.hf_cache(...) as cache:`. folded: True beside
+    export_hf's weights, False for the original ones (v rotated by R_V here). attend: the decode."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.cache_utils import CacheLayerMixin, DynamicCache
     from transformers.masking_utils import sdpa_mask
