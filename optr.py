@@ -93,9 +93,8 @@ class Config:
              "head_dim must be a multiple of 4 (4 codes per byte) and of group_size")
         need(0 < self.clip_k <= 1 and 0 < self.clip_v <= 1, "clip_k and clip_v must be in (0, 1]")
         need(min(self.sink, self.window, self.e2e_steps) >= 0, "sink, window, e2e_steps must be >= 0")
-        need(all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta, self.rms_eps))
-             and 0 <= self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps must be finite and > 0, "
-             "lam finite and >= 0")
+        need(all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta, self.rms_eps)) and 0 <=
+             self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps must be finite and > 0, lam finite and >= 0")
         need(self.out_reduce in ("mean", "sum"), "out_reduce must be 'mean' or 'sum'")
 
     @property
@@ -867,9 +866,8 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors
 
 
-def _index(i: list):
-    """Indices as a slice where they run consecutively (a view, no index tensor), else the list."""
-    return slice(i[0], i[-1] + 1) if i and i[-1] - i[0] == len(i) - 1 and i == list(range(i[0], i[-1] + 1)) else i
+def _index(i: list):               # indices as a slice (a view) where they run consecutively
+    return slice(i[0], i[0] + len(i)) if i and i == list(range(i[0], i[0] + len(i))) else i
 
 
 class PagedKVCache:
@@ -1181,10 +1179,8 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
     assert (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size,
         c.clip_k, c.clip_v), "model.cfg must quantize as the cache does (the forward stores what decode would)"
     cache.check_seqs(seqs)
-    for s in seqs:
-        if int(cache.length[:, s].max()) != 0:
-            raise ValueError(f"seqs: prefill writes positions 0..T-1, expected empty sequences, "
-                             f"got sequence {s} holding {int(cache.length[:, s].max())} tokens")
+    held = {s: int(cache.length[:, s].max()) for s in seqs if cache.length[:, s].any()}
+    need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (tokens held)")
     cache.reserve(0, seqs, idx.shape[1])           # an exhausted pool raises before the forward
     return paged_forward(model, cache, seqs, idx)
 
@@ -1548,11 +1544,9 @@ class PagedLayer:
         pool, (k, v), c, sp = self.pool, self.new, self.cfg, self.spec
         self.new = None                                       # the pages hold them from here
         B, Hq, Tq, d = query.shape
-        if self.n == Tq:                                      # the prompt (its length checked by open)
-            pad = None if pos is None else left_pad(pos, Tq).expand(B)
-        else:
-            pad = None
-            need(self.n <= pool.max_tokens, f"hf_cache: a sequence passes max_tokens={pool.max_tokens}")
+        prompt = self.n == Tq                                 # its length checked by open
+        need(prompt or self.n <= pool.max_tokens, f"hf_cache: a sequence passes max_tokens={pool.max_tokens}")
+        pad = left_pad(pos, Tq).expand(B) if prompt and pos is not None else None
         o = paged_step(pool.cache, self.index, pool.seqs, query, k.float(), stored_values(sp, v.float()),
                        pool.attend, scaling or d ** -0.5, pad)
         o = o if sp.r_v is None else o.view(B, -1, c.n_rep * Tq, d) @ sp.r_v.mT     # from R_V's basis
