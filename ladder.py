@@ -13,6 +13,7 @@ on import. A run that decodes with the kernel imports it at its start (decode_at
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import inspect
 import json
@@ -68,13 +69,14 @@ def build_parser(cls, description: str) -> argparse.ArgumentParser:
     return p
 
 
-def parse_run_config(argv, cls, quick: dict, description: str):
-    """The run config `cls` from the command line; --quick applies the `quick` preset
-    first, so flags given explicitly still win."""
+def parse_run_config(argv, cls, presets: dict, description: str):
+    """The run config `cls` from the command line; a preset flag given (presets {field: {field:
+    value}}, --quick) applies its preset first, so flags given explicitly still win."""
     parser = build_parser(cls, description)
     given = vars(parser.parse_args(argv))
+    preset = {k: v for flag, p in presets.items() if given.get(flag) for k, v in p.items()}
     try:
-        return cls(**{**(quick if given.get("quick") else {}), **given})
+        return cls(**{**preset, **given})
     except ValueError as e:                  # RunConfig's and optr.Config's checks
         parser.error(str(e))                 # exits with the usage line and the message
 
@@ -448,15 +450,15 @@ DECODE_ATTENDS = ("kernel", "reference")
 
 def decode_attention(name: str):
     """The paged attention decode_step calls: 'kernel' (kernel.int2_paged_decode, Triton;
-    its CPU interpreter without a GPU) or 'reference' (optr.paged_decode_reference, pure
-    torch). Resolve it at the start of a run: kernel.py must be imported before anything
-    imports triton (torch's optimizers do), or it cannot switch to the interpreter."""
+    its CPU interpreter without a GPU, which the scripts switch on at their top) or
+    'reference' (optr.paged_decode_reference, pure torch)."""
     if name not in DECODE_ATTENDS:
         raise ValueError(f"decode_attend: expected one of {DECODE_ATTENDS}, got {name!r}")
     if name == "reference":
         return optr.paged_decode_reference
-    import kernel                     # here, not at the top: see this part's docstring
+    import kernel
     if not torch.cuda.is_available():
+        memoize_interpreter_scan()
         return kernel.int2_paged_decode               # the interpreter reads CPU tensors
 
     def int2_paged_decode_on_gpu(q, **view):
@@ -464,6 +466,38 @@ def decode_attention(name: str):
         moved = {k: v.cuda() if torch.is_tensor(v) else v for k, v in view.items()}
         return kernel.int2_paged_decode(q.cuda(), **moved).to(q.device)
     return int2_paged_decode_on_gpu
+
+
+def memoize_interpreter_scan():
+    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
+
+    On every call of a @triton.jit helper from a kernel (kernel.py's _codes_fp16, _quarter_pv, ...,
+    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
+    re-patches triton.language, finding its builtins with inspect.getmembers over each
+    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
+    builtin names of a module never changes, so it is found once per module here; each
+    call still re-checks and patches every one of them exactly as before."""
+    import inspect
+    import triton.language as tl
+    from triton.runtime import interpreter
+    original = getattr(interpreter, "_patch_builtin", None)
+    if original is None or getattr(original, "memoized", False) \
+            or not hasattr(interpreter, "_patch_attr"):
+        return                                    # another Triton layout: leave it alone
+    names = {}
+
+    def patch_builtin(pkg, builder, scope):
+        if id(pkg) not in names:
+            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
+                                    if tl.core.is_builtin(m)])
+        for name in names[id(pkg)][1]:
+            member = getattr(pkg, name)
+            if tl.core.is_builtin(member):
+                interpreter._patch_attr(pkg, name, member, builder, scope)
+
+    patch_builtin.memoized = True
+    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
+    interpreter._patch_builtin = patch_builtin
 
 
 def serving_setup(model, kv, T: int):
@@ -615,6 +649,47 @@ def print_gap_closed(results: dict, metrics: dict, spread: bool, log=print):
             ours = VARIANTS[name].e2e or VARIANTS[name].clip
             log(f"gap closed by {name:<20} over {base:<6}: " + " | ".join(cells)
                 + ("  (ours)" if ours else ""))
+
+
+@contextlib.contextmanager
+def figure(paths: dict, size: tuple, title: str, *grid, **kw):
+    """`with figure({path: dpi}, size, title, rows, cols) as axes:` fig.subplots' axes; saved to
+    every path at its dpi on exit, or for {path: (dpi, n)} as an n-colour PNG (the README's figures:
+    a third of the bytes). matplotlib's Figure: no display, no global state."""
+    import io
+    from matplotlib.figure import Figure
+    from PIL import Image
+    fig = Figure(figsize=size)
+    yield fig.subplots(*grid, **kw)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    for path, (dpi, colours) in {p: (d, 0) if isinstance(d, int) else d for p, d in paths.items()}.items():
+        fig.savefig(png := io.BytesIO(), dpi=dpi)
+        image = Image.open(png)
+        (image.convert("RGB").quantize(colours) if colours else image).save(path, optimize=True)
+
+
+def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], path: str, title: str):
+    """The % of its base's gap in `metric` (kl, accuracy) each variant of `names` closes, one dot per
+    run (per_run: each seed's or calibration sample's gap_closed, labelled `runs`), its mean a bar;
+    written to path (800 px wide)."""
+    rows = [(b, n) for b in per_run[0] for n in names if n.startswith(b + "+")]
+    with figure({path: 80}, (10, 1.5 + 0.35 * len(rows)), title) as ax:
+        for i, (base, name) in enumerate(rows):
+            xs = [100 * g if (g := r[base][metric + gap_suffix(base, name)]) is not None else None for r in per_run]
+            for j, x in [(j, x) for j, x in enumerate(xs) if x is not None]:      # None: no gap
+                ax.plot([x], [i], "o", color=f"C{j % 10}", ms=5, alpha=0.8, label=runs[j] if i == 0 else None)
+            if got := [x for x in xs if x is not None]:
+                ax.plot([sum(got) / len(got)], [i], "|", color="k", ms=14, mew=2, label="mean" if i == 0 else None)
+        ax.set_yticks(range(len(rows)), [n + ("  (ours)" if VARIANTS[n].e2e or VARIANTS[n].clip else "")
+                                         for _, n in rows], fontsize=8)
+        ax.invert_yaxis()
+        for x in (0, 100):
+            ax.axvline(x, color="0.6", lw=0.8)
+        ax.set_xlabel(f"% of its base's {dict(kl='KL').get(metric, metric)} gap to full precision closed (0: the "
+                      "base, quarot or oscar; 100: full)", fontsize=8)
+        ax.legend(fontsize=7, ncol=len(runs) + 1, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return path
 
 
 def mean_std(tables: list[dict]) -> tuple[dict, dict]:

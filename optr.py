@@ -45,6 +45,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernel import check_tensor, need   # the project's one set of input checks (kernel.py imports nothing of ours)
+
 
 # ----------------------------------------------------------------------------------------
 # 0. Config
@@ -1201,22 +1203,6 @@ quant_k / quant_v flags, per-layer clips (appendix D; absent or null: the settin
 whether R_V is folded. A part a variant lacks is None; loading
 checks every tensor (name, shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL).
 """
-
-def need(ok: bool, what: str):
-    if not ok:
-        raise ValueError(what)
-
-
-def check_tensor(name, x, shape=None, dtype=None, finite=False):
-    """ValueError naming `name` unless x is a tensor of this shape (None: any), dtype ("float"
-    or a tuple) and, if asked, finite."""
-    need(isinstance(x, torch.Tensor), f"{name}: expected a torch.Tensor, got {type(x).__name__}")
-    need(shape is None or (x.dim() == len(shape) and all(s is None or s == n for s, n in zip(shape, x.shape))),
-          f"{name}: expected shape {tuple('*' if s is None else s for s in shape or ())}, got {tuple(x.shape)}")
-    need(dtype != "float" or x.dtype.is_floating_point, f"{name}: expected a floating dtype, got {x.dtype}")
-    need(not isinstance(dtype, tuple) or x.dtype in dtype, f"{name}: expected dtype in {dtype}, got {x.dtype}")
-    need(not finite or bool(torch.isfinite(x).all()), f"{name}: expected finite values, got NaN or inf")
-
 
 ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the authors' artifact check)
 

