@@ -873,7 +873,7 @@ def bench_hf(cfg: RunConfig) -> list:
     compiled decode (Triton on CUDA, numba on the CPU) and with the torch reference, each row a
     fresh process (bench_rows, bench_tokens greedy steps)."""
     import multiprocessing
-    import kernel                     # here: without CUDA it switches Triton to its interpreter
+    import kernel                     # here, where it is used
     device = "cuda" if torch.cuda.is_available() and not kernel._INTERPRETED else "cpu"
     rotations = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rotations", cfg.model)
     optr.need(os.path.isfile(os.path.join(rotations, "kv_rotations.safetensors")), f"bench_hf: no published "
