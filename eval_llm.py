@@ -27,18 +27,17 @@ import time
 from dataclasses import dataclass, fields, make_dataclass
 
 import torch
-import torch.nn.functional as F
 
 if __name__ == "__main__" and not torch.cuda.is_available():   # a run without a GPU: the Triton
     os.environ.setdefault("TRITON_INTERPRET", "1")   # kernel in its CPU interpreter (read at triton's import, below)
 
 import optr
 from ladder import (  # the ladder harness both scripts share
-    DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, decode_attention, decode_check, figure,
-    gap_closed, gap_closed_mean_std, key_error_per_token, key_stats, key_stats_summary, ladder_bits,
-    learns_from_data, load_ladder, mean_ci, mean_std, output_errors, parse_run_config, print_config,
-    plot_gap_closed, print_gap_closed, print_key_stats, print_table, run_cli, save_ladder, t_interval, wilson,
-    write_results)
+    DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, cache_bytes, calibrate_variants, decode_attention,
+    decode_check, gap_closed, gap_closed_mean_std, key_stats, key_stats_summary, ladder_bits, learns_from_data,
+    load_ladder, mean_ci, mean_std, output_errors, parse_run_config, peak_mib, plot_figure2, plot_gap_closed,
+    plot_key_channels, plot_vs_context, print_config, print_gap_closed, print_key_stats, print_table, run_cli,
+    save_ladder, t_interval, wilson, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -572,7 +571,7 @@ def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) 
 
 
 # ----------------------------------------------------------------------------------------
-# 6. Reporting: the summary table, serving elsewhere, the plots (PNG)
+# 6. Reporting: the summary table; serving elsewhere (--export-sglang, --hf-generate)
 # ----------------------------------------------------------------------------------------
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
@@ -637,62 +636,13 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
             "(and rotations), mean and Student t 95% interval; correct is 0/1 per prompt")
 
 
-def export_sglang(kv: list, cfg: optr.Config, out_dir: str, folded: bool = False) -> str:
-    """Write k_rotation.pt, v_rotation.pt (R_V for the original weights; the identity with
-    folded=True, beside export_hf's checkpoint), k_mean.pt when the variant centers, and
-    serve.env (the engine's flags and environment, from cfg). Returns out_dir. The authors' SGLang
-    fork (engine/sglang-research) reads torch.save dicts {k,v}_rotation.pt {"layers": {l:
-    {"rotation": (H_kv, d, d)}}}, k_mean.pt {"layers": {l: {"mu": (H_kv, d)}}}: optr's orientation
-    and packing, but it folds R_V into v_proj only, clips per row (equal at G = d), moves tokens to
-    INT2 8 at a time (sink, window multiples of 8), needs d a power of two."""
-    L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
-    for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
-                    (cfg.sink % 8 == cfg.window % 8 == 0,
-                     f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
-                    (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
-                    (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
-                    (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
-            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
-             "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
-            for l, s in enumerate(kv)] + [
-            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips of its own "
-             f"(c_K {s.clip_k}, c_V {s.clip_v}; appendix D), but the engine clips every layer at cfg's: "
-             "use a variant without them")
-            for l, s in enumerate(kv)]:
-        optr.need(ok, f"export_sglang: {msg}")
-    os.makedirs(out_dir, exist_ok=True)
-    eye = torch.eye(d).expand(H, d, d)
-    f32 = lambda t, default: (default if t is None else t).detach().float().cpu().contiguous().clone()
-    for side, Rs in (("k", [s.r_k for s in kv]), ("v", [None if folded else s.r_v for s in kv])):
-        torch.save({"format_version": 2, "objective": f"optr_output_aware_{side}",
-                    "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
-                    f32(R, eye)} for l, R in enumerate(Rs)}}, os.path.join(out_dir, f"{side}_rotation.pt"))
-    center = any(s.k_mean is not None for s in kv)
-    if center:                                      # a layer without mu gets mu = 0
-        torch.save({"format_version": 1, "layers": {l: {"layer_id": l, "mu": f32(s.k_mean,
-                    torch.zeros(H, d))} for l, s in enumerate(kv)}}, os.path.join(out_dir, "k_mean.pt"))
-    p = os.path.abspath(out_dir)
-    env = dict(SGLANG_ENABLE_MIXED_KV_WINDOWS=1, SGLANG_OSCAR_ABSORB_V_ROTATION=1,
-               SGLANG_MIXED_KV_PREFIX_TOKENS=cfg.sink, SGLANG_MIXED_KV_RECENT_TOKENS=cfg.window,
-               SGLANG_MIXED_KV_HP_DTYPE="bfloat16", SGLANG_MIXED_KV_SCALE_DTYPE="float32",
-               SGLANG_OSCAR_K_ROTATION_PATH=f"{p}/k_rotation.pt", SGLANG_OSCAR_V_ROTATION_PATH=f"{p}/v_rotation.pt",
-               SGLANG_OSCAR_K_CLIP_RATIO=cfg.clip_k, SGLANG_OSCAR_V_CLIP_RATIO=cfg.clip_v,
-               SGLANG_OSCAR_K_MEAN_IN_POOL=int(center), SGLANG_OSCAR_K_MEAN_PATH=f"{p}/k_mean.pt" if center else "")
-    with open(os.path.join(out_dir, "serve.env"), "w") as f:
-        f.write(f"# source this, then python -m sglang.launch_server --model-path MODEL $SGLANG_SERVER_ARGS"
-                f"\n# MODEL: {'optr.export_hf' if folded else 'the original'} checkpoint\nSGLANG_SERVER_ARGS="
-                f'"--kv-cache-dtype int2 --kv-cache-quant-group-size {G} --page-size 8"\n'
-                + "".join(f"export {k}={v}\n" for k, v in env.items()))
-    return out_dir
-
-
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
     """--export-sglang: the authors' SGLang files (the spec reads them back with their loaders). --hf-generate N: greedy generate() from the
     export with optr.hf_cache (prompt at once, token by token) and simulate_hf (whole sequence each token)."""
     out, c = {}, model.cfg
     if cfg.export_sglang:
-        d = export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
+        d = optr.export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
         out["sglang"] = dict(dir=os.path.abspath(d))
         log(f"export | SGLang files -> {d} (serve.env)")
     if cfg.hf_generate:
@@ -712,124 +662,9 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
     return out
 
 
-def plot_figure2(run: Run, ref: Reference, specs: dict, layer: int, head: int, paths: dict) -> dict:
-    """Key norms before and after centering, and ladder.key_error_per_token with plain INT2, OSCAR,
-    centering, both, and full OptR, on the first gap_ctx evaluation tokens; each one's sum. paths {path: dpi}."""
-    c, T, n_q, w_o = run.model.cfg, run.cfg.gap_ctx, run.cfg.n_loss_queries, run.model.o_proj_heads(layer)
-    q, k, v = (x[:, :, :T] for x in ref.captured[layer])
-    mu = ref.k_means[layer]
-    r_osc = (specs["oscar"][layer].r_k if specs.get("oscar")
-             else optr.base_rotations("oscar", *ref.cal_cap[layer], c)[0])
-    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)), ("centering only",
-                optr.KVQuant(k_mean=mu)), ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
-    settings += [(f"full OptR ({n})", specs[n][layer]) for n in ("oscar+optr", "quarot+optr") if specs.get(n)][:1]
-    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
-    s, totals = list(range(T)), {}
-    title = (f"Figure 2 in small: layer {layer}, KV head {head} of {run.name}; key-induced output error "
-             f"by cached token (grey: exact sink and recent window)")
-    with figure(paths, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
-        top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
-        top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
-                 label="‖k_s − μ‖ (centered)")
-        top.set_ylabel("key magnitude")
-        top.legend(loc="upper right", fontsize=8)
-        colors = ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")
-        for (label, spec), color in zip(settings, colors):
-            e = key_error_per_token(run.model, q, k, v, w_o, spec, head, n_q)
-            totals[label] = e.sum().item()
-            bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
-                     label=f"{label}  (sum {totals[label]:.3g})")
-        bot.set(yscale="log", ylabel="‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)",
-                xlabel=f"cached token s (context {T}; queries: the last {n_q} positions)")
-        for ax in (top, bot):
-            ax.axvspan(0, c.sink, color="0.9", lw=0)
-            ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
-        bot.legend(loc="lower left", fontsize=8, ncol=2)
-    return totals
-
-
-def plot_key_channels(run: Run, ref: Reference, layer: int, head: int, paths: dict):
-    """Per channel of a KV head's keys on the first gap_ctx evaluation tokens, post-RoPE and
-    centered: mean, std, max |k|. paths {path: dpi}."""
-    T = run.cfg.gap_ctx
-    k = ref.captured[layer][1][0, head, :T].double()                       # (T, d)
-    ch = list(range(k.shape[-1]))
-    title = (f"{run.name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
-             f"(μ from calibration text)")
-    with figure(paths, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
-        for ax, x, name in ((axes[0], k, "post-RoPE keys"),
-                            (axes[1], k - ref.k_means[layer][head].double(), "centered: k − μ")):
-            mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
-            ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
-            ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
-            ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
-            ax.plot(ch, -mx, "_", color="tab:red", ms=6)
-            n_off = int((abs(mean) > std).sum())
-            ax.set_title(f"{name}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
-            ax.axhline(0, color="0.5", lw=0.5)
-        axes[0].legend(fontsize=8, ncol=3, loc="upper right")
-        axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
-
-
-def errorbar(ax, xs, mean, ci, **kw):
-    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
-    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
-    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
-    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
-
-
-def plot_vs_context(run: Run, variants: dict, path: str):
-    """KL against context (rough block intervals), and for the variants that ran the passkey
-    stage its accuracy (Wilson) and mean answer log-prob (t over prompts) against context."""
-    with figure({path: 110}, (15, 4.2), run.name, 1, 3) as (a, b, c):
-        for i, (name, v) in enumerate(variants.items()):
-            kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
-            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
-            if name != "full":                                      # log axis: bars cut at m / 2
-                kl = list(v["kl_by_ctx"].values())
-                ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
-                errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)
-            if v.get("passkey"):
-                xp = [int(L) * shift for L in v["passkey"]]
-                for ax, key in ((b, "passkey"), (c, "passkey_logprob")):
-                    errorbar(ax, xp, list(v[key].values()), list(v[key + "_ci"].values()), **kw)
-        a.set(yscale="log", ylabel="KL(full ‖ variant), nats per token")
-        a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)",
-                    fontsize=9)
-        b.set(ylim=(-0.05, 1.05), ylabel="passkey accuracy (Wilson 95%)")
-        b.set_title(f"passkey retrieval, the same {run.cfg.passkey_prompts} prompts per length", fontsize=9)
-        c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
-        c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
-        for ax, xs in ((a, run.cfg.contexts), (b, run.cfg.passkey_contexts), (c, run.cfg.passkey_contexts)):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs])
-            ax.set_xlabel("context (tokens)")
-            if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
-                ax.legend(fontsize=7)
-
-
 # ----------------------------------------------------------------------------------------
 # 7. --bench-hf: a real model's decoding, DynamicCache against optr.hf_cache
 # ----------------------------------------------------------------------------------------
-
-def cache_bytes(cache) -> int:
-    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values."""
-    return sum(layer.nbytes() if isinstance(layer, optr.PagedLayer) else
-               sum(t.nbytes for t in (layer.keys, layer.values) if t is not None) for layer in cache.layers)
-
-
-def peak_mib(device: str, reset: bool = False) -> float:
-    """Peak memory since the last reset: allocated memory on CUDA; on the CPU the process's
-    resident set (Linux's VmHWM, reset through /proc/self/clear_refs)."""
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats() if reset else None
-        return torch.cuda.max_memory_allocated() / 2**20
-    if reset:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**10
-
 
 @torch.no_grad()
 def bench_hf_row(model: str, rotations: str, kind: str, T: int, new: int, device: str) -> dict:
@@ -1139,9 +974,9 @@ def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference) -> dict:
 
 
 def write_plots(run: Run, ref: Reference, samples: list, variants: dict) -> dict:
-    """The plots in OUT, of layer fig_layer, KV head fig_head, or by default the INT2 layer and head
-    with the most post-RoPE channels whose |mean| exceeds their std (--figures: two of them small there too);
-    with several samples each one's gap closed in KL (ladder.plot_gap_closed)."""
+    """The plots in OUT (ladder's, H7), of layer fig_layer, KV head fig_head, or by default the INT2 layer and
+    head with the most post-RoPE channels whose |mean| exceeds their std (--figures: two of them small there
+    too); with several samples each one's gap closed in KL (ladder.plot_gap_closed)."""
     cfg, t0, specs = run.cfg, time.perf_counter(), samples[0]["specs"]
     int2 = {l for kv in specs.values() if kv for l, s in enumerate(kv) if s.quant_k}    # Gemma 3: full layers
     counts = {int(k[5:]): v["post_rope"]["channels_mean_gt_std"] for k, v in ref.stats.items() if int(k[5:]) in int2}
@@ -1151,11 +986,15 @@ def write_plots(run: Run, ref: Reference, samples: list, variants: dict) -> dict
     optr.need(head < len(counts[layer]), f"fig_head: expected a KV head < {len(counts[layer])}, got {head}")
     files = {k: f"{k}_layer{layer}_head{head}.png" for k in ("figure2", "key_channels")}
     small = lambda k: {os.path.join(cfg.figures, f"{k}_{os.path.basename(cfg.model)}.png"): (80, 128)} if cfg.figures else {}
+    at = lambda k: {os.path.join(cfg.out, files[k]): 110, **small(k)}
     os.makedirs(cfg.figures or cfg.out, exist_ok=True)
-    fig2 = plot_figure2(run, ref, specs, layer, head, {os.path.join(cfg.out, files["figure2"]): 110, **small("figure2")})
-    plot_key_channels(run, ref, layer, head, {os.path.join(cfg.out, files["key_channels"]): 110, **small("key_channels")})
+    qkv, mu = ref.captured[layer], ref.k_means[layer]                   # the first gap_ctx evaluation tokens
+    fig2 = plot_figure2(run.model, layer, head, qkv, mu, specs, ref.cal_cap[layer], cfg.n_loss_queries, run.name,
+                        at("figure2"))
+    plot_key_channels(qkv[1], mu, layer, head, run.name, at("key_channels"))
     files["vs_context"] = "kl_passkey_vs_context.png"
-    plot_vs_context(run, variants, os.path.join(cfg.out, files["vs_context"]))
+    plot_vs_context(variants, cfg.contexts, cfg.passkey_contexts, cfg.passkey_prompts, run.name,
+                    os.path.join(cfg.out, files["vs_context"]))
     if len(samples) > 1 and samples[0]["gap_closed"]:
         files["gap_closed"] = "gap_closed.png"
         plot_gap_closed([s["gap_closed"] for s in samples], cfg.variants, "kl", [f"sample {i}" for i in range(

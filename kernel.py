@@ -1,75 +1,56 @@
 """INT2 paged decode attention: the Triton kernel (CUDA), the same algorithm compiled by numba (CPU).
 
-OptR keeps the ordinary paged KV-cache format: keys and values are stored as
-2-bit codes in fixed-size pages that a block table maps to sequences, with one
-fp32 scale and zero per group of `G` dims.  This file holds the decode kernel
-that reads that format directly, so no dequantized copy of the cache is made.
+OptR keeps the ordinary paged KV-cache format: keys and values are stored as 2-bit codes in
+fixed-size pages that a block table maps to sequences, with one fp32 scale and zero per group of
+`G` dims.  The decode kernels here read that format directly: no dequantized copy is made.
 
 Layout (per layer; H_kv KV heads, head dim d, page size P)
-    k_codes, v_codes    uint8 (num_pages, H_kv, P, d // 4)
-                        byte j of a row holds dims j, j + d/4, j + d/2, j + 3d/4
-                        in bits 0-1, 2-3, 4-5, 6-7
-    k/v_scale, k/v_zero fp32  (num_pages, H_kv, P, d // G)
-                        x_i = (code_i - zero[i // G]) * scale[i // G]
-    block_table         int32 (B, max_blocks): INT2 token n of sequence b lives
-                        in page block_table[b, n // P], slot n % P
+    k_codes, v_codes    uint8 (num_pages, H_kv, P, d // 4): byte j of a row holds dims j,
+                        j + d/4, j + d/2, j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7
+    k/v_scale, k/v_zero fp32 (num_pages, H_kv, P, d // G): x_i = (code_i - zero[i // G]) * scale[i // G]
+    block_table         int32 (B, max_blocks): INT2 token n of sequence b lives in page
+                        block_table[b, n // P], slot n % P
     n_quant             int32 (B,): INT2 tokens per sequence (ragged, may be 0)
-    win_k, win_v        fp32/bf16 (B, H_kv, NW, d): full-precision sink + recent
-                        tokens, valid slots [0, win_len[b])
-    q                   fp32/bf16 (B, H_q, d), already rotated; query head j
-                        reads KV head j // (H_q // H_kv)
+    win_k, win_v        fp32/bf16 (B, H_kv, NW, d): the exact sink + recent tokens, slots [0, win_len[b])
+    q                   fp32/bf16 (B, H_q, d), already rotated; query head j reads KV head j // (H_q // H_kv)
     output              fp32 (B, H_q, d), still in the rotated value basis
 
 Design: flash-decoding ("split-K"), laid out for memory bandwidth
-    Stage 1, grid (B, H_kv, num_splits).  A program owns one KV head and all its
-    query heads (GQA), so every page is read once per KV head.  The INT2 tokens
-    are cut into BLOCK_N-token tiles, independent of the page size; a split owns
-    a contiguous range of tiles and fetches the next tile's block-table entries
-    one iteration ahead.  Per tile it loads the packed rows of K and of V once,
-    as 32-bit words, and never reorders them: bit field c of byte j is dim
-    c*d/4 + j, so the query is split into four quarter-rows instead and each
-    quarter meets its bit field directly (q.k = sum over quarters).
-    Codes become fp16 by a bit trick, two per mask-and-OR and no
-    int-to-float instruction: a word masked with 0x00030003 << 2c, OR 0x64006400,
-    holds two fp16 1024 + c * 4^c; minus 1024 leaves c * 4^c exactly, and 4^-c
-    goes into the other operand.  A tile is cut into sub-tiles of 16 tokens (one
-    per warp at the default sizes), each with its own softmax state, merged
-    once after the loop, so no reduction in the loop crosses warps.
-    Scale and zero stay out of the tile when a quarter lies in one group
-    (G a multiple of d/4, d >= 64; the production case d = G = 128):
+    Stage 1, grid (B, H_kv, num_splits).  A program owns one KV head and all its query heads
+    (GQA), so every page is read once per KV head.  The INT2 tokens are cut into BLOCK_N-token
+    tiles, independent of the page size; a split owns a contiguous range of tiles and fetches
+    the next tile's block-table entries one iteration ahead.  Per tile it loads the packed rows
+    of K and of V once, as 32-bit words, and never reorders them: bit field c of byte j is dim
+    c*d/4 + j, so the query is split into four quarter-rows instead, each meeting its bit field
+    (q.k = sum over quarters).  Codes become exact fp16 by a bit trick, two per mask-and-OR
+    with no int-to-float instruction (_codes_fp16).  A tile is cut into sub-tiles of 16 tokens
+    (one per warp), each with its own softmax state, merged once after the loop, so no
+    reduction in the loop crosses warps.
+    Scale and zero stay out of the tile when a quarter lies in one group (G a multiple of d/4,
+    d >= 64; the production case d = G = 128):
         q.k = s * (q.c - z * sum(q))              (per group, per token)
         p.v = (p s).c - sum(p s z)
-    The dots take exact fp16 codes; the other operand (the query, or p s) is
-    scaled into [-2^14, 2^14] and split into two fp16 parts hi + lo, which
-    carry ~22 bits, with fp32 accumulation: near fp32 accuracy.  The tokens
-    fill the MMA's 16 rows and the hi and lo parts of every head sit side by
-    side on its 8 columns, so one dot computes both; with one group per row
-    the four quarter dots chain into one accumulator.
-    Other group sizes (and d < 64) take a general path in the
-    same loop: the quarter is dequantized in fp32 with per-dim scale and zero.
-    The full-precision window tokens are spread over the splits (window tile t
-    goes to split t % num_splits) and use fp32 dots (3xTF32 on sm80+).
-    Each program writes its normalized partial output and the log-sum-exp of
-    its logits (base 2); a program with no tokens writes lse = -inf.
+    The other operand (the query, or p s) is scaled into [-2^14, 2^14] and split into two fp16
+    parts hi + lo (~22 bits) with fp32 accumulation: near fp32 accuracy.  The tokens fill the
+    MMA's 16 rows and the hi and lo parts of every head sit side by side on its 8 columns, so
+    one dot computes both; with one group per row the four quarter dots chain into one
+    accumulator.  Other group sizes (and d < 64) take a general path in the same loop: the
+    quarter dequantized in fp32.  The window tokens are spread over the splits (tile t to split
+    t % num_splits), with fp32 dots (3xTF32 on sm80+).  Each program writes its normalized
+    partial output and the log-sum-exp of its logits (base 2); one with no tokens, lse = -inf.
 
-    Stage 2, grid (B, H_q), merges the NUM_SPLITS partials of a query head, a
-    (BLOCK_SPLITS, d) block at a time; over the splits i,
-        out = sum_i 2^(lse_i - M) * o_i / sum_i 2^(lse_i - M),  M = max_i lse_i
-    Splits with lse = -inf get weight 0 (their partial output is 0, not NaN).
+    Stage 2, grid (B, H_q), merges the NUM_SPLITS partials of a query head, a (BLOCK_SPLITS, d)
+    block at a time: out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M = max_i lse_i;
+    splits with lse = -inf weigh 0 (their partial output is 0, not NaN).
 
-Entry points and reading order
-    paged_decode(q, **view): the device's kernel, what optr's serving calls (int2_paged_decode
-    for CUDA tensors, int2_paged_decode_cpu otherwise); q2_store: the cache's INT2 write on a
-    CPU; need / fail / check_tensor: the project's one set of input checks (optr imports them).
-    Read the Triton kernels first: _int2_decode_split_kernel after the helpers it calls (the
-    per-tile body _int2_tile among them), then _merge_splits_kernel; then the launcher
-    (int2_paged_decode; checked=False checks only shapes, dtypes and devices and never syncs,
-    so a launch can be captured in a CUDA graph), the CPU kernels, and `python kernel.py
-    --bench`.  Shape letters: S sub-tiles per tile, T tokens per sub-tile, W = d/4 dims per
-    quarter-row; NUM_SPLITS programs per (sequence, KV head).  Block sizes are explicit
-    (_block_sizes), no autotuning.  This file imports nothing of the project.  Triton's CPU
-    interpreter (TRITON_INTERPRET=1, set by the tests and scripts before triton is imported
-    where there is no GPU) computes fp16 dots correctly, so the CPU tests run the GPU's algorithm.
+Reading order: the Triton kernels (_int2_decode_split_kernel after the helpers it calls,
+    then _merge_splits_kernel), the input checks (need / fail / check_tensor: the project's one
+    set), the launcher int2_paged_decode, the CPU kernels (int2_paged_decode_cpu; q2_store, the
+    cache's INT2 write), paged_decode (the one the serving code calls: Triton for CUDA tensors,
+    numba otherwise) and `python kernel.py --bench`.  Shape letters: S sub-tiles per tile, T
+    tokens per sub-tile, W = d/4 dims per quarter-row.  No project import.  Triton's CPU
+    interpreter (TRITON_INTERPRET=1, set before triton is imported by the tests and scripts
+    where there is no GPU) computes fp16 dots exactly, so the CPU tests run the GPU's algorithm.
 """
 import functools
 import math
@@ -126,20 +107,14 @@ def _quarter_dims(W: tl.constexpr):
 
 
 @triton.jit
-def _split_fp16(x):
-    """x (fp32, |x| <= 2^14) = hi + lo + r with hi, lo fp16 and |r| <= 2^-22 |x| (+2^-25)."""
-    hi = x.to(tl.float16)
-    lo = (x - hi.to(tl.float32)).to(tl.float16)
-    return hi, lo
-
-
-@triton.jit
 def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
                    S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """The fp16 split of x as one (S, R, 2 * BLOCK_H) dot operand: column 2h holds hi of
-    head h, column 2h + 1 its lo.  One dot against it computes both parts of every head,
-    and the heads fill the 8-wide side of the MMA instead of padding its 16-row side."""
-    hi, lo = _split_fp16(x)
+    """x = hi + lo + r with hi, lo fp16 and |r| <= 2^-22 |x| (+2^-25), as one (S, R, 2 * BLOCK_H)
+    dot operand: column 2h holds hi of head h, column 2h + 1 its lo.  One dot against it computes
+    both parts of every head, and the heads fill the 8-wide side of the MMA instead of padding
+    its 16-row side."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
     return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
 
 
@@ -708,22 +683,15 @@ def _dot_precision(device):
 
 
 def _block_sizes(d, G, ratio, P):
-    """Tile sizes, warps and stages for stage 1 (explicit; no autotuning), chosen with
-    the static model of python kernel.py --sass and checked spill-free on sm_80 and
-    sm_90a for every tested configuration (python kernel.py --sass --all), with
-    triton 3.7.1 (the pin) and 3.6.0.
-
-    Factored path, one group per row (the production case d = G = 128): 128-token tiles
-    of 8 sub-tiles, 4 warps, no software pipelining (at the bench case the model gives
-    about 2.0x the HBM time against 2.2-2.4x for 64 tokens with 1-3 stages); 64 tokens
-    when a page is shorter than 64.  Several groups per row: 64 tokens within a page, 32
-    when a tile gathers its tokens from several pages (a page index and d/G scale and
-    zero addresses per token), 32 for d = 256.  General path: 16 tokens, one sub-tile,
-    no pipelining (its per-dim scale and zero tiles and, for d < 64, its (tokens, heads,
-    d/4) product are large).  Every path may take up to 255 registers: left to itself,
-    ptxas settles at 168 on sm_90a and spills a few (in the factored path too, with the
-    ptxas of triton 3.7.1), and the extra instructions of a tighter limit cost more than
-    the occupancy they buy in the static model."""
+    """Tile sizes, warps and stages of stage 1 (explicit, no autotuning), chosen with the
+    static model of `python -m tools.sass`; every tested configuration compiles spill-free
+    for sm_80 and sm_90a (`pytest -m sass_all`; triton 3.7.1 and 3.6.0).
+    Factored, one group per row (d = G = 128): 128-token tiles of 8 sub-tiles, no software
+    pipelining (the model: 2.0x the HBM time, 2.2-2.4x for 64 tokens with 1-3 stages); 64
+    if a page is shorter.  Several groups per row: 64 within a page, 32 across pages (a page
+    and d/G scale and zero addresses per token) and for d = 256.  General path: 16 tokens,
+    one sub-tile (large per-dim scale and zero tiles).  Up to 255 registers: left alone,
+    ptxas settles at 168 on sm_90a and spills; a tighter limit costs more than it buys."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
@@ -792,20 +760,15 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
 def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                       n_quant, win_k, win_v, win_len, group_size, num_splits=None,
                       sm_scale=None, checked=True) -> torch.Tensor:
-    """Decode attention of q over an INT2 paged cache plus full-precision windows.
-
-    Returns (B, H_q, d) fp32.  num_splits: programs per (sequence, KV head) (None: chosen
-    from the GPU size); sm_scale: logit scale (None: 1/sqrt(d)).  Raises ValueError,
-    naming the argument, on any malformed input.
-
-    checked=True (default) also checks the values of n_quant, win_len and the used
-    block-table entries, which reads them on the host (a device synchronisation).
-    checked=False checks shapes, dtypes and devices only and never synchronises, so this
-    launch can be captured in a CUDA graph (a whole optr.decode_step cannot: its cache
-    append checks values and takes pages on the host); out-of-range lengths or
-    block-table entries are then undefined behaviour.  num_splits=None there sizes the
-    splits from the block table's capacity instead of the longest sequence.
-    """
+    """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d)
+    fp32.  num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale:
+    logit scale (None: 1/sqrt(d)).  A ValueError names any malformed argument.
+    checked=True also checks the values of n_quant, win_len and the used block-table entries,
+    reading them on the host (a device sync).  checked=False checks shapes, dtypes and devices
+    only and never syncs, so the launch can be captured in a CUDA graph (a whole
+    optr.decode_step cannot: its append takes pages on the host); out-of-range lengths or
+    entries are then undefined behaviour, and num_splits=None sizes the splits from the block
+    table's capacity instead of the longest sequence."""
     sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                           n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
     if checked:
@@ -822,29 +785,33 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 # ----------------------------------------------------------------------------
 # CPU kernels (numba): the same algorithm without a GPU, and the INT2 write
 # ----------------------------------------------------------------------------
-# Why numba: measured on 2 CPU cores for 30 SmolLM2-shaped layers (the issue's prototype
-# and this file), a numba loop over the packed codes beat torch.compile's elementwise form
-# by about 2x, compiles once (about 40 s on 2 cores: the decode 37 s, the write 2 s) and
-# then loads from its disk cache (__pycache__) in 0.6 s; a C++ extension was faster still
-# but took 40-70 s to compile and needs a compiler at run time.  numba is imported at the
-# first CPU call, never at import.
-# Algorithm: as the Triton kernel.  A job owns one (sequence, KV head, split): its share
-# of the INT2 tokens and of the window slots, all query heads of the KV head together
-# (each code row is unpacked once for them), q.k~ and p.V~ in Q2's affine form straight
-# from the codes, in two passes (the logits and their max, then p and the values); the jobs
-# run in parallel and their partials merge by log-sum-exp.  G = d (one group per row, the
-# real models') has its own job with no group loop (0.26 ms against 0.33 per KV head of SmolLM2
-# at 3,776 tokens, one thread).  Reassociated sums let LLVM vectorise; the result is the
-# reference's up to round-off.
+# Why numba: on 2 cores, 30 SmolLM2-shaped layers, a numba loop over the packed codes beat
+# torch.compile's elementwise form by about 2x; it compiles once (about 40 s) and loads from
+# its disk cache (__pycache__) in 0.6 s; a C++ extension was faster still but needs a compiler
+# at run time.  numba is imported at the first CPU call, never at import.
+# Algorithm: as the Triton kernel.  A job owns one (sequence, KV head, split) and all query
+# heads of the KV head (each code row is unpacked once for them); the jobs run in parallel
+# and their partials merge by log-sum-exp.  Reassociated sums let LLVM vectorise; the result
+# is the reference's up to round-off.
+
+def _cpu_unpack(codes, page, h, slot, out):
+    """out[:] = the d codes of row (page, h, slot) as fp32: byte j holds dims j, j + d/4, j + d/2,
+    j + 3d/4 (int32 shifts: AVX2 converts int32, not int64, to float)."""
+    D4 = codes.shape[3]
+    for c in range(4):
+        for j in range(D4):
+            out[c * D4 + j] = np.float32((np.int32(codes[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
+
 
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, o_part,
                     lse_part, job):
-    """One (sequence b, KV head h, split sp), G < d: its share of the INT2 tokens and window slots, in
+    """One (sequence b, KV head h, split sp): its share of the INT2 tokens and window slots, in
     two passes (all logits and their max, then p and the values: nothing is rescaled), with
-    q.k~ = sum_g s_g (q_g.c_g - z_g sum q_g) and p.V~ = sum_g (p s_g) c_g - sum p s_g z_g."""
+    q.k~ = sum_g s_g (q_g.c_g - z_g sum q_g) and p.V~ = sum_g (p s_g) c_g - sum_g p s_g z_g.
+    One group per row (G = d, the real models') has loops of its own, with no group loop."""
     f32 = np.float32
     B, Hq, d = q.shape
-    H, P, D4 = kc.shape[1], kc.shape[2], kc.shape[3]
+    H, P = kc.shape[1], kc.shape[2]
     R, NG = Hq // H, d // G
     b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
     n, w = nq[b], wl[b]
@@ -864,17 +831,21 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
     qs3, code2 = qs.reshape(R, NG, G), code.reshape(NG, G)            # views by Q2 group
     for i in range(nt):                                               # pass 1: INT2 logits
         page, slot = bt[b, (t0 + i) // P], (t0 + i) % P
-        for c in range(4):     # byte j: dims j, j + d/4, j + d/2, j + 3d/4; int32 shifts (AVX2 converts int32)
-            for j in range(D4):
-                code[c * D4 + j] = f32((np.int32(kc[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
+        cpu_unpack(kc, page, h, slot, code)
         for r in range(R):
-            y = f32(0.0)
-            for g in range(NG):
-                x = f32(0.0)
-                for k in range(G):        # indices from ranges (known >= 0): the loop vectorises
-                    x += qs3[r, g, k] * code2[g, k]
-                y += ks[page, h, slot, g] * (x - kz[page, h, slot, g] * qsum[r, g])
-            a[r, i] = y
+            if NG == 1:
+                y = f32(0.0)
+                for ch in range(d):
+                    y += qs[r, ch] * code[ch]
+                a[r, i] = ks[page, h, slot, 0] * (y - kz[page, h, slot, 0] * qsum[r, 0])
+            else:
+                y = f32(0.0)
+                for g in range(NG):
+                    x = f32(0.0)
+                    for k in range(G):        # indices from ranges (known >= 0): the loop vectorises
+                        x += qs3[r, g, k] * code2[g, k]
+                    y += ks[page, h, slot, g] * (x - kz[page, h, slot, g] * qsum[r, g])
+                a[r, i] = y
     for i in range(nw):                                               # the window tokens, exact
         for r in range(R):
             y = f32(0.0)
@@ -891,15 +862,19 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
     o3 = o.reshape(R, NG, G)
     for i in range(nt):                                               # pass 2: p V~
         page, slot = bt[b, (t0 + i) // P], (t0 + i) % P
-        for c in range(4):
-            for j in range(D4):
-                code[c * D4 + j] = f32((np.int32(vc[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
+        cpu_unpack(vc, page, h, slot, code)
         for r in range(R):
-            for g in range(NG):
-                x = a[r, i] * vs[page, h, slot, g]
-                psz[r, g] += x * vz[page, h, slot, g]
-                for k in range(G):
-                    o3[r, g, k] += x * code2[g, k]
+            if NG == 1:
+                x = a[r, i] * vs[page, h, slot, 0]
+                psz[r, 0] += x * vz[page, h, slot, 0]
+                for ch in range(d):
+                    o[r, ch] += x * code[ch]
+            else:
+                for g in range(NG):
+                    x = a[r, i] * vs[page, h, slot, g]
+                    psz[r, g] += x * vz[page, h, slot, g]
+                    for k in range(G):
+                        o3[r, g, k] += x * code2[g, k]
     for i in range(nw):
         for r in range(R):
             for ch in range(d):
@@ -910,84 +885,6 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
         lse_part[b, h * R + r, sp] = m[r] + np.log(l[r])
 
 
-def _cpu_decode_job_row(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, scale, n_split, o_part,
-                        lse_part, job):
-    """_cpu_decode_job for one group per row (G = d: the authors' choice and the real models'):
-    one scale and zero per token, so q.k~ = s (q.c - z sum q) and p.V~ = sum (p s) c - sum p s z
-    with no per-group loop; two passes (all logits, their max, then p and the values), so the
-    running sums are never rescaled."""
-    f32 = np.float32
-    B, Hq, d = q.shape
-    H, P, D4 = kc.shape[1], kc.shape[2], kc.shape[3]
-    R = Hq // H
-    b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
-    n, w = nq[b], wl[b]
-    t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split
-    w0, w1 = (w * sp) // n_split, (w * (sp + 1)) // n_split
-    qs = np.empty((R, d), dtype=f32)
-    qsum = np.zeros(R, dtype=f32)
-    for r in range(R):
-        for ch in range(d):
-            qs[r, ch] = q[b, h * R + r, ch] * scale
-            qsum[r] += qs[r, ch]
-    nt = t1 - t0
-    if nt + w1 - w0 == 0:                                           # nothing here: lse stays -inf
-        return
-    a = np.empty((R, nt + w1 - w0), dtype=f32)
-    code = np.empty(d, dtype=f32)
-    m = np.full(R, -np.inf, dtype=f32)
-    for i in range(nt):                                             # pass 1: logits
-        u = t0 + i
-        page, slot = bt[b, u // P], u % P
-        for c in range(4):                # int32 shifts: AVX2 converts int32, not int64, to float
-            for j in range(D4):
-                code[c * D4 + j] = f32((np.int32(kc[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
-        s, z = ks[page, h, slot, 0], kz[page, h, slot, 0]
-        for r in range(R):
-            y = f32(0.0)
-            for ch in range(d):
-                y += qs[r, ch] * code[ch]
-            a[r, i] = s * (y - z * qsum[r])
-    for i in range(w1 - w0):                                        # the window tokens, exact
-        for r in range(R):
-            y = f32(0.0)
-            for ch in range(d):
-                y += qs[r, ch] * wk[b, h, w0 + i, ch]
-            a[r, nt + i] = y
-    for r in range(R):
-        m[r] = a[r].max()
-    l = np.zeros(R, dtype=f32)
-    o = np.zeros((R, d), dtype=f32)
-    psz = np.zeros(R, dtype=f32)
-    for r in range(R):
-        for i in range(nt + w1 - w0):
-            p = np.exp(a[r, i] - m[r])
-            l[r] += p
-            a[r, i] = p
-    for i in range(nt):                                             # pass 2: p V~
-        u = t0 + i
-        page, slot = bt[b, u // P], u % P
-        for c in range(4):
-            for j in range(D4):
-                code[c * D4 + j] = f32((np.int32(vc[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
-        s, z = vs[page, h, slot, 0], vz[page, h, slot, 0]
-        for r in range(R):
-            x = a[r, i] * s
-            psz[r] += x * z
-            for ch in range(d):
-                o[r, ch] += x * code[ch]
-    for i in range(w1 - w0):
-        for r in range(R):
-            x = a[r, nt + i]
-            for ch in range(d):
-                o[r, ch] += x * wv[b, h, w0 + i, ch]
-    for r in range(R):
-        if l[r] > 0:
-            for ch in range(d):
-                o_part[b, h * R + r, sp, ch] = (o[r, ch] - psz[r]) / l[r]
-            lse_part[b, h * R + r, sp] = m[r] + np.log(l[r])
-
-
 def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split):
     """Stage 1 over (sequence, KV head, split) in parallel, then the log-sum-exp merge."""
     B, Hq, d = q.shape
@@ -995,10 +892,7 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split
     o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
     lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
     for job in numba_prange(B * H * n_split):
-        if G == d:
-            cpu_decode_job_row(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, scale, n_split, o_part, lse_part, job)
-        else:
-            cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, o_part, lse_part, job)
+        cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, o_part, lse_part, job)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
         b, j = bj // Hq, bj % Hq
@@ -1051,7 +945,7 @@ def _numba():
     g = globals()                                                        # workqueue 242 (SmolLM2)
     g["numba_prange"] = numba.prange
     g["cpu_decode_job"] = numba.njit(cache=True, fastmath=_FASTMATH)(_cpu_decode_job)
-    g["cpu_decode_job_row"] = numba.njit(cache=True, fastmath=_FASTMATH)(_cpu_decode_job_row)
+    g["cpu_unpack"] = numba.njit(cache=True, inline="always")(_cpu_unpack)
     decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
     store = numba.njit(cache=True)(_cpu_q2_store)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
@@ -1104,8 +998,7 @@ def q2_store(rows, clip, group_size, eps, codes, scale, zero, page, slot):
 # ----------------------------------------------------------------------------
 # python kernel.py --bench: the device's kernel against bf16 SDPA over a full cache
 # ----------------------------------------------------------------------------
-# Peak HBM bandwidth in GB/s, matched in order against torch.cuda.get_device_name().
-_PEAK_GBS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),
+_PEAK_GBS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),     # by device name, in order
              ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0)]
 BENCH_SHAPE = dict(H_q=32, H_kv=8, d=128, G=128, P=64, sink=64, recent=256)   # Qwen3-8B-like
 
@@ -1113,31 +1006,24 @@ BENCH_SHAPE = dict(H_q=32, H_kv=8, d=128, G=128, P=64, sink=64, recent=256)   # 
 def _random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
     """Random cache with a shuffled block table; every sequence has n_quant INT2 tokens."""
     blocks = triton.cdiv(n_quant, P)
-    num_pages = max(1, B * blocks)
-    gen = dict(device=device)
-    k_codes = torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
-    v_codes = torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
-    params = (num_pages, H_kv, P, d // G)
-    k_scale, v_scale = (0.05 + 0.1 * torch.rand(params, **gen) for _ in range(2))
-    k_zero, v_zero = (3.0 * torch.rand(params, **gen) for _ in range(2))
-    block_table = torch.randperm(num_pages, **gen)[:B * blocks].to(torch.int32).view(B, blocks)
-    return dict(
-        q=torch.randn(B, H_q, d, dtype=win_dtype, **gen),
-        k_codes=k_codes, k_scale=k_scale, k_zero=k_zero,
-        v_codes=v_codes, v_scale=v_scale, v_zero=v_zero, block_table=block_table,
-        n_quant=torch.full((B,), n_quant, dtype=torch.int32, **gen),
-        win_k=torch.randn(B, H_kv, NW, d, dtype=win_dtype, **gen),
-        win_v=torch.randn(B, H_kv, NW, d, dtype=win_dtype, **gen),
-        win_len=torch.full((B,), NW, dtype=torch.int32, **gen),
-        group_size=G)
+    num_pages, gen = max(1, B * blocks), dict(device=device)
+    codes = lambda: torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
+    params = lambda: torch.rand(num_pages, H_kv, P, d // G, **gen)
+    win = lambda *shape: torch.randn(*shape, dtype=win_dtype, **gen)
+    lens = lambda n: torch.full((B,), n, dtype=torch.int32, **gen)
+    return dict(q=win(B, H_q, d), k_codes=codes(), k_scale=0.05 + 0.1 * params(), k_zero=3.0 * params(),
+                v_codes=codes(), v_scale=0.05 + 0.1 * params(), v_zero=3.0 * params(),
+                block_table=torch.randperm(num_pages, **gen)[:B * blocks].to(torch.int32).view(B, blocks),
+                n_quant=lens(n_quant), win_k=win(B, H_kv, NW, d), win_v=win(B, H_kv, NW, d), win_len=lens(NW),
+                group_size=G)
 
 
 def _time_us(fn, device, reps=10):
     """Microseconds per call: CUDA graphs on a GPU (do_bench_cudagraph), else the median of reps."""
-    import time
     if device.type == "cuda":
         from triton.testing import do_bench_cudagraph
         return do_bench_cudagraph(fn) * 1e3
+    import time
     fn()                                                  # compile or load the CPU kernel
     times = []
     for _ in range(reps):
@@ -1147,65 +1033,63 @@ def _time_us(fn, device, reps=10):
     return sorted(times)[reps // 2] * 1e6
 
 
-def bench_rows(batches, contexts, device, shape=BENCH_SHAPE):
-    """One decode step per (batch, context): the INT2 kernel (unchecked: what the cache calls)
-    against bf16 scaled_dot_product_attention over a contiguous cache of the same tokens (the
-    query heads of a KV head as its query rows).  GB/s counts the bytes each must read."""
+def bench(batches, contexts, device, peak_gbs=None, shape=BENCH_SHAPE):
+    """Print a row per (batch, context): one decode step of the INT2 kernel (unchecked: what the
+    cache calls) against bf16 scaled_dot_product_attention over a contiguous cache of the same
+    tokens (a KV head's query heads as its query rows); GB/s counts the bytes each must read,
+    %peak is of the GPU's HBM bandwidth, where known."""
     import torch.nn.functional as F
-    H_q, H_kv, d, G, P = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P"))
-    NW = shape["sink"] + shape["recent"]
+    H_q, H_kv, d, G, P, sink, recent = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P", "sink", "recent"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    peak = peak_gbs or next((g for key, g in _PEAK_GBS if key in name), None)
+    print(f"{name}; triton {triton.__version__}, torch {torch.__version__}; H_q {H_q}, H_kv {H_kv}, "
+          f"d = G = {d}, page {P}, bf16 windows {sink} + {recent}")
+    print(f"{'batch':>5} {'ctx':>7} {'int2 us':>9} {'GB/s':>7} {'%peak':>6} {'bf16 us':>9} {'GB/s':>7} {'x bf16':>7}")
     decode = int2_paged_decode if device.type == "cuda" else int2_paged_decode_cpu
     for B in batches:
         for ctx in contexts:
-            n = ctx - NW
-            int2_bytes = 2 * B * H_kv * (n * (d // 4 + 8 * d // G) + NW * d * 2)  # codes, scale, zero, windows
+            NW = sink + recent
+            int2_bytes = 2 * B * H_kv * ((ctx - NW) * (d // 4 + 8 * d // G) + NW * d * 2)  # codes, s, z, windows
             bf16_bytes = 2 * B * H_kv * ctx * d * 2
             if device.type == "cuda" and 3 * (int2_bytes + bf16_bytes) > torch.cuda.mem_get_info(device)[0]:
-                yield dict(batch=B, ctx=ctx, skipped="does not fit in memory")
+                print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)", flush=True)
                 continue
-            args = _random_inputs(B, n, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
+            args = _random_inputs(B, ctx - NW, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
             int2_us = _time_us(lambda: decode(**args, checked=False), device)
             del args
             k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
             v, q = torch.randn_like(k), torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
             bf16_us = _time_us(lambda: F.scaled_dot_product_attention(q, k, v), device)
-            yield dict(batch=B, ctx=ctx, int2_us=int2_us, gbs=int2_bytes / int2_us / 1e3,
-                       bf16_us=bf16_us, bf16_gbs=bf16_bytes / bf16_us / 1e3)
+            gbs = int2_bytes / int2_us / 1e3
+            pct = f"{100 * gbs / peak:6.1f}" if peak else f"{'-':>6}"
+            print(f"{B:>5} {ctx:>7} {int2_us:>9.1f} {gbs:>7.0f} {pct} {bf16_us:>9.1f} "
+                  f"{bf16_bytes / bf16_us / 1e3:>7.0f} {bf16_us / int2_us:>6.2f}x", flush=True)
 
 
-def bench(batches, contexts, device, peak_gbs=None):
-    """Print the table a row at a time (%peak: of the GPU's HBM bandwidth, where known)."""
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    peak = peak_gbs or next((g for key, g in _PEAK_GBS if key in name), None)
-    s = BENCH_SHAPE
-    print(f"{name}; triton {triton.__version__}, torch {torch.__version__}; H_q {s['H_q']}, H_kv {s['H_kv']}, "
-          f"d = G = {s['d']}, page {s['P']}, bf16 windows {s['sink']} + {s['recent']}")
-    print(f"{'batch':>5} {'ctx':>7} {'int2 us':>9} {'GB/s':>7} {'%peak':>6} {'bf16 us':>9} {'GB/s':>7} {'x bf16':>7}")
-    for r in bench_rows(batches, contexts, device):
-        if "skipped" in r:
-            print(f"{r['batch']:>5} {r['ctx']:>7}  skipped ({r['skipped']})", flush=True)
-            continue
-        pct = f"{100 * r['gbs'] / peak:6.1f}" if peak else f"{'-':>6}"
-        print(f"{r['batch']:>5} {r['ctx']:>7} {r['int2_us']:>9.1f} {r['gbs']:>7.0f} {pct} {r['bf16_us']:>9.1f} "
-              f"{r['bf16_gbs']:>7.0f} {r['bf16_us'] / r['int2_us']:>6.2f}x", flush=True)
+def _ints(s):
+    """argparse type of --batches, --contexts: positive ints, comma-separated."""
+    import argparse
+    if not all(x.strip().isdigit() and int(x) > 0 for x in s.split(",")):
+        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, got {s!r}")
+    return tuple(int(x) for x in s.split(","))
 
 
 def main(argv=None):
     import argparse
+    cuda = torch.cuda.is_available() and not _INTERPRETED
     p = argparse.ArgumentParser(description="Time the INT2 paged decode (Triton on CUDA, numba on a CPU) "
                                             "against bf16 SDPA over a full cache.")
     p.add_argument("--bench", action="store_true", help="print the table (the only action)")
-    p.add_argument("--batches", default=None, help="default 1,8,32,64 on CUDA, 1,8 on a CPU")
-    p.add_argument("--contexts", default=None, help="default 1024,...,131072 on CUDA, 1024,4096,16384 on a CPU")
+    p.add_argument("--batches", type=_ints, default="1,8,32,64" if cuda else "1,8", help="default: %(default)s")
+    p.add_argument("--contexts", type=_ints, default="1024,4096,16384,32768,131072" if cuda else "1024,4096,16384",
+                   help="default: %(default)s")
     p.add_argument("--peak-gbs", type=float, default=None, help="HBM GB/s for %%peak (default: by GPU name)")
     args = p.parse_args(argv)
+    if args.peak_gbs is not None and not args.peak_gbs > 0:
+        p.error(f"--peak-gbs: expected a positive number, got {args.peak_gbs}")
     if not args.bench:
         return p.print_help()
-    cuda = torch.cuda.is_available() and not _INTERPRETED
-    ints = lambda s, default: tuple(int(x) for x in (s or default).split(","))
-    bench(ints(args.batches, "1,8,32,64" if cuda else "1,8"),
-          ints(args.contexts, "1024,4096,16384,32768,131072" if cuda else "1024,4096,16384"),
-          torch.device("cuda" if cuda else "cpu"), args.peak_gbs)
+    bench(args.batches, args.contexts, torch.device("cuda" if cuda else "cpu"), args.peak_gbs)
 
 
 if __name__ == "__main__":

@@ -1,13 +1,16 @@
 """
 The ladder harness both scripts share (train_tiny.py on the tiny model, eval_llm.py on a
 real LLM): what both do the same way, whatever the model and the data. The run config and
-its command line, the variants, calibration of every variant, key statistics, the Eq. 8
-split (and its key term per cached token) and E_rec, bits per element measured from the
-paged cache, the decode check through the paged cache, the gap closed, means and 95%
-intervals (Wilson, Student t), the table, the rotation file and results.json. Each script
-keeps only its data, its model and its metrics.
-kernel.py is not imported here: without a GPU it switches Triton to its CPU interpreter
-on import. A run that decodes with the kernel imports it at its start (decode_attention).
+its command line, the variants, calibration of every variant and the rotation file, key
+statistics, the Eq. 8 split (and its key term per cached token) and E_rec, bits per element
+measured from the paged cache, the decode check through the paged cache, a transformers Cache's
+bytes and peak memory (--bench-hf), the gap closed, means and 95% intervals (Wilson, Student t),
+the table, results.json, and the plots: the gap closed per run, and eval_llm's Figure 2 in
+small, key channels, KL and passkey against context. Each script keeps only its data, its
+model and its metrics. Imports: optr (and with it kernel.py, for its input checks), and
+kernel.py's decode where a run asks for it (decode_attention); neither switches anything on
+import: without a GPU the tests' conftest.py and each script's __main__ set TRITON_INTERPRET
+(Triton's CPU interpreter) before triton is imported.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from dataclasses import field, fields, replace
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import optr
 
@@ -442,7 +446,8 @@ def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
 
 
 # ----------------------------------------------------------------------------------------
-# H5. Serving: bits as stored, and the decode check through the paged INT2 cache
+# H5. Serving: bits as stored, and the decode check through the paged INT2 cache; a
+# transformers Cache's bytes and the peak memory (eval_llm's --bench-hf)
 # ----------------------------------------------------------------------------------------
 
 DECODE_ATTENDS = ("kernel", "reference")
@@ -528,6 +533,25 @@ def bits_per_element(cache: optr.PagedKVCache, seq: int, int2_only: bool = False
     return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
 
 
+def cache_bytes(cache) -> int:
+    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values."""
+    return sum(layer.nbytes() if isinstance(layer, optr.PagedLayer) else
+               sum(t.nbytes for t in (layer.keys, layer.values) if t is not None) for layer in cache.layers)
+
+
+def peak_mib(device: str, reset: bool = False) -> float:
+    """Peak memory since the last reset: allocated memory on CUDA; on the CPU the process's
+    resident set (Linux's VmHWM, reset through /proc/self/clear_refs)."""
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats() if reset else None
+        return torch.cuda.max_memory_allocated() / 2**20
+    if reset:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**10
+
+
 def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:
     """Bits per cached K/V element of idx (1, T) as stored in optr.PagedKVCache with bf16
     windows (as served), and of its INT2 part alone (None for full precision)."""
@@ -604,7 +628,7 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
 
 
 # ----------------------------------------------------------------------------------------
-# H6. Gap closed, means and 95% intervals, the table, results.json
+# H6. Gap closed, means and 95% intervals, the table, results.json (the plots: H7)
 # ----------------------------------------------------------------------------------------
 
 def gap_suffix(base: str, name: str) -> str:
@@ -649,47 +673,6 @@ def print_gap_closed(results: dict, metrics: dict, spread: bool, log=print):
             ours = VARIANTS[name].e2e or VARIANTS[name].clip
             log(f"gap closed by {name:<20} over {base:<6}: " + " | ".join(cells)
                 + ("  (ours)" if ours else ""))
-
-
-@contextlib.contextmanager
-def figure(paths: dict, size: tuple, title: str, *grid, **kw):
-    """`with figure({path: dpi}, size, title, rows, cols) as axes:` fig.subplots' axes; saved to
-    every path at its dpi on exit, or for {path: (dpi, n)} as an n-colour PNG (the README's figures:
-    a third of the bytes). matplotlib's Figure: no display, no global state."""
-    import io
-    from matplotlib.figure import Figure
-    from PIL import Image
-    fig = Figure(figsize=size)
-    yield fig.subplots(*grid, **kw)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    for path, (dpi, colours) in {p: (d, 0) if isinstance(d, int) else d for p, d in paths.items()}.items():
-        fig.savefig(png := io.BytesIO(), dpi=dpi)
-        image = Image.open(png)
-        (image.convert("RGB").quantize(colours) if colours else image).save(path, optimize=True)
-
-
-def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], path: str, title: str):
-    """The % of its base's gap in `metric` (kl, accuracy) each variant of `names` closes, one dot per
-    run (per_run: each seed's or calibration sample's gap_closed, labelled `runs`), its mean a bar;
-    written to path (800 px wide)."""
-    rows = [(b, n) for b in per_run[0] for n in names if n.startswith(b + "+")]
-    with figure({path: 80}, (10, 1.5 + 0.35 * len(rows)), title) as ax:
-        for i, (base, name) in enumerate(rows):
-            xs = [100 * g if (g := r[base][metric + gap_suffix(base, name)]) is not None else None for r in per_run]
-            for j, x in [(j, x) for j, x in enumerate(xs) if x is not None]:      # None: no gap
-                ax.plot([x], [i], "o", color=f"C{j % 10}", ms=5, alpha=0.8, label=runs[j] if i == 0 else None)
-            if got := [x for x in xs if x is not None]:
-                ax.plot([sum(got) / len(got)], [i], "|", color="k", ms=14, mew=2, label="mean" if i == 0 else None)
-        ax.set_yticks(range(len(rows)), [n + ("  (ours)" if VARIANTS[n].e2e or VARIANTS[n].clip else "")
-                                         for _, n in rows], fontsize=8)
-        ax.invert_yaxis()
-        for x in (0, 100):
-            ax.axvline(x, color="0.6", lw=0.8)
-        ax.set_xlabel(f"% of its base's {dict(kl='KL').get(metric, metric)} gap to full precision closed (0: the "
-                      "base, quarot or oscar; 100: full)", fontsize=8)
-        ax.legend(fontsize=7, ncol=len(runs) + 1, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
-    return path
 
 
 def mean_std(tables: list[dict]) -> tuple[dict, dict]:
@@ -803,3 +786,154 @@ def write_results(out_dir: str, cfg, timing: dict, key_stats: dict, variants: di
     with open(os.path.join(out_dir, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     return results
+
+
+# ----------------------------------------------------------------------------------------
+# H7. Plots (PNG): the gap closed per run; eval_llm's Figure 2 in small, key channels, and
+# KL and passkey against context
+# ----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def figure(paths: dict, size: tuple, title: str, *grid, **kw):
+    """`with figure({path: dpi}, size, title, rows, cols) as axes:` fig.subplots' axes; saved to
+    every path at its dpi on exit, or for {path: (dpi, n)} as an n-colour PNG (the README's figures:
+    a third of the bytes). matplotlib's Figure: no display, no global state."""
+    import io
+    from matplotlib.figure import Figure
+    from PIL import Image
+    fig = Figure(figsize=size)
+    yield fig.subplots(*grid, **kw)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    for path, (dpi, colours) in {p: (d, 0) if isinstance(d, int) else d for p, d in paths.items()}.items():
+        fig.savefig(png := io.BytesIO(), dpi=dpi)
+        image = Image.open(png)
+        (image.convert("RGB").quantize(colours) if colours else image).save(path, optimize=True)
+
+
+def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], path: str, title: str):
+    """The % of its base's gap in `metric` (kl, accuracy) each variant of `names` closes, one dot per
+    run (per_run: each seed's or calibration sample's gap_closed, labelled `runs`), its mean a bar;
+    written to path (800 px wide)."""
+    rows = [(b, n) for b in per_run[0] for n in names if n.startswith(b + "+")]
+    with figure({path: 80}, (10, 1.5 + 0.35 * len(rows)), title) as ax:
+        for i, (base, name) in enumerate(rows):
+            xs = [100 * g if (g := r[base][metric + gap_suffix(base, name)]) is not None else None for r in per_run]
+            for j, x in [(j, x) for j, x in enumerate(xs) if x is not None]:      # None: no gap
+                ax.plot([x], [i], "o", color=f"C{j % 10}", ms=5, alpha=0.8, label=runs[j] if i == 0 else None)
+            if got := [x for x in xs if x is not None]:
+                ax.plot([sum(got) / len(got)], [i], "|", color="k", ms=14, mew=2, label="mean" if i == 0 else None)
+        ax.set_yticks(range(len(rows)), [n + ("  (ours)" if VARIANTS[n].e2e or VARIANTS[n].clip else "")
+                                         for _, n in rows], fontsize=8)
+        ax.invert_yaxis()
+        for x in (0, 100):
+            ax.axvline(x, color="0.6", lw=0.8)
+        ax.set_xlabel(f"% of its base's {dict(kl='KL').get(metric, metric)} gap to full precision closed (0: the "
+                      "base, quarot or oscar; 100: full)", fontsize=8)
+        ax.legend(fontsize=7, ncol=len(runs) + 1, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
+    return path
+
+
+
+
+def plot_figure2(model, layer: int, head: int, qkv: tuple, mu, specs: dict, cal_qkv: tuple, n_queries: int,
+                 name: str, paths: dict) -> dict:
+    """Key norms before and after centering, and key_error_per_token with plain INT2, OSCAR,
+    centering, both, and full OptR (specs' oscar+optr, else quarot+optr), for KV head `head` of
+    `layer` on its captured qkv (q, k, v (1, H, T, d): the first T evaluation tokens); each one's
+    sum. mu (H_kv, d): the layer's calibration key mean; OSCAR's R_K: specs' oscar, else
+    optr.base_rotations of cal_qkv (the layer's calibration capture). Grey: model.cfg's exact sink
+    and recent window; name: the model's, in the title. paths {path: dpi}."""
+    c, n_q, w_o = model.cfg, n_queries, model.o_proj_heads(layer)
+    q, k, v = qkv
+    T = k.shape[2]
+    r_osc = (specs["oscar"][layer].r_k if specs.get("oscar")
+             else optr.base_rotations("oscar", *cal_qkv, c)[0])
+    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)), ("centering only",
+                optr.KVQuant(k_mean=mu)), ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
+    settings += [(f"full OptR ({n})", specs[n][layer]) for n in ("oscar+optr", "quarot+optr") if specs.get(n)][:1]
+    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
+    s, totals = list(range(T)), {}
+    title = (f"Figure 2 in small: layer {layer}, KV head {head} of {name}; key-induced output error "
+             f"by cached token (grey: exact sink and recent window)")
+    with figure(paths, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
+        top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
+        top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
+                 label="‖k_s − μ‖ (centered)")
+        top.set_ylabel("key magnitude")
+        top.legend(loc="upper right", fontsize=8)
+        colors = ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")
+        for (label, spec), color in zip(settings, colors):
+            e = key_error_per_token(model, q, k, v, w_o, spec, head, n_q)
+            totals[label] = e.sum().item()
+            bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
+                     label=f"{label}  (sum {totals[label]:.3g})")
+        bot.set(yscale="log", ylabel="‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)",
+                xlabel=f"cached token s (context {T}; queries: the last {n_q} positions)")
+        for ax in (top, bot):
+            ax.axvspan(0, c.sink, color="0.9", lw=0)
+            ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
+        bot.legend(loc="lower left", fontsize=8, ncol=2)
+    return totals
+
+
+def plot_key_channels(k, mu, layer: int, head: int, name: str, paths: dict):
+    """Per channel of KV head `head`'s keys in k (1, H_kv, T, d: `layer`'s, on the first T
+    evaluation tokens), post-RoPE and centered by mu (H_kv, d: the calibration key mean): mean,
+    std, max |k|. name: the model's, in the title. paths {path: dpi}."""
+    T = k.shape[2]
+    k = k[0, head].double()                                                # (T, d)
+    ch = list(range(k.shape[-1]))
+    title = (f"{name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
+             f"(μ from calibration text)")
+    with figure(paths, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
+        for ax, x, label in ((axes[0], k, "post-RoPE keys"),
+                             (axes[1], k - mu[head].double(), "centered: k − μ")):
+            mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
+            ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
+            ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
+            ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
+            ax.plot(ch, -mx, "_", color="tab:red", ms=6)
+            n_off = int((abs(mean) > std).sum())
+            ax.set_title(f"{label}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
+            ax.axhline(0, color="0.5", lw=0.5)
+        axes[0].legend(fontsize=8, ncol=3, loc="upper right")
+        axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
+
+
+def errorbar(ax, xs, mean, ci, **kw):
+    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
+    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
+    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
+    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
+
+
+def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, title: str, path: str):
+    """KL against context (rough block intervals; variants: eval_llm's rows, kl_by_ctx and kl_ci_by_ctx),
+    and for the variants that ran the passkey stage (n_prompts per length) its accuracy (Wilson) and
+    mean answer log-prob (t over prompts) against context; x ticks at contexts, passkey_contexts."""
+    with figure({path: 110}, (15, 4.2), title, 1, 3) as (a, b, c):
+        for i, (name, v) in enumerate(variants.items()):
+            kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
+            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
+            if name != "full":                                      # log axis: bars cut at m / 2
+                kl = list(v["kl_by_ctx"].values())
+                ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
+                errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)
+            if v.get("passkey"):
+                xp = [int(L) * shift for L in v["passkey"]]
+                for ax, key in ((b, "passkey"), (c, "passkey_logprob")):
+                    errorbar(ax, xp, list(v[key].values()), list(v[key + "_ci"].values()), **kw)
+        a.set(yscale="log", ylabel="KL(full ‖ variant), nats per token")
+        a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)",
+                    fontsize=9)
+        b.set(ylim=(-0.05, 1.05), ylabel="passkey accuracy (Wilson 95%)")
+        b.set_title(f"passkey retrieval, the same {n_prompts} prompts per length", fontsize=9)
+        c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
+        c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
+        for ax, xs in ((a, contexts), (b, passkey_contexts), (c, passkey_contexts)):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("context (tokens)")
+            if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
+                ax.legend(fontsize=7)

@@ -3125,7 +3125,7 @@ def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
     own on either side is a ValueError naming the layer."""
     model, kv = served_model("qwen2")
     with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
-        eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
+        optr.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
 
 
 def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
@@ -3445,7 +3445,7 @@ def served_model(kind="qwen2", seed=3, **kw):
 
 
 def exported(tmp_path, kv, cfg, folded=False, name="sglang"):
-    out = eval_llm.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
+    out = optr.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
     return [os.path.join(out, f) for f in ("k_rotation.pt", "v_rotation.pt", "k_mean.pt")]
 
 
@@ -3556,7 +3556,7 @@ def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_
     cfg = replace_cfg(model.cfg, **change)
     kv = quarot_specs(cfg) if "head_dim" in change else kv
     with pytest.raises(ValueError, match=match):
-        eval_llm.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
+        optr.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
 
 
 def hf_load(path):
@@ -4390,7 +4390,7 @@ def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tm
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False)
     with pytest.raises(ValueError, match=r"kv\[0\]: keys or values kept exact.*calibrate_hf\(\.\.\., sliding=True\)"):
-        eval_llm.export_sglang(kv, cfg, str(tmp_path / "default"))
+        optr.export_sglang(kv, cfg, str(tmp_path / "default"))
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
     k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
     for a, b in zip(kv, sglang_specs(k_path, v_path, cfg, mu_path)):
