@@ -2,7 +2,7 @@
 
 - Without CUDA, Triton's CPU interpreter: set here, before anything imports triton (the
   scripts do the same at their top; importing kernel.py or optr.py switches nothing).
-- `pytest -q` is the spec a learner reads, in about two minutes; the parts marked `slow`
+- `pytest -q` is the spec a learner reads, in under a minute on 2 cores; the parts marked `slow`
   (real models, the scripts end to end, SASS compiles, the tests that take many seconds)
   run with `pytest -q --full`, which is what CI runs.  `-m EXPR` picks by marker as usual
   (`pytest -m "kernel or gpu"` on a CUDA machine: the kernel tests and the device checks).

