@@ -19,9 +19,9 @@ ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped)
   7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
   8. Serving               value-rotation folding, INT2 packing, the paged INT2 cache, decode_step
   A. Fast paths            the key loss on the INT2 columns, block-wise simulation, prefill
-  B. Files                 checks of outside data; rotation files; Hugging Face, SGLang export
+  B. Files                 checks of outside data; rotation files; Hugging Face export
   D. Beyond the paper      ours: a clip searched per layer (optr+); end-to-end refinement
-  E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang's files: B)
+  E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: eval_llm.py)
   (C. Real checkpoints, GGUF and Hugging Face, load in eval_llm.py, their one caller.)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
@@ -1188,7 +1188,7 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
 
 
 # ----------------------------------------------------------------------------------------
-# B. Files: checks of what comes from outside, rotation files, export (Hugging Face, SGLang)
+# B. Files: checks of what comes from outside, rotation files, export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
 """
 What enters from outside raises a ValueError naming it (need, check_tensor): the rotation
@@ -1201,7 +1201,7 @@ file, export_hf the one it serves): a safetensors file holding, per variant NAME
 and as metadata the format, geometry, quantizer settings and per variant its parts, its
 quant_k / quant_v flags, per-layer clips (appendix D; absent or null: the settings') and
 whether R_V is folded. A part a variant lacks is None; loading checks every tensor (name,
-shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL). SGLang's files: export_sglang.
+shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL). SGLang's files: eval_llm.export_sglang.
 """
 
 ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the authors' artifact check)
@@ -1336,54 +1336,6 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
     return out_dir
 
 
-def export_sglang(kv: list, cfg: Config, out_dir: str, folded: bool = False) -> str:
-    """Write k_rotation.pt, v_rotation.pt (R_V for the original weights; the identity with
-    folded=True, beside export_hf's checkpoint), k_mean.pt when the variant centers, and
-    serve.env (the engine's flags and environment, from cfg). Returns out_dir. The authors' SGLang
-    fork (engine/sglang-research) reads torch.save dicts {k,v}_rotation.pt {"layers": {l:
-    {"rotation": (H_kv, d, d)}}}, k_mean.pt {"layers": {l: {"mu": (H_kv, d)}}}: optr's orientation
-    and packing, but it folds R_V into v_proj only, clips per row (equal at G = d), moves tokens to
-    INT2 8 at a time (sink, window multiples of 8), needs d a power of two."""
-    L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
-    for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
-                    (cfg.sink % 8 == cfg.window % 8 == 0,
-                     f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
-                    (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
-                    (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
-                    (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
-            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
-             "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
-            for l, s in enumerate(kv)] + [
-            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips of its own "
-             f"(c_K {s.clip_k}, c_V {s.clip_v}; appendix D), but the engine clips every layer at cfg's: use a "
-             "variant without them") for l, s in enumerate(kv)]:
-        need(ok, f"export_sglang: {msg}")
-    os.makedirs(out_dir, exist_ok=True)
-    eye = torch.eye(d).expand(H, d, d)
-    f32 = lambda t, default: (default if t is None else t).detach().float().cpu().contiguous().clone()
-    for side, Rs in (("k", [s.r_k for s in kv]), ("v", [None if folded else s.r_v for s in kv])):
-        torch.save({"format_version": 2, "objective": f"optr_output_aware_{side}",
-                    "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
-                    f32(R, eye)} for l, R in enumerate(Rs)}}, os.path.join(out_dir, f"{side}_rotation.pt"))
-    center = any(s.k_mean is not None for s in kv)
-    if center:                                      # a layer without mu gets mu = 0
-        torch.save({"format_version": 1, "layers": {l: {"layer_id": l, "mu": f32(s.k_mean,
-                    torch.zeros(H, d))} for l, s in enumerate(kv)}}, os.path.join(out_dir, "k_mean.pt"))
-    p = os.path.abspath(out_dir)
-    env = dict(SGLANG_ENABLE_MIXED_KV_WINDOWS=1, SGLANG_OSCAR_ABSORB_V_ROTATION=1,
-               SGLANG_MIXED_KV_PREFIX_TOKENS=cfg.sink, SGLANG_MIXED_KV_RECENT_TOKENS=cfg.window,
-               SGLANG_MIXED_KV_HP_DTYPE="bfloat16", SGLANG_MIXED_KV_SCALE_DTYPE="float32",
-               SGLANG_OSCAR_K_ROTATION_PATH=f"{p}/k_rotation.pt", SGLANG_OSCAR_V_ROTATION_PATH=f"{p}/v_rotation.pt",
-               SGLANG_OSCAR_K_CLIP_RATIO=cfg.clip_k, SGLANG_OSCAR_V_CLIP_RATIO=cfg.clip_v,
-               SGLANG_OSCAR_K_MEAN_IN_POOL=int(center), SGLANG_OSCAR_K_MEAN_PATH=f"{p}/k_mean.pt" if center else "")
-    with open(os.path.join(out_dir, "serve.env"), "w") as f:
-        f.write(f"# source this, then python -m sglang.launch_server --model-path MODEL $SGLANG_SERVER_ARGS"
-                f"\n# MODEL: {'optr.export_hf' if folded else 'the original'} checkpoint\nSGLANG_SERVER_ARGS="
-                f'"--kv-cache-dtype int2 --kv-cache-quant-group-size {G} --page-size 8"\n'
-                + "".join(f"export {k}={v}\n" for k, v in env.items()))
-    return out_dir
-
-
 # ----------------------------------------------------------------------------------------
 # D. Beyond the paper (ours): a clip searched per layer (OptR+), end-to-end refinement
 # ----------------------------------------------------------------------------------------
@@ -1505,7 +1457,7 @@ def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = No
 
 
 # ----------------------------------------------------------------------------------------
-# E. Serving elsewhere: transformers' generate() and models (SGLang's files: appendix B)
+# E. Serving elsewhere: transformers' generate() and models (SGLang's files: eval_llm.py)
 # ----------------------------------------------------------------------------------------
 """
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,

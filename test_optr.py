@@ -51,7 +51,7 @@ import eval_llm
 import ladder
 import optr
 from kernel import int2_paged_decode
-from tools import sass
+from tools import bench, sass
 
 F64 = torch.float64
 
@@ -3125,7 +3125,7 @@ def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
     own on either side is a ValueError naming the layer."""
     model, kv = served_model("qwen2")
     with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
-        optr.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
+        eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
 
 
 def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
@@ -3445,7 +3445,7 @@ def served_model(kind="qwen2", seed=3, **kw):
 
 
 def exported(tmp_path, kv, cfg, folded=False, name="sglang"):
-    out = optr.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
+    out = eval_llm.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
     return [os.path.join(out, f) for f in ("k_rotation.pt", "v_rotation.pt", "k_mean.pt")]
 
 
@@ -3556,7 +3556,7 @@ def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_
     cfg = replace_cfg(model.cfg, **change)
     kv = quarot_specs(cfg) if "head_dim" in change else kv
     with pytest.raises(ValueError, match=match):
-        optr.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
+        eval_llm.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
 
 
 def hf_load(path):
@@ -4390,7 +4390,7 @@ def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tm
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False)
     with pytest.raises(ValueError, match=r"kv\[0\]: keys or values kept exact.*calibrate_hf\(\.\.\., sliding=True\)"):
-        optr.export_sglang(kv, cfg, str(tmp_path / "default"))
+        eval_llm.export_sglang(kv, cfg, str(tmp_path / "default"))
     kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
     k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
     for a, b in zip(kv, sglang_specs(k_path, v_path, cfg, mu_path)):
@@ -4983,6 +4983,8 @@ def record_kernel_launches(monkeypatch, request):
                 return self.real[grid](*args, **kw)
             return launch
 
+    if kernel._INTERPRETED and not _LISTED:      # with the real kernels, before any test patches them
+        _LISTED.append(compiled_keys(KERNEL_LAUNCHES + [TINY_LAUNCH]))
     for name in kernel._KERNEL_NAMES:
         monkeypatch.setattr(kernel, name, Recording(name))
     yield launched
@@ -5118,7 +5120,7 @@ def tiny_kernel_error(device):
     """Max |Triton kernel - optr.paged_decode_reference| on TINY_LAUNCH's case on `device`."""
     torch.manual_seed(0)
     c = TINY_LAUNCH
-    args = kernel._random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
+    args = bench.random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
                                  c["NW"], torch.bfloat16, device)
     args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
     args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
@@ -5137,7 +5139,7 @@ def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_d
     assert plain.returncode == 0 and plain.stdout.split()[-1] == "False", plain.stderr
     r = _run_python(f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
                     f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-                    "import kernel, torch; a = kernel._random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
+                    "import kernel, torch; from tools.bench import random_inputs; a = random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
                     "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
                     "kernel.int2_paged_decode_cpu(**a)).abs().max().item())")
     assert r.returncode == 0, r.stderr[-3000:]
@@ -5166,15 +5168,15 @@ def test_memoized_interpreter_scan_finds_the_same_builtins():
 def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
     """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
     ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
-    r = _run_python("import kernel, torch; kernel.int2_paged_decode(**kernel._random_inputs("
+    r = _run_python("import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
                     "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
     assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
 
 
 def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
-    """`python kernel.py --bench` (here on the CPU: the compiled CPU kernel against bf16
+    """`python -m tools.bench` (here on the CPU: the compiled CPU kernel against bf16
     SDPA) prints its header and one timed row per (batch, context)."""
-    kernel.main(["--bench", "--batches", "1,2", "--contexts", "400"])
+    bench.main(["--batches", "1,2", "--contexts", "400"])
     rows = [l.split() for l in capsys.readouterr().out.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "400"], ["2", "400"]], rows
     assert all(float(r[2]) > 0 and r[-1].endswith("x") for r in rows), rows
@@ -5186,7 +5188,7 @@ def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
 # against itself (the Triton kernel in its interpreter), so they stay runnable.
 # ----------------------------------------------------------------------------
 SMALL = DEVICE.type != "cuda"
-GPU_SHAPE = dict(H_q=4, H_kv=2, d=64, G=64, P=16, sink=2, recent=6) if SMALL else dict(kernel.BENCH_SHAPE)
+GPU_SHAPE = dict(H_q=4, H_kv=2, d=64, G=64, P=16, sink=2, recent=6) if SMALL else dict(bench.BENCH_SHAPE)
 # The launch shapes of these checks at their full sizes (`pytest -m sass_all` compiles them):
 # the CUDA-graph launch (unchecked: splits sized from the block table) and the decode_step
 # and prefill checks (fp32 queries from the model, a block table as wide as the page pool).
@@ -5294,7 +5296,7 @@ def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference()
     torch.manual_seed(1)
     s = GPU_SHAPE
     n, NW = (40 if SMALL else 3000), s["sink"] + s["recent"]
-    args = kernel._random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, DEVICE)
+    args = bench.random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, DEVICE)
     run = lambda: int2_paged_decode(**args, checked=False)
     replay = run
     if DEVICE.type == "cuda":

@@ -1,0 +1,106 @@
+"""The decode kernels' benchmark: `python -m tools.bench` (kernel.py's device kernel against bf16 SDPA).
+
+One decode step per (batch, context) at a Qwen3-8B-like shape: the INT2 kernel (Triton on CUDA,
+numba on a CPU; unchecked, as the cache calls it) against bf16 scaled_dot_product_attention over
+a contiguous cache of the same tokens; GB/s counts the bytes each must read, %peak is of the
+GPU's HBM bandwidth.  random_inputs builds a random paged cache (the kernel tests use it too).
+No project import but kernel.py.
+"""
+import torch
+import triton
+
+import kernel
+
+_PEAK_GBS = [("H200", 4800.0), ("H100 PCIe", 2000.0), ("H100", 3350.0),     # by device name, in order
+             ("A100-SXM4-80GB", 2039.0), ("A100 80GB", 1935.0), ("A100", 1555.0)]
+BENCH_SHAPE = dict(H_q=32, H_kv=8, d=128, G=128, P=64, sink=64, recent=256)   # Qwen3-8B-like
+
+
+def random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
+    """Random cache with a shuffled block table; every sequence has n_quant INT2 tokens."""
+    blocks = triton.cdiv(n_quant, P)
+    num_pages, gen = max(1, B * blocks), dict(device=device)
+    codes = lambda: torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
+    params = lambda: torch.rand(num_pages, H_kv, P, d // G, **gen)
+    win = lambda *shape: torch.randn(*shape, dtype=win_dtype, **gen)
+    lens = lambda n: torch.full((B,), n, dtype=torch.int32, **gen)
+    return dict(q=win(B, H_q, d), k_codes=codes(), k_scale=0.05 + 0.1 * params(), k_zero=3.0 * params(),
+                v_codes=codes(), v_scale=0.05 + 0.1 * params(), v_zero=3.0 * params(),
+                block_table=torch.randperm(num_pages, **gen)[:B * blocks].to(torch.int32).view(B, blocks),
+                n_quant=lens(n_quant), win_k=win(B, H_kv, NW, d), win_v=win(B, H_kv, NW, d), win_len=lens(NW),
+                group_size=G)
+
+
+def _time_us(fn, device, reps=10):
+    """Microseconds per call: CUDA graphs on a GPU (do_bench_cudagraph), else the median of reps."""
+    if device.type == "cuda":
+        from triton.testing import do_bench_cudagraph
+        return do_bench_cudagraph(fn) * 1e3
+    import time
+    fn()                                                  # compile or load the CPU kernel
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[reps // 2] * 1e6
+
+
+def bench(batches, contexts, device, peak_gbs=None, shape=BENCH_SHAPE):
+    """Print a row per (batch, context): one decode step of the INT2 kernel (unchecked: what the
+    cache calls) against bf16 scaled_dot_product_attention over a contiguous cache of the same
+    tokens (a KV head's query heads as its query rows); GB/s counts the bytes each must read,
+    %peak is of the GPU's HBM bandwidth, where known."""
+    import torch.nn.functional as F
+    H_q, H_kv, d, G, P, sink, recent = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P", "sink", "recent"))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    peak = peak_gbs or next((g for key, g in _PEAK_GBS if key in name), None)
+    print(f"{name}; triton {triton.__version__}, torch {torch.__version__}; H_q {H_q}, H_kv {H_kv}, "
+          f"d = G = {d}, page {P}, bf16 windows {sink} + {recent}")
+    print(f"{'batch':>5} {'ctx':>7} {'int2 us':>9} {'GB/s':>7} {'%peak':>6} {'bf16 us':>9} {'GB/s':>7} {'x bf16':>7}")
+    decode = kernel.int2_paged_decode if device.type == "cuda" else kernel.int2_paged_decode_cpu
+    for B in batches:
+        for ctx in contexts:
+            NW = sink + recent
+            int2_bytes = 2 * B * H_kv * ((ctx - NW) * (d // 4 + 8 * d // G) + NW * d * 2)  # codes, s, z, windows
+            bf16_bytes = 2 * B * H_kv * ctx * d * 2
+            if device.type == "cuda" and 3 * (int2_bytes + bf16_bytes) > torch.cuda.mem_get_info(device)[0]:
+                print(f"{B:>5} {ctx:>7}  skipped (does not fit in memory)", flush=True)
+                continue
+            args = random_inputs(B, ctx - NW, H_q, H_kv, d, G, P, NW, torch.bfloat16, device)
+            int2_us = _time_us(lambda: decode(**args, checked=False), device)
+            del args
+            k = torch.randn(B, H_kv, ctx, d, dtype=torch.bfloat16, device=device)
+            v, q = torch.randn_like(k), torch.randn(B, H_kv, H_q // H_kv, d, dtype=torch.bfloat16, device=device)
+            bf16_us = _time_us(lambda: F.scaled_dot_product_attention(q, k, v), device)
+            gbs = int2_bytes / int2_us / 1e3
+            pct = f"{100 * gbs / peak:6.1f}" if peak else f"{'-':>6}"
+            print(f"{B:>5} {ctx:>7} {int2_us:>9.1f} {gbs:>7.0f} {pct} {bf16_us:>9.1f} "
+                  f"{bf16_bytes / bf16_us / 1e3:>7.0f} {bf16_us / int2_us:>6.2f}x", flush=True)
+
+
+def _ints(s):
+    """argparse type of --batches, --contexts: positive ints, comma-separated."""
+    import argparse
+    if not all(x.strip().isdigit() and int(x) > 0 for x in s.split(",")):
+        raise argparse.ArgumentTypeError(f"expected positive ints separated by commas, got {s!r}")
+    return tuple(int(x) for x in s.split(","))
+
+
+def main(argv=None):
+    import argparse
+    cuda = torch.cuda.is_available() and not kernel._INTERPRETED
+    p = argparse.ArgumentParser(description="Time the INT2 paged decode (Triton on CUDA, numba on a CPU) "
+                                            "against bf16 SDPA over a full cache: a table.")
+    p.add_argument("--batches", type=_ints, default="1,8,32,64" if cuda else "1,8", help="default: %(default)s")
+    p.add_argument("--contexts", type=_ints, default="1024,4096,16384,32768,131072" if cuda else "1024,4096,16384",
+                   help="default: %(default)s")
+    p.add_argument("--peak-gbs", type=float, default=None, help="HBM GB/s for %%peak (default: by GPU name)")
+    args = p.parse_args(argv)
+    if args.peak_gbs is not None and not args.peak_gbs > 0:
+        p.error(f"--peak-gbs: expected a positive number, got {args.peak_gbs}")
+    bench(args.batches, args.contexts, torch.device("cuda" if cuda else "cpu"), args.peak_gbs)
+
+
+if __name__ == "__main__":
+    main()
