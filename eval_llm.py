@@ -640,8 +640,9 @@ def export_sglang(kv: list, cfg: optr.Config, out_dir: str, folded: bool = False
     centers, serve.env (flags, environment). Their torch.save dicts hold optr's orientation and packing;
     the engine folds R_V into v_proj only, clips per row, moves tokens 8 at a time, needs d = 2^n."""
     L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
-    for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"), (cfg.sink % 8 ==
-                     cfg.window % 8 == 0, f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
+    for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
+                    (cfg.sink % 8 == cfg.window % 8 == 0,
+                     f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
                     (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
                     (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
                     (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [

@@ -834,8 +834,6 @@ def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], pa
     return path
 
 
-
-
 def plot_figure2(model, layer: int, head: int, qkv: tuple, mu, specs: dict, cal_qkv: tuple, n_queries: int,
                  name: str, paths: dict) -> dict:
     """Key norms before and after centering, and key_error_per_token with plain INT2, OSCAR,

@@ -5121,7 +5121,7 @@ def tiny_kernel_error(device):
     torch.manual_seed(0)
     c = TINY_LAUNCH
     args = bench.random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
-                                 c["NW"], torch.bfloat16, device)
+                               c["NW"], torch.bfloat16, device)
     args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
     args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
     out = int2_paged_decode(**args, num_splits=c["num_splits"])
@@ -5180,6 +5180,14 @@ def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
     rows = [l.split() for l in capsys.readouterr().out.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "400"], ["2", "400"]], rows
     assert all(float(r[2]) > 0 and r[-1].endswith("x") for r in rows), rows
+
+
+def test_the_bench_refuses_a_batch_list_with_a_zero_as_a_usage_error(capsys):
+    """`python -m tools.bench --batches 1,0`: argparse's error naming the flag (exit 2), before any
+    timing, not a traceback from an empty batch."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--batches", "1,0", "--contexts", "400"])
+    assert e.value.code == 2 and "--batches" in capsys.readouterr().err
 
 
 # ----------------------------------------------------------------------------
