@@ -803,18 +803,19 @@ def _cpu_unpack(codes, page, h, slot, out):
             out[c * D4 + j] = np.float32((np.int32(codes[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
 
 
-def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, o_part,
+def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                     lse_part, job):
     """One (sequence b, KV head h, split sp): its share of the INT2 tokens and window slots, in
     two passes (all logits and their max, then p and the values: nothing is rescaled), with
     q.k~ = sum_g s_g (q_g.c_g - z_g sum q_g) and p.V~ = sum_g (p s_g) c_g - sum_g p s_g z_g.
-    One group per row (G = d, the real models') has loops of its own, with no group loop."""
+    Sequence b reads block-table and window row rows[b]. One group per row (G = d, the real
+    models') has loops of its own, with no group loop."""
     f32 = np.float32
     B, Hq, d = q.shape
     H, P = kc.shape[1], kc.shape[2]
     R, NG = Hq // H, d // G
     b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
-    n, w = nq[b], wl[b]
+    n, w, s = nq[b], wl[b], rows[b]
     t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split          # INT2 tokens [t0, t1)
     w0, w1 = (w * sp) // n_split, (w * (sp + 1)) // n_split          # window slots [w0, w1)
     nt, nw = t1 - t0, w1 - w0
@@ -830,7 +831,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
     code = np.empty(d, dtype=f32)
     qs3, code2 = qs.reshape(R, NG, G), code.reshape(NG, G)            # views by Q2 group
     for i in range(nt):                                               # pass 1: INT2 logits
-        page, slot = bt[b, (t0 + i) // P], (t0 + i) % P
+        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
         cpu_unpack(kc, page, h, slot, code)
         for r in range(R):
             if NG == 1:
@@ -850,7 +851,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
         for r in range(R):
             y = f32(0.0)
             for ch in range(d):
-                y += qs[r, ch] * wk[b, h, w0 + i, ch]
+                y += qs[r, ch] * wk[s, h, w0 + i, ch]
             a[r, nt + i] = y
     m, l = np.empty(R, dtype=f32), np.zeros(R, dtype=f32)
     for r in range(R):
@@ -861,7 +862,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
     o, psz = np.zeros((R, d), dtype=f32), np.zeros((R, NG), dtype=f32)
     o3 = o.reshape(R, NG, G)
     for i in range(nt):                                               # pass 2: p V~
-        page, slot = bt[b, (t0 + i) // P], (t0 + i) % P
+        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
         cpu_unpack(vc, page, h, slot, code)
         for r in range(R):
             if NG == 1:
@@ -878,21 +879,22 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_s
     for i in range(nw):
         for r in range(R):
             for ch in range(d):
-                o[r, ch] += a[r, nt + i] * wv[b, h, w0 + i, ch]
+                o[r, ch] += a[r, nt + i] * wv[s, h, w0 + i, ch]
     for r in range(R):
         for ch in range(d):
             o_part[b, h * R + r, sp, ch] = (o[r, ch] - psz[r, ch // G]) / l[r]
         lse_part[b, h * R + r, sp] = m[r] + np.log(l[r])
 
 
-def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split):
+def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split):
     """Stage 1 over (sequence, KV head, split) in parallel, then the log-sum-exp merge."""
     B, Hq, d = q.shape
     H = kc.shape[1]
     o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
     lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
     for job in numba_prange(B * H * n_split):
-        cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split, o_part, lse_part, job)
+        cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
+                       lse_part, job)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
         b, j = bj // Hq, bj % Hq
@@ -907,32 +909,112 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, G, scale, n_split
     return out
 
 
-def _cpu_q2_store(rows, clip_rank, G, eps, codes, scale, zero, page, slot):
-    """Q2's storage form of rows (N, H, d) fp32 into codes (pages, H, P, d/4), scale and zero
-    (pages, H, P, d/G) at [page[i], :, slot[i]]: q2_quantize's numbers, bit for bit."""
+def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
+    """Q2's storage form of one row x (d,) fp32 into codes[page, h, slot] (d/4 bytes), scale and
+    zero[page, h, slot] (d/G): q2_quantize's numbers, bit for bit. code: (d,) uint8 scratch."""
     f32 = np.float32
-    N, H, d = rows.shape
+    d = x.shape[0]
     D4 = d // 4
-    code = np.empty(d, dtype=np.uint8)
-    for i in range(N):
+    for g in range(d // G):
+        xg = x[g * G:(g + 1) * G]
+        tau = np.sort(np.abs(xg))[rank]                            # |x| at rank floor(c G)
+        mn, mx = f32(np.inf), f32(-np.inf)
+        for k in range(G):
+            y = max(min(xg[k], tau), -tau)
+            mn, mx = min(mn, y), max(mx, y)
+        s = max(mx - mn, eps) / f32(3.0)                            # range floored, then divided
+        z = -mn / s
+        for k in range(G):
+            y = max(min(xg[k], tau), -tau)
+            code[g * G + k] = np.uint8(min(max(np.floor(y / s + z + f32(0.5)), f32(0.0)), f32(3.0)))
+        scale[page, h, slot, g], zero[page, h, slot, g] = s, z
+    for j in range(D4):
+        codes[page, h, slot, j] = (code[j] | (code[D4 + j] << 2) | (code[2 * D4 + j] << 4)
+                                   | (code[3 * D4 + j] << 6))
+
+
+def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
+    """Q2's storage form of rows (N, H, d) fp32 into codes (pages, H, P, d/4), scale and zero
+    (pages, H, P, d/G) at [page[i], :, slot[i]]."""
+    code = np.empty(rows.shape[2], dtype=np.uint8)
+    for i in range(rows.shape[0]):
+        for h in range(rows.shape[1]):
+            cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i], code)
+
+
+def _cpu_rotate(x, mu, R, h, out):
+    """out = (x - mu[h]) R[h] for one row: the difference in fp32, the product summed in float64
+    and rounded once, as optr.rotate_rows computes it (so any summation order stores alike)."""
+    d = x.shape[0]
+    xc = np.empty(d, dtype=np.float64)
+    for i in range(d):
+        xc[i] = np.float64(x[i] - mu[h, i])
+    for j in range(d):
+        acc = 0.0
+        for i in range(d):
+            acc += xc[i] * np.float64(R[h, i, j])
+        out[j] = np.float32(acc)
+
+
+def _cpu_step(q, k, v, mu, rk, rv, rotate_v, kc, ks, kz, vc, vs, vz, bt, wk, wv, length, seqs,
+              rank_k, rank_v, G, eps, S, W, scale, n_split, out):
+    """One INT2 layer's decode step, one new token per sequence (optr.paged_step's, in one call):
+    q (B, H_q, 1, d), k, v (B, H_kv, 1, d) fp32 post-RoPE. Stores (k - mu) R_K and v R_V (v as
+    given unless rotate_v): token p = length[seqs[b]] goes to window slot p (p < S) or ring slot
+    S + (p - S) % W, whose previous token p - W (p >= S + W) first goes to INT2 index p - W - S
+    (Q2 of its window copy), or with W = 0 straight to INT2 index p - S; length advances. Then
+    decodes q R_K over the sequence as held now, into out (B, 1, H_q, d) fp32 (by R_V^T back to
+    the model's basis if rotate_v). Pages come from the block table: reserved by the caller."""
+    B, Hq, d = q.shape[0], q.shape[1], q.shape[3]
+    H, P = kc.shape[1], kc.shape[2]
+    R = Hq // H
+    row, code = np.empty(d, dtype=np.float32), np.empty(d, dtype=np.uint8)
+    zeros = np.zeros((H, d), dtype=np.float32)
+    nq, wl = np.empty(B, dtype=np.int32), np.empty(B, dtype=np.int32)
+    page, ps = 0, 0
+    for b in range(B):
+        s = seqs[b]
+        p = length[s]
+        slot = p if p < S else (S + (p - S) % W if W > 0 else -1)
         for h in range(H):
-            x = rows[i, h]
-            for g in range(d // G):
-                xg = x[g * G:(g + 1) * G]
-                tau = np.sort(np.abs(xg))[clip_rank]               # |x| at rank floor(c G)
-                mn, mx = f32(np.inf), f32(-np.inf)
-                for k in range(G):
-                    y = max(min(xg[k], tau), -tau)
-                    mn, mx = min(mn, y), max(mx, y)
-                s = max(mx - mn, eps) / f32(3.0)                    # range floored, then divided
-                z = -mn / s
-                for k in range(G):
-                    y = max(min(xg[k], tau), -tau)
-                    code[g * G + k] = np.uint8(min(max(np.floor(y / s + z + f32(0.5)), f32(0.0)), f32(3.0)))
-                scale[page[i], h, slot[i], g], zero[page[i], h, slot[i], g] = s, z
-            for j in range(D4):
-                codes[page[i], h, slot[i], j] = (code[j] | (code[D4 + j] << 2) | (code[2 * D4 + j] << 4)
-                                                 | (code[3 * D4 + j] << 6))
+            if p >= S + W:                                        # a token goes INT2
+                n = p - W - S
+                page, ps = bt[s, n // P], n % P
+                if W > 0:                                         # the ring's oldest: its window copy
+                    cpu_q2_row(wk[s, h, slot], rank_k, G, eps, kc, ks, kz, page, h, ps, code)
+                    cpu_q2_row(wv[s, h, slot], rank_v, G, eps, vc, vs, vz, page, h, ps, code)
+            cpu_rotate(k[b, h, 0], mu, rk, h, row)
+            if slot >= 0:
+                wk[s, h, slot] = row
+            else:
+                cpu_q2_row(row, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
+            if rotate_v:
+                cpu_rotate(v[b, h, 0], zeros, rv, h, row)
+            else:
+                row[:] = v[b, h, 0]
+            if slot >= 0:
+                wv[s, h, slot] = row
+            else:
+                cpu_q2_row(row, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
+        length[s] = p + 1
+        nq[b], wl[b] = max(0, p + 1 - S - W), min(p + 1, S + W)
+    qr = np.empty((B, Hq, d), dtype=np.float32)                   # q R_K
+    for b in range(B):
+        for j in range(Hq):
+            cpu_rotate(q[b, j, 0], zeros, rk, j // R, qr[b, j])
+    o = cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
+    for b in range(B):
+        for j in range(Hq):
+            if rotate_v:                                          # o R_V^T
+                h = j // R
+                for i in range(d):
+                    acc = np.float32(0.0)
+                    for e in range(d):
+                        acc += o[b, j, e] * rv[h, i, e]
+                    out[b, 0, j, i] = acc
+            else:
+                out[b, 0, j] = o[b, j]
+
 
 _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep inf and NaN semantics
 
@@ -946,10 +1028,18 @@ def _numba():
     g["numba_prange"] = numba.prange
     g["cpu_decode_job"] = numba.njit(cache=True, fastmath=_FASTMATH)(_cpu_decode_job)
     g["cpu_unpack"] = numba.njit(cache=True, inline="always")(_cpu_unpack)
-    decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
+    g["cpu_q2_row"] = numba.njit(cache=True)(_cpu_q2_row)
+    g["cpu_rotate"] = numba.njit(cache=True)(_cpu_rotate)
+    g["cpu_decode"] = decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
     store = numba.njit(cache=True)(_cpu_q2_store)
+    step = numba.njit(cache=True)(_cpu_step)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    return decode, store
+    return decode, store, step
+
+
+def _cpu_splits(B, H_kv, longest):
+    """Splits per (sequence, KV head): about two jobs per thread, at least 256 tokens each."""
+    return max(1, min(-(-2 * torch.get_num_threads() // (B * H_kv)), longest // 256))
 
 
 def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
@@ -957,8 +1047,7 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
                           sm_scale=None, checked=True) -> torch.Tensor:
     """int2_paged_decode on the CPU, compiled by numba: the same arguments and result (B, H_q, d)
     fp32, a ValueError naming a malformed argument.  checked=False checks nothing (the caller
-    vouches for the view, as optr's cache does for the one it builds): no per-call cost, and
-    malformed inputs are undefined behaviour."""
+    vouches for the view): no per-call cost, and malformed inputs are undefined behaviour."""
     if checked:
         sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                               n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
@@ -966,17 +1055,29 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
             fail("q", "a CPU tensor (int2_paged_decode runs on CUDA)", q.device)
         _check_values(k_codes, block_table, n_quant, win_len, sizes)
     B, H_kv, d = q.shape[0], k_codes.shape[1], q.shape[2]
-    longest = int(n_quant.max()) + int(win_len.max())
-    decode, _ = _numba()
-    if num_splits is None:      # about two jobs per thread, at least 256 tokens each
-        threads = torch.get_num_threads()
-        num_splits = max(1, min(-(-2 * threads // (B * H_kv)), longest // 256))
+    nq, wl = n_quant.numpy(), win_len.numpy()
+    decode = _numba()[0]
+    num_splits = num_splits or _cpu_splits(B, H_kv, int(nq.max()) + int(wl.max()))
     fp32 = lambda x: x.detach().float().numpy()   # bf16 windows: numba has no bf16
     out = decode(q.detach().float().numpy(), k_codes.numpy(), k_scale.numpy(), k_zero.numpy(), v_codes.numpy(),
-                 v_scale.numpy(), v_zero.numpy(), block_table.numpy(), n_quant.numpy(), fp32(win_k),
-                 fp32(win_v), win_len.numpy(), group_size,
-                 np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), num_splits)
+                 v_scale.numpy(), v_zero.numpy(), block_table.numpy(), nq, fp32(win_k), fp32(win_v), wl,
+                 np.arange(B), group_size, np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale),
+                 num_splits)
     return torch.from_numpy(out)
+
+
+def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: int, rank_v: int,
+                    group_size: int, eps: float, sink: int, window: int, sm_scale: float, out):
+    """One INT2 layer's decode step in one compiled call (_cpu_step): q (B, H_q, 1, d), k, v
+    (B, H_kv, 1, d) fp32 tensors (any strides); mu (H_kv, d), r_k, r_v (H_kv, d, d) and the
+    layer's storage `pages` (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
+    win_k, win_v) as numpy arrays, length (max_seqs,) int64 and seqs (B,) int64 numpy; r_v None:
+    v stored as given. Writes out (B, 1, H_q, d) fp32 numpy. Unchecked: optr's cache vouches."""
+    B, H = q.shape[0], pages[0].shape[1]
+    splits = _cpu_splits(B, H, int(length[seqs].max()) + 1)
+    _numba()[2](q.numpy(), k.numpy(), v.numpy(), mu, r_k, r_k if r_v is None else r_v, r_v is not None,
+                *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
+                np.float32(sm_scale), splits, out)
 
 
 def paged_decode(q, **view) -> torch.Tensor:

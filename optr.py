@@ -41,6 +41,7 @@ import os
 import time
 from dataclasses import dataclass, replace
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -817,15 +818,10 @@ def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
 
 
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
-    """x (n, H, T, d) @ R (H, d, d) per head, one (1, d) x (d, d) product per token, so that
-    writing T tokens at once stores what T appends of one token store, bit for bit (256 tokens
-    at a time: the broadcast copies R per token)."""
-    if R is None:
-        return x
-    R = R.to(x.dtype)
-    if x.shape[2] == 1:                                   # one token: the same (1, d) x (d, d) products
-        return x @ R
-    return torch.cat([(c.unsqueeze(-2) @ R[:, None]).squeeze(-2) for c in x.split(256, dim=2)], 2)
+    """x (n, H, T, d) @ R (H, d, d) per head, summed in float64 and rounded once to x's dtype: the
+    fp32 products are exact in float64, so any summation order (T tokens at once, one at a time,
+    the compiled step's loop) stores the same numbers, bit for bit."""
+    return x if R is None else (x.double() @ R.double()).to(x.dtype)
 
 
 def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
@@ -876,27 +872,36 @@ class PagedKVCache:
     """Page pool + block tables + full-precision windows, for every layer of a model."""
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
-                 window_dtype=torch.float32, device="cpu"):
+                 window_dtype=torch.float32, device="cpu", grow: bool = False):
+        """num_pages: the page budget, allocated at once, or (grow) as sequences reach new pages."""
         assert num_pages >= 1 and max_seqs >= 1 and len(kv) == cfg.n_layers, "pages, seqs, a KVQuant per layer"
         assert all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context"
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
-        NW = cfg.sink + cfg.window
+        NW, self.budget, self._views = cfg.sink + cfg.window, num_pages, None
         u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
-        self.k_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)   # (L, pages, H_kv, P, d/4)
-        self.v_codes = torch.zeros(L, num_pages, H, P, d // 4, **u8)
-        self.k_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)  # (L, pages, H_kv, P, d/G)
-        self.k_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
-        self.v_scale = torch.zeros(L, num_pages, H, P, d // G, **f32)
-        self.v_zero = torch.zeros(L, num_pages, H, P, d // G, **f32)
+        n = 0 if grow else num_pages                                   # pages allocated
+        self.k_codes = torch.zeros(L, n, H, P, d // 4, **u8)           # (L, pages, H_kv, P, d/4)
+        self.v_codes = torch.zeros(L, n, H, P, d // 4, **u8)
+        self.k_scale = torch.zeros(L, n, H, P, d // G, **f32)          # (L, pages, H_kv, P, d/G)
+        self.k_zero = torch.zeros(L, n, H, P, d // G, **f32)
+        self.v_scale = torch.zeros(L, n, H, P, d // G, **f32)
+        self.v_zero = torch.zeros(L, n, H, P, d // G, **f32)
         self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
         self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
+        self._len = self.length.numpy()                                # the same, read without torch
         self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
+        # the compiled decode step (appendix A): CPU pages, fp32 windows; mu, R_K as numpy arrays
+        self.compiled = torch.device(device).type == "cpu" and window_dtype == torch.float32
+        eye, zero = torch.eye(d).expand(H, d, d), torch.zeros(H, d)
+        self._rot = [(zero if s.k_mean is None else s.k_mean.float(), eye if s.r_k is None else s.r_k.float())
+                     for s in self.kv] if self.compiled else None
+        self._rot = self._rot and [tuple(t.cpu().contiguous().numpy() for t in r) for r in self._rot]
 
     # -- sequences and pages ------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -933,7 +938,7 @@ class PagedKVCache:
         P, exact = c.page_size, c.sink + c.window            # tokens held before INT2 index 0
         want = []                                             # (token step, i, seq, block)
         for i, s in enumerate(seqs):
-            n0 = int(self.length[layer, s])
+            n0 = int(self._len[layer, s])
             lo, hi = max(0, n0 - exact), max(0, n0 + n_tokens - exact)   # new INT2 indices
             for blk in range(max(lo // P, len(self.pages[s])), (hi + P - 1) // P):   # pages it lacks
                 want.append((max(blk * P, lo) + exact - n0, i, s, blk))  # step that writes it
@@ -944,6 +949,18 @@ class PagedKVCache:
         for _, _, s, blk in sorted(want):
             self.pages[s].append(self.free_pages.pop(0))
             self.block_table[s, blk] = self.pages[s][-1]
+        if want:
+            self._grow(1 + max(self.pages[s][-1] for _, _, s, _ in want))
+
+    def _grow(self, n: int):
+        """At least n pages allocated (1/8 more than before, within the budget), contents kept."""
+        have = self.k_codes.shape[1]
+        if n > have:
+            n = min(self.budget, max(n, have + have // 8))
+            for name in PACKED:
+                old = getattr(self, name)
+                setattr(self, name, torch.cat([old, old.new_zeros(old.shape[0], n - have, *old.shape[2:])], 1))
+            self._views = None
 
     # -- writes: one path, extend; append is extend of one token ------------------------
     def _write_int2(self, layer, seq, n, k_rows, v_rows):
@@ -986,7 +1003,7 @@ class PagedKVCache:
         kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
         ring = lambda p: p if p < S else S + (p - S) % W                 # window slot of position p
         for i, s in enumerate(seqs):
-            n0, win_k, win_v = int(self.length[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
+            n0, win_k, win_v = int(self._len[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
             lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
             if hi > lo:
                 new = slice(max(lo, n0) - n0, max(hi, n0) - n0)          # rows of k, v going INT2
@@ -1001,7 +1018,7 @@ class PagedKVCache:
                 slots, rows = _index([ring(p) for p in pos]), _index([p - n0 for p in pos])
                 win_k[:, slots] = kr[i][:, rows].to(win_k.dtype)
                 win_v[:, slots] = v[i][:, rows].to(win_v.dtype)
-            self.length[layer, s] = n0 + T
+            self._len[layer, s] = n0 + T
 
     # -- reads --------------------------------------------------------------------------
     def decode(self, layer: int, seqs: list, q, attend=None, **options):
@@ -1015,6 +1032,33 @@ class PagedKVCache:
         qr = qr if r_k is None else qr @ r_k                                  # (n, H_kv, n_rep, d)
         return attend(qr.reshape(q.shape).contiguous(), **self.layer_view(layer, seqs),
                       group_size=c.group_size, **options)
+
+    def step(self, layer: int, seqs: list, q, k, v, sm_scale: float, r_v=None):
+        """append + decode of one token per sequence in one compiled call (kernel.cpu_decode_step):
+        q (n, H_q, 1, d), k, v (n, H_kv, 1, d) fp32 on the CPU, pages reserved (paged_forward,
+        hf_cache) -> (n, H_q, 1, d) fp32 in R_V's basis, or with r_v (v in the model's basis) in the model's."""
+        import kernel
+        assert self.compiled and q.shape[2] == 1, "the compiled step: CPU pages, fp32 windows, one token"
+        if self._views is None:                                  # numpy views, again after the pool grows
+            self._views = [tuple(getattr(self, t)[l].numpy() for t in PACKED) + (self.block_table.numpy(),
+                           self.win_k[l].numpy(), self.win_v[l].numpy()) for l in range(self.cfg.n_layers)]
+        c, (n, Hq, _, d) = self.quant[layer], q.shape
+        rank = lambda clip: min(max(int(math.floor(clip * c.group_size)), 0), c.group_size - 1)
+        out = torch.empty(n, 1, Hq, d)
+        kernel.cpu_decode_step(q, k, v, *self._rot[layer], None if r_v is None else r_v.numpy(),
+                               self._views[layer], self._len[layer], np.asarray(seqs, dtype=np.int64),
+                               rank(c.clip_k), rank(c.clip_v), c.group_size, c.scale_eps, c.sink, c.window,
+                               sm_scale, out.numpy())
+        return out.transpose(1, 2)
+
+    def int2_rows(self, layer: int, seq: int, n: int):
+        """INT2 tokens 0..n-1 of a sequence, dequantized: keys, values (H_kv, n, d) fp32, stored basis."""
+        c, d = self.cfg, self.cfg.head_dim
+        pages = self.block_table[seq, :-(-n // c.page_size)].long()
+        rows = lambda x: x[layer][pages].transpose(0, 1).flatten(1, 2)[:, :n]       # (H_kv, n, ...)
+        deq = lambda codes, scale, zero: ((unpack_int2(rows(codes)).float().unflatten(-1, (-1, c.group_size))
+                                          - rows(zero)[..., None]) * rows(scale)[..., None]).flatten(-2)
+        return deq(self.k_codes, self.k_scale, self.k_zero), deq(self.v_codes, self.v_scale, self.v_zero)
 
     def layer_view(self, layer: int, seqs: list) -> dict:
         """The tensors a decode kernel reads for these sequences (keyword arguments of
@@ -1064,28 +1108,30 @@ def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero
 
 
 def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None, sm_scale=None,
-               pad=None, **options):
+               pad=None, r_v=None, **options):
     """One layer's attention through the paged cache, for decode_step, prefill and hf_cache alike:
-    q (n, H_q, T, d), k, v (n, H_kv, T, d) new tokens (v in R_V's basis) -> o (n, H_q, T, d) fp32.
-    A prompt into empty sequences in one pass (Appendix A's blocks), then extend; else token by
-    token, append then decode. pad (n,): left padding before a prompt, not attended nor stored."""
+    q (n, H_q, T, d), k, v (n, H_kv, T, d) new tokens (v in R_V's basis; with r_v in the model's,
+    rotated here, and o rotated back) -> o (n, H_q, T, d) fp32. The one place that picks the path:
+    one token on CPU pages with the default decode: one compiled call (PagedKVCache.step); one token
+    otherwise: append, then decode; several tokens: attended in one pass block by block (Appendix
+    A), then extend once. pad (n,): left padding before a prompt, not attended nor stored."""
     n, Hq, T, d = q.shape
-    if T > 1 and not bool(cache.length[layer, seqs].any()):
-        c, spec, o = cache.quant[layer], cache.kv[layer], torch.zeros(n, Hq, T, d, device=q.device)
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    if T == 1 and attend is None and cache.compiled:
+        return cache.step(layer, seqs, q.float(), k.float(), v.float(), scale, r_v)
+    v = v.float() if r_v is None else rotate_rows(v.float(), r_v)                 # v R_V
+    if T == 1:                                                                    # Section 8's decode
+        cache.append(layer, seqs, k[:, :, 0], v[:, :, 0], checked=False)       # the model's own k, v
+        o = cache.decode(layer, seqs, q[:, :, 0], attend, sm_scale=sm_scale, **options)[:, :, None]
+    else:
+        o = torch.zeros(n, Hq, T, d, device=q.device)
         for b, s in enumerate(seqs):
             t = slice(0 if pad is None else int(pad[b]), T)
-            qb = q[b:b + 1, :, t].float() * (1.0 if sm_scale is None else sm_scale * math.sqrt(d))
-            kb, vb = k[b:b + 1, :, t].float(), v[b:b + 1, :, t].float()
-            o[b:b + 1, :, t] = block_simulated_attention(qb, kb, vb, *effective_kv(kb, vb, spec, c), c.sink,
-                                                         c.window, block=256)          # Eq. 4, 5, 2
-            cache.extend(layer, [s], kb, vb, checked=False)
-        return o
-    assert pad is None or not bool(pad.any()), "left padding only before a prompt"
-    out = []
-    for t in range(T):                                                  # Section 8's decode
-        cache.append(layer, seqs, k[:, :, t], v[:, :, t], checked=False)   # the model's own k, v
-        out.append(cache.decode(layer, seqs, q[:, :, t], attend, sm_scale=sm_scale, **options))
-    return torch.stack(out, 2)
+            assert t.start == 0 or not cache._len[layer, s], "left padding only before a prompt"
+            qs = 1.0 if sm_scale is None else sm_scale * math.sqrt(d)              # Eq. 1's 1/sqrt(d) in SDPA
+            o[b:b + 1, :, t] = block_step(cache, layer, s, q[b:b + 1, :, t].float() * qs,
+                                          k[b:b + 1, :, t].float(), v[b:b + 1, :, t])
+    return o if r_v is None else (o.view(n, -1, cache.cfg.n_rep * T, d) @ r_v.mT).view(n, Hq, T, d)
 
 
 @torch.no_grad()
@@ -1093,6 +1139,7 @@ def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Ten
                   **options) -> torch.Tensor:
     """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
     `model` folded (fold_value_rotation); attend, options: cache.decode's (None: kernel's)."""
+    cache.reserve(0, seqs, idx.shape[1])           # the step's pages, once for every layer
     pos = cache.length[0, seqs].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
     return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
 
@@ -1151,12 +1198,13 @@ def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
     return loss
 
 
-def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int, block: int):
-    """effective_attention's o (B, H_q, T, d) block by block, up to round-off."""
-    T, dev = q.shape[2], q.device
+def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int, block: int, q0: int = 0):
+    """effective_attention's o (B, H_q, Tq, d) block by block, up to round-off: queries at positions
+    q0 .. q0 + Tq - 1 over keys 0 .. q0 + Tq - 1 (k~, v~ read on [sink, q0 + Tq - window) only)."""
+    Tq, dev = q.shape[2], q.device
     out = torch.empty_like(q)
-    for t0 in range(0, T, block):
-        t1 = min(T, t0 + block)
+    for a in range(0, Tq, block):
+        t0, t1 = q0 + a, q0 + min(Tq, a + block)            # the block's query positions
         hi_int2 = max(sink, t1 - window)                    # INT2 copies of [sink, hi_int2)
         lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
         s_sink, s_int2 = torch.arange(min(sink, t1), device=dev), torch.arange(sink, hi_int2, device=dev)
@@ -1167,9 +1215,36 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
                           (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
         K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_int2], k[:, :, s_e]], 2)
         V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_int2], v[:, :, s_e]], 2)
-        out[:, :, t0:t1] = F.scaled_dot_product_attention(q[:, :, t0:t1], K, V, attn_mask=mask,
-                                                          enable_gqa=True)        # Eq. 5, Eq. 2
+        out[:, :, a:a + t1 - t0] = F.scaled_dot_product_attention(q[:, :, t0 - q0:t1 - q0], K, V, attn_mask=mask,
+                                                                  enable_gqa=True)        # Eq. 5, Eq. 2
     return out
+
+
+def block_step(cache: PagedKVCache, layer: int, s: int, q, k, v):
+    """T tokens of sequence s in one pass (paged_step's): q (1, H_q, T, d) scaled for Eq. 1's
+    1/sqrt(d), k, v (1, H_kv, T, d) fp32, v in R_V's basis -> o (1, H_q, T, d) in R_V's basis. Each
+    query reads what decoding token by token would: a prompt (nothing held) Section 5's cache of
+    its own keys, simulated (Eq. 4, 5); after n0 held tokens the exact windows held and the new
+    tokens, and INT2 as the pages store it (read after the one extend). Then or meanwhile: extend."""
+    c, spec = cache.quant[layer], cache.kv[layer]
+    S, W, n0, T = c.sink, c.window, int(cache._len[layer, s]), q.shape[2]
+    if n0 == 0:                                                     # a prompt: simulated, then stored
+        o = block_simulated_attention(q, k, v, *effective_kv(k, v, spec, c), S, W, block=256)  # Eq. 4, 5, 2
+        cache.extend(layer, [s], k, v, checked=False)
+        return o
+    ring = lambda p: p if p < S else S + (p - S) % W                # window slot of position p
+    held = [*range(min(S, n0)), *range(max(S, n0 - W), n0)]         # positions the windows hold
+    wk, wv = cache.win_k[layer, s], cache.win_v[layer, s]
+    K, V = (k.new_zeros(1, k.shape[1], n0 + T, k.shape[3]) for _ in range(2))   # exact, stored basis
+    K[0, :, held], V[0, :, held] = wk[:, [ring(p) for p in held]].float(), wv[:, [ring(p) for p in held]].float()
+    K[0, :, n0:], V[0, :, n0:] = stored_keys(spec, k)[0].to(wk.dtype).float(), v[0].to(wv.dtype).float()
+    cache.extend(layer, [s], k, v, checked=False)
+    n = max(0, n0 + T - S - W)                                      # INT2 tokens now stored
+    K_t, V_t = K.clone(), V.clone()
+    K_t[0, :, S:S + n], V_t[0, :, S:S + n] = cache.int2_rows(layer, s, n)
+    r_k = spec.r_k
+    qr = q if r_k is None else (q.unflatten(1, (r_k.shape[0], -1)) @ r_k[:, None]).flatten(1, 2)   # q R_K
+    return block_simulated_attention(qr, K, V, K_t, V_t, S, W, block=256, q0=n0)           # Eq. 5, Eq. 2
 
 
 def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
@@ -1478,14 +1553,19 @@ class _Pool:
     cache: PagedKVCache | None = None
     seqs: list | None = None
 
-    def open(self, k):
-        """k (B, H_kv, T, d) of the first update: a sequence per row, whole pages for max_tokens."""
+    def begin(self, k, held: int):
+        """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens: the
+        step's plan for every layer: max_tokens checked, the pages it fills taken (the pool grows
+        with the sequences; max_tokens bounds it). The first one opens the cache, a sequence a row."""
         (B, _, T, _), c = k.shape, self.cfg
-        need(T <= self.max_tokens, f"hf_cache: a prompt of {T} tokens passes max_tokens={self.max_tokens}")
-        n = max(1, self.max_tokens - c.sink - c.window)                 # INT2 tokens per sequence
-        self.cache = PagedKVCache(replace(c, n_layers=len(self.specs)), B * -(-n // c.page_size), B,
-                                  self.specs, window_dtype=k.dtype, device=k.device)
-        self.seqs = [self.cache.add_sequence() for _ in range(B)]
+        need(held or T <= self.max_tokens, f"hf_cache: a prompt of {T} tokens passes max_tokens={self.max_tokens}")
+        need(held + T <= self.max_tokens, f"hf_cache: a sequence passes max_tokens={self.max_tokens}")
+        if self.cache is None:
+            n = max(1, self.max_tokens - c.sink - c.window)             # INT2 tokens per sequence
+            self.cache = PagedKVCache(replace(c, n_layers=len(self.specs)), B * -(-n // c.page_size), B,
+                                      self.specs, window_dtype=k.dtype, device=k.device, grow=True)
+            self.seqs = [self.cache.add_sequence() for _ in range(B)]
+        self.cache.reserve(0, self.seqs, T)
 
 
 def left_pad(pos, T: int):
@@ -1512,8 +1592,8 @@ class PagedLayer:
 
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H_kv, T, d) post-RoPE: kept for paged_attention."""
-        if self.pool.cache is None:
-            self.pool.open(key_states)
+        if self.index == 0:                                   # the forward's first INT2 layer
+            self.pool.begin(key_states, self.n)
         if self.n == 0:
             self.spec = self.spec.to(key_states.device)                    # specs loaded on the CPU
         self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
@@ -1524,16 +1604,11 @@ class PagedLayer:
 
     def attend(self, query, scaling, pos):
         """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d), via paged_step."""
-        pool, (k, v), c, sp = self.pool, self.new, self.cfg, self.spec
-        self.new = None                                       # the pages hold them from here
-        B, Hq, Tq, d = query.shape
-        prompt = self.n == Tq                                 # its length checked by open
-        need(prompt or self.n <= pool.max_tokens, f"hf_cache: a sequence passes max_tokens={pool.max_tokens}")
-        pad = left_pad(pos, Tq).expand(B) if prompt and pos is not None else None
-        o = paged_step(pool.cache, self.index, pool.seqs, query, k.float(), stored_values(sp, v.float()),
-                       pool.attend, scaling or d ** -0.5, pad)
-        o = o if sp.r_v is None else o.view(B, -1, c.n_rep * Tq, d) @ sp.r_v.mT     # from R_V's basis
-        return o.view(B, Hq, Tq, d).transpose(1, 2).to(query.dtype)
+        pool, (k, v) = self.pool, self.new
+        self.new, Tq = None, query.shape[2]                   # the pages hold them from here
+        pad = left_pad(pos, Tq).expand(query.shape[0]) if self.n == Tq and pos is not None else None
+        o = paged_step(pool.cache, self.index, pool.seqs, query, k, v, pool.attend, scaling, pad, self.spec.r_v)
+        return o.transpose(1, 2).to(query.dtype)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
