@@ -1125,6 +1125,7 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
         o = cache.decode(layer, seqs, q[:, :, 0], attend, sm_scale=sm_scale, **options)[:, :, None]
     else:
         o = torch.zeros(n, Hq, T, d, device=q.device)
+        cache.reserve(layer, seqs, T)                     # pages in token-by-token order, across seqs
         for b, s in enumerate(seqs):
             t = slice(0 if pad is None else int(pad[b]), T)
             assert t.start == 0 or not cache._len[layer, s], "left padding only before a prompt"

@@ -30,6 +30,7 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
 --full` runs all of it (conftest.py).
 Refusals of bad input close their section.
 """
+import collections
 import json
 import math
 import os
@@ -45,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 from hypothesis.extra.numpy import arrays
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernel  # conftest.py has switched Triton to its CPU interpreter where there is no CUDA
 import eval_llm
@@ -2230,6 +2232,88 @@ def test_prefill_refuses_sequences_that_already_hold_tokens(calibrated_tiny):
         optr.prefill(folded, bulk, seqs, idx[:, :2])
 
 
+# The serving step's fast paths, each against the plain one (paged_step picks among them)
+
+def step_cache(seed, sink, window, page_size, G, n_seqs, mean, rotate):
+    """A compiled-step PagedKVCache (one layer, H_kv 2, GQA 2, d 16) with random specs, pages
+    shuffled, n_seqs sequences; and its spec."""
+    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=G, sink=sink, window=window,
+                      page_size=page_size, n_layers=1, clip_k=0.9, clip_v=0.95)
+    spec = optr.KVQuant(k_mean=rand(2, 16, seed=seed) if mean else None,
+                        r_k=random_rotations(2, 16, seed + 1) if rotate else None)
+    cache = shuffled(optr.PagedKVCache(cfg, 120, 3, [spec]), seed)
+    return cache, [cache.add_sequence() for _ in range(n_seqs)]
+
+
+@given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 3, 4]),
+       G=st.sampled_from([8, 16]), n_seqs=st.integers(1, 3), n=st.integers(1, 24), mean=st.booleans(),
+       rotate=st.booleans(), r_v=st.booleans(), seed=st.integers(0, 10_000))
+def test_the_compiled_decode_step_stores_and_decodes_what_append_then_decode_do(
+        sink, window, page_size, G, n_seqs, n, mean, rotate, r_v, seed):
+    """PagedKVCache.step (one compiled call: center and rotate the key, rotate the value (r_v
+    given: v in the model's basis, the output rotated back), write the ring, move the evicted
+    token to its INT2 page, decode) leaves the cache bit for bit as append does, codes, scales,
+    zeros, windows, lengths, and returns decode's attention through paged_decode_reference within
+    round-off, at every one of n tokens: below the sink, in the windows, past ring wraps, W = 0.
+    Optr against optr: the compiled step against append + the torch reference decode."""
+    fast, seqs = step_cache(seed, sink, window, page_size, G, n_seqs, mean, rotate)
+    plain, _ = step_cache(seed, sink, window, page_size, G, n_seqs, mean, rotate)
+    R_V = random_rotations(2, 16, seed + 2) if r_v else None
+    for t in range(n):
+        q, k = rand(n_seqs, 4, 1, 16, seed=seed + 3 * t), rand(n_seqs, 2, 1, 16, seed=seed + 3 * t + 1) * 3 + 1
+        v = rand(n_seqs, 2, 1, 16, seed=seed + 3 * t + 2)
+        for c in (fast, plain):
+            c.reserve(0, seqs, 1)
+        got = fast.step(0, seqs, q, k, v, 0.3, R_V)
+        plain.append(0, seqs, k[:, :, 0], v[:, :, 0] if R_V is None else optr.rotate_rows(v, R_V)[:, :, 0])
+        want = plain.decode(0, seqs, q[:, :, 0], optr.paged_decode_reference, sm_scale=0.3)
+        if R_V is not None:
+            want = (want.view(n_seqs, 2, 2, 16) @ R_V.mT).view(n_seqs, 4, 16)
+        assert torch.allclose(got[:, :, 0], want, atol=1e-5), t
+    assert_same_state(cache_state(plain), cache_state(fast))
+
+
+def test_the_compiled_decode_step_can_fail(monkeypatch):
+    """The test above fails on a step that rounds the stored key differently (the INT2 write of
+    a scaled row) or decodes with another scale: the comparison has teeth."""
+    fast, seqs = step_cache(0, 1, 2, 4, 8, 2, True, True)
+    plain, _ = step_cache(0, 1, 2, 4, 8, 2, True, True)
+    for t in range(9):
+        q, k, v = rand(2, 4, 1, 16, seed=t), rand(2, 2, 1, 16, seed=t + 50), rand(2, 2, 1, 16, seed=t + 99)
+        for c in (fast, plain):
+            c.reserve(0, seqs, 1)
+        got = fast.step(0, seqs, q, k * (1 + 1e-3), v, 0.3)
+        plain.append(0, seqs, k[:, :, 0], v[:, :, 0])
+        want = plain.decode(0, seqs, q[:, :, 0], optr.paged_decode_reference, sm_scale=0.25)
+    assert not torch.allclose(got[:, :, 0], want, atol=1e-5)
+    with pytest.raises(AssertionError, match="differs"):
+        assert_same_state(cache_state(plain), cache_state(fast))
+
+
+@given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 4]),
+       n0=st.integers(1, 20), T=st.integers(2, 12), n_seqs=st.integers(1, 2), seed=st.integers(0, 10_000))
+def test_several_tokens_into_a_held_sequence_attend_in_one_pass_as_token_by_token(sink, window, page_size, n0,
+                                                                                 T, n_seqs, seed):
+    """paged_step with T > 1 tokens into sequences that hold n0 (a chat turn, a chunked prefill, a
+    verification step) attends in one pass (block_step: the held windows, the new tokens, the
+    pages dequantized after one extend) and gives, at each of the T positions, the output of
+    stepping the same tokens one at a time (each query its own windows over everything before
+    it) within round-off, and the cache they leave, bit for bit.
+    Optr against optr: the one-pass path against the token-by-token one."""
+    one, seqs = step_cache(seed, sink, window, page_size, 8, n_seqs, True, True)
+    bulk, _ = step_cache(seed, sink, window, page_size, 8, n_seqs, True, True)
+    k0, v0 = rand(n_seqs, 2, n0, 16, seed=seed) * 3 + 1, rand(n_seqs, 2, n0, 16, seed=seed + 1)
+    for c in (one, bulk):
+        c.extend(0, seqs, k0, v0)
+    q, k = rand(n_seqs, 4, T, 16, seed=seed + 2), rand(n_seqs, 2, T, 16, seed=seed + 3) * 3 + 1
+    v = rand(n_seqs, 2, T, 16, seed=seed + 4)
+    got = optr.paged_step(bulk, 0, seqs, q, k, v, sm_scale=0.3)
+    want = torch.cat([optr.paged_step(one, 0, seqs, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
+                                      attend=optr.paged_decode_reference, sm_scale=0.3) for t in range(T)], 2)
+    assert torch.allclose(got, want, atol=2e-5)
+    assert_same_state(cache_state(one), cache_state(bulk))
+
+
 def fast_and_reference(cfg, seed=0, mean=True, T=20, T_held=16):
     """calibrate_layer's data (cal and held splits), W_O, mu and a random R_K; returns a
     function (R, split) -> (fast loss, reference loss)."""
@@ -4245,6 +4329,64 @@ def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch)
     assert attended == []
     layer = next(l for l in optr.hf_cache(kv, cfg, model).layers if isinstance(l, optr.PagedLayer))
     assert layer.pool.max_tokens == model.config.max_position_embeddings
+
+
+class AtenCalls(TorchDispatchMode):
+    """Counts the aten calls made under it, by name."""
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def one_step_calls(model, cache, prompt):
+    """The aten calls of one greedy decode step after `prompt` and a first step (warm)."""
+    tok = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
+    tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    with AtenCalls() as counted:
+        model(tok, past_key_values=cache)
+    return counted.calls
+
+
+@torch.no_grad()
+def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(monkeypatch):
+    """One decode step of generate() through hf_cache (past the windows: a token leaves the ring
+    for its INT2 page) makes at most 10 aten calls per INT2 layer more than the same step through
+    DynamicCache (measured: 3 more), no host read among them (aten._local_scalar_dense: int(t),
+    t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: its plan (pages,
+    lengths) was made once, at the forward's first INT2 layer."""
+    from transformers import DynamicCache
+    model, cfg, kv = tiny_served("llama-GQA")
+    compiled = []
+    step = kernel.cpu_decode_step
+    monkeypatch.setattr(kernel, "cpu_decode_step", lambda *a, **k: compiled.append(1) or step(*a, **k))
+    with optr.hf_cache(kv, cfg, model) as cache:
+        ours = one_step_calls(model, cache, IDX_HF[:, :12])
+    assert len(compiled) == 2 * cfg.n_layers                      # the two steps, one call per layer each
+    theirs = one_step_calls(model, DynamicCache(), IDX_HF[:, :12])
+    assert ours["aten._local_scalar_dense.default"] == 0
+    assert sum(ours.values()) <= sum(theirs.values()) + 10 * cfg.n_layers, (ours, theirs)
+
+
+@torch.no_grad()
+def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
+    """hf_cache allocates INT2 pages as its sequences reach them, at most 1/8 more than they
+    use, not for max_tokens (the model's 2048 positions here, the budget): after a prompt of 12
+    and at each of 18 steps; its bytes grow with the sequences."""
+    model, cfg, kv = tiny_served("llama-GQA", page_size=2)
+    cache = optr.hf_cache(kv, cfg, model)
+    tok, sizes = model(IDX_HF[:, :12], past_key_values=cache).logits[:, -1:].argmax(-1), []
+    for _ in range(18):
+        pool = pages(cache)
+        used, allocated = int((pool.block_table >= 0).sum()), pool.k_codes.shape[1]
+        assert used <= allocated <= used + used // 8, (used, allocated)
+        sizes.append(sum(layer.nbytes() for layer in cache.layers))
+        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    assert pool.budget == 2 * -(-(model.config.max_position_embeddings - 6) // 2) > 10 * allocated
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
 
 
 @torch.no_grad()
