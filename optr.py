@@ -894,6 +894,7 @@ class PagedKVCache:
         self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
         self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
         self._len = self.length.numpy()                                # the same, read without torch
+        self.dev_len = self.length.to(device)      # the same on the pages' device (no copy on a CPU)
         self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
         # the compiled decode step (appendix A): CPU pages, fp32 windows; mu, R_K as numpy arrays
@@ -917,7 +918,7 @@ class PagedKVCache:
         self.free_pages += self.pages[seq]
         self.block_table[seq].fill_(-1)
         self.pages[seq] = []
-        self.length[:, seq], self.active[seq] = 0, False
+        self.length[:, seq], self.dev_len[:, seq], self.active[seq] = 0, 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
     def check_seqs(self, seqs: list):
@@ -968,8 +969,12 @@ class PagedKVCache:
         of page block_table[seq, n // page_size]: compiled (kernel.q2_store) on the CPU, else torch."""
         c, n = self.quant[layer], range(n[0], n[-1] + 1)
         assert len(self.pages[seq]) > n[-1] // c.page_size, "reserve takes a page before it is written"
-        page = torch.tensor([self.pages[seq][i // c.page_size] for i in n])
-        slot = torch.tensor([i % c.page_size for i in n])
+        if self.k_codes.device.type == "cpu":
+            page = torch.tensor([self.pages[seq][i // c.page_size] for i in n])
+            slot = torch.tensor([i % c.page_size for i in n])
+        else:                                                  # on the device: no host-to-device copy
+            slot = torch.arange(n[0], n[-1] + 1, device=self.k_codes.device)
+            page, slot = self.block_table[seq, slot // c.page_size].long(), slot % c.page_size
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
                                                (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
             if codes.device.type == "cpu":
@@ -977,7 +982,6 @@ class PagedKVCache:
                 q2_store(rows.float().contiguous(), clip, c.group_size, c.scale_eps, codes[layer],
                          scale[layer], zero[layer], page, slot)
                 continue
-            page, slot = page.to(codes.device), slot.to(codes.device)
             pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
             codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
 
@@ -1019,6 +1023,8 @@ class PagedKVCache:
                 win_k[:, slots] = kr[i][:, rows].to(win_k.dtype)
                 win_v[:, slots] = v[i][:, rows].to(win_v.dtype)
             self._len[layer, s] = n0 + T
+            if self.dev_len is not self.length:                          # a device's copy, no transfer
+                self.dev_len[layer, s] += T
 
     # -- reads --------------------------------------------------------------------------
     def decode(self, layer: int, seqs: list, q, attend=None, **options):
@@ -1064,15 +1070,15 @@ class PagedKVCache:
         """The tensors a decode kernel reads for these sequences (keyword arguments of
         paged_decode_reference and the kernels): views, no copies, for consecutive ids."""
         c, dev = self.cfg, self.block_table.device
-        run = seqs == list(range(seqs[0], seqs[0] + len(seqs)))
-        idx = slice(seqs[0], seqs[0] + len(seqs)) if run else torch.tensor(seqs, dtype=torch.long)
-        n = self.length[layer, idx]
+        run = seqs == list(range(seqs[0], seqs[0] + len(seqs)))     # consecutive ids: views, no transfer
+        idx = slice(seqs[0], seqs[0] + len(seqs)) if run else torch.tensor(seqs, dtype=torch.long, device=dev)
+        n = self.dev_len[layer, idx]
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
-                    block_table=self.block_table[idx if run else idx.to(dev)].contiguous(),
-                    n_quant=(n - c.sink - c.window).clamp_min(0).to(torch.int32).to(dev),
+                    block_table=self.block_table[idx].contiguous(),
+                    n_quant=(n - c.sink - c.window).clamp_min(0).to(torch.int32),
                     win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
-                    win_len=n.clamp_max(c.sink + c.window).to(torch.int32).to(dev))
+                    win_len=n.clamp_max(c.sink + c.window).to(torch.int32))
 
 
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
@@ -1141,7 +1147,7 @@ def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Ten
     """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
     `model` folded (fold_value_rotation); attend, options: cache.decode's (None: kernel's)."""
     cache.reserve(0, seqs, idx.shape[1])           # the step's pages, once for every layer
-    pos = cache.length[0, seqs].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
+    pos = cache.dev_len[0, _index(seqs)].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
     return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
 
 

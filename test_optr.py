@@ -4372,6 +4372,17 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
 
 
 @torch.no_grad()
+def test_the_plain_decode_step_of_any_device_makes_no_host_read():
+    """The step that is not the compiled one (bf16 windows here; every step on CUDA: append, then
+    the device's decode unchecked) reads no length, page or slot back from a tensor either: its
+    lengths have a copy on the pages' device, its INT2 slots come from the block table there."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    with optr.hf_cache(kv, cfg, model.to(torch.bfloat16)) as cache:
+        calls = one_step_calls(model, cache, IDX_HF[:, :12])
+    assert not pages(cache).compiled and calls["aten._local_scalar_dense.default"] == 0, calls
+
+
+@torch.no_grad()
 def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
     """hf_cache allocates INT2 pages as its sequences reach them, at most 1/8 more than they
     use, not for max_tokens (the model's 2048 positions here, the budget): after a prompt of 12
