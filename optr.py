@@ -1205,25 +1205,31 @@ def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
     return loss
 
 
+@functools.lru_cache(maxsize=2)
+def _block_masks(q0: int, Tq: int, sink: int, window: int, block: int, device) -> tuple:
+    """block_simulated_attention's (mask, key bounds) per block, the same for every layer of a forward."""
+    out = []
+    for t0 in range(q0, q0 + Tq, block):
+        t1 = min(q0 + Tq, t0 + block)                       # the block's query positions
+        ns, hi, lo = min(sink, t1), max(sink, t1 - window), max(sink, t0 - window + 1)   # sink, INT2, exact
+        s = torch.cat([torch.arange(ns), torch.arange(sink, hi), torch.arange(lo, max(lo, t1))]).to(device)
+        t, int2 = torch.arange(t0, t1, device=device)[:, None], torch.arange(len(s), device=device) >= ns
+        int2 &= torch.arange(len(s), device=device) < ns + hi - sink
+        out.append((torch.where(int2, s <= t - window, (s <= t) & ((s > t - window) | (s < sink))), ns, hi, lo))
+    return tuple(out)
+
+
 def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int, block: int, q0: int = 0):
     """effective_attention's o (B, H_q, Tq, d) block by block, up to round-off: queries at positions
-    q0 .. q0 + Tq - 1 over keys 0 .. q0 + Tq - 1 (k~, v~ read on [sink, q0 + Tq - window) only)."""
-    Tq, dev = q.shape[2], q.device
-    out = torch.empty_like(q)
-    for a in range(0, Tq, block):
-        t0, t1 = q0 + a, q0 + min(Tq, a + block)            # the block's query positions
-        hi_int2 = max(sink, t1 - window)                    # INT2 copies of [sink, hi_int2)
-        lo_e = max(sink, t0 - window + 1)                   # exact keys of [lo_e, t1)
-        s_sink, s_int2 = torch.arange(min(sink, t1), device=dev), torch.arange(sink, hi_int2, device=dev)
-        s_e = torch.arange(lo_e, max(lo_e, t1), device=dev)    # none while t1 <= sink
-        t = torch.arange(t0, t1, device=dev)[:, None]
-        mask = torch.cat([s_sink[None, :] <= t,                                    # sink: exact
-                          (s_int2[None, :] <= t - window),                         # INT2 part
-                          (s_e[None, :] > t - window) & (s_e[None, :] <= t)], 1)   # recent: exact
-        K = torch.cat([k[:, :, s_sink], k_tilde[:, :, s_int2], k[:, :, s_e]], 2)
-        V = torch.cat([v[:, :, s_sink], v_tilde[:, :, s_int2], v[:, :, s_e]], 2)
-        out[:, :, a:a + t1 - t0] = F.scaled_dot_product_attention(q[:, :, t0 - q0:t1 - q0], K, V, attn_mask=mask,
-                                                                  enable_gqa=True)        # Eq. 5, Eq. 2
+    q0 .. q0 + Tq - 1 over keys 0 .. q0 + Tq - 1 (k~, v~ read on [sink, q0 + Tq - window) only): the
+    exact sink, the INT2 copies of [sink, t1 - window), the exact keys of [t0 - window + 1, t1), masked
+    as exact_window_mask says (Eq. 5)."""
+    out, Tq = torch.empty_like(q), q.shape[2]
+    for a, (mask, ns, hi, lo) in zip(range(0, Tq, block), _block_masks(q0, Tq, sink, window, block, q.device)):
+        b = min(Tq, a + block)
+        K = torch.cat([k[:, :, :ns], k_tilde[:, :, sink:hi], k[:, :, lo:q0 + b]], 2)
+        V = torch.cat([v[:, :, :ns], v_tilde[:, :, sink:hi], v[:, :, lo:q0 + b]], 2)
+        out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], K, V, attn_mask=mask, enable_gqa=True)  # Eq. 2
     return out
 
 

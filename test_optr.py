@@ -5416,6 +5416,27 @@ def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_referenc
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA's sync debug mode: needs CUDA")
+def test_gpu_a_decode_step_makes_no_host_sync():
+    """optr.decode_step through optr.PagedKVCache on CUDA runs under set_sync_debug_mode("error"):
+    its pages are taken once per forward on the host, its lengths live on the device too, the INT2
+    write gathers its slots from the block table there, the kernel launches unchecked."""
+    cfg, folded, kv = served_tiny(DEVICE)
+    cache, seqs = shuffled_cache(cfg, kv, 2, 40, DEVICE)
+    tokens = torch.randint(0, cfg.vocab_size, (40, 2), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    for t in range(30):                                          # past the windows; the kernels compiled
+        optr.decode_step(folded, cache, seqs, tokens[t])
+    torch.cuda.synchronize(DEVICE)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for t in range(30, 40):
+            optr.decode_step(folded, cache, seqs, tokens[t])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(cache.layer_view(0, seqs)["n_quant"][0]) == 40 - cfg.sink - cfg.window
+
+
+@pytest.mark.gpu
 def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
     """optr.prefill of a prompt into an optr.PagedKVCache on the device with bf16 windows:
     the cache is bit for bit what token-by-token appends of the same forward's keys and
