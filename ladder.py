@@ -727,14 +727,15 @@ def chat_turn(hf, caches: dict, ids: torch.Tensor, P: int) -> dict:
 
 @contextlib.contextmanager
 def fd_to_devnull(fd: int):
-    """What C++ writes to file descriptor fd inside goes to /dev/null (the profiler's start and stop lines)."""
-    sys.stdout.flush()
+    """What C++ writes to file descriptor fd inside goes to /dev/null (kineto: its start, stop lines on 2)."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
     saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, fd)
     os.close(null)
     try:
         yield
     finally:
+        ctypes.CDLL(None).fflush(None)                 # C's buffered lines, before fd is back
         os.dup2(saved, fd)
         os.close(saved)
 
@@ -760,7 +761,7 @@ def profile_step(hf, cache, token: torch.Tensor, n: int = 3) -> dict:
             return decode(*args, **kw)
     kernel.paged_decode = timed                     # optr's caches import it at each decode
     try:
-        with fd_to_devnull(1), profile(activities=[ProfilerActivity.CPU]) as prof:
+        with fd_to_devnull(2), profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
             for _ in range(n):
                 next_logp(hf, cache, token)
