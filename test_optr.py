@@ -6157,6 +6157,26 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
 
 
+def test_side_by_side_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
+    """ladder's --bench-hf table: a row's "N.Nx smaller" is DynamicCache's (the first row's) MiB over
+    the row's, its decode and prefill ratios the row's time over DynamicCache's (decode: the median
+    step), its KL against DynamicCache's log-probs (0 for DynamicCache itself)."""
+    from transformers import DynamicCache
+
+    def filled(T):                                   # 2 KV heads x 64 channels x T tokens, fp32
+        cache = DynamicCache()
+        cache.update(torch.zeros(1, 2, T, 64), torch.zeros(1, 2, T, 64), 0)
+        return cache
+    logp = list(torch.randn(3, 10).log_softmax(-1))
+    runs = {"DynamicCache": ladder.CacheRun(filled(400), 2.0, 50.0, [10.0, 30.0, 20.0], logp),
+            "small": ladder.CacheRun(filled(100), 3.0, 20.0, [5.0, 6.0, 40.0], [x.flip(-1) for x in logp])}
+    rows = ladder.side_by_side_rows(runs, 400)
+    (s,) = ladder.print_side_by_side(rows)
+    assert [r["decode_ms"] for r in rows] == [20.0, 6.0] and rows[0]["kl"] == 0 < rows[1]["kl"]
+    assert (s["smaller"], s["decode_x"], s["prefill_x"]) == pytest.approx((4.0, 0.3, 1.5))
+    assert "decode 0.30x, prefill 1.50x, cache 4.0x smaller (0.4 / 0.1 MiB)" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_bench_hf_runs_dynamic_cache_and_hf_cache_side_by_side(capsys, tmp_path):
     """python eval_llm.py --bench-hf, small (SmolLM2, hf_cache with its published quarot+center+clip at the
