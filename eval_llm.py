@@ -804,9 +804,10 @@ def bench_hf(cfg: RunConfig) -> dict:
         summary += got[1]
         profiles[T] = got[2]
     chat = bench_chat(hf, make, ids, cfg) if cfg.chat_turn else []
-    os.makedirs(cfg.out, exist_ok=True)
     title = f"{name} fp32, CPU: DynamicCache against optr.hf_cache ({BENCH_RECIPE})"
     figs = [os.path.join(d, f"bench_hf_{cfg.model}.png") for d in (cfg.out, cfg.figures) if d]
+    for d in (cfg.out, cfg.figures):
+        os.makedirs(d or ".", exist_ok=True)
     plot_side_by_side(rows, title, {p: 80 for p in figs})
     out = dict(model=name, config=config_dict(cfg), rows=rows, summary=summary, chat=chat, profile=profiles)
     with open(path := os.path.join(cfg.out, f"bench_hf_{cfg.model}.json"), "w") as f:
