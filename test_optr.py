@@ -6157,7 +6157,7 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
 
 
-def test_side_by_side_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
+def test_bench_hf_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
     """ladder's --bench-hf table: a row's "N.Nx smaller" is DynamicCache's (the first row's) MiB over
     the row's, its decode and prefill ratios the row's time over DynamicCache's (decode: the median
     step), its KL against DynamicCache's log-probs (0 for DynamicCache itself)."""
