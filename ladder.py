@@ -18,16 +18,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import ctypes
 import inspect
 import json
 import math
 import os
 import re
+import statistics
 import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -534,9 +536,18 @@ def bits_per_element(cache: optr.PagedKVCache, seq: int, int2_only: bool = False
 
 
 def cache_bytes(cache) -> int:
-    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values."""
+    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values
+    (QuantizedCache: its full-precision residual and its quantized keys and values too)."""
+    held = lambda layer: (layer.keys, layer.values, *(getattr(layer, f"_quantized_{x}", None) for x in ("keys", "values")))
     return sum(layer.nbytes() if isinstance(layer, optr.PagedLayer) else
-               sum(t.nbytes for t in (layer.keys, layer.values) if t is not None) for layer in cache.layers)
+               sum(tensor_bytes(t) for t in held(layer) if t is not None) for layer in cache.layers)
+
+
+def tensor_bytes(t) -> int:
+    """A tensor's bytes; a tensor subclass's (optimum-quanto's codes, scales, zeros) its inner tensors'."""
+    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.nbytes
 
 
 def peak_mib(device: str, reset: bool = False) -> float:
@@ -548,8 +559,21 @@ def peak_mib(device: str, reset: bool = False) -> float:
     if reset:
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+    return _status_mib("VmHWM")
+
+
+def rss_mib(trim: bool = False) -> float:
+    """The process's resident set now (MiB); trim: first glibc's malloc_trim(0), which gives the OS
+    back what freed tensors left in malloc's arenas (else the next allocations reuse it unseen)."""
+    if trim:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _status_mib("VmRSS")
+
+
+def _status_mib(key: str) -> float:
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 2**10
+        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 2**10
 
 
 def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:
@@ -625,6 +649,168 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
             f"max |logit diff| {res['max_abs_logit_diff']:.2e} | {res['attend']} | "
             f"{timer.lap('decode', t0):5.1f} s")
     return out
+
+
+# ----------------------------------------------------------------------------------------
+# H5b. Caches side by side (eval_llm's --bench-hf): one process, steps interleaved, teacher-forced
+# ----------------------------------------------------------------------------------------
+
+KERNEL_EVENT = "optr::int2_kernel"           # the profiler's name for kernel.paged_decode's calls
+
+
+@dataclass
+class CacheRun:
+    """One cache's measurements on one prompt: logp are the next-token log-probs (vocab,) of every
+    position it predicted, in order (KL against another CacheRun's)."""
+    cache: object
+    prefill_s: float = 0.0
+    peak_mib: float = 0.0                        # VmHWM's rise over its prefill and first step
+    steps_ms: list = field(default_factory=list)
+    logp: list = field(default_factory=list)
+
+
+def next_logp(hf, cache, ids: torch.Tensor) -> torch.Tensor:
+    """ids (1, n) into cache in one forward, as generate() runs it (logits of the last position only)
+    -> that position's next-token log-probs (vocab,), fp32."""
+    return hf(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].float().log_softmax(-1)
+
+
+@contextlib.contextmanager
+def fresh_caches(factories: dict):
+    """`with fresh_caches({name: make}) as caches:` a new cache per name; those that switched the model's
+    attention (optr.hf_cache's) give it back at the end, the last made first."""
+    caches = {name: make() for name, make in factories.items()}
+    try:
+        yield caches
+    finally:
+        for cache in reversed(caches.values()):
+            getattr(cache, "restore", lambda: None)()
+
+
+@torch.no_grad()
+def run_side_by_side(hf, caches: dict, ids: torch.Tensor, new: int) -> dict:
+    """caches {name: empty Cache} on ids (1, T + 1 + new): each in turn prefills ids[:, :T] (timed) and
+    takes its first step, its peak the rise of the process's VmHWM over both above the resident set
+    before (malloc_trim first: the model and the caches already filled are not counted); then `new`
+    teacher-forced steps, one per cache in a rotating order, so the machine's drift hits all alike."""
+    T, runs = ids.shape[1] - 1 - new, {}
+    for name, cache in caches.items():
+        before = rss_mib(trim=True)
+        peak_mib("cpu", reset=True)
+        t0 = time.perf_counter()
+        run = runs[name] = CacheRun(cache, logp=[next_logp(hf, cache, ids[:, :T])])
+        run.prefill_s = time.perf_counter() - t0
+        run.logp.append(next_logp(hf, cache, ids[:, T:T + 1]))
+        run.peak_mib = peak_mib("cpu") - before
+    names = list(runs)
+    for i in range(new):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t0 = time.perf_counter()
+            logp = next_logp(hf, runs[name].cache, ids[:, T + 1 + i:T + 2 + i])
+            runs[name].steps_ms.append(1e3 * (time.perf_counter() - t0))
+            runs[name].logp.append(logp)
+    return runs
+
+
+@torch.no_grad()
+def chat_turn(hf, caches: dict, ids: torch.Tensor, P: int) -> dict:
+    """What generate() does with a second user message: each cache takes a prompt ids[:, :P], then the
+    rest of ids in one forward into the same cache (timed: follow-up_s)."""
+    runs = {}
+    for name, cache in caches.items():
+        next_logp(hf, cache, ids[:, :P])
+        t0 = time.perf_counter()
+        logp = next_logp(hf, cache, ids[:, P:])
+        runs[name] = CacheRun(cache, prefill_s=time.perf_counter() - t0, logp=[logp])
+    return runs
+
+
+@contextlib.contextmanager
+def fd_to_devnull(fd: int):
+    """What C++ writes to file descriptor fd inside goes to /dev/null (kineto: its start, stop lines on 2)."""
+    (sys.stdout if fd == 1 else sys.stderr).flush()
+    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, fd)
+    os.close(null)
+    try:
+        yield
+    finally:
+        ctypes.CDLL(None).fflush(None)                 # C's buffered lines, before fd is back
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
+def mean_kl(ref: list, got: list) -> float:
+    """Mean over positions of KL(ref || got), nats: two lists of next-token log-prob vectors."""
+    return sum(float((r.exp() * (r - g)).sum()) for r, g in zip(ref, got, strict=True)) / len(ref)
+
+
+@torch.no_grad()
+def profile_step(hf, cache, token: torch.Tensor, n: int = 3) -> dict:
+    """Where a decode step's time goes, ms per step over n steps of token (1, 1) under torch.profiler
+    (its overhead included): linears (outermost aten::linear: projections, MLP, lm_head), attention
+    (kernel.paged_decode's calls, as KERNEL_EVENT, and aten's sdpa), other aten ops (outermost,
+    self and children), host (the step's wall time outside every aten op: Python, numba dispatch);
+    aten calls and host reads (aten::_local_scalar_dense: .item(), int(tensor)) per step."""
+    import kernel
+    from torch.profiler import ProfilerActivity, profile, record_function
+    decode = kernel.paged_decode
+
+    def timed(*args, **kw):
+        with record_function(KERNEL_EVENT):
+            return decode(*args, **kw)
+    kernel.paged_decode = timed                     # optr's caches import it at each decode
+    try:
+        with fd_to_devnull(2), profile(activities=[ProfilerActivity.CPU]) as prof:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                next_logp(hf, cache, token)
+            wall = (time.perf_counter() - t0) * 1e3 / n
+    finally:
+        kernel.paged_decode = decode
+    events = prof.events()
+    top = [e for e in events if e.cpu_parent is None]
+    ms = lambda keep: sum(e.cpu_time_total for e in top if keep(e.name)) / 1e3 / n       # us -> ms
+    attention = (KERNEL_EVENT, "aten::scaled_dot_product_attention")
+    return dict(step_ms=wall, linears_ms=ms(lambda s: s == "aten::linear"), attention_ms=ms(attention.__contains__),
+                other_aten_ms=ms(lambda s: s != "aten::linear" and s not in attention),
+                host_ms=wall - ms(lambda s: True), kernel_calls=sum(e.name == KERNEL_EVENT for e in events) / n,
+                aten_calls=sum(e.name.startswith("aten::") for e in events) / n,
+                host_reads=sum(e.name == "aten::_local_scalar_dense" for e in events) / n)
+
+
+def side_by_side_rows(runs: dict, T: int, ref: str = "DynamicCache") -> list:
+    """runs {name: CacheRun} at context T -> the table's rows; KL of each against runs[ref]'s."""
+    return [dict(cache=name, T=T, prefill_s=r.prefill_s, decode_ms=statistics.median(r.steps_ms),
+                 cache_mib=cache_bytes(r.cache) / 2**20, peak_mib=r.peak_mib, kl=mean_kl(runs[ref].logp, r.logp))
+            for name, r in runs.items()]
+
+
+BENCH_HEADER = (f"{'cache':15s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'cache MiB':>9s} "
+                f"{'peak MiB':>9s} {'KL nats':>8s}")
+
+
+def print_side_by_side(rows: list, log=print) -> list:
+    """The rows of one context under BENCH_HEADER, then a summary line per cache against the first
+    row's (DynamicCache): time ratios (x its time), cache "N.Nx smaller" = its MiB / this cache's."""
+    for r in rows:
+        log(f"{r['cache']:15s} {r['T']:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} {r['cache_mib']:9.1f} "
+            f"{r['peak_mib']:9.0f} {r['kl']:8.3f}")
+    base, out = rows[0], []
+    for r in rows[1:]:
+        s = dict(cache=r["cache"], T=r["T"], decode_x=r["decode_ms"] / base["decode_ms"],
+                 prefill_x=r["prefill_s"] / base["prefill_s"], smaller=base["cache_mib"] / r["cache_mib"], kl=r["kl"])
+        out.append(s)
+        log(f"{'':15s} {r['T']:6d} {r['cache']} against {base['cache']}: decode {s['decode_x']:.2f}x, prefill "
+            f"{s['prefill_x']:.2f}x, cache {s['smaller']:.1f}x smaller ({base['cache_mib']:.1f} / {r['cache_mib']:.1f} "
+            f"MiB), peak rise {base['peak_mib']:.0f} / {r['peak_mib']:.0f} MiB, KL {r['kl']:.3f} nats")
+    return out
+
+
+def print_profile(T: int, name: str, p: dict, log=print):
+    log(f"profile {T:6d} {name:15s} step {p['step_ms']:6.1f} ms | linears {p['linears_ms']:5.1f} | attention "
+        f"{p['attention_ms']:5.1f} ({p['kernel_calls']:.0f} INT2 kernel calls) | other aten {p['other_aten_ms']:5.1f} "
+        f"| host {p['host_ms']:5.1f} | {p['aten_calls']:.0f} aten calls, {p['host_reads']:.0f} host reads")
 
 
 # ----------------------------------------------------------------------------------------
@@ -935,3 +1121,20 @@ def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, 
             ax.set_xlabel("context (tokens)")
             if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
                 ax.legend(fontsize=7)
+
+
+def plot_side_by_side(rows: list, title: str, paths: dict):
+    """--bench-hf's rows: decode ms/token and cache MiB as allocated against context, a line per cache."""
+    contexts = sorted({r["T"] for r in rows})
+    with figure(paths, (10, 3.6), title, 1, 2) as (a, b):
+        for i, name in enumerate(dict.fromkeys(r["cache"] for r in rows)):
+            mine = [r for r in rows if r["cache"] == name]
+            for ax, key in ((a, "decode_ms"), (b, "cache_mib")):
+                ax.plot([r["T"] for r in mine], [r[key] for r in mine], "o-", color=f"C{i}", label=name)
+        a.set_ylabel("decode ms / token (median, steps interleaved)")
+        b.set_ylabel("cache MiB as allocated")
+        for ax in (a, b):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [str(x) for x in contexts])
+            ax.set(xlabel="prompt (tokens)", ylim=(0, None))
+            ax.legend(fontsize=7)

@@ -34,6 +34,7 @@ import collections
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -6330,21 +6331,50 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
 
 
+def test_bench_hf_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
+    """ladder's --bench-hf table: a row's "N.Nx smaller" is DynamicCache's (the first row's) MiB over
+    the row's, its decode and prefill ratios the row's time over DynamicCache's (decode: the median
+    step), its KL against DynamicCache's log-probs (0 for DynamicCache itself)."""
+    from transformers import DynamicCache
+
+    def filled(T):                                   # 2 KV heads x 64 channels x T tokens, fp32
+        cache = DynamicCache()
+        cache.update(torch.zeros(1, 2, T, 64), torch.zeros(1, 2, T, 64), 0)
+        return cache
+    logp = list(torch.randn(3, 10).log_softmax(-1))
+    runs = {"DynamicCache": ladder.CacheRun(filled(400), 2.0, 50.0, [10.0, 30.0, 20.0], logp),
+            "small": ladder.CacheRun(filled(100), 3.0, 20.0, [5.0, 6.0, 40.0], [x.flip(-1) for x in logp])}
+    rows = ladder.side_by_side_rows(runs, 400)
+    (s,) = ladder.print_side_by_side(rows)
+    assert [r["decode_ms"] for r in rows] == [20.0, 6.0] and rows[0]["kl"] == 0 < rows[1]["kl"]
+    assert (s["smaller"], s["decode_x"], s["prefill_x"]) == pytest.approx((4.0, 0.3, 1.5))
+    assert "decode 0.30x, prefill 1.50x, cache 4.0x smaller (0.4 / 0.1 MiB)" in capsys.readouterr().out
+
+
 @pytest.mark.slow
-def test_bench_hf_times_smollm2_in_dynamic_cache_and_optrs_cache(capsys):
-    """python eval_llm.py --bench-hf, small (SmolLM2 with its published rotations, a 400-token prompt
-    past the windows, 2 greedy steps timed, DynamicCache and optr.hf_cache with the torch reference,
-    each a process of its own): a row per cache, in the order asked, with its prefill and decode
-    times, its memory before and at its peak, and optr's cache smaller than DynamicCache's (80 of its
-    402 tokens in INT2); the table printed under its header."""
-    rows = eval_llm.main(["--bench-hf", "--contexts", "400", "--bench-tokens", "2",
-                          "--bench-rows", "DynamicCache,optr reference"])["bench_hf"]
-    assert [(r["cache"], r["T"]) for r in rows] == [("DynamicCache", 400), ("optr reference", 400)]
-    for r in rows:
-        assert r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["peak_mib"] >= r["loaded_mib"] > 0, r
-    assert 0 < rows[1]["cache_mib"] < rows[0]["cache_mib"]
+def test_bench_hf_runs_dynamic_cache_and_hf_cache_side_by_side(capsys, tmp_path):
+    """python eval_llm.py --bench-hf, small (SmolLM2, hf_cache with its published quarot+center+clip at the
+    default max_tokens, 400 tokens of real text then 2 teacher-forced steps, the caches' steps interleaved;
+    a 340 + 8 chat turn; --profile): a row per cache with finite numbers, KL against DynamicCache (its own
+    0, hf_cache's small but not 0); the summary's "N.Nx smaller" is DynamicCache's MiB over hf_cache's
+    (at 400 tokens hf_cache's pool, allocated for 8,192, is the larger: under 1x); table and figure written."""
+    out = eval_llm.main(["--bench-hf", "--contexts", "400", "--bench-tokens", "2", "--chat-turn", "340,8",
+                         "--bench-rows", "DynamicCache,hf_cache", "--profile", "--out", str(tmp_path)])["bench_hf"]
+    rows, (s,) = out["rows"], out["summary"]
+    assert [(r["cache"], r["T"]) for r in rows] == [("DynamicCache", 400), ("hf_cache", 400)]
+    for r in rows + out["chat"] + list(out["profile"][400].values()):
+        assert all(math.isfinite(x) and x >= 0 for x in r.values() if isinstance(x, float)), r
+    assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["cache_mib"] > 0 for r in rows), rows
+    assert rows[0]["kl"] == 0 and 0 < rows[1]["kl"] < 0.5, rows
+    assert [(c["cache"], c["P"], c["F"]) for c in out["chat"]] == [("DynamicCache", 340, 8), ("hf_cache", 340, 8)]
+    assert out["chat"][0]["kl"] == 0 and out["chat"][1]["followup_s"] > 0
+    dyn_over_ours = rows[0]["cache_mib"] / rows[1]["cache_mib"]
+    assert s["cache"] == "hf_cache" and s["smaller"] == pytest.approx(dyn_over_ours) and dyn_over_ours < 1
     printed = capsys.readouterr().out.splitlines()
-    header = next(i for i, line in enumerate(printed) if line.startswith("cache "))
-    assert printed[header].split()[:6] == ["cache", "tokens", "prefill", "s", "decode", "ms"]
-    assert [line.split()[:2] for line in printed[header + 1:header + 3]] == [["DynamicCache", "400"],
-                                                                              ["optr", "reference"]]
+    header = printed.index(ladder.BENCH_HEADER)
+    assert [line.split()[:2] for line in printed[header + 1:header + 3]] == [["DynamicCache", "400"], ["hf_cache", "400"]]
+    said = re.search(r"cache (\d+\.\d)x smaller \(([\d.]+) / ([\d.]+) MiB\)", printed[header + 3])
+    assert said and float(said[1]) == pytest.approx(dyn_over_ours, abs=0.051), printed[header + 3]
+    assert (float(said[2]), float(said[3])) == pytest.approx((rows[0]["cache_mib"], rows[1]["cache_mib"]), abs=0.051)
+    assert not [line for line in printed if "USDT" in line or "Warning" in line], printed
+    assert (tmp_path / "bench_hf_smollm2.png").is_file() and (tmp_path / "bench_hf_smollm2.json").is_file()
