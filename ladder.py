@@ -655,7 +655,8 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
 # H5b. Caches side by side (eval_llm's --bench-hf): one process, steps interleaved, teacher-forced
 # ----------------------------------------------------------------------------------------
 
-KERNEL_EVENT = "optr::int2_kernel"           # the profiler's name for kernel.paged_decode's calls
+KERNEL_EVENT = "optr::int2_kernel"   # the profiler's name for the calls of KERNEL_CALLS
+KERNEL_CALLS = ("paged_decode", "cpu_decode_step")   # kernel's entry points serving calls at each step
 
 
 @dataclass
@@ -749,17 +750,21 @@ def mean_kl(ref: list, got: list) -> float:
 def profile_step(hf, cache, token: torch.Tensor, n: int = 3) -> dict:
     """Where a decode step's time goes, ms per step over n steps of token (1, 1) under torch.profiler
     (its overhead included): linears (outermost aten::linear: projections, MLP, lm_head), attention
-    (kernel.paged_decode's calls, as KERNEL_EVENT, and aten's sdpa), other aten ops (outermost,
+    (the calls of kernel's KERNEL_CALLS, as KERNEL_EVENT: on a CPU the compiled step, its INT2 write
+    included; and aten's sdpa), other aten ops (outermost,
     self and children), host (the step's wall time outside every aten op: Python, numba dispatch);
     aten calls and host reads (aten::_local_scalar_dense: .item(), int(tensor)) per step."""
     import kernel
     from torch.profiler import ProfilerActivity, profile, record_function
-    decode = kernel.paged_decode
+    calls = {name: getattr(kernel, name) for name in KERNEL_CALLS}
 
-    def timed(*args, **kw):
-        with record_function(KERNEL_EVENT):
-            return decode(*args, **kw)
-    kernel.paged_decode = timed                     # optr's caches import it at each decode
+    def timed(f):
+        def call(*args, **kw):
+            with record_function(KERNEL_EVENT):
+                return f(*args, **kw)
+        return call
+    for name, f in calls.items():                   # optr's caches look them up at each step
+        setattr(kernel, name, timed(f))
     try:
         with fd_to_devnull(2), profile(activities=[ProfilerActivity.CPU]) as prof:
             t0 = time.perf_counter()
@@ -767,7 +772,8 @@ def profile_step(hf, cache, token: torch.Tensor, n: int = 3) -> dict:
                 next_logp(hf, cache, token)
             wall = (time.perf_counter() - t0) * 1e3 / n
     finally:
-        kernel.paged_decode = decode
+        for name, f in calls.items():
+            setattr(kernel, name, f)
     events = prof.events()
     top = [e for e in events if e.cpu_parent is None]
     ms = lambda keep: sum(e.cpu_time_total for e in top if keep(e.name)) / 1e3 / n       # us -> ms
