@@ -6356,8 +6356,8 @@ def test_bench_hf_runs_dynamic_cache_and_hf_cache_side_by_side(capsys, tmp_path)
     """python eval_llm.py --bench-hf, small (SmolLM2, hf_cache with its published quarot+center+clip at the
     default max_tokens, 400 tokens of real text then 2 teacher-forced steps, the caches' steps interleaved;
     a 340 + 8 chat turn; --profile): a row per cache with finite numbers, KL against DynamicCache (its own
-    0, hf_cache's small but not 0); the summary's "N.Nx smaller" is DynamicCache's MiB over hf_cache's
-    (at 400 tokens hf_cache's pool, allocated for 8,192, is the larger: under 1x); table and figure written."""
+    0, hf_cache's small but not 0); the summary's "N.Nx smaller" is DynamicCache's MiB over hf_cache's;
+    table and figure written."""
     out = eval_llm.main(["--bench-hf", "--contexts", "400", "--bench-tokens", "2", "--chat-turn", "340,8",
                          "--bench-rows", "DynamicCache,hf_cache", "--profile", "--out", str(tmp_path)])["bench_hf"]
     rows, (s,) = out["rows"], out["summary"]
@@ -6369,7 +6369,7 @@ def test_bench_hf_runs_dynamic_cache_and_hf_cache_side_by_side(capsys, tmp_path)
     assert [(c["cache"], c["P"], c["F"]) for c in out["chat"]] == [("DynamicCache", 340, 8), ("hf_cache", 340, 8)]
     assert out["chat"][0]["kl"] == 0 and out["chat"][1]["followup_s"] > 0
     dyn_over_ours = rows[0]["cache_mib"] / rows[1]["cache_mib"]
-    assert s["cache"] == "hf_cache" and s["smaller"] == pytest.approx(dyn_over_ours) and dyn_over_ours < 1
+    assert s["cache"] == "hf_cache" and s["smaller"] == pytest.approx(dyn_over_ours)
     printed = capsys.readouterr().out.splitlines()
     header = printed.index(ladder.BENCH_HEADER)
     assert [line.split()[:2] for line in printed[header + 1:header + 3]] == [["DynamicCache", "400"], ["hf_cache", "400"]]
