@@ -91,7 +91,8 @@ class RunConfig(PaperConfig):
     retrieval_min: float = _f(0.9, "report a passkey length where full precision answers at least this share")
     passkey_samples: int = _f(1, "calibration samples whose rotations run the passkey stage (0 = all)")
     decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache")
-    decode_attend: str = _f("reference", "decode check's paged attention: 'reference' or 'kernel' (Triton)")
+    decode_attend: str = _f("reference", "decode check's paged attention: 'reference', 'compiled' "
+                            "(kernel.paged_decode, serving's: numba on a CPU) or 'triton'")
     variants: tuple[str, ...] = _f(DEFAULT_VARIANTS, "variants to evaluate (full is always in)")
     fig_layer: int = _f(-1, "layer of the plots; -1 = the most post-RoPE channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
@@ -1087,7 +1088,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(cfg.threads)
     if cfg.bench_hf:
         return dict(bench_hf=bench_hf(cfg))
-    attend = decode_attention(cfg.decode_attend)       # before calibration imports triton
+    attend = decode_attention(cfg.decode_attend)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
     run = load_run(cfg, timer, log)
