@@ -907,7 +907,8 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
         return specs, meta.get("report", {})
     specs, reports = calibrate_variants(run.model, cal, held, names, progress_every=10, timer=run.timer,
                                         log=run.log, workers=torch.get_num_threads(), sliding=cfg.int2_sliding)
-    save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
+    save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports),
+                model_type=run.model.hf.config.get_text_config().model_type, model_name=run.name)
     return specs, reports
 
 
@@ -1072,7 +1073,8 @@ def publish(run: Run, samples: list) -> dict:
     names = [n for n in PUBLISHED if n in samples[0]["specs"]]
     os.makedirs(cfg.publish, exist_ok=True)
     path = os.path.join(cfg.publish, "kv_rotations.safetensors")
-    optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg, meta=dict(
+    optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg,
+                           model_type=run.model.hf.config.get_text_config().model_type, model_name=run.name, meta=dict(
         model=run.name, architecture=run.model.hf.config.model_type, calibration=dict(
             {f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed), kl_context=cfg.gap_ctx,
         kl_per_sample={n: [s["variants"][n]["kl"] for s in samples] for n in names}))

@@ -997,8 +997,8 @@ def paged_decode(q, **view) -> torch.Tensor:
 def q2_store(rows, clip, group_size, eps, codes, scale, zero, page, slot):
     """Write Q2's storage form of rows (N, H, d) fp32 (CPU) into codes[page[i], :, slot[i]] and
     its scale and zero, as optr.q2_quantize computes them, bit for bit (compiled by numba)."""
-    assert rows.dim() == 3 and page.shape == slot.shape == rows.shape[:1], "a page and slot per row"
-    assert rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(), "fp32 rows"
+    need(rows.dim() == 3 and page.shape == slot.shape == rows.shape[:1], "q2_store: a page and slot per row")
+    need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(), "q2_store: fp32 rows")
     rank = min(max(int(math.floor(clip * group_size)), 0), group_size - 1)
     _numba()[1](rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
                 zero.numpy(), page.numpy(), slot.numpy())

@@ -302,11 +302,12 @@ def log_calibration(name: str, report: list, seconds: float, per_head_layers: in
                 f"{'' if r['kept'] else ' (base)'}" for r in rows))
 
 
-def save_ladder(path: str, specs: dict, cfg, meta: dict | None = None) -> str:
+def save_ladder(path: str, specs: dict, cfg, meta: dict | None = None, **model) -> str:
     """Every quantized variant of the ladder into one rotation file (optr.save_kv_rotations;
-    full precision has nothing to store). `meta`: the script's JSON dict stored beside."""
+    full precision has nothing to store). `meta`: the script's JSON dict stored beside;
+    `model`: its model_type and model_name where known."""
     return optr.save_kv_rotations(path, {n: kv for n, kv in specs.items() if kv is not None},
-                                  cfg, meta=meta)
+                                  cfg, meta=meta, **model)
 
 
 def load_ladder(path: str, names, cfg, settings: dict | None = None) -> tuple[dict, dict]:

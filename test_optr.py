@@ -2086,7 +2086,7 @@ def test_the_paged_cache_refuses_bad_tokens_and_sequences():
         cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
     with pytest.raises(ValueError, match="seq: expected an active sequence"):
         cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
-    with pytest.raises(AssertionError, match="full precision: make sink \\+ window cover the context"):
+    with pytest.raises(ValueError, match="full precision: make sink \\+ window cover the context"):
         optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant(quant_v=False)])
 
 
@@ -2225,7 +2225,7 @@ def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
     differ from the cache's, what it stores would not be what decoding stores: an assert."""
     model, data, specs, _ = calibrated_tiny
     cache = optr.PagedKVCache(replace_cfg(model.cfg, window=7), 16, 1, specs)
-    with pytest.raises(AssertionError, match="model.cfg must quantize as the cache does"):
+    with pytest.raises(ValueError, match="model.cfg must quantize as the cache does"):
         optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
 
 
@@ -2393,12 +2393,13 @@ def test_a_corrupted_rotation_file_is_refused_naming_the_tensor(tmp_path, edit, 
 
 
 def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
-    """Loaded with the model's config, a file of another layer count is refused naming the
-    geometry; a safetensors file without the format's metadata is refused naming it."""
+    """Loaded with the model's config, a file of another layer count is refused naming both
+    geometries; a safetensors file without the format's metadata is refused naming it."""
     from safetensors.torch import save_file
     cfg = random_model("llama").cfg
     path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), rotation_variants(cfg), cfg)
-    with pytest.raises(ValueError, match=r"\(n_layers, n_kv_heads, head_dim\): expected the model's \(3, 2, 16\), got \(2, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"calibrated for a model \(2 layers, 2 KV heads, head_dim 16\), "
+                                         r"not for this model \(3 layers, 2 KV heads, head_dim 16\)"):
         optr.load_kv_rotations(path, replace_cfg(cfg, n_layers=3))
     save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()}, str(tmp_path / "old.safetensors"))
     with pytest.raises(ValueError, match="metadata format: expected 'optr-kv-rotations-1'"):
@@ -2406,18 +2407,77 @@ def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
 
 
 def test_save_refuses_variants_it_could_not_load_back(tmp_path):
-    """A part set in some layers only, an R_V given for a variant marked folded, or a
-    variant name with '/' fails an assert when saving (our own specs, not outside data)."""
+    """A part set in some layers only, an R_V given for a variant marked folded, a variant
+    name with '/', or specs of another geometry are a ValueError when saving (a user hands
+    them in)."""
     cfg = random_model("llama").cfg
     full = quarot_specs(cfg)
     half = [full[0], optr.KVQuant(r_k=full[1].r_k, r_v=full[1].r_v)]
     p = str(tmp_path / "r.safetensors")
-    with pytest.raises(AssertionError, match="a part in some layers only"):
+    with pytest.raises(ValueError, match="a part in some layers only"):
         optr.save_kv_rotations(p, {"half": half}, cfg)
-    with pytest.raises(AssertionError, match="R_V folded into the weights but r_v given"):
+    with pytest.raises(ValueError, match="R_V folded into the weights but r_v given"):
         optr.save_kv_rotations(p, {"full": full}, cfg, folded=("full",))
-    with pytest.raises(AssertionError, match="variant 'a/b'"):
+    with pytest.raises(ValueError, match="got 'a/b'"):
         optr.save_kv_rotations(p, {"a/b": full}, cfg)
+    with pytest.raises(ValueError, match=r"kv is 2 layers of \(n_kv_heads, head_dim\) \[\(2, 16\)\], the model 2 "
+                                         r"layers of \(1, 16\)"):
+        optr.save_kv_rotations(p, {"full": full}, replace_cfg(cfg, n_kv_heads=1))
+
+
+def test_a_rotation_file_names_its_model_and_refuses_another_of_the_same_geometry(tmp_path, monkeypatch):
+    """save_kv_rotations records the geometry and the model (model_type, model_name); loaded
+    beside a transformers config it must be that model's: the same geometry under another
+    model_type is a ValueError naming both models, before a tensor is read."""
+    import safetensors
+    import transformers
+    cfg = random_model("llama").cfg
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"q": quarot_specs(cfg)}, cfg,
+                                  model_type="llama", model_name="tiny-llama")
+    read, real = [], safetensors.safe_open
+
+    class Counted:                                   # safe_open, counting the tensors read
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.opened = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.opened, name)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.opened.get_tensor(key)
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    geometry = dict(num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, hidden_size=cfg.d_model,
+                    num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size)
+    kv, info = optr.load_kv_rotations(path, transformers.LlamaConfig(**geometry))
+    assert (info["model_type"], info["model_name"]) == ("llama", "tiny-llama") and len(kv["q"]) == cfg.n_layers
+    assert read                                       # the count counts
+    read.clear()
+    with pytest.raises(ValueError, match=r"calibrated for llama tiny-llama \(2 layers, 2 KV heads, head_dim 16\), "
+                                         r"not for qwen2 \(2 layers, 2 KV heads, head_dim 16\)"):
+        optr.load_kv_rotations(path, transformers.Qwen2Config(**geometry))
+    assert read == []
+
+
+def test_the_published_rotation_files_name_their_model_and_refuse_each_other():
+    """rotations/smollm2 and rotations/gemma3-270m record their model (SmolLM2-135M: Llama, 30
+    layers of 3 KV heads of 64 dims; Gemma 3 270M: gemma3_text, 18 layers of 1 KV head of 256);
+    Gemma's file beside SmolLM2's config is a ValueError naming both, not a failure inside."""
+    import transformers
+    smol = transformers.LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                    hidden_size=576, vocab_size=49152)
+    _, info = optr.load_kv_rotations("rotations/smollm2", smol)
+    assert (info["model_type"], info["n_layers"], info["n_kv_heads"], info["head_dim"]) == ("llama", 30, 3, 64)
+    with pytest.raises(ValueError, match=r"calibrated for gemma3_text Gemma-3-270M\S* \(18 layers, 1 KV heads, "
+                                         r"head_dim 256\), not for llama \(30 layers, 3 KV heads, head_dim 64\)"):
+        optr.load_kv_rotations("rotations/gemma3-270m", smol)
 
 
 def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
@@ -4254,6 +4314,83 @@ def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch)
 
 
 @torch.no_grad()
+def test_hf_cache_takes_a_prompt_of_exactly_max_tokens_and_refuses_one_more():
+    """max_tokens is the most a sequence may hold: a prompt of exactly max_tokens is served (its
+    logits those of simulate_hf's INT2 within 1e-4), one token more is a ValueError naming it."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    with optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
+        ours = model(IDX_HF[:, :20], past_key_values=cache).logits
+    with optr.simulate_hf(model, kv, cfg):
+        theirs = model(IDX_HF[:, :20]).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="a prompt of 21 tokens passes max_tokens=20"), \
+            optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
+        model(IDX_HF[:, :21], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_hf_cache_takes_its_default_max_tokens_from_the_text_config(monkeypatch):
+    """A multimodal model's config (Gemma 3's) wraps a text config, whose max_position_embeddings
+    is the language model's: hf_cache's default max_tokens is that one. A config whose text part
+    says 24 under a top level saying 8192 refuses a 25-token prompt."""
+    import copy
+    model, cfg, kv = tiny_served("llama-GQA")
+    text = copy.deepcopy(model.config)
+    text.max_position_embeddings = 24
+    monkeypatch.setattr(model.config, "max_position_embeddings", 8192)
+    monkeypatch.setattr(model.config, "get_text_config", lambda *a, **kw: text, raising=False)
+    with pytest.raises(ValueError, match="a prompt of 25 tokens passes max_tokens=24"), \
+            optr.hf_cache(kv, cfg, model) as cache:
+        model(IDX_HF[:, :25], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
+    """Specs of another model (here: 3 layers of head_dim 32 beside a model of 2 layers of 16)
+    are a ValueError naming both geometries, before the model is switched (not an assert that
+    python -O strips); hf_config given that model's settings names the model it reads."""
+    model, cfg, _ = tiny_served("llama-GQA")
+    other = quarot_specs(replace_cfg(cfg, n_layers=3, head_dim=32, group_size=32))
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"hf_cache: kv is 3 layers of \(n_kv_heads, head_dim\) \[\(2, 32\)\], "
+                                         r"the model 2 layers of \(2, 16\)"):
+        optr.hf_cache(other, cfg, model)
+    assert model.config._attn_implementation == before
+    with pytest.raises(ValueError, match=r"hf_config: .*\(the model: llama, head_dim 16; settings \{'group_size': 32"):
+        optr.hf_config(model.config, group_size=32)
+
+
+def test_checks_of_what_a_user_supplies_hold_under_python_O():
+    """Under python -O (asserts stripped) the paged cache, prefill and kernel.q2_store still refuse
+    what a user hands them with a ValueError: specs for another layer count, a model quantizing
+    otherwise than its cache, rows that are not fp32."""
+    code = """
+import torch, optr, kernel
+cfg = optr.Config(n_layers=2)
+kv = [optr.KVQuant(r_k=optr.quarot_rotation(2, 32), r_v=optr.quarot_rotation(2, 32))] * 2
+def refused(f):
+    try:
+        f()
+    except ValueError as e:
+        return str(e)
+print(refused(lambda: optr.PagedKVCache(cfg, 4, 1, kv[:1])))
+cache = optr.PagedKVCache(cfg, 4, 1, kv)
+model = optr.TinyLM(optr.Config(n_layers=2, window=8))
+print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(1, 5, dtype=torch.long))))
+rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
+print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
+                                      torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
+"""
+    r = subprocess.run([sys.executable, "-O", "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()[-3:]
+    assert "PagedKVCache: kv is 1 layers" in lines[0], lines
+    assert "model.cfg must quantize as the cache does" in lines[1], lines
+    assert "q2_store: fp32 rows" in lines[2], lines
+
+
+@torch.no_grad()
 def test_hf_cache_gives_the_model_back_its_own_attention():
     """Inside `with optr.hf_cache(...)` the model attends through "optr-paged"; after it (or
     after cache.restore()) its own implementation is back and its logits are its own again."""
@@ -4783,6 +4920,53 @@ def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, sc
     written = torch.zeros(8, 3, dtype=torch.bool)
     written[page, slot] = True
     assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
+
+
+def q2_store_row(x, clip, G):
+    """kernel.q2_store of one row x (d,) into a one-slot pool: (its codes (d,), scales, zeros (d/G,))."""
+    d, at = x.shape[-1], torch.zeros(1, dtype=torch.long)
+    codes, scale, zero = torch.zeros(1, 1, 1, d // 4, dtype=torch.uint8), torch.zeros(1, 1, 1, d // G), torch.zeros(1, 1, 1, d // G)
+    kernel.q2_store(x.reshape(1, 1, d).contiguous(), clip, G, 1e-8, codes, scale, zero, at, at)
+    return optr.unpack_int2(codes[0, 0, 0]).float(), scale[0, 0, 0], zero[0, 0, 0]
+
+
+def test_the_int2_write_rounds_a_value_on_a_half_step_up():
+    """q2_store rounds half up, as Q2 does (floor(x / s + z + 1/2)), not half to even: in the
+    group 0, 0.5, 3, 3 (scale 1, zero 0) 0.5 lies on a half step, and its code is the numpy
+    Q2's (1, where half to even gives 0)."""
+    x = torch.tensor([0.0, 0.5, 3.0, 3.0] * 4)                        # d 16, G 4
+    codes, scale, zero = q2_store_row(x, 1.0, 4)
+    _, want, want_scale, want_zero = authors_q2(x.numpy(), 1.0, 4)
+    assert float(x[1] / scale[0] + zero[0]) == 0.5                     # on a half step
+    assert torch.equal(codes, torch.from_numpy(want))
+    assert torch.equal(scale, torch.from_numpy(want_scale)) and torch.equal(zero, torch.from_numpy(want_zero))
+
+
+def test_the_int2_write_clamps_a_code_past_3_so_it_cannot_spill_into_another_group():
+    """A near-constant group at a large offset (209.77 and values 1 and 2 ulps above; c = 0.92
+    clips the 2-ulp ones, leaving a range of 1 ulp) rounds to 4 in fp32 before the clamp to
+    [0, 3]; q2_store clamps as Q2 does. With G < d, an unclamped 4 would carry into the bit field
+    of dim j + d/4, another group's: every code, scale and zero is the numpy Q2's."""
+    G, ulp = 16, np.spacing(np.float32(209.77))
+    x = rand(64, seed=3)
+    above = torch.tensor([0, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 0], dtype=torch.float32)
+    x[:G] = torch.from_numpy(np.float32(209.77) + above.numpy() * ulp)
+    codes, scale, zero = q2_store_row(x, 0.92, G)
+    _, want, want_scale, want_zero = authors_q2(x.numpy(), 0.92, G)
+    g = np.minimum(x[:G].numpy(), np.sort(x[:G].numpy())[int(0.92 * G)])
+    assert (np.floor(g / want_scale[0] + want_zero[0] + np.float32(0.5)) > 3).any()   # past 3 unclamped
+    assert torch.equal(codes, torch.from_numpy(want))
+    assert torch.equal(scale, torch.from_numpy(want_scale)) and torch.equal(zero, torch.from_numpy(want_zero))
+
+
+def test_the_compiled_cpu_decode_uses_sm_scale_as_the_logit_scale():
+    """int2_paged_decode_cpu with sm_scale 0.3 is optr.paged_decode_reference with the same scale
+    (which here differs from the default 1/sqrt(d)'s output by far more than the tolerance)."""
+    args, _, _ = build(SPLIT_CASE, seed=1)
+    ref = optr.paged_decode_reference(**args, sm_scale=0.3)
+    assert (ref - optr.paged_decode_reference(**args)).abs().max().item() > 100 * TOLERANCES[torch.float32][0]
+    assert_close_report(kernel.int2_paged_decode_cpu(**args, sm_scale=0.3), ref, *TOLERANCES[torch.float32],
+                        "cpu, sm_scale=0.3")
 
 
 # ----------------------------------------------------------------------------
