@@ -908,8 +908,14 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
     specs, reports = calibrate_variants(run.model, cal, held, names, progress_every=10, timer=run.timer,
                                         log=run.log, workers=torch.get_num_threads(), sliding=cfg.int2_sliding)
     save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports),
-                model_type=run.model.hf.config.get_text_config().model_type, model_name=run.name)
+                model_type=model_type(run), model_name=run.name)
     return specs, reports
+
+
+def model_type(run: Run) -> str | None:
+    """transformers' model_type of the run's model (of its text config), which rotation files record."""
+    hf = getattr(run.model, "hf", None)
+    return None if hf is None else hf.config.get_text_config().model_type
 
 
 def run_samples(run: Run, ref: Reference, cal, held) -> list:
@@ -1074,7 +1080,7 @@ def publish(run: Run, samples: list) -> dict:
     os.makedirs(cfg.publish, exist_ok=True)
     path = os.path.join(cfg.publish, "kv_rotations.safetensors")
     optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg,
-                           model_type=run.model.hf.config.get_text_config().model_type, model_name=run.name, meta=dict(
+                           model_type=model_type(run), model_name=run.name, meta=dict(
         model=run.name, architecture=run.model.hf.config.model_type, calibration=dict(
             {f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed), kl_context=cfg.gap_ctx,
         kl_per_sample={n: [s["variants"][n]["kl"] for s in samples] for n in names}))
