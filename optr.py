@@ -877,9 +877,9 @@ class PagedKVCache:
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
                  window_dtype=torch.float32, device="cpu"):
-        need(num_pages >= 1 and max_seqs >= 1, f"PagedKVCache: num_pages, max_seqs >= 1, got {num_pages}, {max_seqs}")
+        need(num_pages >= 1 and max_seqs >= 1, f"PagedKVCache: num_pages {num_pages}, max_seqs {max_seqs}: >= 1")
         check_kv("PagedKVCache", kv, cfg)
-        need(all(s.quant_k and s.quant_v for s in kv), "PagedKVCache: full precision: make sink + window cover the context")
+        need(all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context")
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
@@ -1233,9 +1233,8 @@ def check_kv(where: str, kv: list, cfg: Config):   # a ValueError naming both: a
 
 def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: dict | None = None,
                       model_type: str | None = None, model_name: str | None = None):
-    """variants {name: [KVQuant per layer]} into one safetensors file; `folded`: the names whose
-    R_V is in the weights; `meta`: a JSON dict stored beside (load's info["meta"]); model_type
-    (transformers', of the text config) and model_name: the model calibrated, where known."""
+    """variants {name: [KVQuant per layer]} into one safetensors file; `folded`: the names whose R_V is in
+    the weights; `meta`: a JSON dict stored beside (load's info["meta"]); the model's type and name."""
     from safetensors.torch import save_file
     tensors, parts, flags = {}, {}, {}
     for name, kv in variants.items():
@@ -1261,11 +1260,10 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
 
 
 def load_kv_rotations(path: str, cfg=None):
-    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants
-    {name: [KVQuant per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}).
-    cfg: the model's (a Config, or a transformers model's config: its model_type too); a file
-    calibrated for another is a ValueError naming both, before a tensor is read.
-    info["settings"] suits ladder.reconfigure and hf_config."""
+    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants {name: [KVQuant
+    per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}). cfg: the model's (a Config, or
+    a transformers config: its model_type too); another model's file is a ValueError naming both, before a
+    tensor is read. info["settings"] suits ladder.reconfigure and hf_config."""
     from safetensors import safe_open
     path = os.fspath(path)
     path = os.path.join(path, "kv_rotations.safetensors") if os.path.isdir(path) else path
@@ -1282,12 +1280,11 @@ def load_kv_rotations(path: str, cfg=None):
                                "flags") if k not in info]
         need(not missing, f"{path}: metadata is missing {missing}")
         L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
-        mine = info.get("model_type")                                      # older files: None
+        mine, want = info.get("model_type"), cfg and (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)  # older: None
         about = lambda what, L, H, d: f"{what} ({L} layers, {H} KV heads, head_dim {d})"
-        want = cfg and (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-        need(cfg is None or want == (L, H, d) and (kind == mine or None in (kind, mine)), f"{path}: calibrated "
-             f"for {about(' '.join(filter(None, (mine, info.get('model_name')))) or 'a model', L, H, d)}, not "
-             f"for {about(kind or 'this model', *(want or (0, 0, 0)))}")
+        need(cfg is None or want == (L, H, d) and (kind == mine or None in (kind, mine)), f"{path}: calibrated for "
+             f"{about(' '.join(filter(None, (mine, info.get('model_name')))) or 'a model', L, H, d)}, not for "
+             f"{about(kind or 'this model', *(want or (0, 0, 0)))}")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     flags = {name: info["flags"][name] for name in info["variants"]}
     for name, fl in flags.items():

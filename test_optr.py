@@ -4346,7 +4346,8 @@ def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
                                          r"the model 2 layers of \(2, 16\)"):
         optr.hf_cache(other, cfg, model)
     assert model.config._attn_implementation == before
-    with pytest.raises(ValueError, match=r"hf_config: .*\(the model: llama, head_dim 16; settings \{'group_size': 32"):
+    with pytest.raises(ValueError, match=r"hf_config: .*\(the model: llama, head_dim 16; settings "
+                                         r"\{'group_size': 32"):
         optr.hf_config(model.config, group_size=32)
 
 
@@ -4915,7 +4916,7 @@ def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, sc
 def q2_store_row(x, clip, G):
     """kernel.q2_store of one row x (d,) into a one-slot pool: (its codes (d,), scales, zeros (d/G,))."""
     d, at = x.shape[-1], torch.zeros(1, dtype=torch.long)
-    codes, scale, zero = torch.zeros(1, 1, 1, d // 4, dtype=torch.uint8), torch.zeros(1, 1, 1, d // G), torch.zeros(1, 1, 1, d // G)
+    codes, scale, zero = torch.zeros(1, 1, 1, d // 4, dtype=torch.uint8), *torch.zeros(2, 1, 1, 1, d // G)
     kernel.q2_store(x.reshape(1, 1, d).contiguous(), clip, G, 1e-8, codes, scale, zero, at, at)
     return optr.unpack_int2(codes[0, 0, 0]).float(), scale[0, 0, 0], zero[0, 0, 0]
 
