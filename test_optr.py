@@ -1237,8 +1237,11 @@ def check_outputs(case):
 
 def check_logit_error(case):
     r, ref, _ = decomposition_and_loop(*case)
+    q, k, k_t = case[0], case[1], case[3]
+    logits = q.abs().amax() * torch.maximum(k.abs().amax(), k_t.abs().amax()) * q.shape[-1] ** 0.5   # >= |a|, |a~|
     expect = torch.where(ref["int2"], ref["da"], torch.zeros_like(ref["da"]))
-    assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max())
+    # optr forms a~ - a: its round-off is an ulp of the logits (up to ~1e4 with the x1e3 key channel)
+    assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max()) + 1e-14 * logits
 
 
 def check_e_out(case):
