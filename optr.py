@@ -1267,7 +1267,7 @@ def load_kv_rotations(path: str, cfg=None):
     from safetensors import safe_open
     path = os.fspath(path)
     path = os.path.join(path, "kv_rotations.safetensors") if os.path.isdir(path) else path
-    kind = None if cfg is None or isinstance(cfg, Config) else cfg.get_text_config().model_type
+    kind = cfg.get_text_config().model_type if hasattr(cfg, "get_text_config") else None   # transformers'
     cfg = cfg if kind is None else hf_config(cfg)
     with safe_open(path, framework="pt") as f:
         try:
