@@ -96,7 +96,8 @@ class RunConfig(PaperConfig):
     retrieval_min: float = _f(0.9, "report a passkey length where full precision answers at least this share")
     passkey_samples: int = _f(1, "calibration samples whose rotations run the passkey stage (0 = all)")
     decode_prompts: int = _f(2, "passkey prompts decoded through the real paged cache")
-    decode_attend: str = _f("reference", "decode check's paged attention: 'reference' or 'kernel' (Triton)")
+    decode_attend: str = _f("reference", "decode check's paged attention: 'reference', 'compiled' "
+                            "(kernel.paged_decode, serving's: numba on a CPU) or 'triton'")
     variants: tuple[str, ...] = _f(DEFAULT_VARIANTS, "variants to evaluate (full is always in)")
     fig_layer: int = _f(-1, "layer of the plots; -1 = the most post-RoPE channels with |mean| > std")
     fig_head: int = _f(-1, "KV head of the plots; -1 = that layer's head with the most")
@@ -944,8 +945,15 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
         return specs, meta.get("report", {})
     specs, reports = calibrate_variants(run.model, cal, held, names, progress_every=10, timer=run.timer,
                                         log=run.log, workers=torch.get_num_threads(), sliding=cfg.int2_sliding)
-    save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports))
+    save_ladder(path, specs, run.model.cfg, meta=dict(calibration=settings, report=reports),
+                model_type=model_type(run), model_name=run.name)
     return specs, reports
+
+
+def model_type(run: Run) -> str | None:
+    """transformers' model_type of the run's model (of its text config), which rotation files record."""
+    hf = getattr(run.model, "hf", None)
+    return None if hf is None else hf.config.get_text_config().model_type
 
 
 def run_samples(run: Run, ref: Reference, cal, held) -> list:
@@ -1109,7 +1117,8 @@ def publish(run: Run, samples: list) -> dict:
     names = [n for n in PUBLISHED if n in samples[0]["specs"]]
     os.makedirs(cfg.publish, exist_ok=True)
     path = os.path.join(cfg.publish, "kv_rotations.safetensors")
-    optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg, meta=dict(
+    optr.save_kv_rotations(path, {n: samples[0]["specs"][n] for n in names}, run.model.cfg,
+                           model_type=model_type(run), model_name=run.name, meta=dict(
         model=run.name, architecture=run.model.hf.config.model_type, calibration=dict(
             {f: getattr(cfg, f) for f in CALIB_FIELDS}, seed=cfg.seed), kl_context=cfg.gap_ctx,
         kl_per_sample={n: [s["variants"][n]["kl"] for s in samples] for n in names}))
@@ -1125,7 +1134,7 @@ def main(argv=None) -> dict:
         torch.set_num_threads(cfg.threads)
     if cfg.bench_hf:
         return dict(bench_hf=bench_hf(cfg))
-    attend = decode_attention(cfg.decode_attend)       # before calibration imports triton
+    attend = decode_attention(cfg.decode_attend)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)
     run = load_run(cfg, timer, log)

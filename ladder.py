@@ -304,11 +304,12 @@ def log_calibration(name: str, report: list, seconds: float, per_head_layers: in
                 f"{'' if r['kept'] else ' (base)'}" for r in rows))
 
 
-def save_ladder(path: str, specs: dict, cfg, meta: dict | None = None) -> str:
+def save_ladder(path: str, specs: dict, cfg, meta: dict | None = None, **model) -> str:
     """Every quantized variant of the ladder into one rotation file (optr.save_kv_rotations;
-    full precision has nothing to store). `meta`: the script's JSON dict stored beside."""
+    full precision has nothing to store). `meta`: the script's JSON dict stored beside;
+    `model`: its model_type and model_name where known."""
     return optr.save_kv_rotations(path, {n: kv for n, kv in specs.items() if kv is not None},
-                                  cfg, meta=meta)
+                                  cfg, meta=meta, **model)
 
 
 def load_ladder(path: str, names, cfg, settings: dict | None = None) -> tuple[dict, dict]:
@@ -452,20 +453,23 @@ def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
 # transformers Cache's bytes and the peak memory (eval_llm's --bench-hf)
 # ----------------------------------------------------------------------------------------
 
-DECODE_ATTENDS = ("kernel", "reference")
+DECODE_ATTENDS = ("compiled", "triton", "reference")
 
 
 def decode_attention(name: str):
-    """The paged attention decode_step calls: 'kernel' (kernel.int2_paged_decode, Triton;
-    its CPU interpreter without a GPU, which the scripts switch on at their top) or
-    'reference' (optr.paged_decode_reference, pure torch)."""
+    """The paged attention decode_step calls: 'compiled' (kernel.paged_decode, what serving
+    calls: numba for these scripts' cache in CPU memory, Triton for a cache on CUDA), 'triton'
+    (kernel.int2_paged_decode, the Triton kernel: on the GPU, or without one in its CPU
+    interpreter, which the scripts switch on at their top; slow) or 'reference'
+    (optr.paged_decode_reference, pure torch)."""
     if name not in DECODE_ATTENDS:
         raise ValueError(f"decode_attend: expected one of {DECODE_ATTENDS}, got {name!r}")
     if name == "reference":
         return optr.paged_decode_reference
     import kernel
+    if name == "compiled":
+        return kernel.paged_decode
     if not torch.cuda.is_available():
-        memoize_interpreter_scan()
         return kernel.int2_paged_decode               # the interpreter reads CPU tensors
 
     def int2_paged_decode_on_gpu(q, **view):
@@ -473,38 +477,6 @@ def decode_attention(name: str):
         moved = {k: v.cuda() if torch.is_tensor(v) else v for k, v in view.items()}
         return kernel.int2_paged_decode(q.cuda(), **moved).to(q.device)
     return int2_paged_decode_on_gpu
-
-
-def memoize_interpreter_scan():
-    """Make nested @triton.jit calls cheap in Triton's CPU interpreter.
-
-    On every call of a @triton.jit helper from a kernel (kernel.py's _codes_fp16, _quarter_pv, ...,
-    and tl.sum, tl.max, tl.cdiv, which are @triton.jit functions too) the interpreter
-    re-patches triton.language, finding its builtins with inspect.getmembers over each
-    module: ~1 ms per call, several times the arithmetic of a whole tile.  The set of
-    builtin names of a module never changes, so it is found once per module here; each
-    call still re-checks and patches every one of them exactly as before."""
-    import inspect
-    import triton.language as tl
-    from triton.runtime import interpreter
-    original = getattr(interpreter, "_patch_builtin", None)
-    if original is None or getattr(original, "memoized", False) \
-            or not hasattr(interpreter, "_patch_attr"):
-        return                                    # another Triton layout: leave it alone
-    names = {}
-
-    def patch_builtin(pkg, builder, scope):
-        if id(pkg) not in names:
-            names[id(pkg)] = (pkg, [n for n, m in inspect.getmembers(pkg)
-                                    if tl.core.is_builtin(m)])
-        for name in names[id(pkg)][1]:
-            member = getattr(pkg, name)
-            if tl.core.is_builtin(member):
-                interpreter._patch_attr(pkg, name, member, builder, scope)
-
-    patch_builtin.memoized = True
-    patch_builtin.builtin_names = lambda pkg: list(names[id(pkg)][1]) if id(pkg) in names else None
-    interpreter._patch_builtin = patch_builtin
 
 
 def serving_setup(model, kv, T: int):

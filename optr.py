@@ -874,8 +874,9 @@ class PagedKVCache:
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
                  window_dtype=torch.float32, device="cpu", grow: bool = False):
         """num_pages: the page budget, allocated at once, or (grow) as sequences reach new pages."""
-        assert num_pages >= 1 and max_seqs >= 1 and len(kv) == cfg.n_layers, "pages, seqs, a KVQuant per layer"
-        assert all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context"
+        need(num_pages >= 1 and max_seqs >= 1, f"PagedKVCache: num_pages {num_pages}, max_seqs {max_seqs}: >= 1")
+        check_kv("PagedKVCache", kv, cfg)
+        need(all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context")
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
@@ -1266,8 +1267,8 @@ def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
     token decoding (page ids included); the logits (n, T, vocab) are decode_step's up to round-off."""
     m, c = model.cfg, cache.cfg
     need(idx.dim() == 2 and idx.shape[0] == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
-    assert (m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size,
-        c.clip_k, c.clip_v), "model.cfg must quantize as the cache does (the forward stores what decode would)"
+    need((m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size, c.clip_k,
+         c.clip_v), "prefill: model.cfg must quantize as the cache does (the forward stores what decode would)")
     cache.check_seqs(seqs)
     held = {s: int(cache.length[:, s].max()) for s in seqs if cache.length[:, s].any()}
     need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (tokens held)")
@@ -1286,10 +1287,11 @@ file, export_hf the one it serves): a safetensors file holding, per variant NAME
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
   NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
   NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
-and as metadata the format, geometry, quantizer settings and per variant its parts, its
-quant_k / quant_v flags, per-layer clips (appendix D; absent or null: the settings') and
-whether R_V is folded. A part a variant lacks is None; loading checks every tensor (name,
-shape, dtype, finite values, max |R^T R - I| <= ORTHO_TOL). SGLang's files: eval_llm.export_sglang.
+and as metadata the format, geometry (n_layers, n_kv_heads, head_dim; model_type and model_name
+where known), quantizer settings and per variant its parts, its quant_k / quant_v flags,
+per-layer clips (appendix D; absent or null: the settings') and whether R_V is folded. A part a
+variant lacks is None; loading checks every tensor (name, shape, dtype, finite values,
+max |R^T R - I| <= ORTHO_TOL). SGLang's files: eval_llm.export_sglang.
 """
 
 ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the authors' artifact check)
@@ -1310,17 +1312,26 @@ KV_SETTINGS = ("group_size", "clip_k", "clip_v", "scale_eps", "sink", "window", 
 KV_PARTS = ("r_k", "r_v", "k_mean")
 
 
-def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: dict | None = None):
-    """variants {name: [KVQuant per layer]} into one safetensors file; `folded`: the names whose
-    R_V is in the weights; `meta`: a JSON dict stored beside (load's info["meta"])."""
+def check_kv(where: str, kv: list, cfg: Config):   # a ValueError naming both: another model's rotations
+    got = sorted({(t.shape[0], t.shape[-1]) for s in kv for t in (s.r_k, s.r_v, s.k_mean) if t is not None})
+    need(len(kv) == cfg.n_layers and set(got) <= {(cfg.n_kv_heads, cfg.head_dim)}, f"{where}: kv is "
+         f"{len(kv)} layers of (n_kv_heads, head_dim) {got}, the model {cfg.n_layers} layers of "
+         f"{(cfg.n_kv_heads, cfg.head_dim)}: rotations calibrated for another model?")
+
+
+def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: dict | None = None,
+                      model_type: str | None = None, model_name: str | None = None):
+    """variants {name: [KVQuant per layer]} into one safetensors file; `folded`: the names whose R_V is in
+    the weights; `meta`: a JSON dict stored beside (load's info["meta"]); the model's type and name."""
     from safetensors.torch import save_file
     tensors, parts, flags = {}, {}, {}
     for name, kv in variants.items():
         have = [p for p in KV_PARTS if any(getattr(s, p) is not None for s in kv)]
         int2 = [s for s in kv if s.quant_k or s.quant_v]     # an exact layer (Gemma 3's sliding) has none
-        assert name and "/" not in name and len(kv) == cfg.n_layers, f"variant {name!r}"
-        assert all(getattr(s, p) is not None for p in have for s in int2), f"{name}: a part in some layers only"
-        assert not (name in folded and "r_v" in have), f"{name}: R_V folded into the weights but r_v given"
+        need(bool(name) and "/" not in name, f"save_kv_rotations: variant names without '/', got {name!r}")
+        check_kv(f"save_kv_rotations: variant {name!r}", kv, cfg)
+        need(all(getattr(s, p) is not None for p in have for s in int2), f"{name}: a part in some layers only")
+        need(not (name in folded and "r_v" in have), f"{name}: R_V folded into the weights but r_v given")
         for l, s in enumerate(kv):
             for p in have if s.quant_k or s.quant_v else ():
                 tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
@@ -1329,35 +1340,40 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
                            r_v_folded=name in folded, clip_k=[s.clip_k for s in kv],
                            clip_v=[s.clip_v for s in kv])
     info = dict(format=ROTATION_FORMAT, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads,
-                head_dim=cfg.head_dim, settings={n: getattr(cfg, n) for n in KV_SETTINGS},
+                head_dim=cfg.head_dim, model_type=model_type, model_name=model_name,
+                settings={n: getattr(cfg, n) for n in KV_SETTINGS},
                 variants=list(variants), parts=parts, flags=flags, meta=meta or {})
     save_file(tensors, path, metadata={k: json.dumps(v) for k, v in info.items()})
     return path
 
 
-def load_kv_rotations(path: str, cfg: Config | None = None):
-    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants
-    {name: [KVQuant per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}).
-    With cfg, the geometry must be that model's. info["settings"] suits ladder.reconfigure."""
+def load_kv_rotations(path: str, cfg=None):
+    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants {name: [KVQuant
+    per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}). cfg: the model's (a Config, or
+    a transformers config: its model_type too); another model's file is a ValueError naming both, before a
+    tensor is read. info["settings"] suits ladder.reconfigure and hf_config."""
     from safetensors import safe_open
     path = os.fspath(path)
     path = os.path.join(path, "kv_rotations.safetensors") if os.path.isdir(path) else path
+    kind = cfg.get_text_config().model_type if hasattr(cfg, "get_text_config") else None   # transformers'
+    cfg = cfg if kind is None else hf_config(cfg)
     with safe_open(path, framework="pt") as f:
-        raw = f.metadata() or {}
+        try:
+            info = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
+        need(info.get("format") == ROTATION_FORMAT,
+             f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
+        missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
+                               "flags") if k not in info]
+        need(not missing, f"{path}: metadata is missing {missing}")
+        L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
+        mine, want = info.get("model_type"), cfg and (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)  # older: None
+        about = lambda what, L, H, d: f"{what} ({L} layers, {H} KV heads, head_dim {d})"
+        need(cfg is None or want == (L, H, d) and (kind == mine or None in (kind, mine)), f"{path}: calibrated for "
+             f"{about(' '.join(filter(None, (mine, info.get('model_name')))) or 'a model', L, H, d)}, not for "
+             f"{about(kind or 'this model', *(want or (0, 0, 0)))}")
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    try:
-        info = {k: json.loads(v) for k, v in raw.items()}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
-    need(info.get("format") == ROTATION_FORMAT,
-          f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
-    missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
-                           "flags") if k not in info]
-    need(not missing, f"{path}: metadata is missing {missing}")
-    L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
-    want = None if cfg is None else (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)
-    need(want in (None, (L, H, d)), f"{path}: (n_layers, n_kv_heads, head_dim): expected the "
-                                    f"model's {want}, got {(L, H, d)}")
     flags = {name: info["flags"][name] for name in info["variants"]}
     for name, fl in flags.items():
         fl.setdefault("clip_k", [None] * L), fl.setdefault("clip_v", [None] * L)      # older files
@@ -1415,7 +1431,8 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
         del folded.config.quantization_config
     folded.save_pretrained(out_dir)
     served = [served_spec(s) for s in kv]
-    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,))
+    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,),
+                      model_type=model.config.get_text_config().model_type)
     with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
         f.write(KV_LAYOUT)
     if tokenizer is not None:
@@ -1653,7 +1670,7 @@ def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.cache_utils import CacheLayerMixin, DynamicCache
     from transformers.masking_utils import sdpa_mask
-    assert len(kv) == cfg.n_layers, "one KVQuant per layer"
+    check_kv("hf_cache", kv, cfg)
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
     need(not mixed, f"hf_cache: kv{mixed}: keys and values both in INT2 or both exact")
     theirs = DynamicCache(config=model.config).layers
@@ -1690,7 +1707,8 @@ def hf_config(hf_config, **settings) -> Config:
                       attention_bias=get("attention_bias", c.model_type == "qwen2"),
                       tie_embeddings=bool(get("tie_word_embeddings")))
     except (ValueError, TypeError) as e:                    # a bad setting, or one the model fixes
-        raise ValueError(f"hf_config: {e}") from None
+        raise ValueError(f"hf_config: {e} (the model: {c.model_type}, head_dim {d}; settings {settings}: "
+                         "another model's? load_kv_rotations(path, model.config) checks)") from None
 
 
 @contextlib.contextmanager
@@ -1700,7 +1718,8 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
     capture: {layer: ((q, k, v), module, window)}; block: causal layers block by block (Appendix A).
     Layers that bypass the interface (gpt_neo, falcon): a ValueError."""
     from transformers.masking_utils import sdpa_mask
-    assert kv is None or len(kv) == cfg.n_layers, "a KVQuant per layer"
+    if kv is not None:
+        check_kv("simulate_hf", kv, cfg)
     exact_spec, called, arch = KVQuant(quant_k=False, quant_v=False), set(), model.config.model_type
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

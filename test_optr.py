@@ -20,14 +20,14 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
-  D. Ours: end-to-end refinement, a clip searched per layer (every path that reads it)
+  D. Ours: a clip searched per layer (every path that reads it), end-to-end refinement
   E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache,
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode, the SASS model (tools/sass.py), the
      device checks (marked gpu)   S. The scripts   P. SmolLM2 from the wheel
   R. Bad input at the command line
-`pytest -q` runs the spec without the tests marked slow (about two minutes); `pytest -q
---full` runs all of it (conftest.py).
+`pytest -q` runs the spec without the tests marked slow (under a minute on 2 cores); `pytest
+-q --full` runs all of it (conftest.py); without triton the Triton kernel's tests are skipped.
 Refusals of bad input close their section.
 """
 import collections
@@ -54,9 +54,15 @@ import eval_llm
 import ladder
 import optr
 from kernel import int2_paged_decode
-from tools import bench, sass
+from tools import bench
+
+if kernel.triton is not None:
+    from tools import sass                          # Triton's compiler, no GPU needed
 
 F64 = torch.float64
+# Triton ships wheels for Linux only: elsewhere the tests that need it are skipped, saying so.
+needs_triton = pytest.mark.skipif(kernel.triton is None, reason="triton is not installed (its wheels "
+                                  "are for Linux): the Triton kernel's tests cannot run here")
 
 
 def rand(*shape, seed=0, dtype=torch.float32, scale=1.0):
@@ -362,7 +368,6 @@ def check_eq8(case):
 
 
 @given(perturbed_attention())
-@settings(max_examples=20)
 def test_error_decomposition_is_exact(case):
     """Eq. 8: for ANY perturbation of K and V (not only quantization) and any sink/recent
     windows, y~ - y = dy_K + dy_V exactly, with each term the loop's own: the key term
@@ -678,7 +683,6 @@ def test_config_refuses_non_finite_floats(field, value):
 
 
 @given(gqa_shapes(max_t=17), st.integers(0, 10_000))
-@settings(max_examples=15)
 def test_gqa_attention_and_head_output_equal_the_per_query_loop(shape, seed):
     """Eq. 1-3 with GQA: query head j reads KV head j // n_rep; softmax(q k^T / sqrt(d))
     under the causal mask, read out over v and projected by W_O,j, equals the plain
@@ -1002,7 +1006,6 @@ def oscar_layer(seed, N=2, Hq=4, Hkv=2, T=20, d=16):
 
 
 @given(st.integers(0, 10_000), st.sampled_from([8, 16, 32]))
-@settings(max_examples=10)
 def test_oscar_rotation_is_the_authors_composition(seed, d):
     """From the same covariance, oscar_rotation is the authors' compose_rotation: U the
     eigenvectors as eigh returns them (ascending, its signs), H, and P = I[:, pi] with
@@ -1013,7 +1016,6 @@ def test_oscar_rotation_is_the_authors_composition(seed, d):
 
 
 @given(st.integers(0, 10_000), st.sampled_from([(4, 2), (4, 1), (2, 2)]))
-@settings(max_examples=10)
 def test_oscar_bases_equal_the_authors_on_random_data(seed, heads):
     """OSCAR's key and value bases of a layer, from its q, k, v, equal the authors'
     (their covariances, their composition) to 1e-5, and every KV head shares them."""
@@ -1238,8 +1240,11 @@ def check_outputs(case):
 
 def check_logit_error(case):
     r, ref, _ = decomposition_and_loop(*case)
+    q, k, k_t = case[0], case[1], case[3]
+    logits = q.abs().amax() * torch.maximum(k.abs().amax(), k_t.abs().amax()) * q.shape[-1] ** 0.5   # >= |a|, |a~|
     expect = torch.where(ref["int2"], ref["da"], torch.zeros_like(ref["da"]))
-    assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max())
+    # optr forms a~ - a: its round-off is an ulp of the logits (up to ~1e4 with the x1e3 key channel)
+    assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max()) + 1e-14 * logits
 
 
 def check_e_out(case):
@@ -1257,7 +1262,6 @@ def check_e_rec(case):
 
 
 @given(perturbed_attention())
-@settings(max_examples=20)
 def test_attention_distributions_with_and_without_int2_equal_the_loop(case):
     """p (exact keys) and p~ (Eq. 5: INT2 keys outside the windows) equal the plain
     per-query float64 softmax, for any perturbation of the keys and any windows."""
@@ -1265,7 +1269,6 @@ def test_attention_distributions_with_and_without_int2_equal_the_loop(case):
 
 
 @given(perturbed_attention())
-@settings(max_examples=20)
 def test_outputs_with_and_without_int2_equal_the_loop(case):
     """y (Eq. 3) and y~ (Eq. 7: INT2 keys and values outside the windows) equal the plain
     per-query sum_s p_s v_s W_O^T."""
@@ -1276,7 +1279,6 @@ def test_outputs_with_and_without_int2_equal_the_loop(case):
 
 
 @given(perturbed_attention())
-@settings(max_examples=20)
 def test_logit_error_is_nonzero_only_where_int2_keys_are_read(case):
     """Eq. 6: da = <q, dk>/sqrt(d) where the query reads an INT2 key, zero inside the
     windows and beyond the causal mask."""
@@ -1284,14 +1286,12 @@ def test_logit_error_is_nonzero_only_where_int2_keys_are_read(case):
 
 
 @given(perturbed_attention())
-@settings(max_examples=20)
 def test_output_error_is_the_squared_norm_of_the_whole_output_change(case):
     """Eq. 10: E_out = |dy_K + dy_V|^2 = |y~ - y|^2 per query head and query."""
     check_e_out(case)
 
 
 @given(perturbed_attention())
-@settings(max_examples=20)
 def test_reconstruction_error_covers_only_the_int2_tokens(case):
     """Eq. 9: E_rec = |K - K~|^2 + |V - V~|^2 over the tokens some query reads in INT2 (the
     cache's INT2 part); tokens every query reads exactly add nothing."""
@@ -2083,7 +2083,7 @@ def test_the_paged_cache_refuses_bad_tokens_and_sequences():
         cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
     with pytest.raises(ValueError, match="seq: expected an active sequence"):
         cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
-    with pytest.raises(AssertionError, match="full precision: make sink \\+ window cover the context"):
+    with pytest.raises(ValueError, match="full precision: make sink \\+ window cover the context"):
         optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant(quant_v=False)])
 
 
@@ -2222,7 +2222,7 @@ def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
     differ from the cache's, what it stores would not be what decoding stores: an assert."""
     model, data, specs, _ = calibrated_tiny
     cache = optr.PagedKVCache(replace_cfg(model.cfg, window=7), 16, 1, specs)
-    with pytest.raises(AssertionError, match="model.cfg must quantize as the cache does"):
+    with pytest.raises(ValueError, match="model.cfg must quantize as the cache does"):
         optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
 
 
@@ -2472,12 +2472,13 @@ def test_a_corrupted_rotation_file_is_refused_naming_the_tensor(tmp_path, edit, 
 
 
 def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
-    """Loaded with the model's config, a file of another layer count is refused naming the
-    geometry; a safetensors file without the format's metadata is refused naming it."""
+    """Loaded with the model's config, a file of another layer count is refused naming both
+    geometries; a safetensors file without the format's metadata is refused naming it."""
     from safetensors.torch import save_file
     cfg = random_model("llama").cfg
     path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), rotation_variants(cfg), cfg)
-    with pytest.raises(ValueError, match=r"\(n_layers, n_kv_heads, head_dim\): expected the model's \(3, 2, 16\), got \(2, 2, 16\)"):
+    with pytest.raises(ValueError, match=r"calibrated for a model \(2 layers, 2 KV heads, head_dim 16\), "
+                                         r"not for this model \(3 layers, 2 KV heads, head_dim 16\)"):
         optr.load_kv_rotations(path, replace_cfg(cfg, n_layers=3))
     save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()}, str(tmp_path / "old.safetensors"))
     with pytest.raises(ValueError, match="metadata format: expected 'optr-kv-rotations-1'"):
@@ -2485,18 +2486,77 @@ def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
 
 
 def test_save_refuses_variants_it_could_not_load_back(tmp_path):
-    """A part set in some layers only, an R_V given for a variant marked folded, or a
-    variant name with '/' fails an assert when saving (our own specs, not outside data)."""
+    """A part set in some layers only, an R_V given for a variant marked folded, a variant
+    name with '/', or specs of another geometry are a ValueError when saving (a user hands
+    them in)."""
     cfg = random_model("llama").cfg
     full = quarot_specs(cfg)
     half = [full[0], optr.KVQuant(r_k=full[1].r_k, r_v=full[1].r_v)]
     p = str(tmp_path / "r.safetensors")
-    with pytest.raises(AssertionError, match="a part in some layers only"):
+    with pytest.raises(ValueError, match="a part in some layers only"):
         optr.save_kv_rotations(p, {"half": half}, cfg)
-    with pytest.raises(AssertionError, match="R_V folded into the weights but r_v given"):
+    with pytest.raises(ValueError, match="R_V folded into the weights but r_v given"):
         optr.save_kv_rotations(p, {"full": full}, cfg, folded=("full",))
-    with pytest.raises(AssertionError, match="variant 'a/b'"):
+    with pytest.raises(ValueError, match="got 'a/b'"):
         optr.save_kv_rotations(p, {"a/b": full}, cfg)
+    with pytest.raises(ValueError, match=r"kv is 2 layers of \(n_kv_heads, head_dim\) \[\(2, 16\)\], the model 2 "
+                                         r"layers of \(1, 16\)"):
+        optr.save_kv_rotations(p, {"full": full}, replace_cfg(cfg, n_kv_heads=1))
+
+
+def test_a_rotation_file_names_its_model_and_refuses_another_of_the_same_geometry(tmp_path, monkeypatch):
+    """save_kv_rotations records the geometry and the model (model_type, model_name); loaded
+    beside a transformers config it must be that model's: the same geometry under another
+    model_type is a ValueError naming both models, before a tensor is read."""
+    import safetensors
+    import transformers
+    cfg = random_model("llama").cfg
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"q": quarot_specs(cfg)}, cfg,
+                                  model_type="llama", model_name="tiny-llama")
+    read, real = [], safetensors.safe_open
+
+    class Counted:                                   # safe_open, counting the tensors read
+        def __init__(self, *a, **kw):
+            self.f = real(*a, **kw)
+
+        def __enter__(self):
+            self.opened = self.f.__enter__()
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+        def __getattr__(self, name):
+            return getattr(self.opened, name)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.opened.get_tensor(key)
+    monkeypatch.setattr(safetensors, "safe_open", Counted)
+    geometry = dict(num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, hidden_size=cfg.d_model,
+                    num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size)
+    kv, info = optr.load_kv_rotations(path, transformers.LlamaConfig(**geometry))
+    assert (info["model_type"], info["model_name"]) == ("llama", "tiny-llama") and len(kv["q"]) == cfg.n_layers
+    assert read                                       # the count counts
+    read.clear()
+    with pytest.raises(ValueError, match=r"calibrated for llama tiny-llama \(2 layers, 2 KV heads, head_dim 16\), "
+                                         r"not for qwen2 \(2 layers, 2 KV heads, head_dim 16\)"):
+        optr.load_kv_rotations(path, transformers.Qwen2Config(**geometry))
+    assert read == []
+
+
+def test_the_published_rotation_files_name_their_model_and_refuse_each_other():
+    """rotations/smollm2 and rotations/gemma3-270m record their model (SmolLM2-135M: Llama, 30
+    layers of 3 KV heads of 64 dims; Gemma 3 270M: gemma3_text, 18 layers of 1 KV head of 256);
+    Gemma's file beside SmolLM2's config is a ValueError naming both, not a failure inside."""
+    import transformers
+    smol = transformers.LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                                    hidden_size=576, vocab_size=49152)
+    _, info = optr.load_kv_rotations("rotations/smollm2", smol)
+    assert (info["model_type"], info["n_layers"], info["n_kv_heads"], info["head_dim"]) == ("llama", 30, 3, 64)
+    with pytest.raises(ValueError, match=r"calibrated for gemma3_text Gemma-3-270M\S* \(18 layers, 1 KV heads, "
+                                         r"head_dim 256\), not for llama \(30 layers, 3 KV heads, head_dim 64\)"):
+        optr.load_kv_rotations("rotations/gemma3-270m", smol)
 
 
 def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
@@ -2812,7 +2872,345 @@ def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
 
 
 # ----------------------------------------------------------------------------------------
-# D. Beyond the paper (ours): end-to-end refinement
+# D. Beyond the paper (ours): a clip searched per layer (the ladders' +clip rows and optr+), and
+# every path that must quantize a layer at its own clips
+
+
+@pytest.mark.slow
+def test_the_clip_search_picks_on_each_side_the_clip_of_least_held_out_loss_at_the_base():
+    """search_clips: c_K is the c of {Config's c_K} + grid whose held-out L_K at R_base is the
+    least (summed over heads), then c_V the c of {c_V} + grid whose held-out L_V, at the p~ of
+    that c_K, is the least; both by the authors' loss code (independent of optr)."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg()                                                    # c_K = c_V = 1.0
+    cal, held, w_o = layer_fixture(seed=13)
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    spec = optr.search_clips(optr.KVQuant(k_mean=mu, r_k=r0, r_v=r0), w_o, held, cfg, grid)
+    lk = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c))[0].sum().item()
+          for c in (1.0, *grid)}
+    c_k = min(lk, key=lk.get)
+    lv = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c_k, clip_v=c))[1].sum().item()
+          for c in (1.0, *grid)}
+    assert (spec.clip_k, spec.clip_v) == (c_k, min(lv, key=lv.get))
+    assert spec.clip_k != 1.0 and spec.clip_v != 1.0          # the grid won on both sides here
+
+
+@pytest.mark.slow
+def test_optr_learns_each_rotation_at_its_layers_searched_clips():
+    """calibrate_one_layer through clipped(grid) learns R_K and R_V at the layer's searched clips,
+    not at Config's: the base losses it reports are the authors' held-out L_K of R_K,0 and L_V
+    of R_V,0 (at the learned R_K's p~) at those clips, which its KVQuant carries."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg(steps=4, eval_every=2)
+    cal, held, w_o = layer_fixture(seed=13)
+    spec, rows = optr.clipped(grid)(w_o, 0, cal, held, cfg, "quarot", True, True, None, None)
+    assert spec.clip_k in grid and spec.clip_v in grid                  # else this says nothing
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    at = replace_cfg(cfg, clip_k=spec.clip_k, clip_v=spec.clip_v)
+    lk, lv = authors_losses(held, w_o, r0, r0, mu, at)[0], authors_losses(held, w_o, spec.r_k, r0, mu, at)[1]
+    for part, want in (("k", lk), ("v", lv)):
+        got = torch.tensor([r["base_loss"] for r in rows if r["part"] == part])
+        assert torch.allclose(got, want, rtol=2e-5), (part, got, want)
+
+
+def layer_clips(specs):
+    """specs with clips of their own, other per layer and side (as searched ones would be)."""
+    return [replace_cfg(s, clip_k=(0.7, 0.85)[l % 2], clip_v=(0.8, 0.6)[l % 2]) for l, s in enumerate(specs)]
+
+
+def test_the_simulated_cache_quantizes_each_layer_at_its_own_clips():
+    """Section 5's k~ = mu + D(k - mu), v~ = D(v) read the layer's own c_K and c_V, not Config's:
+    the numpy Q2 of (k - mu) R_K at c_K and of v R_V at c_V, rotated back."""
+    cfg = small_cfg(clip_k=0.96, clip_v=0.92)
+    cal, _, _ = layer_fixture(seed=15, N=1, T=10)
+    k, v = cal[1], cal[2]
+    spec = layer_clips(quarot_specs(replace_cfg(cfg, n_layers=1), seed=2))[0]
+    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
+    mu = spec.k_mean[None, :, None].double()
+    q2 = lambda x, R, c: torch.from_numpy(authors_q2((x @ R[None]).numpy(), c, 16)[0]).double() @ R.double().mT
+    assert torch.allclose(k_t.double(), mu + q2(k - spec.k_mean[None, :, None], spec.r_k, 0.7), atol=1e-5)
+    assert torch.allclose(v_t.double(), q2(v, spec.r_v, 0.8), atol=1e-5)
+
+
+@pytest.mark.slow
+def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
+    """prefill and decode_step through the paged cache give, position by position, the logits
+    of SimulatedINT2 with each layer's own clips (which the previous test pins to the numpy Q2),
+    and not those of Config's clips.
+    Optr against optr: the paged decode path against SimulatedINT2."""
+    model, data, specs, _ = calibrated_tiny
+    kv, idx = layer_clips(specs), data[1]
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
+    folded = optr.fold_value_rotation(model, kv)
+    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
+    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
+    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
+    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
+    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
+    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
+    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg))
+    assert not torch.allclose(at_config[:, 10:], sim[:, 10:], atol=1e-2)   # the clips matter here
+
+
+@torch.no_grad()
+@pytest.mark.slow
+def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path):
+    """The clips go through export_hf's rotation file into hf_cache: generate() beside the
+    exported checkpoint gives, step by step, the logits of prefill + decode_step through the
+    paged cache with each layer's own clips (1e-3), not those at Config's clips.
+    Optr against optr: generate() with hf_cache against the paged decode loop."""
+    model, kv = served_model("qwen2")
+    kv = layer_clips(kv)
+    out = optr.export_hf(model, kv, str(tmp_path / "x"))
+    hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
+    served, _ = optr.load_kv_rotations(out, model.cfg)
+
+    def paged(specs):
+        cache = optr.PagedKVCache(model.cfg, 32, 2, specs)
+        seqs = [cache.add_sequence() for _ in range(2)]
+        logits, steps = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
+        for _ in range(12):
+            steps.append(logits)
+            logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
+        return torch.stack(steps, 1)
+    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, hf, folded=True),
+                         max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    ours = paged(kv)
+    assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
+    assert not torch.allclose(paged([replace_cfg(s, clip_k=None, clip_v=None) for s in kv]), ours, atol=1e-2)
+
+
+def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tmp_path):
+    """Per-layer clips come back exactly from a rotation file; a file written without clip
+    flags loads with None (Config's); a file holding value offsets (v_mean, from the OptR+
+    levers of 5235131) is a ValueError naming them, not silently served without them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+    cfg = random_model("llama", sink=3, window=5).cfg
+    kv = layer_clips(quarot_specs(cfg, seed=3))
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
+    loaded, _ = optr.load_kv_rotations(path, cfg)
+    assert [(s.clip_k, s.clip_v) for s in loaded["plus"]] == [(s.clip_k, s.clip_v) for s in kv]
+    with safe_open(path, framework="pt") as f:
+        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
+    flags = json.loads(meta["flags"])
+    old = {**meta, "flags": json.dumps({"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}),
+           "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
+    older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
+    assert all(s.clip_k is None and s.clip_v is None for s in older["plain"])
+    nu = {**tensors, **{f"plain/layers.{l}.v_mean": torch.zeros(2, 16) for l in range(cfg.n_layers)}}
+    save_file(nu, str(tmp_path / "nu.safetensors"), metadata={**old, "parts": json.dumps(
+        {"plain": ["r_k", "r_v", "k_mean", "v_mean"]})})
+    with pytest.raises(ValueError, match="v_mean"):
+        optr.load_kv_rotations(str(tmp_path / "nu.safetensors"), cfg)
+
+
+@pytest.mark.parametrize("side", ["clip_k", "clip_v"])
+def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
+    """The engine clips every layer at serve.env's one c_K and c_V: a layer with a clip of its
+    own on either side is a ValueError naming the layer."""
+    model, kv = served_model("qwen2")
+    with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
+        eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
+
+
+def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
+    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates; with
+    --export-sglang it is refused (its per-layer clips), naming the field, exit 2."""
+    import eval_llm
+    argv = ["--variants", "full,quarot,quarot+center+clip", "--export", "/nonexistent/never-written"]
+    assert eval_llm.parse_config(argv).export_candidates() == ["quarot+center+clip"]
+    with pytest.raises(SystemExit) as e:
+        eval_llm.parse_config(argv + ["--export-sglang"])
+    assert e.value.code == 2 and "RunConfig: export" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
+    """The paper's rows carry no clips of their own; quarot+clip, quarot+center+clip and optr+
+    carry one per layer and side from Config's and the grid; quarot+center+clip and optr+ have
+    the same clips (the same search at the same base: the learned rotation is all that differs);
+    the rows without centering (quarot+clip, quarot+optr-nocenter) calibrate with no mu."""
+    model, data, _, _ = calibrated_tiny
+    names = ["quarot+optr", "quarot+optr-nocenter", "quarot+clip", "quarot+center+clip", "quarot+optr+"]
+    got, _ = ladder.calibrate_variants(model, data[0], data[1], names, log=lambda *_: None)
+    c = model.cfg
+    assert all(s.clip_k is None and s.clip_v is None for n in names[:2] for s in got[n])
+    for n in names[2:]:
+        assert all(s.clip_k in (c.clip_k, *ladder.CLIP_GRID) and s.clip_v in (c.clip_v, *ladder.CLIP_GRID)
+                   for s in got[n])
+    same = lambda a, b: [(s.clip_k, s.clip_v) for s in got[a]] == [(s.clip_k, s.clip_v) for s in got[b]]
+    assert same("quarot+center+clip", "quarot+optr+")
+    assert any(s.clip_k != c.clip_k or s.clip_v != c.clip_v for s in got["quarot+optr+"])   # a search ran
+    assert all(s.k_mean is None for n in ("quarot+clip", "quarot+optr-nocenter") for s in got[n])
+
+
+# -- the clip search where the spec is silent: which c_K the value search reads, which keys the
+# key search scores, which candidates, which data each calibration sample searches on, which
+# variant --export picks
+
+
+def key_clip_losses(held, w_o, r_k, mu, cfg, cands) -> dict:
+    """{c: the authors' held-out L_K at c_K = c, summed over heads} for c in cands, in their order
+    (mu None: uncentered keys): brute force, independent of optr."""
+    mu = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
+    return {c: key_loss_theirs(held, r_k, mu, w_o, c, cfg.group_size, cfg.sink, cfg.window,
+                               cfg.n_loss_queries, cfg.lam).sum().item() for c in cands}
+
+
+def value_clip_losses(held, w_o, r_k, r_v, mu, cfg, cands, clip_k) -> dict:
+    """{c: the authors' held-out L_V at c_V = c (p~ of the keys at clip_k), summed over heads}."""
+    mu = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
+    return {c: value_loss_theirs(held, r_k, r_v, mu, w_o, clip_k, c, cfg.group_size, cfg.sink, cfg.window,
+                                 cfg.n_loss_queries).sum().item() for c in cands}
+
+
+def argmin(losses: dict):
+    return min(losses, key=losses.get)
+
+
+@pytest.mark.slow
+def test_the_value_clip_is_searched_at_the_key_clip_just_chosen_not_at_configs():
+    """search_clips picks c_V by L_V at the p~ of the c_K it has just chosen (appendix D: "at that
+    c_K"), not at Config's c_K: on this layer Config's c_K (0.25) loses to 1.0, and the best c_V
+    differs between the two p~, so a search at Config's c_K gives another c_V."""
+    grid = (0.5, 0.7, 0.85, 1.0)
+    cfg = small_cfg(clip_k=0.25, clip_v=0.92)
+    cal, held, w_o = layer_fixture(seed=39, N=2, T=32)
+    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
+    spec = optr.search_clips(optr.KVQuant(k_mean=mu, r_k=r0, r_v=r0), w_o, held, cfg, grid)
+    c_k = argmin(key_clip_losses(held, w_o, r0, mu, cfg, (0.25, *grid)))
+    at = lambda ck: argmin(value_clip_losses(held, w_o, r0, r0, mu, cfg, (0.92, *grid), ck))
+    assert c_k != cfg.clip_k and at(c_k) != at(cfg.clip_k)           # else this says nothing
+    assert (spec.clip_k, spec.clip_v) == (c_k, at(c_k))
+
+
+@pytest.mark.parametrize("center", [True, False])
+@pytest.mark.slow
+def test_the_key_clip_search_scores_the_keys_the_row_serves(center):
+    """clipped(grid) scores each c_K by L_K on the keys its row serves: centered at the
+    calibration mean mu for a centered row (quarot+center+clip, optr+), uncentered for
+    quarot+clip (no mu): not the uncentered keys for the first, nor centered ones (at the
+    calibration's or the held-out mean) for the second; on this layer each other choice
+    gives another c_K."""
+    grid = (0.5, 0.7, 0.85)
+    cfg = small_cfg(clip_k=0.96, clip_v=0.92)
+    cal, held, w_o = layer_fixture(seed=28, N=2, T=32)
+    spec, _ = optr.clipped(grid)(w_o, 0, cal, held, cfg, "quarot", center, False, None, None)
+    r0, mu = optr.quarot_rotation(2, 16), optr.key_mean(cal[1])
+    c_k = lambda m: argmin(key_clip_losses(held, w_o, r0, m, cfg, (0.96, *grid)))
+    served, others = (mu, [None]) if center else (None, [mu, optr.key_mean(held[1])])
+    assert all(c_k(m) != c_k(served) for m in others)                 # else this says nothing
+    assert (spec.k_mean is None) != center                            # the row as named
+    assert spec.clip_k == c_k(served)
+
+
+@settings(max_examples=max(1, settings().max_examples // 2))   # slow: half the profile's
+@given(c_k=st.floats(0.94, 1.0), c_v=st.floats(0.94, 1.0), s_k=st.floats(0.1, 10.0), s_v=st.floats(0.1, 10.0),
+       grid=st.lists(st.floats(0.05, 0.93), min_size=1, max_size=3), seed=st.integers(0, 1000))
+def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, seed):
+    """search_clips' candidates are Config's c_K (c_V) and the grid, not the grid alone: keys and
+    values whose stored form, (k - mu) R_K and v R_V, holds per token the levels 0, s, 2s and a
+    lone 3s quantize exactly at Config's clips (c >= 15/16 at G = 16: the clamp at the largest
+    |x|) and not at any grid clip (c < 15/16 clamps the lone 3s), so Config's win on both sides."""
+    N, Hq, H, T, d = 1, 4, 2, 24, 16
+    g = torch.Generator().manual_seed(seed)
+
+    def levels(scale):                      # (N, H, T, d): 0, s, 2s, one 3s and one 0 per token
+        z = torch.randint(0, 3, (N, H, T, d), generator=g).double()
+        ch = torch.randperm(d, generator=g)[:2]
+        z[..., ch[0]], z[..., ch[1]] = 3.0, 0.0
+        return z * scale
+    mu, r_k, r_v = rand(H, d, seed=seed).double(), random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
+    k = (levels(s_k) @ r_k.double().mT + mu[None, :, None]).float()
+    v = (levels(s_v) @ r_v.double().mT).float()
+    held, w_o = (rand(N, Hq, T, d, seed=seed + 5), k, v), rand(Hq, 24, d, seed=seed + 6) / 4
+    cfg = small_cfg(clip_k=c_k, clip_v=c_v, n_loss_queries=8)
+    spec = optr.search_clips(optr.KVQuant(k_mean=mu.float(), r_k=r_k, r_v=r_v), w_o, held, cfg, tuple(grid))
+    assert (spec.clip_k, spec.clip_v) == (c_k, c_v)
+
+
+def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path, monkeypatch):
+    """eval_llm.run_samples calibrates the +clip rows again on every calibration sample, also
+    quarot+clip (quarot base, no mu, no OptR: only its clips learn from data): sample i's
+    clips per layer are those of the least authors' held-out loss on sample i's own held-out
+    tokens, not sample 0's reused (on these two samples they differ)."""
+    model, _, _, _ = calibrated_tiny
+    c = model.cfg
+    data = []
+    for s in (0, 1):
+        g = torch.Generator().manual_seed(s)
+        data.append((torch.randint(0, 64, (2, 24), generator=g), torch.randint(0, 64, (2, 24), generator=g)))
+    r0 = optr.quarot_rotation(2, 16)
+
+    def searched(held_idx):                 # brute force on these held-out tokens' captures
+        _, held = optr.full_precision_captures(model, held_idx, held_idx)
+        out = []
+        for l in range(c.n_layers):
+            w_o = model.o_proj_heads(l)
+            ck = argmin(key_clip_losses(held[l], w_o, r0, None, c, (c.clip_k, *ladder.CLIP_GRID)))
+            cv = argmin(value_clip_losses(held[l], w_o, r0, r0, None, c, (c.clip_v, *ladder.CLIP_GRID), ck))
+            out.append((ck, cv))
+        return out
+    want = [searched(held) for _, held in data]
+    assert want[0] != want[1]                                         # else this says nothing
+    rc = eval_llm.parse_config(["--variants", "full,quarot,quarot+clip", "--calib-samples", "2",
+                                "--out", str(tmp_path)])
+    monkeypatch.setattr(model, "hf", None, raising=False)            # run_samples reads run.model.hf
+    monkeypatch.setattr(eval_llm, "calibration_data", lambda hf, tok, cfg, i, log: data[i])
+    monkeypatch.setattr(eval_llm, "evaluate_variant", lambda run, ref, name, kv: dict(kl=0.0))
+    run = eval_llm.Run(model=model, twin=None, tok=None, name="tiny", about={}, cfg=rc, timer=ladder.Timer(),
+                       log=lambda *_: None)
+    samples = eval_llm.run_samples(run, None, *data[0])
+    got = [[(s.clip_k, s.clip_v) for s in smp["specs"]["quarot+clip"]] for smp in samples]
+    assert got == want
+
+
+@given(kl=st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=len(eval_llm.EXPORTABLE),
+                   max_size=len(eval_llm.EXPORTABLE), unique=True))
+def test_export_picks_the_candidate_of_the_lowest_kl(kl):
+    """--export (eval_llm.export_best) exports, of its candidates, the variant whose KL at
+    gap_ctx is the lowest (the test's own sort of the drawn KLs), and that variant's specs."""
+    rc = eval_llm.RunConfig(variants=("full", *eval_llm.EXPORTABLE), export="/nonexistent/never-written")
+    names = rc.export_candidates()
+    assert sorted(names) == sorted(eval_llm.EXPORTABLE)
+    kls = dict(zip(names, kl))
+    best = sorted(names, key=kls.get)[0]
+    exported = []
+    run = eval_llm.Run(model=SimpleNamespace(hf=None, cfg=None), twin=None, tok=None, name="x", about={},
+                       cfg=rc, timer=ladder.Timer(), log=lambda *_: None)
+    samples = [dict(specs={n: f"specs of {n}" for n in names}, variants={n: dict(kl=kls[n]) for n in names})]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(optr, "export_hf", lambda model, kv, out, **kw: exported.append(kv))
+        mp.setattr(eval_llm, "serve_elsewhere", lambda *a: {})
+        out = eval_llm.export_best(run, samples, SimpleNamespace(eval_idx=torch.zeros(1, 1)))
+    assert out["export"]["variant"] == best and exported == [f"specs of {best}"]
+
+
+def test_gap_closed_names_each_row_beside_its_base():
+    """ladder.gap_closed gives every row beside a base its own key: kl (the paper's OptR),
+    kl_center, kl_clip, kl_center_clip, kl_plus (optr+), kl_e2e, each (KL_base - KL_row) / KL_base."""
+    kl = {"full": 0.0, "quarot": 0.2, "quarot+optr": 0.1, "quarot+center": 0.12, "quarot+clip": 0.11,
+          "quarot+center+clip": 0.06, "quarot+optr+": 0.05, "quarot+optr+e2e": 0.09}
+    got = ladder.gap_closed({n: {"kl": x} for n, x in kl.items()}, dict(kl=(lambda v: v["kl"], -1)))
+    assert got == {"quarot": pytest.approx({"kl": 0.5, "kl_center": 0.4, "kl_clip": 0.45,
+                                            "kl_center_clip": 0.7, "kl_plus": 0.75, "kl_e2e": 0.55})}
+
+
+def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
+    """A lever is a row of the ladder, never a flag: train_tiny's command line names none of
+    the clip search or the removed OptR+ levers (which used to change every row labelled as
+    the paper's, and --learn-mu crashed on quarot+optr-nocenter)."""
+    here = Path(__file__).parent
+    r = run_script(str(here / "train_tiny.py"), "--help", cwd=here)
+    assert r.returncode == 0, r.stderr[-2000:]
+    for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
+        assert flag not in r.stdout
+
+
+# ----------------------------------------------------------------------------------------
+# D, continued: end-to-end refinement
 
 
 # ----------------------------------------------------------------------------------------
@@ -3067,345 +3465,6 @@ def test_end_to_end_checks_can_fail(calibrated_tiny):
         return optr.end_to_end_kl(model, kv, *args)
     assert fails(check_e2e_kl_is_the_float64_kl, calibrated_tiny, reversed_kl)
     assert fails(check_gradient_reaches_every_layer, calibrated_tiny, detached_layer_1_values)
-
-
-# ----------------------------------------------------------------------------------------
-# D, continued: a clip searched per layer (ours; the ladders' +clip rows and optr+), and
-# every path that must quantize a layer at its own clips
-
-
-@pytest.mark.slow
-def test_the_clip_search_picks_on_each_side_the_clip_of_least_held_out_loss_at_the_base():
-    """search_clips: c_K is the c of {Config's c_K} + grid whose held-out L_K at R_base is the
-    least (summed over heads), then c_V the c of {c_V} + grid whose held-out L_V, at the p~ of
-    that c_K, is the least; both by the authors' loss code (independent of optr)."""
-    grid = (0.5, 0.7, 0.85)
-    cfg = small_cfg()                                                    # c_K = c_V = 1.0
-    cal, held, w_o = layer_fixture(seed=13)
-    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
-    spec = optr.search_clips(optr.KVQuant(k_mean=mu, r_k=r0, r_v=r0), w_o, held, cfg, grid)
-    lk = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c))[0].sum().item()
-          for c in (1.0, *grid)}
-    c_k = min(lk, key=lk.get)
-    lv = {c: authors_losses(held, w_o, r0, r0, mu, replace_cfg(cfg, clip_k=c_k, clip_v=c))[1].sum().item()
-          for c in (1.0, *grid)}
-    assert (spec.clip_k, spec.clip_v) == (c_k, min(lv, key=lv.get))
-    assert spec.clip_k != 1.0 and spec.clip_v != 1.0          # the grid won on both sides here
-
-
-@pytest.mark.slow
-def test_optr_learns_each_rotation_at_its_layers_searched_clips():
-    """calibrate_one_layer through clipped(grid) learns R_K and R_V at the layer's searched clips,
-    not at Config's: the base losses it reports are the authors' held-out L_K of R_K,0 and L_V
-    of R_V,0 (at the learned R_K's p~) at those clips, which its KVQuant carries."""
-    grid = (0.5, 0.7, 0.85)
-    cfg = small_cfg(steps=4, eval_every=2)
-    cal, held, w_o = layer_fixture(seed=13)
-    spec, rows = optr.clipped(grid)(w_o, 0, cal, held, cfg, "quarot", True, True, None, None)
-    assert spec.clip_k in grid and spec.clip_v in grid                  # else this says nothing
-    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
-    at = replace_cfg(cfg, clip_k=spec.clip_k, clip_v=spec.clip_v)
-    lk, lv = authors_losses(held, w_o, r0, r0, mu, at)[0], authors_losses(held, w_o, spec.r_k, r0, mu, at)[1]
-    for part, want in (("k", lk), ("v", lv)):
-        got = torch.tensor([r["base_loss"] for r in rows if r["part"] == part])
-        assert torch.allclose(got, want, rtol=2e-5), (part, got, want)
-
-
-def layer_clips(specs):
-    """specs with clips of their own, other per layer and side (as searched ones would be)."""
-    return [replace_cfg(s, clip_k=(0.7, 0.85)[l % 2], clip_v=(0.8, 0.6)[l % 2]) for l, s in enumerate(specs)]
-
-
-def test_the_simulated_cache_quantizes_each_layer_at_its_own_clips():
-    """Section 5's k~ = mu + D(k - mu), v~ = D(v) read the layer's own c_K and c_V, not Config's:
-    the numpy Q2 of (k - mu) R_K at c_K and of v R_V at c_V, rotated back."""
-    cfg = small_cfg(clip_k=0.96, clip_v=0.92)
-    cal, _, _ = layer_fixture(seed=15, N=1, T=10)
-    k, v = cal[1], cal[2]
-    spec = layer_clips(quarot_specs(replace_cfg(cfg, n_layers=1), seed=2))[0]
-    k_t, v_t = optr.effective_kv(k, v, spec, cfg)
-    mu = spec.k_mean[None, :, None].double()
-    q2 = lambda x, R, c: torch.from_numpy(authors_q2((x @ R[None]).numpy(), c, 16)[0]).double() @ R.double().mT
-    assert torch.allclose(k_t.double(), mu + q2(k - spec.k_mean[None, :, None], spec.r_k, 0.7), atol=1e-5)
-    assert torch.allclose(v_t.double(), q2(v, spec.r_v, 0.8), atol=1e-5)
-
-
-@pytest.mark.slow
-def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
-    """prefill and decode_step through the paged cache give, position by position, the logits
-    of SimulatedINT2 with each layer's own clips (which the previous test pins to the numpy Q2),
-    and not those of Config's clips.
-    Optr against optr: the paged decode path against SimulatedINT2."""
-    model, data, specs, _ = calibrated_tiny
-    kv, idx = layer_clips(specs), data[1]
-    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
-    folded = optr.fold_value_rotation(model, kv)
-    cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
-    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
-    pre = optr.prefill(folded, cache, seqs, idx[:, :10])
-    dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
-    assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
-    assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
-    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg))
-    assert not torch.allclose(at_config[:, 10:], sim[:, 10:], atol=1e-2)   # the clips matter here
-
-
-@torch.no_grad()
-@pytest.mark.slow
-def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path):
-    """The clips go through export_hf's rotation file into hf_cache: generate() beside the
-    exported checkpoint gives, step by step, the logits of prefill + decode_step through the
-    paged cache with each layer's own clips (1e-3), not those at Config's clips.
-    Optr against optr: generate() with hf_cache against the paged decode loop."""
-    model, kv = served_model("qwen2")
-    kv = layer_clips(kv)
-    out = optr.export_hf(model, kv, str(tmp_path / "x"))
-    hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
-    served, _ = optr.load_kv_rotations(out, model.cfg)
-
-    def paged(specs):
-        cache = optr.PagedKVCache(model.cfg, 32, 2, specs)
-        seqs = [cache.add_sequence() for _ in range(2)]
-        logits, steps = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
-        for _ in range(12):
-            steps.append(logits)
-            logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
-        return torch.stack(steps, 1)
-    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, hf, folded=True),
-                         max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
-    ours = paged(kv)
-    assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
-    assert not torch.allclose(paged([replace_cfg(s, clip_k=None, clip_v=None) for s in kv]), ours, atol=1e-2)
-
-
-def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tmp_path):
-    """Per-layer clips come back exactly from a rotation file; a file written without clip
-    flags loads with None (Config's); a file holding value offsets (v_mean, from the OptR+
-    levers of 5235131) is a ValueError naming them, not silently served without them."""
-    from safetensors import safe_open
-    from safetensors.torch import save_file
-    cfg = random_model("llama", sink=3, window=5).cfg
-    kv = layer_clips(quarot_specs(cfg, seed=3))
-    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
-    loaded, _ = optr.load_kv_rotations(path, cfg)
-    assert [(s.clip_k, s.clip_v) for s in loaded["plus"]] == [(s.clip_k, s.clip_v) for s in kv]
-    with safe_open(path, framework="pt") as f:
-        meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
-    flags = json.loads(meta["flags"])
-    old = {**meta, "flags": json.dumps({"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}),
-           "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})}
-    save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
-    older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
-    assert all(s.clip_k is None and s.clip_v is None for s in older["plain"])
-    nu = {**tensors, **{f"plain/layers.{l}.v_mean": torch.zeros(2, 16) for l in range(cfg.n_layers)}}
-    save_file(nu, str(tmp_path / "nu.safetensors"), metadata={**old, "parts": json.dumps(
-        {"plain": ["r_k", "r_v", "k_mean", "v_mean"]})})
-    with pytest.raises(ValueError, match="v_mean"):
-        optr.load_kv_rotations(str(tmp_path / "nu.safetensors"), cfg)
-
-
-@pytest.mark.parametrize("side", ["clip_k", "clip_v"])
-def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
-    """The engine clips every layer at serve.env's one c_K and c_V: a layer with a clip of its
-    own on either side is a ValueError naming the layer."""
-    model, kv = served_model("qwen2")
-    with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
-        eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
-
-
-def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
-    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates; with
-    --export-sglang it is refused (its per-layer clips), naming the field, exit 2."""
-    import eval_llm
-    argv = ["--variants", "full,quarot,quarot+center+clip", "--export", "/nonexistent/never-written"]
-    assert eval_llm.parse_config(argv).export_candidates() == ["quarot+center+clip"]
-    with pytest.raises(SystemExit) as e:
-        eval_llm.parse_config(argv + ["--export-sglang"])
-    assert e.value.code == 2 and "RunConfig: export" in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
-    """The paper's rows carry no clips of their own; quarot+clip, quarot+center+clip and optr+
-    carry one per layer and side from Config's and the grid; quarot+center+clip and optr+ have
-    the same clips (the same search at the same base: the learned rotation is all that differs);
-    the rows without centering (quarot+clip, quarot+optr-nocenter) calibrate with no mu."""
-    model, data, _, _ = calibrated_tiny
-    names = ["quarot+optr", "quarot+optr-nocenter", "quarot+clip", "quarot+center+clip", "quarot+optr+"]
-    got, _ = ladder.calibrate_variants(model, data[0], data[1], names, log=lambda *_: None)
-    c = model.cfg
-    assert all(s.clip_k is None and s.clip_v is None for n in names[:2] for s in got[n])
-    for n in names[2:]:
-        assert all(s.clip_k in (c.clip_k, *ladder.CLIP_GRID) and s.clip_v in (c.clip_v, *ladder.CLIP_GRID)
-                   for s in got[n])
-    same = lambda a, b: [(s.clip_k, s.clip_v) for s in got[a]] == [(s.clip_k, s.clip_v) for s in got[b]]
-    assert same("quarot+center+clip", "quarot+optr+")
-    assert any(s.clip_k != c.clip_k or s.clip_v != c.clip_v for s in got["quarot+optr+"])   # a search ran
-    assert all(s.k_mean is None for n in ("quarot+clip", "quarot+optr-nocenter") for s in got[n])
-
-
-# -- the clip search where the spec is silent: which c_K the value search reads, which keys the
-# key search scores, which candidates, which data each calibration sample searches on, which
-# variant --export picks
-
-
-def key_clip_losses(held, w_o, r_k, mu, cfg, cands) -> dict:
-    """{c: the authors' held-out L_K at c_K = c, summed over heads} for c in cands, in their order
-    (mu None: uncentered keys): brute force, independent of optr."""
-    mu = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
-    return {c: key_loss_theirs(held, r_k, mu, w_o, c, cfg.group_size, cfg.sink, cfg.window,
-                               cfg.n_loss_queries, cfg.lam).sum().item() for c in cands}
-
-
-def value_clip_losses(held, w_o, r_k, r_v, mu, cfg, cands, clip_k) -> dict:
-    """{c: the authors' held-out L_V at c_V = c (p~ of the keys at clip_k), summed over heads}."""
-    mu = torch.zeros(cfg.n_kv_heads, cfg.head_dim) if mu is None else mu
-    return {c: value_loss_theirs(held, r_k, r_v, mu, w_o, clip_k, c, cfg.group_size, cfg.sink, cfg.window,
-                                 cfg.n_loss_queries).sum().item() for c in cands}
-
-
-def argmin(losses: dict):
-    return min(losses, key=losses.get)
-
-
-@pytest.mark.slow
-def test_the_value_clip_is_searched_at_the_key_clip_just_chosen_not_at_configs():
-    """search_clips picks c_V by L_V at the p~ of the c_K it has just chosen (appendix D: "at that
-    c_K"), not at Config's c_K: on this layer Config's c_K (0.25) loses to 1.0, and the best c_V
-    differs between the two p~, so a search at Config's c_K gives another c_V."""
-    grid = (0.5, 0.7, 0.85, 1.0)
-    cfg = small_cfg(clip_k=0.25, clip_v=0.92)
-    cal, held, w_o = layer_fixture(seed=39, N=2, T=32)
-    mu, r0 = optr.key_mean(cal[1]), optr.quarot_rotation(2, 16)
-    spec = optr.search_clips(optr.KVQuant(k_mean=mu, r_k=r0, r_v=r0), w_o, held, cfg, grid)
-    c_k = argmin(key_clip_losses(held, w_o, r0, mu, cfg, (0.25, *grid)))
-    at = lambda ck: argmin(value_clip_losses(held, w_o, r0, r0, mu, cfg, (0.92, *grid), ck))
-    assert c_k != cfg.clip_k and at(c_k) != at(cfg.clip_k)           # else this says nothing
-    assert (spec.clip_k, spec.clip_v) == (c_k, at(c_k))
-
-
-@pytest.mark.parametrize("center", [True, False])
-@pytest.mark.slow
-def test_the_key_clip_search_scores_the_keys_the_row_serves(center):
-    """clipped(grid) scores each c_K by L_K on the keys its row serves: centered at the
-    calibration mean mu for a centered row (quarot+center+clip, optr+), uncentered for
-    quarot+clip (no mu): not the uncentered keys for the first, nor centered ones (at the
-    calibration's or the held-out mean) for the second; on this layer each other choice
-    gives another c_K."""
-    grid = (0.5, 0.7, 0.85)
-    cfg = small_cfg(clip_k=0.96, clip_v=0.92)
-    cal, held, w_o = layer_fixture(seed=28, N=2, T=32)
-    spec, _ = optr.clipped(grid)(w_o, 0, cal, held, cfg, "quarot", center, False, None, None)
-    r0, mu = optr.quarot_rotation(2, 16), optr.key_mean(cal[1])
-    c_k = lambda m: argmin(key_clip_losses(held, w_o, r0, m, cfg, (0.96, *grid)))
-    served, others = (mu, [None]) if center else (None, [mu, optr.key_mean(held[1])])
-    assert all(c_k(m) != c_k(served) for m in others)                 # else this says nothing
-    assert (spec.k_mean is None) != center                            # the row as named
-    assert spec.clip_k == c_k(served)
-
-
-@settings(max_examples=15, deadline=None)
-@given(c_k=st.floats(0.94, 1.0), c_v=st.floats(0.94, 1.0), s_k=st.floats(0.1, 10.0), s_v=st.floats(0.1, 10.0),
-       grid=st.lists(st.floats(0.05, 0.93), min_size=1, max_size=3), seed=st.integers(0, 1000))
-def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, seed):
-    """search_clips' candidates are Config's c_K (c_V) and the grid, not the grid alone: keys and
-    values whose stored form, (k - mu) R_K and v R_V, holds per token the levels 0, s, 2s and a
-    lone 3s quantize exactly at Config's clips (c >= 15/16 at G = 16: the clamp at the largest
-    |x|) and not at any grid clip (c < 15/16 clamps the lone 3s), so Config's win on both sides."""
-    N, Hq, H, T, d = 1, 4, 2, 24, 16
-    g = torch.Generator().manual_seed(seed)
-
-    def levels(scale):                      # (N, H, T, d): 0, s, 2s, one 3s and one 0 per token
-        z = torch.randint(0, 3, (N, H, T, d), generator=g).double()
-        ch = torch.randperm(d, generator=g)[:2]
-        z[..., ch[0]], z[..., ch[1]] = 3.0, 0.0
-        return z * scale
-    mu, r_k, r_v = rand(H, d, seed=seed).double(), random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
-    k = (levels(s_k) @ r_k.double().mT + mu[None, :, None]).float()
-    v = (levels(s_v) @ r_v.double().mT).float()
-    held, w_o = (rand(N, Hq, T, d, seed=seed + 5), k, v), rand(Hq, 24, d, seed=seed + 6) / 4
-    cfg = small_cfg(clip_k=c_k, clip_v=c_v, n_loss_queries=8)
-    spec = optr.search_clips(optr.KVQuant(k_mean=mu.float(), r_k=r_k, r_v=r_v), w_o, held, cfg, tuple(grid))
-    assert (spec.clip_k, spec.clip_v) == (c_k, c_v)
-
-
-def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path, monkeypatch):
-    """eval_llm.run_samples calibrates the +clip rows again on every calibration sample, also
-    quarot+clip (quarot base, no mu, no OptR: only its clips learn from data): sample i's
-    clips per layer are those of the least authors' held-out loss on sample i's own held-out
-    tokens, not sample 0's reused (on these two samples they differ)."""
-    model, _, _, _ = calibrated_tiny
-    c = model.cfg
-    data = []
-    for s in (0, 1):
-        g = torch.Generator().manual_seed(s)
-        data.append((torch.randint(0, 64, (2, 24), generator=g), torch.randint(0, 64, (2, 24), generator=g)))
-    r0 = optr.quarot_rotation(2, 16)
-
-    def searched(held_idx):                 # brute force on these held-out tokens' captures
-        _, held = optr.full_precision_captures(model, held_idx, held_idx)
-        out = []
-        for l in range(c.n_layers):
-            w_o = model.o_proj_heads(l)
-            ck = argmin(key_clip_losses(held[l], w_o, r0, None, c, (c.clip_k, *ladder.CLIP_GRID)))
-            cv = argmin(value_clip_losses(held[l], w_o, r0, r0, None, c, (c.clip_v, *ladder.CLIP_GRID), ck))
-            out.append((ck, cv))
-        return out
-    want = [searched(held) for _, held in data]
-    assert want[0] != want[1]                                         # else this says nothing
-    rc = eval_llm.parse_config(["--variants", "full,quarot,quarot+clip", "--calib-samples", "2",
-                                "--out", str(tmp_path)])
-    monkeypatch.setattr(model, "hf", None, raising=False)            # run_samples reads run.model.hf
-    monkeypatch.setattr(eval_llm, "calibration_data", lambda hf, tok, cfg, i, log: data[i])
-    monkeypatch.setattr(eval_llm, "evaluate_variant", lambda run, ref, name, kv: dict(kl=0.0))
-    run = eval_llm.Run(model=model, twin=None, tok=None, name="tiny", about={}, cfg=rc, timer=ladder.Timer(),
-                       log=lambda *_: None)
-    samples = eval_llm.run_samples(run, None, *data[0])
-    got = [[(s.clip_k, s.clip_v) for s in smp["specs"]["quarot+clip"]] for smp in samples]
-    assert got == want
-
-
-@settings(max_examples=20, deadline=None)
-@given(kl=st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=len(eval_llm.EXPORTABLE),
-                   max_size=len(eval_llm.EXPORTABLE), unique=True))
-def test_export_picks_the_candidate_of_the_lowest_kl(kl):
-    """--export (eval_llm.export_best) exports, of its candidates, the variant whose KL at
-    gap_ctx is the lowest (the test's own sort of the drawn KLs), and that variant's specs."""
-    rc = eval_llm.RunConfig(variants=("full", *eval_llm.EXPORTABLE), export="/nonexistent/never-written")
-    names = rc.export_candidates()
-    assert sorted(names) == sorted(eval_llm.EXPORTABLE)
-    kls = dict(zip(names, kl))
-    best = sorted(names, key=kls.get)[0]
-    exported = []
-    run = eval_llm.Run(model=SimpleNamespace(hf=None, cfg=None), twin=None, tok=None, name="x", about={},
-                       cfg=rc, timer=ladder.Timer(), log=lambda *_: None)
-    samples = [dict(specs={n: f"specs of {n}" for n in names}, variants={n: dict(kl=kls[n]) for n in names})]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(optr, "export_hf", lambda model, kv, out, **kw: exported.append(kv))
-        mp.setattr(eval_llm, "serve_elsewhere", lambda *a: {})
-        out = eval_llm.export_best(run, samples, SimpleNamespace(eval_idx=torch.zeros(1, 1)))
-    assert out["export"]["variant"] == best and exported == [f"specs of {best}"]
-
-
-def test_gap_closed_names_each_row_beside_its_base():
-    """ladder.gap_closed gives every row beside a base its own key: kl (the paper's OptR),
-    kl_center, kl_clip, kl_center_clip, kl_plus (optr+), kl_e2e, each (KL_base - KL_row) / KL_base."""
-    kl = {"full": 0.0, "quarot": 0.2, "quarot+optr": 0.1, "quarot+center": 0.12, "quarot+clip": 0.11,
-          "quarot+center+clip": 0.06, "quarot+optr+": 0.05, "quarot+optr+e2e": 0.09}
-    got = ladder.gap_closed({n: {"kl": x} for n, x in kl.items()}, dict(kl=(lambda v: v["kl"], -1)))
-    assert got == {"quarot": pytest.approx({"kl": 0.5, "kl_center": 0.4, "kl_clip": 0.45,
-                                            "kl_center_clip": 0.7, "kl_plus": 0.75, "kl_e2e": 0.55})}
-
-
-def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
-    """A lever is a row of the ladder, never a flag: train_tiny's command line names none of
-    the clip search or the removed OptR+ levers (which used to change every row labelled as
-    the paper's, and --learn-mu crashed on quarot+optr-nocenter)."""
-    here = Path(__file__).parent
-    r = run_script(str(here / "train_tiny.py"), "--help", cwd=here)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
-        assert flag not in r.stdout
 
 
 # ----------------------------------------------------------------------------------------
@@ -4402,6 +4461,85 @@ def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
 
 
 @torch.no_grad()
+def test_hf_cache_takes_a_prompt_of_exactly_max_tokens_and_refuses_one_more():
+    """max_tokens is the most a sequence may hold: a prompt of exactly max_tokens is served (its
+    logits those of simulate_hf's INT2 within 1e-4), one token more is a ValueError naming it."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    with optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
+        ours = model(IDX_HF[:, :20], past_key_values=cache).logits
+    with optr.simulate_hf(model, kv, cfg):
+        theirs = model(IDX_HF[:, :20]).logits
+    assert (ours - theirs).abs().max().item() <= 1e-4
+    with pytest.raises(ValueError, match="a prompt of 21 tokens passes max_tokens=20"), \
+            optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
+        model(IDX_HF[:, :21], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_hf_cache_takes_its_default_max_tokens_from_the_text_config(monkeypatch):
+    """A multimodal model's config (Gemma 3's) wraps a text config, whose max_position_embeddings
+    is the language model's: hf_cache's default max_tokens is that one. A config whose text part
+    says 24 under a top level saying 8192 refuses a 25-token prompt."""
+    import copy
+    model, cfg, kv = tiny_served("llama-GQA")
+    text = copy.deepcopy(model.config)
+    text.max_position_embeddings = 24
+    monkeypatch.setattr(model.config, "max_position_embeddings", 8192)
+    monkeypatch.setattr(model.config, "get_text_config", lambda *a, **kw: text, raising=False)
+    with pytest.raises(ValueError, match="a prompt of 25 tokens passes max_tokens=24"), \
+            optr.hf_cache(kv, cfg, model) as cache:
+        model(IDX_HF[:, :25], past_key_values=cache)
+
+
+@torch.no_grad()
+def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
+    """Specs of another model (here: 3 layers of head_dim 32 beside a model of 2 layers of 16)
+    are a ValueError naming both geometries, before the model is switched (not an assert that
+    python -O strips); hf_config given that model's settings names the model it reads."""
+    model, cfg, _ = tiny_served("llama-GQA")
+    other = quarot_specs(replace_cfg(cfg, n_layers=3, head_dim=32, group_size=32))
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match=r"hf_cache: kv is 3 layers of \(n_kv_heads, head_dim\) \[\(2, 32\)\], "
+                                         r"the model 2 layers of \(2, 16\)"):
+        optr.hf_cache(other, cfg, model)
+    assert model.config._attn_implementation == before
+    with pytest.raises(ValueError, match=r"hf_config: .*\(the model: llama, head_dim 16; settings "
+                                         r"\{'group_size': 32"):
+        optr.hf_config(model.config, group_size=32)
+
+
+@pytest.mark.slow
+def test_checks_of_what_a_user_supplies_hold_under_python_O():
+    """Under python -O (asserts stripped) the paged cache, prefill and kernel.q2_store still refuse
+    what a user hands them with a ValueError: specs for another layer count, a model quantizing
+    otherwise than its cache, rows that are not fp32."""
+    code = """
+import torch, optr, kernel
+cfg = optr.Config(n_layers=2)
+kv = [optr.KVQuant(r_k=optr.quarot_rotation(2, 32), r_v=optr.quarot_rotation(2, 32))] * 2
+def refused(f):
+    try:
+        f()
+    except ValueError as e:
+        return str(e)
+print(refused(lambda: optr.PagedKVCache(cfg, 4, 1, kv[:1])))
+cache = optr.PagedKVCache(cfg, 4, 1, kv)
+model = optr.TinyLM(optr.Config(n_layers=2, window=8))
+print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(1, 5, dtype=torch.long))))
+rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
+print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
+                                      torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
+"""
+    r = subprocess.run([sys.executable, "-O", "-c", code], cwd=Path(__file__).parent, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    lines = r.stdout.splitlines()[-3:]
+    assert "PagedKVCache: kv is 1 layers" in lines[0], lines
+    assert "model.cfg must quantize as the cache does" in lines[1], lines
+    assert "q2_store: fp32 rows" in lines[2], lines
+
+
+@torch.no_grad()
 def test_hf_cache_gives_the_model_back_its_own_attention():
     """Inside `with optr.hf_cache(...)` the model attends through "optr-paged"; after it (or
     after cache.restore()) its own implementation is back and its logits are its own again."""
@@ -4626,15 +4764,13 @@ def test_hf_config_and_simulate_hf_refuse_what_they_cannot_honour():
 # scales or values, and unused block-table entries hold garbage, so a masking mistake
 # shows up as NaN or a wrong result.
 
-# This section's own imports (it is self-contained; the file's header has them too).
-import json  # noqa: E402,F811
-import math  # noqa: E402,F811
-import os  # noqa: E402,F811
-import subprocess  # noqa: E402,F811
-import sys  # noqa: E402,F811
-from pathlib import Path  # noqa: E402,F811
 
-_TESTS_BEFORE_KERNEL = {name for name in globals() if name.startswith("test_")}
+
+def triton_kernel_test(test):
+    """A test of the Triton kernel: marked `kernel` (`pytest -m "kernel or gpu"` runs it on a
+    GPU), skipped without triton, and its launches recorded and checked against
+    KERNEL_LAUNCHES when it ends (record_kernel_launches)."""
+    return needs_triton(pytest.mark.kernel(pytest.mark.usefixtures("record_kernel_launches")(test)))
 
 # (atol, rtol) keyed by the lowest-precision input dtype (q or windows), set from the
 # errors measured over the case matrix below (kernel vs float64 dense attention,
@@ -4816,6 +4952,7 @@ CASE_PARAMS = [pytest.param(c, id=c.id, marks=[] if i >= len(CASES) - len(EXTRA)
                             else [pytest.mark.slow]) for i, c in enumerate(CASES)]
 
 
+@triton_kernel_test
 @pytest.mark.parametrize("case", CASE_PARAMS)
 def test_kernel_matches_reference_and_dense(case):
     """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
@@ -4837,6 +4974,7 @@ SPLIT_CASE = Case((40, 17), 4, 2, 32, 8, 16, NW=3, win_len=(1, 3))
 SPLIT_CASE_SPLITS = (1, 4)
 
 
+@triton_kernel_test
 @pytest.mark.parametrize("splits", SPLIT_CASE_SPLITS)
 def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
     """One program per (sequence, KV head) or several, merged by their log-sum-exp: the
@@ -4849,6 +4987,7 @@ def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
     assert_close_report(out, ref, *TOLERANCES[torch.float32], f"S{splits}")
 
 
+@triton_kernel_test
 def test_a_custom_sm_scale_is_the_logit_scale():
     """sm_scale replaces 1/sqrt(d) as the scale of the logits."""
     args, _, _ = build(SPLIT_CASE, seed=1)
@@ -4899,7 +5038,6 @@ def paged_cases(draw):
                 num_splits=draw(st.sampled_from([None, 1, 3])))
 
 
-@settings(max_examples=40)
 @given(case=paged_cases(), seed=st.integers(0, 10_000))
 def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
     """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
@@ -4930,6 +5068,53 @@ def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, sc
     written = torch.zeros(8, 3, dtype=torch.bool)
     written[page, slot] = True
     assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
+
+
+def q2_store_row(x, clip, G):
+    """kernel.q2_store of one row x (d,) into a one-slot pool: (its codes (d,), scales, zeros (d/G,))."""
+    d, at = x.shape[-1], torch.zeros(1, dtype=torch.long)
+    codes, scale, zero = torch.zeros(1, 1, 1, d // 4, dtype=torch.uint8), *torch.zeros(2, 1, 1, 1, d // G)
+    kernel.q2_store(x.reshape(1, 1, d).contiguous(), clip, G, 1e-8, codes, scale, zero, at, at)
+    return optr.unpack_int2(codes[0, 0, 0]).float(), scale[0, 0, 0], zero[0, 0, 0]
+
+
+def test_the_int2_write_rounds_a_value_on_a_half_step_up():
+    """q2_store rounds half up, as Q2 does (floor(x / s + z + 1/2)), not half to even: in the
+    group 0, 0.5, 3, 3 (scale 1, zero 0) 0.5 lies on a half step, and its code is the numpy
+    Q2's (1, where half to even gives 0)."""
+    x = torch.tensor([0.0, 0.5, 3.0, 3.0] * 4)                        # d 16, G 4
+    codes, scale, zero = q2_store_row(x, 1.0, 4)
+    _, want, want_scale, want_zero = authors_q2(x.numpy(), 1.0, 4)
+    assert float(x[1] / scale[0] + zero[0]) == 0.5                     # on a half step
+    assert torch.equal(codes, torch.from_numpy(want))
+    assert torch.equal(scale, torch.from_numpy(want_scale)) and torch.equal(zero, torch.from_numpy(want_zero))
+
+
+def test_the_int2_write_clamps_a_code_past_3_so_it_cannot_spill_into_another_group():
+    """A near-constant group at a large offset (209.77 and values 1 and 2 ulps above; c = 0.92
+    clips the 2-ulp ones, leaving a range of 1 ulp) rounds to 4 in fp32 before the clamp to
+    [0, 3]; q2_store clamps as Q2 does. With G < d, an unclamped 4 would carry into the bit field
+    of dim j + d/4, another group's: every code, scale and zero is the numpy Q2's."""
+    G, ulp = 16, np.spacing(np.float32(209.77))
+    x = rand(64, seed=3)
+    above = torch.tensor([0, 2, 1, 0, 0, 0, 0, 1, 0, 0, 0, 1, 1, 1, 1, 0], dtype=torch.float32)
+    x[:G] = torch.from_numpy(np.float32(209.77) + above.numpy() * ulp)
+    codes, scale, zero = q2_store_row(x, 0.92, G)
+    _, want, want_scale, want_zero = authors_q2(x.numpy(), 0.92, G)
+    g = np.minimum(x[:G].numpy(), np.sort(x[:G].numpy())[int(0.92 * G)])
+    assert (np.floor(g / want_scale[0] + want_zero[0] + np.float32(0.5)) > 3).any()   # past 3 unclamped
+    assert torch.equal(codes, torch.from_numpy(want))
+    assert torch.equal(scale, torch.from_numpy(want_scale)) and torch.equal(zero, torch.from_numpy(want_zero))
+
+
+def test_the_compiled_cpu_decode_uses_sm_scale_as_the_logit_scale():
+    """int2_paged_decode_cpu with sm_scale 0.3 is optr.paged_decode_reference with the same scale
+    (which here differs from the default 1/sqrt(d)'s output by far more than the tolerance)."""
+    args, _, _ = build(SPLIT_CASE, seed=1)
+    ref = optr.paged_decode_reference(**args, sm_scale=0.3)
+    assert (ref - optr.paged_decode_reference(**args)).abs().max().item() > 100 * TOLERANCES[torch.float32][0]
+    assert_close_report(kernel.int2_paged_decode_cpu(**args, sm_scale=0.3), ref, *TOLERANCES[torch.float32],
+                        "cpu, sm_scale=0.3")
 
 
 # ----------------------------------------------------------------------------
@@ -5003,6 +5188,7 @@ BAD_INPUTS = [
 ]
 
 
+@triton_kernel_test
 @pytest.mark.parametrize("what,name,corrupt", BAD_INPUTS, ids=[b[0] for b in BAD_INPUTS])
 def test_invalid_inputs_raise_before_launch(no_launch, what, name, corrupt):
     """Malformed shapes, dtypes, devices, contiguity, block-table entries and lengths are
@@ -5013,6 +5199,7 @@ def test_invalid_inputs_raise_before_launch(no_launch, what, name, corrupt):
         int2_paged_decode(**args)
 
 
+@triton_kernel_test
 @pytest.mark.parametrize("num_splits", [0, -1, 2.0, 10**6])
 def test_invalid_num_splits(no_launch, num_splits):
     """num_splits must be None or an int in [1, 1024]."""
@@ -5020,6 +5207,7 @@ def test_invalid_num_splits(no_launch, num_splits):
         int2_paged_decode(**_valid_args(), num_splits=num_splits)
 
 
+@triton_kernel_test
 def test_unused_block_table_entries_are_ignored():
     """Block-table entries past a sequence's last used page are never read."""
     args = _valid_args()
@@ -5033,6 +5221,7 @@ UNCHECKED_CASE = Case((70, 9), 4, 2, 64, 16, 16, NW=5, win_len=(5, 2), win_dtype
 UNCHECKED_SPLITS = (None, 3)
 
 
+@triton_kernel_test
 def test_unchecked_path_matches_checked_path():
     """checked=False (no host synchronisation, for CUDA graphs) computes the same result
     as the default checked path, with the splits sized from the block table.
@@ -5045,6 +5234,7 @@ def test_unchecked_path_matches_checked_path():
         assert_close_report(out, ref, *TOLERANCES[torch.float32], f"unchecked, S{splits}")
 
 
+@triton_kernel_test
 def test_codes_fp16_bit_trick_is_exact():
     """The no-I2F conversion (32-bit words masked in place, OR 0x64006400, each 16-bit
     half as fp16 minus 1024) gives exactly code * 4^quarter for every 2-bit field of every
@@ -5123,7 +5313,7 @@ def record_kernel_launches(monkeypatch, request):
     """Wrap both kernels so that every launch of the test records its configuration, and
     check when the test ends that each is in KERNEL_LAUNCHES (check_launches_listed; on
     the interpreter only: on a GPU the default splits depend on its size). Every kernel
-    test uses it (KERNEL_TESTS), so each checks its own launches, whatever ran before."""
+    test uses it (triton_kernel_test), so each checks its own launches, whatever ran before."""
     launched = {}
 
     class Recording:
@@ -5146,29 +5336,20 @@ def record_kernel_launches(monkeypatch, request):
         check_launches_listed(launched)
 
 
+@pytest.mark.kernel
 @pytest.mark.skipif(not kernel._INTERPRETED, reason="default splits depend on the GPU's size")
+@needs_triton
 def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record_kernel_launches):
     """KERNEL_LAUNCHES (what `pytest -m sass_all` compiles) must hold the
     compiled configuration of every kernel launch a test makes, so a new tested shape
     cannot escape the coverage run: each kernel test records its own launches and checks
-    them when it ends. Here, on its own: a listed launch is recorded and passes the check,
+    them when it ends (triton_kernel_test). Here, on its own: a listed launch is recorded and passes the check,
     and a configuration outside the list fails it."""
     int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
     assert len(record_kernel_launches) >= 1
     check_launches_listed(record_kernel_launches)
     unlisted = compiled_keys([dict(launch_shape(VALID_CASE, VALID_CASE.num_splits), G=32)])  # G = d
     assert fails(check_launches_listed, {key: "a test with G = d = 32" for key in unlisted})
-
-
-# The kernel tests: every test of this section defined above.  Each records its kernel
-# launches and checks them against KERNEL_LAUNCHES (record_kernel_launches), and
-# `pytest -m "kernel or gpu"` runs them on a GPU.
-# (The static analysis and the interpreter set-up below need no GPU and launch nothing
-# that must be listed.)
-KERNEL_TESTS = sorted(name for name in globals()
-                      if name.startswith("test_") and name not in _TESTS_BEFORE_KERNEL)
-for _name in KERNEL_TESTS:
-    pytest.mark.kernel(pytest.mark.usefixtures("record_kernel_launches")(globals()[_name]))
 
 
 # ----------------------------------------------------------------------------
@@ -5182,7 +5363,7 @@ def _first_launch(d, G, ratio=None, P=None):
 # The CI subset of the coverage run: the bench case and one tested launch of each shape
 # that once spilled (d 32 / G 8 / 4 query heads per KV head, d 64 / G 16 / page 16, d 256).
 SASS_CI_LAUNCHES = [dict(sass._SASS_CASE), _first_launch(32, 8, ratio=4),
-                    _first_launch(64, 16, P=16), _first_launch(256, 64)]
+                    _first_launch(64, 16, P=16), _first_launch(256, 64)] if kernel.triton else []
 
 
 def _sass_child(code, timeout=600):
@@ -5211,6 +5392,7 @@ def sass_ci():
 
 
 @pytest.mark.slow
+@needs_triton
 def test_sass_representative_configurations_compile_without_spills(sass_ci):
     """Both kernels, compiled for sm_90a and sm_80 at the bench case and at the tested
     shapes that once spilled, compile and fit in registers: no local-memory spill stores
@@ -5222,6 +5404,7 @@ def test_sass_representative_configurations_compile_without_spills(sass_ci):
 
 
 @pytest.mark.slow
+@needs_triton
 def test_sass_stage1_has_no_spills(sass_sm90):
     """Stage 1 compiled for sm_90a at the bench case (d = G = 128, page 64, 4 query heads
     per KV head) fits in registers: no local-memory spill stores or loads, no stack."""
@@ -5229,6 +5412,7 @@ def test_sass_stage1_has_no_spills(sass_sm90):
 
 
 @pytest.mark.slow
+@needs_triton
 def test_sass_int2_loop_instruction_budget(sass_sm90):
     """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
     tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
@@ -5244,6 +5428,7 @@ def test_sass_int2_loop_instruction_budget(sass_sm90):
     assert r["ratio"] <= 2.03, r
 
 
+@needs_triton
 def test_pipe_model_counts_by_class():
     """The pipe model charges each SASS class its documented cost: an ALU op 2 cycles, an
     FFMA 1, an IMAD 2 (one FMA half), an HMMA.16816 8, an LDS.128 of all warps 4 shared-
@@ -5285,6 +5470,7 @@ def tiny_kernel_error(device):
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
 @pytest.mark.parametrize("script", ["train_tiny", "eval_llm"])
+@needs_triton
 def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
     """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
     interpreter at its top, before triton is imported, and the Triton kernel then runs and
@@ -5302,8 +5488,9 @@ def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_d
 
 
 @pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
+@needs_triton
 def test_memoized_interpreter_scan_finds_the_same_builtins():
-    """ladder.memoize_interpreter_scan (conftest applies it: it keeps nested @triton.jit calls
+    """conftest.memoize_interpreter_scan (applied at start: it keeps nested @triton.jit calls
     cheap in the interpreter) lists exactly the builtins a fresh inspect.getmembers finds, for
     every module a launch patches, after kernels have run."""
     import inspect
@@ -5319,12 +5506,21 @@ def test_memoized_interpreter_scan_finds_the_same_builtins():
 
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU only")
+@needs_triton
 def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
     """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
     ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
     r = _run_python("import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
                     "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
     assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+def test_without_triton_the_triton_launcher_names_the_missing_package(monkeypatch):
+    """Where triton is not installed (kernel.triton is None: macOS, Windows) int2_paged_decode is
+    an ImportError naming triton and the CPU kernel that needs none, before any other check."""
+    monkeypatch.setattr(kernel, "triton", None)
+    with pytest.raises(ImportError, match="needs triton.*int2_paged_decode_cpu"):
+        int2_paged_decode(**bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu"))
 
 
 def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
@@ -5346,11 +5542,10 @@ def test_the_bench_refuses_a_batch_list_with_a_zero_as_a_usage_error(capsys):
 
 # ----------------------------------------------------------------------------
 # The device checks (marked gpu): on CUDA, `pytest -m "kernel or gpu"` runs them with the
-# kernel tests at full sizes against the CPU; without CUDA they run small, the CPU
-# against itself (the Triton kernel in its interpreter), so they stay runnable.
+# kernel tests, the device against the CPU; without CUDA (or triton) conftest.py skips them
+# and says why: there they would compare the CPU with itself.
 # ----------------------------------------------------------------------------
-SMALL = DEVICE.type != "cuda"
-GPU_SHAPE = dict(H_q=4, H_kv=2, d=64, G=64, P=16, sink=2, recent=6) if SMALL else dict(bench.BENCH_SHAPE)
+GPU_SHAPE = dict(bench.BENCH_SHAPE)
 # The launch shapes of these checks at their full sizes (`pytest -m sass_all` compiles them):
 # the CUDA-graph launch (unchecked: splits sized from the block table) and the decode_step
 # and prefill checks (fp32 queries from the model, a block table as wide as the page pool).
@@ -5362,9 +5557,9 @@ GPU_LAUNCHES = ([dict(H_q=32, H_kv=8, d=128, G=128, P=64, NW=320, B=2, n_quant=3
 def served_tiny(device):
     """A random optr.TinyLM with QuaRot rotations on `device`: (cfg, the model with R_V
     folded, the rotations as optr.KVQuant)."""
-    d = 64 if SMALL else 128
+    d = 128
     cfg = optr.Config(n_heads=8, n_kv_heads=2, head_dim=d, d_model=128, group_size=d,
-                      sink=2, window=6, page_size=4 if SMALL else 16)
+                      sink=2, window=6, page_size=16)
     torch.manual_seed(0)
     model = optr.TinyLM(cfg)
     kv = [optr.KVQuant(r_k=optr.quarot_rotation(cfg.n_kv_heads, d),
@@ -5406,7 +5601,7 @@ def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_referenc
     layer's kernel output equals optr.paged_decode_reference on the same paged view, token
     after token, as INT2 tokens fill several pages."""
     cfg, folded, kv = served_tiny(DEVICE)
-    steps, B = (16 if SMALL else 120), 3
+    steps, B = 120, 3
     cache, seqs = shuffled_cache(cfg, kv, B, steps, DEVICE)
     worst = [0.0]
     tokens = torch.randint(0, cfg.vocab_size, (steps, B), generator=torch.Generator().manual_seed(0)).to(DEVICE)
@@ -5444,7 +5639,7 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
     values store on the device; the page ids are the CPU prefill's and the logits within 2%
     of the CPU logits' largest (a code at a rounding boundary may round the other way on
     another device); the next decode_step's kernel output equals the reference."""
-    T, B = (24 if SMALL else 200), 3
+    T, B = 200, 3
     prompt = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(1))
 
     def prefilled(dev):                     # (cfg, folded model, kv, cache, seqs, logits)
@@ -5474,31 +5669,27 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
 @pytest.mark.gpu
 def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference():
     """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
-    in place (new queries, shorter sequences) equals the eager reference on the new inputs.
-    Without CUDA the launch is simply called again."""
+    in place (new queries, shorter sequences) equals the eager reference on the new inputs."""
     torch.manual_seed(1)
     s = GPU_SHAPE
-    n, NW = (40 if SMALL else 3000), s["sink"] + s["recent"]
+    n, NW = 3000, s["sink"] + s["recent"]
     args = bench.random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, DEVICE)
     run = lambda: int2_paged_decode(**args, checked=False)
-    replay = run
-    if DEVICE.type == "cuda":
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            run()                                   # compile and warm up outside the graph
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = run()
-        replay = lambda: (graph.replay(), out)[1]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()                                       # compile and warm up outside the graph
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = run()
     for step in range(3):
         args["q"].copy_(torch.randn_like(args["q"]))
         args["n_quant"].copy_(torch.tensor([n - 7 * step, n // 2 + step], dtype=torch.int32))
         args["win_len"].copy_(torch.tensor([NW, NW - step], dtype=torch.int32))
-        got = replay()
-        if DEVICE.type == "cuda":
-            torch.cuda.synchronize(DEVICE)
+        graph.replay()
+        torch.cuda.synchronize(DEVICE)
+        got = out
         assert (got - optr.paged_decode_reference(**args)).abs().max().item() <= 2e-5, step
 
 
@@ -5569,7 +5760,7 @@ def check_transformers(device, make_model=None):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_transformers_models_calibrated_and_simulated_on_the_device_match_the_cpu():
-    """check_transformers(DEVICE) passes (without CUDA: the CPU against itself)."""
+    """check_transformers(DEVICE) passes: the device computes as the CPU does."""
     pytest.importorskip("transformers")
     ok, detail = check_transformers(DEVICE)
     assert ok, detail
@@ -5625,6 +5816,7 @@ def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
 
 
 @pytest.mark.sass_all
+@needs_triton
 def test_sass_every_tested_kernel_configuration_compiles_without_spills():
     """Every configuration the kernel tests, the small case and the device checks launch,
     compiled for sm_90a and sm_80 (`pytest -m sass_all`, minutes): no errors, no spills."""
@@ -5835,7 +6027,7 @@ def test_eval_llm_smoke(tmp_path):
             assert (out / name).stat().st_size > 10_000
     # --resume reads the same file back, and refuses other calibration settings
     again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
-                                  "--decode-attend", "kernel", "--retrieval-min", "0.9"])
+                                  "--decode-attend", "triton", "--retrieval-min", "0.9"])
     assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
     # a random model fails the passkey in full precision: no length is a retrieval result
     assert set(again["retrieval_full_accuracy"]) == {"320", "384"}

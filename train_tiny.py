@@ -27,8 +27,8 @@ What it shows, on a model small enough to train on a laptop CPU:
      reconstruction error E_rec (Eq. 9), and the bits per element of the cache as stored
      in the paged cache.
   4. A real decode check (of several seeds, on the first): the paged INT2 cache, token by
-     token, with the Triton kernel (its CPU interpreter without a GPU), against the
-     simulated path.
+     token, with serving's compiled decode (kernel.paged_decode: numba on a CPU; or the Triton
+     kernel, --decode-attend triton), against the simulated path.
 Training, calibration, held-out and evaluation data come from separate random streams of
 the seed; the same seed and thread count give the same numbers, but another CPU or thread
 count rounds differently, trains another model and moves single runs by several points: so
@@ -109,9 +109,10 @@ class RunConfig(optr.Config):
                                    "length as in the last stage")
     eval_seqs: int = _f(128, "evaluation sequences per context length")
     err_seqs: int = _f(64, "sequences for the error decomposition, at the longest length")
-    decode_seqs: int = _f(2, "sequences decoded through the paged cache (the Triton interpreter "
-                          "takes about 5 s per sequence and variant)")
-    decode_attend: str = _f("kernel", "paged attention of the decode check: 'kernel' (the Triton "
+    decode_seqs: int = _f(2, "sequences decoded through the paged cache (the Triton interpreter, "
+                          "--decode-attend triton, takes about 5 s per sequence and variant)")
+    decode_attend: str = _f("compiled", "paged attention of the decode check: 'compiled' "
+                            "(kernel.paged_decode, serving's: numba on a CPU), 'triton' (the Triton "
                             "kernel, its CPU interpreter without a GPU) or 'reference' (pure torch)")
     # the run
     quick: bool = _f(False, "small preset, about a minute: T=64, sink 2, window 8, fewer steps "
@@ -518,7 +519,7 @@ def main(argv=None) -> dict:
     cfg = parse_config(argv)
     print_config(cfg)
     if not cfg.seeds:
-        attend = decode_attention(cfg.decode_attend)   # before training imports triton
+        attend = decode_attention(cfg.decode_attend)
         threads = torch.get_num_threads()
         torch.set_num_threads(cfg.threads or threads)
         try:

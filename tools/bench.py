@@ -7,7 +7,6 @@ GPU's HBM bandwidth.  random_inputs builds a random paged cache (the kernel test
 No project import but kernel.py.
 """
 import torch
-import triton
 
 import kernel
 
@@ -18,7 +17,7 @@ BENCH_SHAPE = dict(H_q=32, H_kv=8, d=128, G=128, P=64, sink=64, recent=256)   # 
 
 def random_inputs(B, n_quant, H_q, H_kv, d, G, P, NW, win_dtype, device):
     """Random cache with a shuffled block table; every sequence has n_quant INT2 tokens."""
-    blocks = triton.cdiv(n_quant, P)
+    blocks = -(-n_quant // P)
     num_pages, gen = max(1, B * blocks), dict(device=device)
     codes = lambda: torch.randint(0, 256, (num_pages, H_kv, P, d // 4), dtype=torch.uint8, **gen)
     params = lambda: torch.rand(num_pages, H_kv, P, d // G, **gen)
@@ -55,7 +54,8 @@ def bench(batches, contexts, device, peak_gbs=None, shape=BENCH_SHAPE):
     H_q, H_kv, d, G, P, sink, recent = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P", "sink", "recent"))
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     peak = peak_gbs or next((g for key, g in _PEAK_GBS if key in name), None)
-    print(f"{name}; triton {triton.__version__}, torch {torch.__version__}; H_q {H_q}, H_kv {H_kv}, "
+    triton = getattr(kernel.triton, "__version__", "not installed")
+    print(f"{name}; triton {triton}, torch {torch.__version__}; H_q {H_q}, H_kv {H_kv}, "
           f"d = G = {d}, page {P}, bf16 windows {sink} + {recent}")
     print(f"{'batch':>5} {'ctx':>7} {'int2 us':>9} {'GB/s':>7} {'%peak':>6} {'bf16 us':>9} {'GB/s':>7} {'x bf16':>7}")
     decode = kernel.int2_paged_decode if device.type == "cuda" else kernel.int2_paged_decode_cpu
