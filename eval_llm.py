@@ -742,7 +742,11 @@ def bench_setup(cfg: RunConfig):
     make = {"DynamicCache": lambda: DynamicCache(config=hf.config),
             "hf_cache": lambda: optr.hf_cache(kv[BENCH_RECIPE], c, hf)}
     if "QuantizedCache" in cfg.bench_rows and is_optimum_quanto_available():
-        make["QuantizedCache"] = lambda: QuantizedCache("quanto", hf.config, nbits=2)
+        try:
+            QuantizedCache("quanto", hf.config, nbits=2)
+            make["QuantizedCache"] = lambda: QuantizedCache("quanto", hf.config, nbits=2)
+        except ValueError as e:                           # Gemma 3's sliding layers, say
+            print(f"bench_hf: QuantizedCache skipped: {e}")
     n_text = max(cfg.contexts) + 1 + cfg.bench_tokens
     text, source = eval_data(tok, cfg, max(n_text, sum(cfg.chat_turn)))
     with fresh_caches({k: v for k, v in make.items() if k == "DynamicCache" or k in cfg.bench_rows}) as caches:
@@ -789,7 +793,8 @@ def bench_hf(cfg: RunConfig) -> dict:
         return dict(skipped=str(e))
     cfg = replace(cfg, contexts=cfg.contexts or BENCH_CONTEXTS.get(cfg.model, (1024, 4096, 8000)))
     hf, make, ids, source = bench_setup(cfg)
-    absent = "QuantizedCache" in cfg.bench_rows and "QuantizedCache" not in make
+    from transformers.utils import is_optimum_quanto_available
+    absent = "QuantizedCache" in cfg.bench_rows and not is_optimum_quanto_available()
     print(f"{name} fp32 on the CPU ({torch.get_num_threads()} threads), prompts {', '.join(map(str, cfg.contexts))}, "
           f"rows {', '.join(make)} (hf_cache: {BENCH_RECIPE}, default max_tokens)"
           f"{'; QuantizedCache skipped: optimum-quanto is not installed' if absent else ''}\n"

@@ -947,11 +947,12 @@ def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
 
 def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
     """Q2's storage form of rows (N, H, d) fp32 into codes (pages, H, P, d/4), scale and zero
-    (pages, H, P, d/G) at [page[i], :, slot[i]]."""
-    code = np.empty(rows.shape[2], dtype=np.uint8)
-    for i in range(rows.shape[0]):
-        for h in range(rows.shape[1]):
-            cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i], code)
+    (pages, H, P, d/G) at [page[i], :, slot[i]]; the rows in parallel (each its own slot)."""
+    N, H = rows.shape[0], rows.shape[1]
+    for ih in numba_prange(N * H):
+        i, h = ih // H, ih % H
+        cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i],
+                   np.empty(rows.shape[2], dtype=np.uint8))
 
 
 def _cpu_rotate(x, mu, R, h, out):
@@ -1043,7 +1044,7 @@ def _numba():
     g["cpu_q2_row"] = numba.njit(cache=True)(_cpu_q2_row)
     g["cpu_rotate"] = numba.njit(cache=True)(_cpu_rotate)
     g["cpu_decode"] = decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
-    store = numba.njit(cache=True)(_cpu_q2_store)
+    store = numba.njit(parallel=True, cache=True)(_cpu_q2_store)
     step = numba.njit(cache=True)(_cpu_step)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return decode, store, step

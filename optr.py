@@ -829,11 +829,6 @@ def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
     return rotate_rows(center_keys(k, spec.k_mean), spec.r_k)
 
 
-def stored_values(spec: KVQuant, v: torch.Tensor) -> torch.Tensor:
-    """v R_V, the values as cached (beside folded weights spec has no R_V); v (n, H_kv, T, d)."""
-    return rotate_rows(v, spec.r_v)
-
-
 def served_spec(spec: KVQuant) -> KVQuant:
     """The spec beside weights with R_V folded in: no R_V."""
     return replace(spec, r_v=None)
@@ -1148,6 +1143,7 @@ def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Ten
     """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
     `model` folded (fold_value_rotation); attend, options: cache.decode's (None: kernel's)."""
     cache.reserve(0, seqs, idx.shape[1])           # the step's pages, once for every layer
+    _block_masks.cache_clear()                     # the last forward's masks, if any
     pos = cache.dev_len[0, _index(seqs)].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
     return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
 
@@ -1596,6 +1592,7 @@ class _Pool:
                                       self.specs, window_dtype=k.dtype, device=k.device, grow=True)
             self.seqs = [self.cache.add_sequence() for _ in range(B)]
         self.cache.reserve(0, self.seqs, T)
+        _block_masks.cache_clear()                            # the last forward's masks, if any
 
 
 def left_pad(pos, T: int):
@@ -1610,9 +1607,9 @@ class PagedLayer:
     # ABC), so `import optr` needs no transformers. What generate() calls is here, beam search not.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
-    def __init__(self, pool: _Pool, index: int, spec: KVQuant, cfg: Config, folded: bool):
+    def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
         self.pool, self.index, self.n, self.new = pool, index, 0, None
-        self.spec, self.cfg = served_spec(spec) if folded else spec, spec.layer_cfg(cfg)
+        self.spec = served_spec(spec) if folded else spec
 
     def get_seq_length(self) -> int:
         return self.n
@@ -1684,7 +1681,7 @@ def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int
     AttentionInterface.register("optr-paged", paged_attention)
     AttentionMaskInterface.register("optr-paged", sdpa_mask)
     CacheLayerMixin.register(PagedLayer)
-    cache = _int2_cache_type()(layers=[PagedLayer(pool, int2.index(l), s, cfg, folded) if s.quant_k else t
+    cache = _int2_cache_type()(layers=[PagedLayer(pool, int2.index(l), s, folded) if s.quant_k else t
                                        for l, (s, t) in enumerate(zip(kv, theirs))])
     cache.model, cache.attn_before = model, model.config._attn_implementation
     model.set_attn_implementation("optr-paged")

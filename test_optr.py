@@ -3902,15 +3902,16 @@ def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
     """The generate() check against simulate_hf fails when the one-pass prefill (paged_step's,
     shared by prefill and hf_cache) reads one more recent token exactly (window + 1), and the
     token-by-token check when its pages hold values that were not rotated by R_V (the original
-    weights' path storing v, not v R_V)."""
+    weights' path storing v, not v R_V, and reading o without R_V^T)."""
     sim = optr.block_simulated_attention
     model = tiny_hf("llama-GQA")
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     check_hf_cache_generate_is_simulate_hf_decoding(model, quarot_specs(cfg, seed=7), cfg)   # holds
-    monkeypatch.setattr(optr, "block_simulated_attention", lambda *a, block: sim(*a[:6], a[6] + 1, block))
+    monkeypatch.setattr(optr, "block_simulated_attention", lambda *a, block, **kw: sim(*a[:6], a[6] + 1, block, **kw))
     assert fails(check_hf_cache_generate_is_simulate_hf_decoding, model, quarot_specs(cfg, seed=7), cfg)
     monkeypatch.undo()
-    monkeypatch.setattr(optr, "stored_values", lambda spec, v: v)
+    step = kernel.cpu_decode_step                               # the compiled step, told no R_V
+    monkeypatch.setattr(kernel, "cpu_decode_step", lambda q, k, v, mu, r_k, r_v, *a: step(q, k, v, mu, r_k, None, *a))
     assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
 
 
