@@ -1085,10 +1085,11 @@ def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: i
     (B, H_kv, 1, d) fp32 tensors (any strides); mu (H_kv, d), r_k, r_v (H_kv, d, d) and the
     layer's storage `pages` (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
     win_k, win_v) as numpy arrays, length (max_seqs,) int64 and seqs (B,) int64 numpy; r_v None:
-    v stored as given. Writes out (B, 1, H_q, d) fp32 numpy. Unchecked: optr's cache vouches."""
+    v stored as given. Writes out (B, 1, H_q, d) fp32 numpy (no gradient). Unchecked: optr's cache
+    vouches."""
     B, H = q.shape[0], pages[0].shape[1]
     splits = _cpu_splits(B, H, int(length[seqs].max()) + 1)
-    _numba()[2](q.numpy(), k.numpy(), v.numpy(), mu, r_k, r_k if r_v is None else r_v, r_v is not None,
+    _numba()[2](q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k, r_k if r_v is None else r_v, r_v is not None,
                 *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
                 np.float32(sm_scale), splits, out)
 

@@ -898,7 +898,7 @@ class PagedKVCache:
         eye, zero = torch.eye(d).expand(H, d, d), torch.zeros(H, d)
         self._rot = [(zero if s.k_mean is None else s.k_mean.float(), eye if s.r_k is None else s.r_k.float())
                      for s in self.kv] if self.compiled else None
-        self._rot = self._rot and [tuple(t.cpu().contiguous().numpy() for t in r) for r in self._rot]
+        self._rot = self._rot and [tuple(t.detach().cpu().contiguous().numpy() for t in r) for r in self._rot]
 
     # -- sequences and pages ------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -1047,7 +1047,7 @@ class PagedKVCache:
         c, (n, Hq, _, d) = self.quant[layer], q.shape
         rank = lambda clip: min(max(int(math.floor(clip * c.group_size)), 0), c.group_size - 1)
         out = torch.empty(n, 1, Hq, d)
-        kernel.cpu_decode_step(q, k, v, *self._rot[layer], None if r_v is None else r_v.numpy(),
+        kernel.cpu_decode_step(q, k, v, *self._rot[layer], None if r_v is None else r_v.detach().numpy(),
                                self._views[layer], self._len[layer], np.asarray(seqs, dtype=np.int64),
                                rank(c.clip_k), rank(c.clip_v), c.group_size, c.scale_eps, c.sink, c.window,
                                sm_scale, out.numpy())
