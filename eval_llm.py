@@ -11,8 +11,8 @@ call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by de
     python eval_llm.py --bench-hf            # no ladder: decode speed and memory, DynamicCache against ours
     python eval_llm.py --help                # one flag per config field
 
-main runs the stages in order (README: what they show on SmolLM2). Results: OUT/results.json; rotations
-and key means: OUT/kv_rotations.safetensors (sample i > 0: _sampleI; optr.load_kv_rotations, --resume)
+main runs the stages in order (README: what they show on SmolLM2). Results: OUT/results.json; rotations and
+key means: OUT/kv_rotations.safetensors (sample i > 0: _sampleI; optr.load_kv_rotations, --resume)
 """
 
 from __future__ import annotations
@@ -56,8 +56,7 @@ PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+o
 # optr.Config's quantizer, window and calibration fields at the paper's values (--help: optr.Config's
 # comments); e2e (ours) takes fewer, smaller steps on a real LLM than optr's defaults (10, 2e-3)
 PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_size=16, lr=0.02, steps=80,
-             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, seed=0,
-             e2e_steps=4, e2e_lr=3e-4)
+             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, seed=0, e2e_steps=4, e2e_lr=3e-4)
 PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
                                              for f in fields(optr.Config) if f.name in PAPER])
 BENCH_HF_ROWS = ("DynamicCache", "hf_cache", "QuantizedCache")   # --bench-hf's caches (the first always)
@@ -296,7 +295,8 @@ class HFModel:
         """The model's own RoPE cos, sin (1, T, d) of a layer (Gemma 3: a base per layer type)."""
         rope = self.hf.base_model.rotary_emb
         by_type = "layer_type" in inspect.signature(rope.forward).parameters
-        return rope(self.lm_head.weight, torch.arange(T, device=self.hf.device)[None], *([self.layer_types[layer]] if by_type else []))
+        return rope(self.lm_head.weight, torch.arange(T, device=self.hf.device)[None],
+                    *([self.layer_types[layer]] if by_type else []))
 
 
 def tinylm_twin(hf, cfg: optr.Config, idx: torch.Tensor):
@@ -382,14 +382,13 @@ def special_ids(tok) -> set:             # ids of the tokenizer's added special 
 
 
 def file_tokens(tok, path: str, name: str) -> list:
-    if not os.path.isfile(path):
-        raise ValueError(f"{name}: expected a text file, got {path!r} (not found)")
+    optr.need(os.path.isfile(path), f"{name}: expected a text file, got {path!r} (not found)")
     try:
         with open(path, encoding="utf-8") as f:
             return encode(tok, f.read())
     except UnicodeDecodeError as err:
-        raise ValueError(f"{name}: expected UTF-8 text, got {path!r} ({err.reason} at byte "
-                         f"{err.start})") from None
+        raise ValueError(f"{name}: expected UTF-8 text, got {path!r} ({err.reason} at byte {err.start})") \
+            from None
 
 
 def pydoc_tokens(tok) -> list:
@@ -401,8 +400,7 @@ def pydoc_tokens(tok) -> list:
 def split_sequences(ids: list, n: int, T: int, what: str, first: list = ()) -> torch.Tensor:
     """(n, T): each row `first` (bos(tok)), then the next T - len(first) of the ids (or refused)."""
     m = T - len(first)
-    if len(ids) < n * m:
-        raise ValueError(f"{what}: expected at least {n} x {m} = {n * m} tokens, got {len(ids)}")
+    optr.need(len(ids) >= n * m, f"{what}: expected at least {n} x {m} = {n * m} tokens, got {len(ids)}")
     return torch.cat([torch.tensor(first, dtype=torch.long).expand(n, -1), torch.tensor(ids[:n * m]).view(n, m)], 1)
 
 
@@ -415,9 +413,8 @@ def calibration_data(hf, tok, cfg: RunConfig, sample: int = 0, log=print):
         ids, first = pydoc_tokens(tok), bos(tok)
         need = n * (cfg.calib_len - len(first))
         used = 0 if cfg.eval_text else cfg.eval_seqs * max(cfg.contexts)   # evaluation's share
-        if need * cfg.calib_samples + used > len(ids):
-            raise ValueError(f"calib_text 'pydoc': {cfg.calib_samples} x {need} calibration + "
-                             f"{used} evaluation tokens overlap in its {len(ids)} tokens")
+        optr.need(need * cfg.calib_samples + used <= len(ids), f"calib_text 'pydoc': {cfg.calib_samples} x "
+                  f"{need} calibration + {used} evaluation tokens overlap in its {len(ids)} tokens")
         end = len(ids) - need * sample
         seqs = split_sequences(ids[end - need:end], n, cfg.calib_len, "pydoc_data.topics", first)
         log(f"calibration text, sample {sample}: {n} x {cfg.calib_len} tokens, the end of pydoc_data.topics")
@@ -497,10 +494,9 @@ def passkey_prompts(tok, L: int, n: int, cfg, gen: torch.Generator):
 
 
 def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
-    """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt scores
-    {variant: {ctx: dict(correct=[bool], logprob=[float])}}, the answer logits at the shortest context
-    (for the decode check). Greedy decoding returns the passkey iff the argmax at every answer position
-    is the true token, so one forward over prompt + answer gives `correct` exactly."""
+    """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt scores {variant:
+    {ctx: dict(correct=[bool], logprob=[float])}}, the answer logits at the shortest context (for the decode
+    check). Greedy decoding returns the passkey iff the argmax at each answer position is the true token."""
     scores, keep = {name: {} for name in specs}, {}
     for L, (idx, n_ans, _) in prompts.items():
         T = idx.shape[1]                           # L' <= L: whole sentences (passkey_prompts)
@@ -557,27 +553,19 @@ CALIB_FIELDS = MODEL_FIELDS + ("model", "calib_text", "calib_seqs", "heldout_seq
                                "int2_sliding", "gen_temperature", "gen_top_k")
 
 
-def past_windows(cfg: RunConfig, T: int, n: int) -> torch.Tensor:
-    """n query positions evenly over [sink + window, T - 1]: the Eq. 8 split's."""
-    return torch.linspace(cfg.sink + cfg.window, T - 1, n).round().long().unique()
+def logprob_chunks(model, h, start: int, chunk: int = 512):
+    """(positions, next-token log-probs) at positions [start, T - 1) of hidden states h, chunk by chunk."""
+    T = h.shape[1]
+    for a, b in ((a, min(a + chunk, T - 1)) for a in range(start, T - 1, chunk)):
+        yield torch.arange(a, b), model.lm_head(h[:, a:b]).float().log_softmax(-1)
 
 
 @torch.no_grad()
-def full_logprobs(model, h_full, start: int, chunk: int = 512) -> list:
-    """The full model's next-token log-probs at positions [start, T - 1), in chunks (kept once)."""
-    T = h_full.shape[1]
-    return [model.lm_head(h_full[:, a:min(a + chunk, T - 1)]).float().log_softmax(-1)
-            for a in range(start, T - 1, chunk)]
-
-
-@torch.no_grad()
-def token_metrics(model, lf_chunks: list, h, idx, start: int, chunk: int = 512) -> dict:
-    """Per position t in [start, T - 1), predicting token t + 1: KL(full || variant), the
-    variant's NLL and whether its argmax equals the full model's. Tensors (B, T - 1 - start)."""
-    T, kl, nll, top1 = idx.shape[1], [], [], []
-    for a, lf in zip(range(start, T - 1, chunk), lf_chunks):
-        pos = torch.arange(a, min(a + chunk, T - 1))
-        lv = model.lm_head(h[:, pos]).float().log_softmax(-1)
+def token_metrics(model, lf_chunks: list, h, idx, start: int) -> dict:
+    """Per position t in [start, T - 1), predicting token t + 1: KL(full || variant) (lf_chunks: the full
+    model's logprob_chunks), the variant's NLL, whether its argmax is the full model's. (B, T - 1 - start)"""
+    kl, nll, top1 = [], [], []
+    for (pos, lv), lf in zip(logprob_chunks(model, h, start), lf_chunks):
         kl.append(optr.token_kl(lf, lv))                                # KL(full || variant)
         nll.append(-lv.gather(-1, idx[:, pos + 1, None])[..., 0])
         top1.append((lf.argmax(-1) == lv.argmax(-1)).float())
@@ -651,10 +639,10 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
 
 
 def export_sglang(kv: list, cfg: optr.Config, out_dir: str, folded: bool = False) -> str:
-    """The authors' SGLang fork (engine/sglang-research) files in out_dir: k_rotation.pt, v_rotation.pt
-    (R_V for the original weights; the identity with folded=True, beside export_hf's), k_mean.pt if it
-    centers, serve.env (flags, environment). Their torch.save dicts hold optr's orientation and packing;
-    the engine folds R_V into v_proj only, clips per row, moves tokens 8 at a time, needs d = 2^n."""
+    """The authors' SGLang fork (engine/sglang-research) files in out_dir: k_rotation.pt, v_rotation.pt (R_V
+    for the original weights; the identity with folded=True, beside export_hf's), k_mean.pt if it centers,
+    serve.env (flags, environment). Their torch.save dicts hold optr's orientation and packing; the engine
+    folds R_V into v_proj only, clips per row, moves tokens 8 at a time, needs d = 2^n."""
     L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
     for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
                     (cfg.sink % 8 == cfg.window % 8 == 0,
@@ -697,8 +685,9 @@ def export_sglang(kv: list, cfg: optr.Config, out_dir: str, folded: bool = False
 
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
-    """--export-sglang: the authors' SGLang files (the spec reads them back with their loaders). --hf-generate N: greedy generate() from the
-    export with optr.hf_cache (prompt at once, token by token) and simulate_hf (whole sequence each token)."""
+    """--export-sglang: the authors' SGLang files (the spec reads them back with their loaders). --hf-generate
+    N: greedy generate() from the export with optr.hf_cache (prompt at once, token by token) and simulate_hf
+    (whole sequence each token)."""
     out, c = {}, model.cfg
     if cfg.export_sglang:
         d = export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
@@ -726,9 +715,9 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
 # ----------------------------------------------------------------------------------------
 
 def bench_setup(cfg: RunConfig):
-    """The model as load_model gives it (fp32, CPU, sdpa), a maker of each row's fresh cache
-    (hf_cache: rotations/MODEL's quarot+center+clip at its default max_tokens; QuantizedCache: quanto
-    at 2 bits, its other settings transformers' defaults, where optimum-quanto imports), a real text."""
+    """The model as load_model gives it (fp32, CPU, sdpa), a maker of each row's fresh cache (hf_cache:
+    rotations/MODEL's quarot+center+clip at its default max_tokens; QuantizedCache: quanto at 2 bits, its
+    other settings transformers' defaults, where optimum-quanto imports), a real text."""
     from transformers import DynamicCache, QuantizedCache
     from transformers.utils import is_optimum_quanto_available
     with contextlib.redirect_stderr(io.StringIO()):                    # GGUF's progress bars
@@ -761,7 +750,7 @@ def bench_context(hf, make: dict, ids, T: int, cfg: RunConfig) -> tuple[list, li
     with fresh_caches(make) as caches:
         runs = run_side_by_side(hf, caches, ids[:, :T + 1 + cfg.bench_tokens], cfg.bench_tokens)
         rows = side_by_side_rows(runs, T)
-        profiles = {name: profile_step(hf, cache, ids[:, -1:]) for name, cache in caches.items()} if cfg.profile else {}
+        profiles = {n: profile_step(hf, c, ids[:, -1:]) for n, c in caches.items()} if cfg.profile else {}
     summary = print_side_by_side(rows)
     for name, p in profiles.items():
         print_profile(T, name, p)
@@ -776,10 +765,12 @@ def bench_chat(hf, make: dict, ids, cfg: RunConfig) -> list:
     base = runs["DynamicCache"]
     print(f"chat turn: {P} tokens, then a {F}-token follow-up in one forward into the same cache; its time, "
           f"x DynamicCache's, and its next-token KL against DynamicCache's")
-    for name, r in runs.items():
-        print(f"{name:15s} {P:6d}+{F} follow-up {r.prefill_s:7.2f} s ({r.prefill_s / base.prefill_s:.2f}x) "
-              f"KL {mean_kl(base.logp, r.logp):.3f} nats")
-    return [dict(cache=name, P=P, F=F, followup_s=r.prefill_s, kl=mean_kl(base.logp, r.logp)) for name, r in runs.items()]
+    rows = [dict(cache=n, P=P, F=F, followup_s=r.prefill_s, kl=mean_kl(base.logp, r.logp))
+            for n, r in runs.items()]
+    for r in rows:
+        print(f"{r['cache']:15s} {P:6d}+{F} follow-up {r['followup_s']:7.2f} s "
+              f"({r['followup_s'] / base.prefill_s:.2f}x) KL {r['kl']:.3f} nats")
+    return rows
 
 
 def bench_hf(cfg: RunConfig) -> dict:
@@ -803,12 +794,9 @@ def bench_hf(cfg: RunConfig) -> dict:
           f"peak: rise of the process's VmHWM over a cache's prefill and first step above the resident set before "
           f"(malloc_trim first; the model, {rss_mib(trim=True):.0f} MiB resident, and the other caches not counted)")
     print(BENCH_HEADER)
-    rows, summary, profiles = [], [], {}
-    for T in cfg.contexts:
-        got = bench_context(hf, make, ids, T, cfg)
-        rows += got[0]
-        summary += got[1]
-        profiles[T] = got[2]
+    got = {T: bench_context(hf, make, ids, T, cfg) for T in cfg.contexts}
+    rows, summary = ([x for g in got.values() for x in g[i]] for i in (0, 1))
+    profiles = {T: g[2] for T, g in got.items()}
     chat = bench_chat(hf, make, ids, cfg) if cfg.chat_turn else []
     title = f"{name} fp32, CPU: DynamicCache against optr.hf_cache ({BENCH_RECIPE})"
     figs = [os.path.join(d, f"bench_hf_{cfg.model}.png") for d in (cfg.out, cfg.figures) if d]
@@ -851,7 +839,7 @@ class Reference:
     k_means: list
     stats: dict
     start: int                      # the first position whose query reads INT2: sink + window
-    err_pos: torch.Tensor           # the Eq. 8 split's query positions
+    err_pos: torch.Tensor           # the Eq. 8 split's query positions: err_queries over [start, gap_ctx - 1]
 
 
 def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
@@ -893,8 +881,9 @@ def reference_pass(run: Run, cal) -> Reference:
     print_key_stats(stats, run.log)
     start = model.cfg.sink + model.cfg.window
     about = dict(source=source, positions={str(L): len(eval_idx) * (L - 1 - start) for L in cfg.contexts})
-    return Reference(eval_idx, about, h_full, [full_logprobs(model, h, start) for h in h_full], captured,
-                     cal_cap, k_means, stats, start, past_windows(cfg, cfg.gap_ctx, cfg.err_queries))
+    err_pos = torch.linspace(start, cfg.gap_ctx - 1, cfg.err_queries).round().long().unique()
+    lf_full = [[lp for _, lp in logprob_chunks(model, h, start)] for h in h_full]
+    return Reference(eval_idx, about, h_full, lf_full, captured, cal_cap, k_means, stats, start, err_pos)
 
 
 @torch.no_grad()
@@ -929,8 +918,7 @@ def evaluate_variant(run: Run, ref: Reference, name: str, kv) -> dict:
     per = {k: torch.cat([p[k] for p in per]) for k in per[0]}
     v = {f"{k}_by_ctx": {str(L): x[:, :L - 1 - ref.start].mean().item() for L in cfg.contexts}
          for k, x in per.items()}                # the mean over what an L-token text predicts
-    C = str(cfg.gap_ctx)
-    v.update(kl=v["kl_by_ctx"][C], top1=v["top1_by_ctx"][C], nll=v["nll_by_ctx"][C],
+    v.update({k: v[f"{k}_by_ctx"][str(cfg.gap_ctx)] for k in ("kl", "top1", "nll")},
              kl_ci_by_ctx={str(L): block_interval(per["kl"][:, :L - 1 - ref.start]) for L in cfg.contexts})
     dt_fwd = time.perf_counter() - t0
     v.update(output_errors(model, ref.captured, kv, ref.err_pos))
@@ -955,8 +943,7 @@ def calibrate_sample(run: Run, i: int, names: list, cal, held) -> tuple[dict, di
     return specs, reports
 
 
-def model_type(run: Run) -> str | None:
-    """transformers' model_type of the run's model (of its text config), which rotation files record."""
+def model_type(run: Run) -> str | None:    # transformers' (of its text config), which rotation files record
     hf = getattr(run.model, "hf", None)
     return None if hf is None else hf.config.get_text_config().model_type
 
@@ -1057,14 +1044,14 @@ def decode_stage(run: Run, specs: dict, prompts: dict, sim_logits: dict, attend)
 
 def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference) -> dict:
     """Bits per element as stored in the paged cache, at the shortest context."""
-    T, bits = min(run.cfg.contexts), None
-    if run.twin is None:
-        for v in variants.values():
-            v.update(bits_per_element=None, bits_int2_part=None)
-        run.log("bits | skipped: the paged cache needs optr's TinyLM on the weights")
-    else:
+    T = min(run.cfg.contexts)
+    if run.twin:
         bits = ladder_bits(run.twin, specs, variants, ref.eval_idx[:1, :T], run.timer, run.log)
-    return dict(bits_context=T, bits_int2_part=bits)
+        return dict(bits_context=T, bits_int2_part=bits)
+    for v in variants.values():
+        v.update(bits_per_element=None, bits_int2_part=None)
+    run.log("bits | skipped: the paged cache needs optr's TinyLM on the weights")
+    return dict(bits_context=T, bits_int2_part=None)
 
 
 def write_plots(run: Run, ref: Reference, samples: list, variants: dict) -> dict:

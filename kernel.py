@@ -1,59 +1,30 @@
 """INT2 paged decode attention: the Triton kernel (CUDA), the same algorithm compiled by numba (CPU).
 
-OptR keeps the ordinary paged KV-cache format: keys and values are stored as 2-bit codes in
-fixed-size pages that a block table maps to sequences, with one fp32 scale and zero per group of
-`G` dims.  The decode kernels here read that format directly: no dequantized copy is made.
-
-Layout (per layer; H_kv KV heads, head dim d, page size P)
+Keys and values stay in the ordinary paged KV-cache format, as 2-bit codes with one fp32 scale and
+zero per group of G dims; the kernels read it directly (no dequantized copy).  Per layer (H_kv KV
+heads, head dim d, page size P):
     k_codes, v_codes    uint8 (num_pages, H_kv, P, d // 4): byte j of a row holds dims j,
                         j + d/4, j + d/2, j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7
     k/v_scale, k/v_zero fp32 (num_pages, H_kv, P, d // G): x_i = (code_i - zero[i // G]) * scale[i // G]
-    block_table         int32 (B, max_blocks): INT2 token n of sequence b lives in page
+    block_table         int32 (B, max_blocks): INT2 token n of sequence b is in page
                         block_table[b, n // P], slot n % P
     n_quant             int32 (B,): INT2 tokens per sequence (ragged, may be 0)
     win_k, win_v        fp32/bf16 (B, H_kv, NW, d): the exact sink + recent tokens, slots [0, win_len[b])
     q                   fp32/bf16 (B, H_q, d), already rotated; query head j reads KV head j // (H_q // H_kv)
     output              fp32 (B, H_q, d), still in the rotated value basis
 
-Design: flash-decoding ("split-K"), laid out for memory bandwidth
-    Stage 1, grid (B, H_kv, num_splits).  A program owns one KV head and all its query heads
-    (GQA), so every page is read once per KV head.  The INT2 tokens are cut into BLOCK_N-token
-    tiles, independent of the page size; a split owns a contiguous range of tiles and fetches
-    the next tile's block-table entries one iteration ahead.  Per tile it loads the packed rows
-    of K and of V once, as 32-bit words, and never reorders them: bit field c of byte j is dim
-    c*d/4 + j, so the query is split into four quarter-rows instead, each meeting its bit field
-    (q.k = sum over quarters).  Codes become exact fp16 by a bit trick, two per mask-and-OR
-    with no int-to-float instruction (_codes_fp16).  A tile is cut into sub-tiles of 16 tokens
-    (one per warp), each with its own softmax state, merged once after the loop, so no
-    reduction in the loop crosses warps.
-    Scale and zero stay out of the tile when a quarter lies in one group (G a multiple of d/4,
-    d >= 64; the production case d = G = 128):
-        q.k = s * (q.c - z * sum(q))              (per group, per token)
-        p.v = (p s).c - sum(p s z)
-    The other operand (the query, or p s) is scaled into [-2^14, 2^14] and split into two fp16
-    parts hi + lo (~22 bits) with fp32 accumulation: near fp32 accuracy.  The tokens fill the
-    MMA's 16 rows and the hi and lo parts of every head sit side by side on its 8 columns, so
-    one dot computes both; with one group per row the four quarter dots chain into one
-    accumulator.  Other group sizes (and d < 64) take a general path in the same loop: the
-    quarter dequantized in fp32.  The window tokens are spread over the splits (tile t to split
-    t % num_splits), with fp32 dots (3xTF32 on sm80+).  Each program writes its normalized
-    partial output and the log-sum-exp of its logits (base 2); one with no tokens, lse = -inf.
+Flash-decoding (split-K).  Stage 1, grid (B, H_kv, num_splits): a program owns one KV head with all
+its query heads (every page read once per KV head) and a contiguous range of BLOCK_N-token tiles
+(independent of P) of 16-token sub-tiles.  The query is split into four quarter-rows, one per bit
+field, so the codes are never reordered.  Scale and zero stay out of the fp16 MMA when a quarter lies
+in one group (FACTORED: G a multiple of d/4, d >= 64); other group sizes dequantize in fp32.  Each
+program writes a partial output and base-2 lse (-inf: no tokens); stage 2, grid (B, H_q), merges them.
 
-    Stage 2, grid (B, H_q), merges the NUM_SPLITS partials of a query head, a (BLOCK_SPLITS, d)
-    block at a time: out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M = max_i lse_i;
-    splits with lse = -inf weigh 0 (their partial output is 0, not NaN).
-
-Reading order: the Triton kernels (_int2_decode_split_kernel after the helpers it calls,
-    then _merge_splits_kernel), the input checks (need / fail / check_tensor: the project's one
-    set), the launcher int2_paged_decode, the CPU kernels (int2_paged_decode_cpu; q2_store, the
-    cache's INT2 write; cpu_decode_step, a whole layer's decode step in one call: rotate, write,
-    evict to INT2, decode), paged_decode (the one the serving code calls: Triton for CUDA tensors,
-    numba otherwise); `python -m tools.bench` times them.  Shape letters: S sub-tiles per tile, T
-    tokens per sub-tile, W = d/4 dims per quarter-row.  No project import.  Without triton (no
-    wheel for macOS or Windows) the Triton kernels are not defined and int2_paged_decode says so;
-    the rest needs none.  Triton's CPU interpreter (TRITON_INTERPRET=1, set before triton is
-    imported by the tests and scripts where there is no GPU) computes fp16 dots exactly, so the
-    CPU tests run the GPU's algorithm.
+Order: Triton kernels, input checks, the launcher int2_paged_decode, the numba CPU kernels
+(int2_paged_decode_cpu, q2_store, cpu_decode_step), paged_decode; `python -m tools.bench` times them.
+Shape letters: S sub-tiles per tile, T tokens per sub-tile, W = d/4 dims per quarter-row.  Triton's
+interpreter (TRITON_INTERPRET=1, set before triton is imported) computes fp16 dots exactly, so the CPU
+tests run the GPU's algorithm.
 """
 import functools
 import math
@@ -72,26 +43,19 @@ _LOG2E = 1.4426950408889634
 _MAX_SPLITS = 1024
 
 
-# ----------------------------------------------------------------------------
-# Triton kernels (defined where triton is installed)
-# ----------------------------------------------------------------------------
+# ==== Triton kernels (defined where triton is installed) ====
 
 if triton is not None:
     @triton.jit
     def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
                     SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
                     S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-        """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every
-        byte times 4^quarter = 2^SHIFT (exact: 0, 1, 2, 3 times 1, 4, 16 or 64).  No
-        int-to-float instruction; one mask and one OR (two LOP3) make two codes.
-
-        0x6400 is 1024.0 in fp16 and its 10 mantissa bits count units, so the bit pattern
-        0x6400 | m is 1024 + m for m < 1024.  Masking a word with 0x00030003 << SHIFT leaves
-        the fields of bytes 0 and 2 in place, as m = c * 2^SHIFT in the two 16-bit halves
-        (the word shifted right by 8 does the same for bytes 1 and 3); OR-ing 0x64006400 makes
-        both halves fp16 1024 + m at once.  The halves, taken as fp16, minus 1024 (exact, two
-        per HADD2) leave c * 2^SHIFT; the caller folds the power of two into the other
-        operand."""
+        """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte
+        times 2^SHIFT (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m
+        (m < 1024): masking a word with 0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0
+        and 2 in its halves (shifted right by 8: bytes 1 and 3), OR 0x64006400 makes both fp16
+        1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller folds 2^SHIFT into
+        the other operand."""
         mask: tl.constexpr = 0x00030003 << SHIFT
         even = (words & mask) | 0x64006400                 # bytes 0 and 2
         odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
@@ -99,11 +63,9 @@ if triton is not None:
         b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
         b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
         b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        # Joined as (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA
-        # operand wants it; the kernel keeps every quarter's dims in this order (_quarter_dims).
+        # (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA operand wants.
         bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
         return bits - 1024.0
-
 
     @triton.jit
     def _quarter_dims(W: tl.constexpr):
@@ -112,29 +74,23 @@ if triton is not None:
         pos = tl.arange(0, W)
         return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
 
-
     @triton.jit
     def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
                        S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
-        """x = hi + lo + r with hi, lo fp16 and |r| <= 2^-22 |x| (+2^-25), as one (S, R, 2 * BLOCK_H)
-        dot operand: column 2h holds hi of head h, column 2h + 1 its lo.  One dot against it computes
-        both parts of every head, and the heads fill the 8-wide side of the MMA instead of padding
-        its 16-row side."""
+        """x = hi + lo + r (hi, lo fp16, |r| <= 2^-22 |x| + 2^-25) as one (S, R, 2 * BLOCK_H) dot
+        operand, column 2h hi of head h, 2h + 1 its lo: the heads fill the MMA's 8-wide side."""
         hi = x.to(tl.float16)
         lo = (x - hi.to(tl.float32)).to(tl.float16)
         return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
-
 
     @triton.jit
     def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
                        SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
                        S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
-        """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns, for
-        every sub-tile."""
+        """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns."""
         unit: tl.constexpr = 1.0 / (1 << SHIFT)
         q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
         return _hi_lo_columns(q_t, S, W, BLOCK_H)
-
 
     @triton.jit
     def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
@@ -143,17 +99,14 @@ if triton is not None:
         hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
         return hi + lo
 
-
     @triton.jit
     def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
                      q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
                      acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
                      SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
                      S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-        """acc + codes @ q_cols in every sub-tile: the exact fp16 codes of one quarter against
-        both fp16 parts of the query quarter of every head (fp32 accumulation)."""
+        """acc + codes @ q_cols in every sub-tile (one quarter's exact fp16 codes, fp32 sums)."""
         return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
-
 
     @triton.jit
     def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
@@ -161,8 +114,7 @@ if triton is not None:
                         scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
                         SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
                         BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """General path: the contribution of one quarter-row (dims c*d/4 .. c*d/4 + W - 1) to
-        q.k, (S, T, BLOCK_H), with the quarter dequantized in fp32."""
+        """General path: one quarter-row's share of q.k, (S, T, BLOCK_H), dequantized in fp32."""
         unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
         k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
         if USE_DOT:
@@ -170,7 +122,6 @@ if triton is not None:
             return tl.dot(k, q_t, input_precision=DOT_PRECISION)
         else:
             return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
-
 
     @triton.jit
     def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
@@ -200,12 +151,9 @@ if triton is not None:
             return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
                                                     input_precision=DOT_PRECISION)
 
-
     @triton.jit
-    def _softmax_update(logits,         # fp32 logits in base-2 units, -inf if masked: (S, N,
-                                        # BLOCK_H) if SUB_TILED, else (BLOCK_H, N)
-                        m_i, l_i,       # running max and sum of 2^(logit - m_i): (S, BLOCK_H)
-                                        # if SUB_TILED, else (BLOCK_H,)
+    def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
+                        m_i, l_i,       # running max, sum of 2^(logit - m_i): (S, BLOCK_H) / (BLOCK_H,)
                         SUB_TILED: tl.constexpr):
         """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
         rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
@@ -219,17 +167,14 @@ if triton is not None:
             p = tl.exp2(logits - m_ref[:, None])
         return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
-
     @triton.jit
     def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
                     head_mask,          # (BLOCK_H,) query heads that exist
                     qk_scale,           # sm_scale * log2(e)
                     S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
                     FACTORED: tl.constexpr):
-        """The query as the INT2 loop takes it: (q, q_cols, q_sum, row_scale), tuples over the
-        quarters.  Factored: each head scaled into [-2^14, 2^14] (row_scale undoes it), and the
-        dot operands, hi and lo of every head side by side (_query_columns), quarter c times
-        4^-c, as it meets codes times 4^c (_codes_fp16); the sums serve the zeros."""
+        """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
+        into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
         q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
              for c in (0, 1, 2, 3)]
         if FACTORED:
@@ -245,14 +190,12 @@ if triton is not None:
         q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
         return q, q_cols, q_sum, row_scale
 
-
     @triton.jit
     def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
                      offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
                      BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-        """(block, slot) of every token of a tile: its logical block (block-table column) and
-        its slot in that page.  A scalar block when a tile lies in one page; when a tile
-        holds whole pages the slots are the same for every tile (and leave the loop)."""
+        """(block-table column, slot in the page) of every token of a tile; a scalar block when
+        the tile lies in one page."""
         if PAGE_SIZE % BLOCK_N == 0:
             return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
         elif BLOCK_N % PAGE_SIZE == 0:
@@ -261,7 +204,6 @@ if triton is not None:
             tok = tile * BLOCK_N + offs_n
             return tok // PAGE_SIZE, tok % PAGE_SIZE
 
-
     @triton.jit
     def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
                         rows,           # (S, T) int64 element offset of each token's row
@@ -269,8 +211,7 @@ if triton is not None:
                         offs_w,         # (W,) dims of a quarter, in the order of the codes
                         C: tl.constexpr,  # the quarter, 0 .. 3
                         W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
-        """(scale, zero) of quarter C of every token: (S, T) each when the quarter lies in one
-        group (FACTORED), else (S, T, W), the group of every dim.  0 for missing tokens."""
+        """(scale, zero) of quarter C: (S, T) each if FACTORED, else (S, T, W); 0 if missing."""
         if FACTORED:
             group: tl.constexpr = C * W // GROUP_SIZE
             return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
@@ -280,13 +221,11 @@ if triton is not None:
             return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
                     tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
 
-
     @triton.jit
     def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
                      W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
                      FACTORED: tl.constexpr):
-        """The four quarters' (scale, zero), a tuple indexed by quarter (one load per group
-        when a row is one group: every quarter shares it)."""
+        """The four quarters' (scale, zero) (one load when a row is one group)."""
         if FACTORED and NUM_GROUPS == 1:
             params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
                                      FACTORED)
@@ -294,7 +233,6 @@ if triton is not None:
         else:
             return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
                                     FACTORED) for c in (0, 1, 2, 3)]
-
 
     @triton.jit
     def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
@@ -305,13 +243,11 @@ if triton is not None:
                      S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
                      NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
                      DOT_PRECISION: tl.constexpr):
-        """(S, T, BLOCK_H) logits of the tile, before row_scale: the sum over the quarters of
-        q.k.  Factored: s * (q.c - z * sum(q)) with the codes' tokens on the MMA's 16-row side
-        and the heads' hi / lo columns on its 8-column side."""
+        """(S, T, BLOCK_H) logits before row_scale, summed over the quarters.  Factored:
+        s * (q.c - z * sum(q)), tokens on the MMA's 16 rows, heads' hi / lo on its 8 columns."""
         if FACTORED:
             no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
             if NUM_GROUPS == 1:
-                # One group: the four quarter dots chain into one accumulator.
                 t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
                 for c in tl.static_range(1, 4):
                     t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
@@ -334,7 +270,6 @@ if triton is not None:
                                           USE_DOT, DOT_PRECISION)
             return logits
 
-
     @triton.jit
     def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
                    m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
@@ -349,10 +284,8 @@ if triton is not None:
                    S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
                    GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
                    USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One tile of S x T INT2 tokens: load its codes (one load of the packed rows of K
-        and of V, as 32-bit words; the quarters are the bit fields of their bytes) and its
-        scales and zeros, compute the logits, update the online softmax of every sub-tile
-        and add P.V to each quarter's output.  Returns (acc, m_i, l_i)."""
+        """One tile of S x T INT2 tokens (K and V rows loaded once, as 32-bit words): logits,
+        each sub-tile's online softmax, P.V into each quarter.  Returns (acc, m_i, l_i)."""
         words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
         k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
         v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
@@ -368,18 +301,15 @@ if triton is not None:
                            S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
         return acc, m_i, l_i
 
-
     @triton.jit
     def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
                          acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
-        """One softmax state from S: every sub-tile's state rescaled to the largest max and
-        summed; returns m, l (BLOCK_H,) and acc as 4 (BLOCK_H, W)."""
+        """Sub-tile states rescaled to the largest max and summed: m, l (BLOCK_H,), acc 4 (BLOCK_H, W)."""
         m = tl.max(m_i, axis=0)
         m_ref = tl.where(m == float("-inf"), 0.0, m)
         w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
         l = tl.sum(l_i * w, axis=0)
         return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
-
 
     @triton.jit
     def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
@@ -391,8 +321,7 @@ if triton is not None:
                      offs_w,            # (W,) dims of a quarter, in the order of the codes
                      qk_scale,          # sm_scale * log2(e)
                      HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One tile of full-precision window tokens, fp32 dots (3xTF32 on sm80+); the output
-        is kept per quarter in the order of the INT2 tokens'.  Returns (acc, m_i, l_i)."""
+        """One tile of window tokens, fp32 dots, output per quarter.  Returns (acc, m_i, l_i)."""
         W: tl.constexpr = HEAD_DIM // 4
         k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
                     other=0.0).to(tl.float32)
@@ -404,7 +333,6 @@ if triton is not None:
         acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
                for c in (0, 1, 2, 3)]
         return acc, m_i, l_i
-
 
     @triton.jit
     def _int2_decode_split_kernel(
@@ -449,10 +377,7 @@ if triton is not None:
         S: tl.constexpr = SUB_TILES             # sub-tiles per tile (the helpers' S)
         T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
 
-        # All query heads that share this KV head, as four quarter-rows: quarter c holds dims
-        # c*W .. c*W + W-1, the dims stored in bit field c of the code bytes, in the order
-        # _codes_fp16 unpacks them (offs_w).  The query, the scales and zeros, the window
-        # values and the output all use that order, so the codes are never reordered.
+        # Query heads of this KV head as quarter-rows in the codes' dim order (offs_w), as all else.
         offs_h = tl.arange(0, BLOCK_H)
         head_mask = offs_h < QUERIES_PER_KV
         q_heads = pid_kv * QUERIES_PER_KV + offs_h
@@ -461,8 +386,7 @@ if triton is not None:
         q, q_cols, q_sum, row_scale = _load_query(q_rows + offs_w[None, :], head_mask, qk_scale,
                                                   S, W, BLOCK_H, FACTORED)
 
-        # Softmax state and outputs of each sub-tile of T tokens (a warp's share of a tile at
-        # the default sizes): no reduction crosses sub-tiles inside the loop; one merge after.
+        # Per sub-tile (a warp's share) softmax state and outputs: merged once, after the loop.
         m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
         acc = [tl.zeros([S, W, BLOCK_H], dtype=tl.float32) for _ in (0, 1, 2, 3)]  # transposed
@@ -518,7 +442,6 @@ if triton is not None:
         tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split,
                  tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf")), mask=head_mask)
 
-
     @triton.jit
     def _merge_splits_kernel(
             part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 normalized partial outputs
@@ -531,9 +454,8 @@ if triton is not None:
             HEAD_DIM: tl.constexpr,  # d
             BLOCK_SPLITS: tl.constexpr,  # partials merged per step (a (BLOCK_SPLITS, d) block)
     ):
-        """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M) over the splits i, BLOCK_SPLITS
-        partials at a time with the same running-max rescaling as the softmax; empty splits
-        (lse = -inf) weigh 0."""
+        """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M = max lse, BLOCK_SPLITS splits
+        at a time (running-max rescaling); empty splits (lse = -inf) weigh 0."""
         batch = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs_split = tl.arange(0, BLOCK_SPLITS)
@@ -562,12 +484,9 @@ if triton is not None:
 _KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
 
 
-# ----------------------------------------------------------------------------
-# Input checks: the project's one set (optr's files, flags and cache use them too)
-# ----------------------------------------------------------------------------
+# ==== Input checks: the project's one set (optr's files, flags and cache use them too) ====
 def need(ok: bool, what: str):
-    """A ValueError saying `what` unless ok: the check of what a user or a file supplies (kept
-    under python -O, unlike assert)."""
+    """A ValueError saying `what` unless ok (kept under python -O, unlike assert)."""
     if not ok:
         raise ValueError(what)
 
@@ -577,16 +496,16 @@ def fail(name, expected, got):
 
 
 def check_tensor(name, x, shape=None, dtype=None, finite=False, device=None, contiguous=False):
-    """ValueError naming `name` unless x is a tensor of this dtype ("float", or a tuple of
-    dtypes), shape (None: any; an entry None: any size), device and, if asked, contiguous and
-    finite."""
+    """ValueError naming `name` unless x is a tensor of this dtype ("float" or a tuple), shape
+    (None / an entry None: any), device and, if asked, contiguous and finite."""
     if not isinstance(x, torch.Tensor):
         fail(name, "a torch.Tensor", type(x).__name__)
     if dtype == "float" and not x.dtype.is_floating_point:
         fail(name, "a floating dtype", x.dtype)
     if isinstance(dtype, tuple) and x.dtype not in dtype:
         fail(name, "dtype " + " or ".join(str(d) for d in dtype), x.dtype)
-    if shape is not None and (x.dim() != len(shape) or any(s is not None and s != n for s, n in zip(shape, x.shape))):
+    if shape is not None and (x.dim() != len(shape)
+                              or any(s is not None and s != n for s, n in zip(shape, x.shape))):
         fail(name, "shape (" + ", ".join("*" if s is None else str(s) for s in shape) + ")", tuple(x.shape))
     if device is not None and x.device != device:
         fail(name, f"device {device} (the device of q)", x.device)
@@ -638,8 +557,7 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
 
 
 def _check_values(k_codes, block_table, n_quant, win_len, sizes):
-    """Value checks of the lengths and used block-table entries; these read the small int
-    tensors on the host.  Returns the longest INT2 length (sizes the default splits)."""
+    """Check lengths and used block-table entries (read on the host); return the longest n_quant."""
     P, NW, num_pages = sizes["P"], sizes["NW"], sizes["num_pages"]
     nq = n_quant.cpu().long()
     wl = win_len.cpu().long()
@@ -662,10 +580,7 @@ def _check_values(k_codes, block_table, n_quant, win_len, sizes):
     return dict(max_tokens=int(nq.max()))
 
 
-
-# ----------------------------------------------------------------------------
-# Launcher: block sizes and launch
-# ----------------------------------------------------------------------------
+# ==== Launcher: block sizes and launch ====
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
     if device.type == "cuda":
@@ -690,15 +605,12 @@ def _dot_precision(device):
 
 
 def _block_sizes(d, G, ratio, P):
-    """Tile sizes, warps and stages of stage 1 (explicit, no autotuning), chosen with the
-    static model of `python -m tools.sass`; every tested configuration compiles spill-free
-    for sm_80 and sm_90a (`pytest -m sass_all`; triton 3.7.1 and 3.6.0).
-    Factored, one group per row (d = G = 128): 128-token tiles of 8 sub-tiles, no software
-    pipelining (the model: 2.0x the HBM time, 2.2-2.4x for 64 tokens with 1-3 stages); 64
-    if a page is shorter.  Several groups per row: 64 within a page, 32 across pages (a page
-    and d/G scale and zero addresses per token) and for d = 256.  General path: 16 tokens,
-    one sub-tile (large per-dim scale and zero tiles).  Up to 255 registers: left alone,
-    ptxas settles at 168 on sm_90a and spills; a tighter limit costs more than it buys."""
+    """Stage 1's tiles, warps and stages (no autotuning), chosen with `python -m tools.sass`'s
+    static model; all tested configurations compile spill-free for sm_80 and sm_90a (`pytest -m
+    sass_all`; triton 3.7.1, 3.6.0).  d = G = 128: 128-token tiles, no pipelining (model: 2.0x
+    the HBM time; 64 tokens, 1-3 stages: 2.2-2.4x), 64 if a page is shorter.  Several groups per
+    row: 64 within a page, 32 across pages and for d = 256.  General path: 16 tokens, one
+    sub-tile.  maxnreg 255: unset, ptxas settles at 168 on sm_90a and spills."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
@@ -710,8 +622,7 @@ def _block_sizes(d, G, ratio, P):
     else:
         block_n = 128 if P % 64 == 0 else 64
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
-    # Token sub-tiles of 16 (the MMA's row count) in the factored path.
-    sub_tiles = block_n // 16 if factored else 1
+    sub_tiles = block_n // 16 if factored else 1    # 16 tokens: the MMA's row count
     return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
                 BLOCK_W=block_w, FACTORED=factored, num_warps=4,
                 num_stages=1 if block_n == 128 or not factored else 2, maxnreg=255)
@@ -769,13 +680,10 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
                       sm_scale=None, checked=True) -> torch.Tensor:
     """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d)
     fp32.  num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale:
-    logit scale (None: 1/sqrt(d)).  A ValueError names any malformed argument.
-    checked=True also checks the values of n_quant, win_len and the used block-table entries,
-    reading them on the host (a device sync).  checked=False checks shapes, dtypes and devices
-    only and never syncs, so the launch can be captured in a CUDA graph (a whole
-    optr.decode_step cannot: its append takes pages on the host); out-of-range lengths or
-    entries are then undefined behaviour, and num_splits=None sizes the splits from the block
-    table's capacity instead of the longest sequence."""
+    logit scale (None: 1/sqrt(d)).  A ValueError names any malformed argument.  checked=True also
+    checks n_quant, win_len and the used block-table entries on the host (a sync); checked=False
+    never syncs (CUDA-graph capturable; a whole optr.decode_step is not): bad values are then
+    undefined behaviour, and num_splits=None sizes from the block table's capacity."""
     if triton is None:
         raise ImportError("int2_paged_decode needs triton, which is not installed (its wheels are for "
                           "Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
@@ -792,23 +700,14 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
                    win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes)
 
 
-# ----------------------------------------------------------------------------
-# CPU kernels (numba): the same algorithm without a GPU, and the INT2 write
-# ----------------------------------------------------------------------------
-# Why numba: on 2 cores, 30 SmolLM2-shaped layers, a numba loop over the packed codes beat
-# torch.compile's elementwise form by about 2x; it compiles once (about 40 s) and loads from
-# its disk cache (__pycache__) in 0.6 s; a C++ extension was faster still but needs a compiler
-# at run time.  numba is imported at the first CPU call, never at import.
-# Algorithm: as the Triton kernel.  A job owns one (sequence, KV head, split) and all query
-# heads of the KV head (each code row is unpacked once for them); the jobs run in parallel
-# and their partials merge by log-sum-exp.  Reassociated sums let LLVM vectorise; the result
-# is the reference's up to round-off.  The write (Q2, the rotations) is not reassociated: it
-# stores what optr's torch write stores, bit for bit.  numba's runtime and these kernels cost
-# about 110 MiB of resident memory once loaded (measured on Linux x86_64).
+# ==== CPU kernels (numba): the same algorithm without a GPU, and the INT2 write ====
+# numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes);
+# it compiles once (~40 s), then loads from __pycache__ in 0.6 s; ~110 MiB resident once loaded.
+# A job owns one (sequence, KV head, split) and all its query heads; partials merge by log-sum-exp.
+# Sums are reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
 
 def _cpu_unpack(codes, page, h, slot, out):
-    """out[:] = the d codes of row (page, h, slot) as fp32: byte j holds dims j, j + d/4, j + d/2,
-    j + 3d/4 (int32 shifts: AVX2 converts int32, not int64, to float)."""
+    """out[:] = the d codes of row (page, h, slot) as fp32 (int32 shifts: AVX2 converts int32)."""
     D4 = codes.shape[3]
     for c in range(4):
         for j in range(D4):
@@ -817,11 +716,8 @@ def _cpu_unpack(codes, page, h, slot, out):
 
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                     lse_part, job):
-    """One (sequence b, KV head h, split sp): its share of the INT2 tokens and window slots, in
-    two passes (all logits and their max, then p and the values: nothing is rescaled), with
-    q.k~ = sum_g s_g (q_g.c_g - z_g sum q_g) and p.V~ = sum_g (p s_g) c_g - sum_g p s_g z_g.
-    Sequence b reads block-table and window row rows[b]. One group per row (G = d, the real
-    models') has loops of its own, with no group loop."""
+    """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no
+    rescaling), factored as the Triton kernel; b reads block-table and window row rows[b]."""
     f32 = np.float32
     B, Hq, d = q.shape
     H, P = kc.shape[1], kc.shape[2]
@@ -922,8 +818,8 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n
 
 
 def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
-    """Q2's storage form of one row x (d,) fp32 into codes[page, h, slot] (d/4 bytes), scale and
-    zero[page, h, slot] (d/G): q2_quantize's numbers, bit for bit. code: (d,) uint8 scratch."""
+    """Q2 of one row x (d,) fp32 into codes, scale, zero[page, h, slot], bit for bit as
+    q2_quantize. code: (d,) uint8 scratch."""
     f32 = np.float32
     d = x.shape[0]
     D4 = d // 4
@@ -946,8 +842,7 @@ def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
 
 
 def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
-    """Q2's storage form of rows (N, H, d) fp32 into codes (pages, H, P, d/4), scale and zero
-    (pages, H, P, d/G) at [page[i], :, slot[i]]; the rows in parallel (each its own slot)."""
+    """_cpu_q2_row of rows (N, H, d) fp32 at [page[i], :, slot[i]], in parallel."""
     N, H = rows.shape[0], rows.shape[1]
     for ih in numba_prange(N * H):
         i, h = ih // H, ih % H
@@ -956,8 +851,7 @@ def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
 
 
 def _cpu_rotate(x, mu, R, h, out):
-    """out = (x - mu[h]) R[h] for one row: the difference in fp32, the product summed in float64
-    and rounded once, as optr.rotate_rows computes it (so any summation order stores alike)."""
+    """out = (x - mu[h]) R[h] for one row, summed in float64 and rounded once (as optr.rotate_rows)."""
     d = x.shape[0]
     xc = np.empty(d, dtype=np.float64)
     for i in range(d):
@@ -971,13 +865,11 @@ def _cpu_rotate(x, mu, R, h, out):
 
 def _cpu_step(q, k, v, mu, rk, rv, rotate_v, kc, ks, kz, vc, vs, vz, bt, wk, wv, length, seqs,
               rank_k, rank_v, G, eps, S, W, scale, n_split, out):
-    """One INT2 layer's decode step, one new token per sequence (optr.paged_step's, in one call):
-    q (B, H_q, 1, d), k, v (B, H_kv, 1, d) fp32 post-RoPE. Stores (k - mu) R_K and v R_V (v as
-    given unless rotate_v): token p = length[seqs[b]] goes to window slot p (p < S) or ring slot
-    S + (p - S) % W, whose previous token p - W (p >= S + W) first goes to INT2 index p - W - S
-    (Q2 of its window copy), or with W = 0 straight to INT2 index p - S; length advances. Then
-    decodes q R_K over the sequence as held now, into out (B, 1, H_q, d) fp32 (by R_V^T back to
-    the model's basis if rotate_v). Pages come from the block table: reserved by the caller."""
+    """One INT2 layer's decode step (optr.paged_step's), one token per sequence: stores (k - mu) R_K,
+    v R_V (if rotate_v) of token p = length[seqs[b]] in window slot p (p < S) or ring slot
+    S + (p - S) % W, whose old token p - W first goes to INT2 index p - W - S (W = 0: the token to
+    p - S); length advances.  Decodes q R_K into out (B, 1, H_q, d), by R_V^T if rotate_v.  The
+    caller reserves the pages in the block table."""
     B, Hq, d = q.shape[0], q.shape[1], q.shape[3]
     H, P = kc.shape[1], kc.shape[2]
     R = Hq // H
@@ -1058,9 +950,8 @@ def _cpu_splits(B, H_kv, longest):
 def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                           n_quant, win_k, win_v, win_len, group_size, num_splits=None,
                           sm_scale=None, checked=True) -> torch.Tensor:
-    """int2_paged_decode on the CPU, compiled by numba: the same arguments and result (B, H_q, d)
-    fp32, a ValueError naming a malformed argument.  checked=False checks nothing (the caller
-    vouches for the view): no per-call cost, and malformed inputs are undefined behaviour."""
+    """int2_paged_decode on the CPU (numba): same arguments and result.  checked=False checks
+    nothing (malformed inputs are undefined behaviour)."""
     if checked:
         sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                               n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
@@ -1072,8 +963,9 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
     decode = _numba()[0]
     num_splits = num_splits or _cpu_splits(B, H_kv, int(nq.max()) + int(wl.max()))
     fp32 = lambda x: x.detach().float().numpy()   # bf16 windows: numba has no bf16
-    out = decode(q.detach().float().numpy(), k_codes.numpy(), k_scale.numpy(), k_zero.numpy(), v_codes.numpy(),
-                 v_scale.numpy(), v_zero.numpy(), block_table.numpy(), nq, fp32(win_k), fp32(win_v), wl,
+    out = decode(q.detach().float().numpy(), k_codes.numpy(), k_scale.numpy(), k_zero.numpy(),
+                 v_codes.numpy(), v_scale.numpy(), v_zero.numpy(), block_table.numpy(), nq,
+                 fp32(win_k), fp32(win_v), wl,
                  np.arange(B), group_size, np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale),
                  num_splits)
     return torch.from_numpy(out)
@@ -1081,22 +973,19 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
 
 def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: int, rank_v: int,
                     group_size: int, eps: float, sink: int, window: int, sm_scale: float, out):
-    """One INT2 layer's decode step in one compiled call (_cpu_step): q (B, H_q, 1, d), k, v
-    (B, H_kv, 1, d) fp32 tensors (any strides); mu (H_kv, d), r_k, r_v (H_kv, d, d) and the
-    layer's storage `pages` (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-    win_k, win_v) as numpy arrays, length (max_seqs,) int64 and seqs (B,) int64 numpy; r_v None:
-    v stored as given. Writes out (B, 1, H_q, d) fp32 numpy (no gradient). Unchecked: optr's cache
-    vouches."""
+    """_cpu_step in one call, unchecked (optr's cache vouches): q (B, H_q, 1, d), k, v (B, H_kv, 1, d)
+    fp32 tensors; as numpy: mu (H_kv, d), r_k, r_v (H_kv, d, d; r_v None: v as given), `pages`
+    (k_codes .. v_zero, block_table, win_k, win_v), length (max_seqs,), seqs (B,) int64, out."""
     B, H = q.shape[0], pages[0].shape[1]
     splits = _cpu_splits(B, H, int(length[seqs].max()) + 1)
-    _numba()[2](q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k, r_k if r_v is None else r_v, r_v is not None,
+    _numba()[2](q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k,
+                r_k if r_v is None else r_v, r_v is not None,
                 *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
                 np.float32(sm_scale), splits, out)
 
 
 def paged_decode(q, **view) -> torch.Tensor:
-    """The decode the serving code calls: the device's kernel for q's device (Triton on CUDA,
-    numba on the CPU), with the arguments of int2_paged_decode."""
+    """int2_paged_decode on CUDA, int2_paged_decode_cpu otherwise (the serving code's call)."""
     return (int2_paged_decode if q.is_cuda else int2_paged_decode_cpu)(q, **view)
 
 
@@ -1104,7 +993,8 @@ def q2_store(rows, clip, group_size, eps, codes, scale, zero, page, slot):
     """Write Q2's storage form of rows (N, H, d) fp32 (CPU) into codes[page[i], :, slot[i]] and
     its scale and zero, as optr.q2_quantize computes them, bit for bit (compiled by numba)."""
     need(rows.dim() == 3 and page.shape == slot.shape == rows.shape[:1], "q2_store: a page and slot per row")
-    need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(), "q2_store: fp32 rows")
+    need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(),
+         "q2_store: fp32 rows")
     rank = min(max(int(math.floor(clip * group_size)), 0), group_size - 1)
     _numba()[1](rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
                 zero.numpy(), page.numpy(), slot.numpy())

@@ -789,10 +789,8 @@ Layout (per layer; the kernels in kernel.py read exactly this):
   win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) the first tokens, then a
                ring of the most recent; valid slots [0, win_len), win_len = min(length, sink + window)
 One page pool and block table serve all sequences and layers; a token leaving the recent
-window is quantized, packed and written to its page; only the cache's methods write it.
-Storage form of Q2: 4 codes per byte. Byte j of a d-channel row holds channels j, j + d/4,
-j + d/2, j + 3d/4 in bits 0-1, 2-3, 4-5, 6-7, so unpacking one byte vector gives four
-contiguous quarter-rows (the layout the Triton kernel reads). scale and zero are fp32.
+window is quantized, packed (pack_int2: four contiguous quarter-rows, the layout the Triton
+kernel reads) and written to its page; only the cache's methods write it.
 """
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
@@ -876,14 +874,11 @@ class PagedKVCache:
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         NW, self.budget, self._views = cfg.sink + cfg.window, num_pages, None
-        u8, f32 = dict(dtype=torch.uint8, device=device), dict(dtype=torch.float32, device=device)
         n = 0 if grow else num_pages                                   # pages allocated
-        self.k_codes = torch.zeros(L, n, H, P, d // 4, **u8)           # (L, pages, H_kv, P, d/4)
-        self.v_codes = torch.zeros(L, n, H, P, d // 4, **u8)
-        self.k_scale = torch.zeros(L, n, H, P, d // G, **f32)          # (L, pages, H_kv, P, d/G)
-        self.k_zero = torch.zeros(L, n, H, P, d // G, **f32)
-        self.v_scale = torch.zeros(L, n, H, P, d // G, **f32)
-        self.v_zero = torch.zeros(L, n, H, P, d // G, **f32)
+        for t in PACKED:          # codes (L, pages, H_kv, P, d/4) uint8; scale, zero (L, pages, H_kv, P, d/G) fp32
+            codes = t.endswith("codes")
+            setattr(self, t, torch.zeros(L, n, H, P, d // 4 if codes else d // G, device=device,
+                                         dtype=torch.uint8 if codes else torch.float32))
         self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
@@ -895,10 +890,9 @@ class PagedKVCache:
         self.active = [False] * max_seqs
         # the compiled decode step (appendix A): CPU pages, fp32 windows; mu, R_K as numpy arrays
         self.compiled = torch.device(device).type == "cpu" and window_dtype == torch.float32
-        eye, zero = torch.eye(d).expand(H, d, d), torch.zeros(H, d)
-        self._rot = [(zero if s.k_mean is None else s.k_mean.float(), eye if s.r_k is None else s.r_k.float())
-                     for s in self.kv] if self.compiled else None
-        self._rot = self._rot and [tuple(t.detach().cpu().contiguous().numpy() for t in r) for r in self._rot]
+        rot = lambda s: (torch.zeros(H, d) if s.k_mean is None else s.k_mean.float(),
+                         torch.eye(d).expand(H, d, d) if s.r_k is None else s.r_k.float())
+        self._rot = [tuple(t.detach().cpu().contiguous().numpy() for t in rot(s)) for s in self.kv]
 
     # -- sequences and pages ------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -1217,10 +1211,8 @@ def _block_masks(q0: int, Tq: int, sink: int, window: int, block: int, device) -
 
 
 def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int, block: int, q0: int = 0):
-    """effective_attention's o (B, H_q, Tq, d) block by block, up to round-off: queries at positions
-    q0 .. q0 + Tq - 1 over keys 0 .. q0 + Tq - 1 (k~, v~ read on [sink, q0 + Tq - window) only): the
-    exact sink, the INT2 copies of [sink, t1 - window), the exact keys of [t0 - window + 1, t1), masked
-    as exact_window_mask says (Eq. 5)."""
+    """effective_attention's o (B, H_q, Tq, d) block by block (above), up to round-off: queries at
+    positions q0 .. q0 + Tq - 1 over keys 0 .. q0 + Tq - 1 (k~, v~ read on [sink, q0 + Tq - window))."""
     out, Tq = torch.empty_like(q), q.shape[2]
     for a, (mask, ns, hi, lo) in zip(range(0, Tq, block), _block_masks(q0, Tq, sink, window, block, q.device)):
         b = min(Tq, a + block)
