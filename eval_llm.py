@@ -49,14 +49,12 @@ from ladder import (  # the ladder harness both scripts share
 # ----------------------------------------------------------------------------------------
 
 BLOCK = 256                        # query block of the simulated cache on long texts
-DEFAULT_VARIANTS = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr",
-                    "quarot+optr+e2e")      # the harness's VARIANTS in the table's order; +e2e: ours
-# the passkey stage's variants: each OptR variant with its base, and the end-to-end ones
-PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr", "quarot+optr+e2e", "oscar+optr+e2e")
-# optr.Config's quantizer, window and calibration fields at the paper's values (--help: optr.Config's
-# comments); e2e (ours) takes fewer, smaller steps on a real LLM than optr's defaults (10, 2e-3)
+DEFAULT_VARIANTS = ("full", "int2", "quarot", "quarot+center", "quarot+optr", "oscar", "oscar+optr")  # table order
+# the passkey stage's variants: each OptR variant with its base
+PK_VARIANTS = ("full", "quarot", "quarot+optr", "oscar", "oscar+optr")
+# optr.Config's quantizer, window and calibration fields at the paper's values (--help: optr.Config's comments)
 PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_size=16, lr=0.02, steps=80,
-             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, seed=0, e2e_steps=4, e2e_lr=3e-4)
+             n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, seed=0)
 PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
                                              for f in fields(optr.Config) if f.name in PAPER])
 BENCH_HF_ROWS = ("DynamicCache", "hf_cache", "QuantizedCache")   # --bench-hf's caches (the first always)
@@ -166,7 +164,7 @@ MODEL_FIELDS = tuple(PAPER)                          # RunConfig's fields that a
 # --quick: fields it changes (explicit flags win)
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
-             decode_prompts=1, err_queries=32, e2e_steps=1, out="runs/llm-quick", calib_samples=1)
+             decode_prompts=1, err_queries=32, out="runs/llm-quick", calib_samples=1)
 BENCH_HF = dict(contexts=(), out="runs/bench-hf")   # --bench-hf's (explicit flags win; () = by model)
 
 
@@ -249,9 +247,8 @@ def load_model(path: str):
 
 
 class HFModel:
-    """A transformers causal LM behind optr.TinyLM's interface, for ladder.py and optr's appendix D. attention
-    None (exact) or optr.SimulatedINT2: optr.simulate_hf, block by block; any other attention(layer, q, k, v)
-    (appendix D's, for gradients) reads q (scaled as simulate_hf does), k, v over the whole sequence."""
+    """A transformers causal LM behind optr.TinyLM's interface, for ladder.py: attention None (exact) or
+    optr.SimulatedINT2, through optr.simulate_hf, block by block."""
 
     def __init__(self, hf, cfg: optr.Config, block: int | None = BLOCK):
         text = hf.config.get_text_config()
@@ -266,27 +263,14 @@ class HFModel:
 
     def hidden_states(self, idx, attention=None, pos=None, capture: list | None = None):
         assert pos is None, "HFModel: positions 0 .. T-1"
+        assert attention is None or isinstance(attention, optr.SimulatedINT2), "HFModel: exact or SimulatedINT2"
         got = None if capture is None else {}
-        if attention is None or isinstance(attention, optr.SimulatedINT2):
-            kv, block = (None, self.block) if attention is None else (attention.kv, attention.block)
-            ctx = optr.simulate_hf(self.hf, kv, self.cfg, capture=got, block=block)
-        else:
-            assert capture is None, "HFModel: capture through simulate_hf"
-            optr.need(not self.sliding or idx.shape[1] <= self.sliding, f"HFModel: {idx.shape[1]} "
-                      f"tokens, longer than the sliding window ({self.sliding}) a direct attention ignores")
-            ctx = self._direct(attention)
-        with ctx:
+        kv, block = (None, self.block) if attention is None else (attention.kv, attention.block)
+        with optr.simulate_hf(self.hf, kv, self.cfg, capture=got, block=block):
             h = self.hf.base_model(idx.to(self.hf.device), use_cache=False).last_hidden_state
         if capture is not None:
             capture.extend(got[l][0] for l in range(self.cfg.n_layers))
         return h
-
-    def _direct(self, attention):
-        def direct(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-            d = query.shape[-1]
-            o = attention(module.layer_idx, query * ((scaling or d ** -0.5) * math.sqrt(d)), key, value)
-            return o.transpose(1, 2).to(query.dtype), None                       # (B, Tq, H_q, d)
-        return optr.attention_interface(self.hf, direct, name="optr-direct")
 
     def o_proj_heads(self, layer: int) -> torch.Tensor:        # W_O of a layer: (H_q, d_model, d)
         return optr.split_o_proj(self.hf.base_model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
@@ -447,8 +431,7 @@ PK_QUESTION = "\nWhat is the pass key? The pass key is"
 PK_ANSWER = " {key}"
 PK_SENTENCES = tuple(re.findall(r" [^.]*\.", PK_FILLER))   # the filler's whole sentences
 PK_KEYS = (10_000, 100_000)        # passkeys are drawn from [10000, 100000): five digits
-PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"),                    # (base, improved)
-            ("quarot+optr", "quarot+optr+e2e"), ("oscar+optr", "oscar+optr+e2e"))   # of retrieval_paired
+PK_PAIRS = (("quarot", "quarot+optr"), ("oscar", "oscar+optr"))   # (base, improved) of retrieval_paired
 
 
 def needle_fits(L: int, sink: int, window: int) -> bool:

@@ -152,15 +152,13 @@ class Timer:
 
 
 # ----------------------------------------------------------------------------------------
-# H2. The variants, and calibration of every one through optr.calibrate (and, for the
-# e2e variants, ours, optr.refine_end_to_end)
+# H2. The variants, and calibration of every one through optr.calibrate
 # ----------------------------------------------------------------------------------------
 
 class Variant(NamedTuple):
     base: str                      # base rotation: identity, quarot or oscar (optr.base_rotations)
     center: bool                   # key centering (Section 4)
     learn: bool                    # OptR's per-layer correction (Section 6)
-    e2e: bool = False              # then every layer refined on the end-to-end KL (optr appendix D)
     clip: bool = False             # each layer's own c_K, c_V searched at the base (optr.search_clips, ours)
 
 
@@ -176,21 +174,11 @@ VARIANTS = {                       # name: how its cache is stored, or None: not
     "oscar+optr": Variant("oscar", True, True),
     "quarot+center": Variant("quarot", True, False),          # ablation: centering alone
     "quarot+optr-nocenter": Variant("quarot", False, True),   # ablation: OptR without centering
-    # beyond the paper (ours): NAME+e2e starts from NAME's rotations (optr.refine_end_to_end)
-    "quarot+optr+e2e": Variant("quarot", True, True, e2e=True),
-    "oscar+optr+e2e": Variant("oscar", True, True, e2e=True),
     # beyond the paper (ours): a searched clip per layer, on the base alone and under OptR (optr+)
     "quarot+clip": Variant("quarot", False, False, clip=True),
     "quarot+center+clip": Variant("quarot", True, False, clip=True),
     "quarot+optr+": Variant("quarot", True, True, clip=True),
 }
-
-
-def per_layer_variant(name: str) -> str:
-    """The variant an e2e variant refines: its name without "+e2e" (the same cache)."""
-    src = name.removesuffix("+e2e")
-    assert VARIANTS[name].e2e and VARIANTS[src] == VARIANTS[name]._replace(e2e=False), name
-    return src
 
 
 def learns_from_data(name: str) -> bool:
@@ -202,47 +190,28 @@ def learns_from_data(name: str) -> bool:
 
 def calibrate_variants(model, cal, held, names, query_positions=None, per_head=False,
                        progress_every=0, timer=None, log=print, workers=1,
-                       e2e: dict | None = None, sliding=False) -> tuple[dict, dict]:
+                       sliding=False) -> tuple[dict, dict]:
     """Every variant in `names` through optr.calibrate on the frozen model, from the
     calibration tokens cal (N, T) and held-out tokens held (M, T'). Returns {name: [KVQuant
     per layer]} (None for full) and {name: OptR's per-head report rows}. One line per
     variant: the held-out loss of the base -> OptR, summed over heads, and the heads that
     kept their OptR rotation; per_head: then one line per layer and part with each head's
     losses ("(base)": the base rotation kept); progress_every=n: a line every n layers;
-    workers, sliding: calibrate_one's.
-    An e2e variant (ours) refines its per-layer variant's specs (calibrated once in this
-    call, listed or not) by optr.refine_end_to_end on the same tokens, `e2e` its keyword
-    arguments (positions: None for every position past the windows; block; recompute); its report
-    is refine_end_to_end's, its time the Timer's stage 'e2e'. One line per step, then the
-    held-out KL at the start -> the kept step's."""
+    workers, sliding: calibrate_one's."""
     timer, L, hf = timer or Timer(), model.cfg.n_layers, getattr(model, "hf", None)
-    specs, reports, per_layer, captured = {}, {}, {}, []
-
-    def calibrated(name):            # a per-layer variant, calibrated once per call
-        if name not in per_layer:
-            t0 = time.perf_counter()
-            if not captured:         # one full-precision forward, shared by every variant
-                captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
-                                else optr.full_precision_captures(model, cal, held))
-            progress = layer_progress(name, L, model.cfg.steps, progress_every, log) if progress_every else None
-            per_layer[name] = calibrate_one(model, name, cal, held, captured, query_positions, workers,
-                                            sliding, progress)
-            log_calibration(name, per_layer[name][1], timer.lap("calibrate", t0), L if per_head else 0, log)
-        return per_layer[name]
-
+    specs, reports, captured = {}, {}, []
     for name in names:
         if VARIANTS[name] is None:
             specs[name] = None
-        elif not VARIANTS[name].e2e:
-            specs[name], reports[name] = calibrated(name)
-        else:                        # beyond the paper (ours): end-to-end refinement
-            kv, _ = calibrated(per_layer_variant(name))
-            t0 = time.perf_counter()
-            specs[name], reports[name] = optr.refine_end_to_end(model, kv, cal, held, cfg=model.cfg,
-                                                                log=log, **(e2e or {}))
-            rows, k = reports[name]["steps"], reports[name]["kept_step"]
-            log(f"refined {name:<24} | {timer.lap('e2e', t0):6.1f} s | held-out KL "
-                f"{rows[0]['held_kl']:.5f} -> {rows[k]['held_kl']:.5f} | step {k}/{len(rows) - 1} kept")
+            continue
+        t0 = time.perf_counter()
+        if not captured:             # one full-precision forward, shared by every variant
+            captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
+                            else optr.full_precision_captures(model, cal, held))
+        progress = layer_progress(name, L, model.cfg.steps, progress_every, log) if progress_every else None
+        specs[name], reports[name] = calibrate_one(model, name, cal, held, captured, query_positions, workers,
+                                                   sliding, progress)
+        log_calibration(name, reports[name], timer.lap("calibrate", t0), L if per_head else 0, log)
     return specs, reports
 
 
@@ -252,7 +221,7 @@ def calibrate_one(model, name, cal, held, captured, query_positions=None, worker
     an `hf` attribute, eval_llm.HFModel: optr.calibrate_hf, `sliding` its sliding-window layers in
     INT2 too). workers > 1: that many layers at once, in threads with one torch thread each (the
     same numbers; log lines interleave). Returns ([KVQuant per layer], report rows)."""
-    base, center, learn, _, clip = VARIANTS[name]
+    base, center, learn, clip = VARIANTS[name]
     hf = getattr(model, "hf", None)
     args = dict(base=base, center=center, learn=learn, query_positions=query_positions, captured=captured,
                 one_layer=optr.clipped(CLIP_GRID) if clip else optr.calibrate_one_layer,
@@ -808,7 +777,7 @@ def gap_closed(variants: dict, metrics: dict) -> dict:
     {name: (value of a variant's results, +1 if higher is better, -1 if lower is)}; None
     where full is not better than the base (no gap). For KL (full 0) that is
     (KL_base - KL_optr) / KL_base. For the base's other variants (base+center, base+clip, and
-    ours: +e2e, optr+) the same fraction under the key METRIC + gap_suffix (kl_center, kl_plus)."""
+    ours: optr+) the same fraction under the key METRIC + gap_suffix (kl_center, kl_plus)."""
     out = {}
     for base in ("quarot", "oscar"):
         if base not in variants or base + "+optr" not in variants:
@@ -825,7 +794,7 @@ def gap_closed(variants: dict, metrics: dict) -> dict:
 
 def print_gap_closed(results: dict, metrics: dict, spread: bool, log=print):
     """One line per variant beside each base of results["gap_closed"]: the gap it closes in each
-    metric {key: label}, +- the std over runs (spread); ours (+e2e, a searched clip) labelled."""
+    metric {key: label}, +- the std over runs (spread); ours (a searched clip) labelled."""
     for base, g in results["gap_closed"].items():
         for name in [n for n in results["variants"] if n.startswith(base + "+")]:
             sfx, cells = gap_suffix(base, name), []
@@ -834,7 +803,7 @@ def print_gap_closed(results: dict, metrics: dict, spread: bool, log=print):
                 s = results["gap_closed_std"][base][key + sfx] if spread and x is not None else None
                 cells.append(f"{label} " + ("n/a (no gap)" if x is None else f"{x:6.1%}")
                              + ("" if s is None else f" ± {s:5.1%}"))
-            ours = VARIANTS[name].e2e or VARIANTS[name].clip
+            ours = VARIANTS[name].clip
             log(f"gap closed by {name:<20} over {base:<6}: " + " | ".join(cells)
                 + ("  (ours)" if ours else ""))
 
@@ -942,8 +911,7 @@ def write_results(out_dir: str, cfg, timing: dict, key_stats: dict, variants: di
       gap_closed   {base: {metric: fraction or None}} (gap_closed)
       decode_check {name: decode_check's result}
       report       {name: OptR's per-head rows (layer, head, part, base_loss, best_loss,
-                   best_step, kept); an e2e variant: optr.refine_end_to_end's report
-                   {steps: [{step, cal_kl, held_kl}], kept_step}}
+                   best_step, kept)}
     then the script's own keys (`extra`). Returns the dict written."""
     results = dict(config=config_dict(cfg), timing_s=timing, key_stats=key_stats,
                    variants=variants, gap_closed=gap, decode_check=decode, report=report, **extra)
@@ -987,7 +955,7 @@ def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], pa
                 ax.plot([x], [i], "o", color=f"C{j % 10}", ms=5, alpha=0.8, label=runs[j] if i == 0 else None)
             if got := [x for x in xs if x is not None]:
                 ax.plot([sum(got) / len(got)], [i], "|", color="k", ms=14, mew=2, label="mean" if i == 0 else None)
-        ax.set_yticks(range(len(rows)), [n + ("  (ours)" if VARIANTS[n].e2e or VARIANTS[n].clip else "")
+        ax.set_yticks(range(len(rows)), [n + ("  (ours)" if VARIANTS[n].clip else "")
                                          for _, n in rows], fontsize=8)
         ax.invert_yaxis()
         for x in (0, 100):

@@ -20,9 +20,9 @@ ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped)
   8. Serving               value-rotation folding, INT2 packing, the paged INT2 cache, decode_step
   A. Fast paths            the key loss on the INT2 columns, block-wise simulation, prefill
   B. Files                 checks of outside data; rotation files; Hugging Face export
-  D. Beyond the paper      ours: a clip searched per layer (optr+); end-to-end refinement
-  E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: eval_llm.py)
-  (C. Real checkpoints, GGUF and Hugging Face, load in eval_llm.py, their one caller.)
+  D. Beyond the paper      ours: a clip searched per layer (optr+)
+  E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: tools/sglang.py)
+  (C. Real checkpoints, GGUF and Hugging Face, load in ladder.py: the ladder and tools/ read them.)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
@@ -38,7 +38,6 @@ import functools
 import json
 import math
 import os
-import time
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -83,9 +82,6 @@ class Config:
     lam: float = 1.0             # lambda: weight of the output term beside KL in the key loss
     out_reduce: str = "mean"     # output terms: "mean" over d_model (the authors') or "sum"
     eval_every: int = 20         # score heads on held-out data after updates 1, 1 + this, ..., last
-    # end-to-end refinement (appendix D; ours, not in the paper)
-    e2e_steps: int = 10          # full-batch Adam steps on the end-to-end KL (0: keep OptR's result)
-    e2e_lr: float = 2e-3         # Adam learning rate on every layer's A in the end-to-end refinement
     seed: int = 0                # seed of everything random
 
     def __post_init__(self):      # what a user sets: ValueErrors naming the field, under -O too
@@ -95,9 +91,9 @@ class Config:
         need(self.head_dim % 4 == 0 and self.head_dim % self.group_size == 0,
              "head_dim must be a multiple of 4 (4 codes per byte) and of group_size")
         need(0 < self.clip_k <= 1 and 0 < self.clip_v <= 1, "clip_k and clip_v must be in (0, 1]")
-        need(min(self.sink, self.window, self.e2e_steps) >= 0, "sink, window, e2e_steps must be >= 0")
-        need(all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.e2e_lr, self.rope_theta, self.rms_eps)) and 0 <=
-             self.lam < math.inf, "scale_eps, lr, e2e_lr, rope_theta, rms_eps must be finite and > 0, lam finite and >= 0")
+        need(min(self.sink, self.window) >= 0, "sink, window must be >= 0")
+        need(all(0 < x < math.inf for x in (self.scale_eps, self.lr, self.rope_theta, self.rms_eps)) and 0 <=
+             self.lam < math.inf, "scale_eps, lr, rope_theta, rms_eps must be finite and > 0, lam finite and >= 0")
         need(self.out_reduce in ("mean", "sum"), "out_reduce must be 'mean' or 'sum'")
 
     @property
@@ -1279,7 +1275,7 @@ and as metadata the format, geometry (n_layers, n_kv_heads, head_dim; model_type
 where known), quantizer settings and per variant its parts, its quant_k / quant_v flags,
 per-layer clips (appendix D; absent or null: the settings') and whether R_V is folded. A part a
 variant lacks is None; loading checks every tensor (name, shape, dtype, finite values,
-max |R^T R - I| <= ORTHO_TOL). SGLang's files: eval_llm.export_sglang.
+max |R^T R - I| <= ORTHO_TOL). SGLang's files: tools/sglang.py.
 """
 
 ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the authors' artifact check)
@@ -1430,20 +1426,13 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
 
 
 # ----------------------------------------------------------------------------------------
-# D. Beyond the paper (ours): a clip searched per layer (OptR+), end-to-end refinement
+# D. Beyond the paper (ours): a clip searched per layer (OptR+)
 # ----------------------------------------------------------------------------------------
 """
 Clip search (calibrate(one_layer=clipped(grid)): the +clip rows, optr+): per layer, c_K of {c_K}
 + grid with the least held-out L_K at the base, then c_V of {c_V} + grid by L_V at that c_K;
 the base, or OptR learned there, is then served at these clips (KVQuant.clip_k, clip_v).
-End-to-end refinement. Starting from OptR's per-layer result R_l, every layer's key and
-value corrections are trained at once on the next-token distribution:
-    L_e2e(A) = mean_{b, t in P} KL(p_full(. | x_b,<=t) || p_int2(. | x_b,<=t)),
-p_int2 through SimulatedINT2 with R_l,K exp(A_l,K - A_l,K^T) and R_l,V exp(A_l,V - A_l,V^T).
-P: positions sink + window (the first query reading an INT2 token) .. T - 2, or given.
-A starts at zero (step 0: the per-layer result), mu and the model stay fixed; Adam at
-e2e_lr for e2e_steps full-batch steps; the step with the best held-out L_e2e is kept (the
-input if none beats it). The backward recomputes each layer's (T, T) attention.
+(End-to-end refinement of every layer at once lost: NOTES.md, with the commit that runs it.)
 """
 
 @torch.no_grad()
@@ -1472,85 +1461,12 @@ def clipped(grid):
 
 def token_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
     """KL(p || q) over the last dim from log-probabilities, sum p (log p - log q), no clamp:
-    the next-token KL that L_e2e and the ladders report. (..., vocab) -> (...)."""
+    the next-token KL the ladders report. (..., vocab) -> (...)."""
     return (logp.exp() * (logp - logq)).sum(-1)
 
 
-def e2e_positions(T: int, cfg: Config, positions=None) -> torch.Tensor:
-    """P of L_e2e for sequences of T tokens: sink + window .. T - 2, or the given ones."""
-    first = cfg.sink + cfg.window                     # the first query with an INT2 key
-    P = torch.arange(first, T - 1) if positions is None else positions
-    assert len(P) and P.min() >= first and P.max() < T, f"positions in [sink + window, T) = [{first}, {T})"
-    return P
-
-
-def end_to_end_kl(model, kv, idx, logp_full, positions, block=None, cfg: Config | None = None, recompute=True):
-    """L_e2e of idx (B, T) at positions (P,), given logp_full (B, P, vocab): in log space,
-    sum p_full (log p_full - log p_int2), the KL the ladders report (no 1e-12 clamp).
-    recompute=False keeps every layer's (T, T) tensors for the backward (same gradient, faster)."""
-    cfg = cfg or model.cfg
-    positions = e2e_positions(idx.shape[1], cfg, positions)
-    simulated = SimulatedINT2(kv, cfg, block)
-    def attention(layer, q, k, v):    # recomputed in the backward: no layer keeps its (T, T) tensors
-        return torch.utils.checkpoint.checkpoint(simulated, layer, q, k, v, use_reentrant=False)
-    recompute = recompute and torch.is_grad_enabled()
-    logits = model(idx, attention if recompute else simulated)[:, positions]     # (B, P, vocab)
-    logp = logits.float().log_softmax(-1)                                      # (B, P, vocab)
-    return token_kl(logp_full, logp).mean()
-
-
-def refine_end_to_end(model, kv, calib_idx, heldout_idx, cfg: Config | None = None,
-                      positions=None, block=None, log=None, recompute=True):
-    """L_e2e refinement of per-layer kv on calib_idx (N, T), scored on heldout_idx (M, T');
-    block: SimulatedINT2's; recompute: end_to_end_kl's. Returns kv and {steps: [{step, cal_kl,
-    held_kl}], kept_step}."""
-    cfg = cfg or model.cfg
-    data = {}
-    with torch.no_grad():
-        for split, idx in (("cal", calib_idx), ("held", heldout_idx)):
-            pos = e2e_positions(idx.shape[1], cfg, positions)
-            logp_full = model(idx)[:, pos].float().log_softmax(-1)              # (B, P, vocab)
-            data[split] = (idx, pos, logp_full)
-    H, d, dev = cfg.n_kv_heads, cfg.head_dim, model.lm_head.weight.device
-    r_layer = [tuple(identity_rotation(H, d, dev) if R is None else R.float() for R in (s.r_k, s.r_v))
-               for s in kv]                               # R_l,K, R_l,V (H_kv, d, d); None: R = I
-    A = [torch.zeros(H, d, d, device=dev, requires_grad=True) for _ in range(2 * len(kv))]
-
-    def refined(A):                                       # R = R_layer exp(A - A^T), mu fixed
-        return [replace(s, r_k=optr_rotation(r_k, A[2 * l]), r_v=optr_rotation(r_v, A[2 * l + 1]))
-                for l, (s, (r_k, r_v)) in enumerate(zip(kv, r_layer))]
-
-    def kl(split, A):
-        idx, pos, logp_full = data[split]
-        return end_to_end_kl(model, refined(A), idx, logp_full, pos, block, cfg, recompute)
-
-    opt = torch.optim.Adam(A, lr=cfg.e2e_lr)
-    rows, best_step, best_A = [], 0, [a.detach().clone() for a in A]
-    for step in range(cfg.e2e_steps + 1):                 # step s: the A after s updates
-        t0, update = time.perf_counter(), step < cfg.e2e_steps
-        with torch.set_grad_enabled(update):
-            cal = kl("cal", A)
-        if update:                                        # only A: the model gets no .grad
-            grads = torch.autograd.grad(cal, A, allow_unused=True)   # None: an exact layer's
-        with torch.no_grad():
-            held = kl("held", A).item()
-        rows.append({"step": step, "cal_kl": cal.item(), "held_kl": held})
-        if held < rows[best_step]["held_kl"]:             # early stopping on held-out data
-            best_step, best_A = step, [a.detach().clone() for a in A]
-        if log:
-            log(f"  e2e step {step:3d} | cal KL {cal.item():.5f} | held KL {held:.5f}"
-                f"{' (best)' if best_step == step else ''} | {time.perf_counter() - t0:5.1f} s")
-        if update:
-            for a, g in zip(A, grads):
-                a.grad = g
-            opt.step()
-    report = {"steps": rows, "kept_step": best_step}
-    with torch.no_grad():                                 # no step beat the start: kv itself
-        return ([replace(s) for s in kv] if best_step == 0 else refined(best_A)), report
-
-
 # ----------------------------------------------------------------------------------------
-# E. Serving elsewhere: transformers' generate() and models (SGLang's files: eval_llm.py)
+# E. Serving elsewhere: transformers' generate() and models (SGLang's files: tools/sglang.py)
 # ----------------------------------------------------------------------------------------
 """
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,

@@ -20,7 +20,7 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
-  D. Ours: a clip searched per layer (every path that reads it), end-to-end refinement
+  D. Ours: a clip searched per layer (every path that reads it)
   E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache,
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode, the SASS model (tools/sass.py), the
@@ -655,20 +655,18 @@ CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 
 @pytest.mark.parametrize("field, value", [("group_size", 24), ("n_heads", 3), ("clip_k", 1.5),
                                           ("clip_v", 0.0), ("head_dim", 10), ("window", -1),
-                                          ("out_reduce", "max"),
-                                          ("e2e_steps", -1), ("e2e_lr", 0.0)])
+                                          ("out_reduce", "max"), ("lr", 0.0)])
 
 
 def test_config_refuses_settings_that_make_no_sense(field, value):
     """A group size that does not divide head_dim, query heads that are not a multiple of
     the KV heads, a clip outside (0, 1], a head_dim that breaks INT2 packing, a negative
-    window, an unknown mode, a negative number of end-to-end steps or a learning rate that
-    is not positive is a ValueError from Config naming the field (under python -O too)."""
+    window, an unknown mode or a learning rate that is not positive is a ValueError from Config naming the field (under python -O too)."""
     with pytest.raises(ValueError, match=field):
         optr.Config(**{field: value})
 
 
-@pytest.mark.parametrize("field", ["scale_eps", "lam", "lr", "rope_theta", "clip_k", "e2e_lr"])
+@pytest.mark.parametrize("field", ["scale_eps", "lam", "lr", "rope_theta", "clip_k"])
 @pytest.mark.parametrize("value", [float("inf"), float("nan")])
 def test_config_refuses_non_finite_floats(field, value):
     """scale_eps = inf (every group's scale infinite), lam = inf (an infinite loss) or any
@@ -2837,15 +2835,11 @@ def test_what_transformers_cannot_load_is_refused(tmp_path):
 @pytest.mark.slow
 def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
     """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
-    interface: optr.calibrate_hf, then
-    refine_end_to_end with its gradients through the model's attention interface) learns the
-    rotations it learns on optr's TinyLM holding the same weights, within 1e-4, with the same
-    end-to-end KL at every step; HFModel's logits, exact and INT2, and its captures are
-    TinyLM's. A direct attention (the e2e gradient's) over more tokens than a sliding window
-    is refused (it would ignore the window).
+    interface: optr.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
+    same weights, within 1e-4; HFModel's logits, exact and INT2, and its captures are TinyLM's.
     Optr against optr: HFModel through transformers against TinyLM."""
     hf = tiny_hf("llama-GQA")
-    cfg = optr.hf_config(hf.config, **hf_settings(steps=3, e2e_steps=2, e2e_lr=0.01))
+    cfg = optr.hf_config(hf.config, **hf_settings(steps=3))
     model, tiny = eval_llm.HFModel(hf, cfg, block=7), tinylm_of(hf, cfg)
     kv = quarot_specs(cfg, seed=5)
     with torch.no_grad():
@@ -2855,20 +2849,13 @@ def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
             assert (got[0] - got[1]).abs().max().item() <= 1e-4
             for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
                 assert (a - b).abs().max().item() <= 1e-4
-    names = ["quarot+optr", "quarot+optr+e2e"]
+    names = ["quarot", "quarot+optr"]
     runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
             for m in (model, tiny)]
     for name in names:
         for a, b in zip(runs[0][0][name], runs[1][0][name]):
             for part in ("k_mean", "r_k", "r_v"):
                 assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, (name, part)
-    steps = [r["quarot+optr+e2e"]["steps"] for _, r in runs]
-    assert [s["cal_kl"] for s in steps[0]] == pytest.approx([s["cal_kl"] for s in steps[1]], rel=1e-3)
-    assert steps[0][1]["cal_kl"] != steps[0][0]["cal_kl"]                  # a step was taken
-    gemma = tiny_hf("gemma3-MQA")
-    direct = eval_llm.HFModel(gemma, optr.hf_config(gemma.config, **hf_settings()))
-    with pytest.raises(ValueError, match="longer than the sliding window"):
-        direct(IDX_HF, lambda layer, q, k, v: optr.exact_attention(layer, q, k, v))
 
 
 # ----------------------------------------------------------------------------------------
@@ -3190,12 +3177,12 @@ def test_export_picks_the_candidate_of_the_lowest_kl(kl):
 
 def test_gap_closed_names_each_row_beside_its_base():
     """ladder.gap_closed gives every row beside a base its own key: kl (the paper's OptR),
-    kl_center, kl_clip, kl_center_clip, kl_plus (optr+), kl_e2e, each (KL_base - KL_row) / KL_base."""
+    kl_center, kl_clip, kl_center_clip, kl_plus (optr+), each (KL_base - KL_row) / KL_base."""
     kl = {"full": 0.0, "quarot": 0.2, "quarot+optr": 0.1, "quarot+center": 0.12, "quarot+clip": 0.11,
-          "quarot+center+clip": 0.06, "quarot+optr+": 0.05, "quarot+optr+e2e": 0.09}
+          "quarot+center+clip": 0.06, "quarot+optr+": 0.05}
     got = ladder.gap_closed({n: {"kl": x} for n, x in kl.items()}, dict(kl=(lambda v: v["kl"], -1)))
     assert got == {"quarot": pytest.approx({"kl": 0.5, "kl_center": 0.4, "kl_clip": 0.45,
-                                            "kl_center_clip": 0.7, "kl_plus": 0.75, "kl_e2e": 0.55})}
+                                            "kl_center_clip": 0.7, "kl_plus": 0.75})}
 
 
 def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
@@ -3207,264 +3194,6 @@ def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
     assert r.returncode == 0, r.stderr[-2000:]
     for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
         assert flag not in r.stdout
-
-
-# ----------------------------------------------------------------------------------------
-# D, continued: end-to-end refinement
-
-
-# ----------------------------------------------------------------------------------------
-# calibrated_tiny (section 6): T = 24, sink 2, window 4, so the default positions of the
-# end-to-end KL are 6 .. 22 (the first query reading an INT2 key .. the last predicting one).
-P_TINY = torch.arange(6, 23)
-
-
-def oracle_int2_attention(kv, cfg):
-    """An attention for the model's forward computed on the test's own: keys
-    mu + Q2((k - mu) R_K) R_K^T and values Q2(v R_V) R_V^T with the numpy Q2 (authors_q2),
-    each query's sink and recent window exact, the float64 per-query loop (W_O = I, so
-    its y~ is the attention output)."""
-    def attend(layer, q, k, v):
-        s, T, d = kv[layer], k.shape[2], k.shape[3]
-        deq = lambda x, R, c: torch.from_numpy(authors_q2((x @ R).numpy(), c, cfg.group_size)[0]) @ R.transpose(-1, -2)
-        mu = s.k_mean[None, :, None]
-        k_t, v_t = deq(k - mu, s.r_k, cfg.clip_k) + mu, deq(v, s.r_v, cfg.clip_v)
-        eye = torch.eye(d, dtype=F64).expand(q.shape[1], d, d)
-        ref = loop_attention(q, k, v, k_t, v_t, eye, torch.arange(T), cfg.sink, cfg.window)
-        return ref["y_tilde"].to(q.dtype)
-    return attend
-
-
-def e2e_kl_float64(model, kv, idx, positions=P_TINY):
-    """The oracle of the end-to-end KL: the full-precision forward's and the oracle INT2
-    attention's logits at `positions`, log-softmax in float64, sum_v p (log p - log q),
-    mean over the batch and the positions."""
-    with torch.no_grad():
-        lp = model(idx)[:, positions].double().log_softmax(-1)
-        lq = model(idx, oracle_int2_attention(kv, model.cfg))[:, positions].double().log_softmax(-1)
-    return (lp.exp() * (lp - lq)).sum(-1).mean().item()
-
-
-def e2e_run(tiny, held=None, **cfg_changes):
-    """refine_end_to_end on calibrated_tiny's model and per-layer specs (held-out tokens
-    `held`, default the fixture's), with these Config changes."""
-    model, (cal, held0), specs, _ = tiny
-    cfg = replace_cfg(model.cfg, **cfg_changes)
-    kv, report = optr.refine_end_to_end(model, specs, cal, held0 if held is None else held, cfg=cfg)
-    return model, cal, held0 if held is None else held, specs, kv, report
-
-
-def rotations_with(specs, A):
-    """Per-layer specs with R = R_layer exp(A - A^T), A[2l] for keys and A[2l + 1] for values."""
-    return [optr.KVQuant(k_mean=s.k_mean, r_k=optr.optr_rotation(s.r_k, A[2 * l]),
-                         r_v=optr.optr_rotation(s.r_v, A[2 * l + 1])) for l, s in enumerate(specs)]
-
-
-def check_e2e_kl_is_the_float64_kl(tiny, kl_fn=optr.end_to_end_kl):
-    model, (cal, _), specs, _ = tiny
-    for pos in (P_TINY, torch.tensor([6, 15, 23])):
-        with torch.no_grad():
-            logp_full = model(cal)[:, pos].log_softmax(-1)                   # (B, P, vocab)
-        ours = kl_fn(model, specs, cal, logp_full, pos).item()
-        assert ours == pytest.approx(e2e_kl_float64(model, specs, cal, pos), rel=1e-4, abs=1e-8)
-        assert ours > 1e-3                                             # INT2 is really there
-
-
-def check_gradient_reaches_every_layer(tiny, kl_fn=optr.end_to_end_kl, block=None):
-    model, (cal, _), specs, _ = tiny
-    A = [torch.zeros(2, 16, 16, requires_grad=True) for _ in range(2 * len(specs))]
-    with torch.no_grad():
-        logp_full = model(cal)[:, P_TINY].log_softmax(-1)
-    kl_fn(model, rotations_with(specs, A), cal, logp_full, P_TINY, block).backward()
-    for i, a in enumerate(A):
-        assert a.grad is not None and a.grad.abs().max() > 1e-6, f"layer {i // 2} {'KV'[i % 2]}"
-    return [a.grad for a in A]
-
-
-def test_end_to_end_kl_is_the_float64_kl_of_the_two_forwards(calibrated_tiny):
-    """end_to_end_kl is KL(p_full || p_int2) of the next-token distribution, mean over the
-    batch and the positions given: the float64 KL of the full-precision forward's and the
-    simulated INT2 forward's log-softmax, to fp32 round-off."""
-    check_e2e_kl_is_the_float64_kl(calibrated_tiny)
-
-
-@pytest.mark.slow
-def test_zero_steps_return_the_input_and_the_start_is_the_per_layer_result(calibrated_tiny):
-    """With e2e_steps = 0 the input rotations and key means come back exactly; step 0 of
-    every run is the per-layer OptR result itself (A = 0): its calibration and held-out
-    KL are the oracle's at the default positions sink + window .. T - 2."""
-    model, cal, held, specs, kv, report = e2e_run(calibrated_tiny, e2e_steps=0)
-    assert report["kept_step"] == 0 and len(report["steps"]) == 1
-    for a, b in zip(kv, specs):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
-    *_, report2 = e2e_run(calibrated_tiny, e2e_steps=1)
-    for start in (report["steps"][0], report2["steps"][0]):
-        assert start["step"] == 0
-        assert start["cal_kl"] == pytest.approx(e2e_kl_float64(model, specs, cal), rel=1e-4)
-        assert start["held_kl"] == pytest.approx(e2e_kl_float64(model, specs, held), rel=1e-4)
-
-
-@pytest.mark.slow
-def test_early_stopping_keeps_the_best_held_out_step_with_orthogonal_rotations(calibrated_tiny):
-    """The held-out KL is scored at the start and after every step, and the step with the
-    lowest (start included) is kept, here step 1 of 2 (not the last): the returned kv's
-    held-out KL (by the oracle) is that minimum; its rotations are orthogonal and the key
-    means are the input's."""
-    model, _, held, specs, kv, report = e2e_run(calibrated_tiny, e2e_steps=2, e2e_lr=2e-3)
-    held_kl = [r["held_kl"] for r in report["steps"]]
-    assert [r["step"] for r in report["steps"]] == [0, 1, 2]
-    assert report["kept_step"] == held_kl.index(min(held_kl)) == 1
-    assert e2e_kl_float64(model, kv, held) == pytest.approx(min(held_kl), rel=1e-4)
-    for a, b in zip(kv, specs):
-        assert torch.equal(a.k_mean, b.k_mean)
-        for R in (a.r_k, a.r_v):
-            assert (R.transpose(-1, -2) @ R - torch.eye(16)).abs().max() <= 1e-5
-
-
-@pytest.mark.slow
-def test_when_no_step_beats_the_start_kv_comes_back_unchanged(calibrated_tiny):
-    """Adam at lr 1 moves every entry of A by about 1 per step, far from the per-layer
-    optimum: every step's held-out KL is above the start's, so the per-layer rotations
-    come back unchanged (kept_step 0)."""
-    _, _, _, specs, kv, report = e2e_run(calibrated_tiny, e2e_steps=3, e2e_lr=1.0)
-    start, *steps = report["steps"]
-    assert all(r["held_kl"] > start["held_kl"] for r in steps) and report["kept_step"] == 0
-    assert all(r["cal_kl"] != start["cal_kl"] for r in steps)            # it did move
-    for a, b in zip(kv, specs):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v)
-
-
-@pytest.mark.slow
-def test_the_refinement_lowers_the_calibration_kl(calibrated_tiny):
-    """Two steps at the default lr lower the end-to-end KL on the calibration tokens (by
-    the oracle) by more than 5% below the per-layer OptR result's (held-out = calibration
-    tokens here, so the kept step is the best on them). A refinement whose gradient does
-    not reach A cannot pass."""
-    model, cal, _, specs, kv, report = e2e_run(calibrated_tiny, held=calibrated_tiny[1][0], e2e_steps=2)
-    assert report["kept_step"] > 0
-    assert e2e_kl_float64(model, kv, cal) < 0.95 * e2e_kl_float64(model, specs, cal)
-
-
-def test_the_gradient_of_the_end_to_end_kl_reaches_every_layers_A_K_and_A_V(calibrated_tiny):
-    """d KL / d A is nonzero for the key and the value correction of every layer: each
-    layer's INT2 error reaches the model's output."""
-    check_gradient_reaches_every_layer(calibrated_tiny)
-
-
-@pytest.mark.slow
-def test_one_step_moves_every_layers_key_and_value_rotation(calibrated_tiny):
-    """After one kept step, R_K and R_V of every layer differ from the per-layer result:
-    refine_end_to_end trains the corrections of all layers, not of some."""
-    _, _, _, specs, kv, report = e2e_run(calibrated_tiny, held=calibrated_tiny[1][0], e2e_steps=1)
-    assert report["kept_step"] == 1
-    for l, (a, b) in enumerate(zip(kv, specs)):
-        for part in ("r_k", "r_v"):
-            assert (getattr(a, part) - getattr(b, part)).abs().max() > 1e-4, (l, part)
-
-
-@pytest.mark.parametrize("recompute", [True, False])
-@pytest.mark.slow
-def test_the_end_to_end_gradient_is_autograds_through_simulated_int2(calibrated_tiny, recompute):
-    """end_to_end_kl recomputes each layer's attention in the backward instead of keeping
-    its (T, T) tensors (recompute=False keeps them); either way d KL / d A of every layer is
-    what plain autograd gives through the full-precision and SimulatedINT2 forwards.
-    Optr against optr: end_to_end_kl's backward against autograd through SimulatedINT2
-    (the float64 oracle's numpy Q2 has no gradient; its KL is checked above)."""
-    model, (cal, _), specs, _ = calibrated_tiny
-    kl_fn = lambda *a: optr.end_to_end_kl(*a, recompute=recompute)
-    ours = check_gradient_reaches_every_layer(calibrated_tiny, kl_fn)
-    A = [torch.zeros(2, 16, 16, requires_grad=True) for _ in range(2 * len(specs))]
-    kv = rotations_with(specs, A)
-    with torch.no_grad():
-        lp = model(cal)[:, P_TINY].double().log_softmax(-1)
-    lq = model(cal, optr.SimulatedINT2(kv, model.cfg))[:, P_TINY].double().log_softmax(-1)
-    (lp.exp() * (lp - lq)).sum(-1).mean().backward()
-    for i, (g, a) in enumerate(zip(ours, A)):
-        assert torch.allclose(g, a.grad, rtol=1e-4, atol=1e-7), f"layer {i // 2} {'KV'[i % 2]}"
-
-
-@pytest.mark.parametrize("block", [1, 5])
-@pytest.mark.slow
-def test_block_wise_end_to_end_kl_and_its_gradient_equal_the_dense_ones(calibrated_tiny, block):
-    """Through SimulatedINT2's block-wise path (appendix A) the KL and its gradient with
-    respect to every layer's A are the dense path's, up to round-off.
-    Optr against optr: the block-wise path against the dense one."""
-    model, (cal, _), specs, _ = calibrated_tiny
-    with torch.no_grad():
-        logp_full = model(cal)[:, P_TINY].log_softmax(-1)
-    kl = lambda b: optr.end_to_end_kl(model, specs, cal, logp_full, P_TINY, block=b).item()
-    assert kl(block) == pytest.approx(kl(None), rel=1e-5)
-    dense = check_gradient_reaches_every_layer(calibrated_tiny)
-    blocks = check_gradient_reaches_every_layer(calibrated_tiny, block=block)
-    for g, h in zip(dense, blocks):
-        assert torch.allclose(g, h, rtol=1e-4, atol=1e-7)
-
-
-def test_end_to_end_positions_before_the_int2_part_fail_an_assert(calibrated_tiny):
-    """A position of L_e2e before sink + window (it reads no INT2 token) or past the text
-    fails an assert naming the range."""
-    model, (cal, held), specs, _ = calibrated_tiny
-    for positions in (torch.tensor([5, 10]), torch.tensor([24])):
-        with pytest.raises(AssertionError, match=r"\[sink \+ window, T\) = \[6, 24\)"):
-            optr.refine_end_to_end(model, specs, cal, held, cfg=replace_cfg(model.cfg, e2e_steps=1),
-                                   positions=positions)
-
-
-@pytest.mark.slow
-def test_calibrate_variants_builds_the_e2e_variant_from_its_per_layer_specs(calibrated_tiny,
-                                                                            monkeypatch):
-    """The harness's quarot+optr+e2e is optr.refine_end_to_end of quarot+optr's specs, with
-    the refinement's report and its own 'e2e' timing stage; its per-layer variant is
-    calibrated once, whether it is listed too or not.
-    Optr against optr: ladder's variant against refine_end_to_end called directly."""
-    import copy
-
-    model, (cal, held), _, _ = calibrated_tiny
-    model = ladder.reconfigure(copy.deepcopy(model), e2e_steps=2)
-    real, calls = optr.calibrate, []
-    monkeypatch.setattr(optr, "calibrate", lambda *a, **k: calls.append(k["base"]) or real(*a, **k))
-    for names in (["quarot+optr+e2e"], ["quarot+optr+e2e", "quarot+optr"]):
-        calls.clear()
-        timer = ladder.Timer()
-        specs, reports = ladder.calibrate_variants(model, cal, held, names, timer=timer,
-                                                   log=lambda line: None)
-        assert list(specs) == names and calls == ["quarot"] and "e2e" in timer.stages
-    per_layer, _ = real(model, cal, held, base="quarot", center=True, learn=True)
-    direct, report = optr.refine_end_to_end(model, per_layer, cal, held)
-    assert reports["quarot+optr+e2e"] == report and report["kept_step"] > 0
-    for a, b in zip(specs["quarot+optr+e2e"], direct):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
-
-
-def test_save_ladder_and_load_ladder_round_trip_the_e2e_variants(calibrated_tiny, tmp_path):
-    """The rotation file holds the e2e variants like any other: load_ladder gives back
-    every tensor bit for bit."""
-    model, (cal, _), specs, _ = calibrated_tiny
-    kv, _ = optr.refine_end_to_end(model, specs, cal, cal, cfg=replace_cfg(model.cfg, e2e_steps=1))
-    variants = {"full": None, "quarot+optr": specs, "quarot+optr+e2e": kv, "oscar+optr+e2e": specs}
-    path = ladder.save_ladder(str(tmp_path / "r.safetensors"), variants, model.cfg)
-    back, _ = ladder.load_ladder(path, list(variants), model.cfg)
-    assert back["full"] is None
-    for name in ("quarot+optr", "quarot+optr+e2e", "oscar+optr+e2e"):
-        for a, b in zip(back[name], variants[name]):
-            assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
-
-
-# -- the checks can fail ------------------------------------------------------------------
-
-
-def test_end_to_end_checks_can_fail(calibrated_tiny):
-    """The oracle check fails for the KL the other way round, KL(p_int2 || p_full), and
-    the gradient check fails when one layer's value rotation is detached from A."""
-    def reversed_kl(model, kv, idx, logp_full, positions, block=None):
-        logp = model(idx, optr.SimulatedINT2(kv, model.cfg, block))[:, positions].log_softmax(-1)
-        return (logp.exp() * (logp - logp_full)).sum(-1).mean()
-
-    def detached_layer_1_values(model, kv, *args):
-        kv = kv[:1] + [optr.KVQuant(k_mean=kv[1].k_mean, r_k=kv[1].r_k, r_v=kv[1].r_v.detach())]
-        return optr.end_to_end_kl(model, kv, *args)
-    assert fails(check_e2e_kl_is_the_float64_kl, calibrated_tiny, reversed_kl)
-    assert fails(check_gradient_reaches_every_layer, calibrated_tiny, detached_layer_1_values)
 
 
 # ----------------------------------------------------------------------------------------
@@ -5836,8 +5565,8 @@ def test_sass_every_tested_kernel_configuration_compiles_without_spills():
 @pytest.mark.slow
 def test_train_tiny_quick_smoke(tmp_path):
     """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
-    minute; results.json has the documented schema, every variant (the e2e ones, ours,
-    included, with their gap closed and report) is present, full precision answers >= 95%
+    minute; results.json has the documented schema, every variant (ours included,
+    with their gap closed) is present, full precision answers >= 95%
     correctly, the paged Triton decode agrees with the simulated cache, and every
     variant's rotations are in one file that optr.load_kv_rotations reads."""
     import json
@@ -5849,14 +5578,12 @@ def test_train_tiny_quick_smoke(tmp_path):
     assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
     assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
     names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
-             "quarot+center", "quarot+optr-nocenter", "quarot+optr+e2e", "oscar+optr+e2e", "quarot+optr+",
+             "quarot+center", "quarot+optr-nocenter", "quarot+optr+",
              "quarot+clip", "quarot+center+clip"}
     assert set(on_disk["variants"]) == names
-    assert set(on_disk["timing_s"]) >= {"e2e"}
-    for base in ("quarot", "oscar"):                       # the e2e variants (ours) too
-        assert {"kl", "accuracy", "kl_e2e", "accuracy_e2e"} <= set(on_disk["gap_closed"][base])
+    for base in ("quarot", "oscar"):
+        assert {"kl", "accuracy"} <= set(on_disk["gap_closed"][base])
         assert base == "oscar" or {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"][base])
-        assert on_disk["report"][base + "+optr+e2e"]["steps"][0]["step"] == 0
     for v in on_disk["variants"].values():
         assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
         assert len(v["accuracy"]) >= 3
@@ -5910,7 +5637,7 @@ def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
 
 
 TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2", "--eval-every",
-              "1", "--e2e-steps", "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
+              "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
               "--heldout-seqs", "8", "--decode-seqs", "1", "--decode-attend", "reference"]
 
 
@@ -5992,11 +5719,11 @@ def test_eval_llm_smoke(tmp_path):
             "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
             "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
             "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
-            "--e2e-steps", "1", "--calib-samples", "2", "--passkey-samples", "2",
+            "--calib-samples", "2", "--passkey-samples", "2",
             "--retrieval-min", "0"]
-    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr,quarot+optr+e2e"])
+    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr"])
     on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr", "quarot+optr+e2e"}
+    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
     for name, v in on_disk["variants"].items():
         for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
                     "e_rec", "bits_per_element"):
@@ -6006,7 +5733,7 @@ def test_eval_llm_smoke(tmp_path):
         if ran:                                   # 2 prompts x the rotations of 2 samples
             assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 4
     paired = on_disk["retrieval_paired"]
-    assert list(paired) == ["quarot+optr - quarot", "quarot+optr+e2e - quarot+optr"]
+    assert list(paired) == ["quarot+optr - quarot"]
     assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 8
     _check_calibration_samples(on_disk, out)
     full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
@@ -6019,7 +5746,7 @@ def test_eval_llm_smoke(tmp_path):
     assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
     assert "quarot" in on_disk["gap_closed"]
     rotations, info = optr.load_kv_rotations(str(out / "kv_rotations.safetensors"), cfg)
-    assert set(rotations) == {"int2", "quarot", "quarot+optr", "quarot+optr+e2e"}   # one file
+    assert set(rotations) == {"int2", "quarot", "quarot+optr"}   # one file
     r = rotations["quarot+optr"][1].r_k.double()                          # (H_kv, d, d)
     assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
     assert info["meta"]["calibration"]["steps"] == 2 and info["meta"]["report"]["quarot+optr"]
@@ -6269,7 +5996,7 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
     scores = {}
     for batch in (1, 3):
         cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
-        specs = {"quarot": None, "quarot+optr": None, "oscar+optr+e2e": None}
+        specs = {"quarot": None, "quarot+optr": None, "oscar+optr": None}
         got, logits = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
                                             ladder.Timer(), log=lambda *_: None)
         assert logits["quarot"].shape == (n, n_ans, c.vocab_size)
@@ -6278,7 +6005,7 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
     for name in scores[1]:
         assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
     paired = eval_llm.retrieval_paired(scores[1])
-    assert list(paired) == ["quarot+optr - quarot"]                      # no oscar+optr: no e2e pair
+    assert list(paired) == ["quarot+optr - quarot"]                      # no oscar: no oscar pair
     for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
         assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
 

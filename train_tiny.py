@@ -20,8 +20,7 @@ What it shows, on a model small enough to train on a laptop CPU:
      OptR's output-oriented correction, plus ablations (centering alone; OptR without
      centering) and, beyond the paper (ours, optr appendix D), a clip searched per layer on
      QuaRot with and without centering and under OptR (quarot+clip, quarot+center+clip,
-     optr+ = quarot+optr+), and each OptR variant refined end to end on the model's
-     next-token KL (+e2e). For each: answer accuracy at several
+     optr+ = quarot+optr+). For each: answer accuracy at several
      context lengths, KL(full || variant) at answer positions, the post-W_O output error at
      answer positions split into its key- and value-induced parts (Eq. 8), the
      reconstruction error E_rec (Eq. 9), and the bits per element of the cache as stored
@@ -95,9 +94,6 @@ class RunConfig(optr.Config):
     query_frac: float = _f(0.5, "fraction of the context's keys that are queried")
     # training the model
     train_lr: float = _f(1e-3, "AdamW learning rate of the model (lr is OptR's)")
-    # the end-to-end refinement (ours): fewer steps than optr's default 10, to fit three
-    # seeds in five minutes on 2 cores; its held-out KL is selected over them as before
-    e2e_steps: int = _f(6, "full-batch Adam steps of the end-to-end refinement (ours)")
     grad_clip: float = _f(1.0, "clip the model's gradient norm at this value")
     log_every: int = _f(100, "training steps between progress lines")
     # calibration and evaluation data (disjoint seeds)
@@ -409,11 +405,8 @@ def run_once(cfg: RunConfig, attend, log=print, timer=None) -> dict:
     stats = key_stats(cfg, captured, [optr.key_mean(k) for _, k, _ in cal_captured])
     print_key_stats(stats, log)
 
-    # e2e variants (ours): the KL at OptR's loss queries, the answer positions the ladder
-    # scores (calib_queries "answers"), or with "last" every position past the windows; the
-    # tiny model's (T, T) attention fits in memory: kept for the backward, not recomputed
     specs, reports = calibrate_variants(model, cal, held, list(VARIANTS), qpos, per_head=True,
-                                        timer=timer, log=log, e2e=dict(positions=qpos, recompute=False))
+                                        timer=timer, log=log)
     save_ladder(os.path.join(cfg.out, "kv_rotations.safetensors"), specs, cfg,
                 meta=dict(config=config_dict(cfg)))
 
