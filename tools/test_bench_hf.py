@@ -1,0 +1,216 @@
+"""
+The spec of tools/bench_hf.py: what it measures is what it says. Against small stand-ins (a tiny
+transformers Llama built from its config, DynamicCache subclasses that log, add noise or hold
+memory): its KLs are KL(DynamicCache || row) computed here in float64 numpy, each row's peak is
+measured from the resident set just before that row and counts the runtime its warm-up left, and
+the caches' timed steps and generate() runs interleave. The slow test runs the command line, small,
+on SmolLM2.
+"""
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+from tools import bench_hf
+
+IDS = torch.randint(0, 300, (1, 40), generator=torch.Generator().manual_seed(3))
+MIB = 2**20
+
+
+def tiny_llama():
+    """A random transformers Llama (hidden 48, 2 layers, 6 query / 2 KV heads of 16; weights of std 0.2:
+    logits that feel a change of keys), fp32, eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=300, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                         initializer_range=0.2)
+    return LlamaForCausalLM(config).eval()
+
+
+class Logged(DynamicCache):
+    """A DynamicCache that appends its name to `log` at each forward (its first layer's update)."""
+    def __init__(self, name, log, config):
+        super().__init__(config=config)
+        self.name, self.log = name, log
+
+    def update(self, k, v, layer_idx, *args, **kw):
+        if layer_idx == 0:
+            self.log.append(self.name)
+        return super().update(k, v, layer_idx, *args, **kw)
+
+
+class Noisy(DynamicCache):
+    """A DynamicCache that stores its keys with seeded noise: logits that differ from DynamicCache's."""
+    def update(self, k, v, layer_idx, *args, **kw):
+        g = torch.Generator().manual_seed(1000 * layer_idx + k.shape[2])
+        return super().update(k + 0.5 * torch.randn(k.shape, generator=g), v, layer_idx, *args, **kw)
+
+
+class Ballast(DynamicCache):
+    """A DynamicCache that takes `mib` MiB of resident memory at its first update and holds it."""
+    mib = 256
+
+    def update(self, k, v, layer_idx, *args, **kw):
+        if not hasattr(self, "ballast"):
+            self.ballast = torch.ones(self.mib * MIB // 4)              # written: resident
+        return super().update(k, v, layer_idx, *args, **kw)
+
+
+def numpy_kl(ref_logits, logits) -> np.ndarray:
+    """KL(p_ref || p) per position in float64 numpy, from logits (P, vocab)."""
+    def log_softmax(x):
+        x = np.asarray(x, dtype=np.float64)
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    p, q = log_softmax(ref_logits), log_softmax(logits)
+    return (np.exp(p) * (p - q)).sum(-1)
+
+
+def makers(hf, **rows):
+    """{"DynamicCache": ..., name: a maker of cls(config=hf.config) for each row}."""
+    return dict(DynamicCache=lambda: DynamicCache(config=hf.config),
+                **{n: (lambda c=c: c(config=hf.config)) for n, c in rows.items()})
+
+
+def test_the_prompts_kl_is_kl_from_dynamic_cache_to_the_row_at_every_position():
+    """prompt_kl's (mean, max) over the prompt's positions is KL(p_DynamicCache || p_row), computed
+    here in float64 numpy from each cache's own forward, lm_head chunk by chunk or not; the reverse
+    KL differs, so the direction is what the numbers say."""
+    hf = tiny_llama()
+    got = bench_hf.prompt_kl(hf, makers(hf, noisy=Noisy), IDS, chunk=16)
+    with torch.no_grad():
+        ref, row = (hf(IDS, past_key_values=c(config=hf.config)).logits[0] for c in (DynamicCache, Noisy))
+    kl, reverse = numpy_kl(ref, row), numpy_kl(row, ref)
+    assert got["DynamicCache"] == (0.0, 0.0)
+    assert got["noisy"] == pytest.approx((kl.mean(), kl.max()), rel=1e-6)
+    assert abs(reverse.mean() - kl.mean()) > 1e-3 * kl.mean()             # a thousand times the tolerance
+
+
+def test_the_decode_kl_is_the_mean_kl_from_dynamic_cache_to_the_row_over_its_positions():
+    """side_by_side_rows' decode KL is the mean over the prompt's last position and every step of
+    KL(p_DynamicCache || p_row), float64 numpy on the log-probs each cache gave; DynamicCache's is 0."""
+    hf = tiny_llama()
+    with bench_hf.fresh_caches(makers(hf, noisy=Noisy)) as caches:
+        runs = bench_hf.run_side_by_side(hf, caches, IDS[:, :34], 3)
+        rows = bench_hf.side_by_side_rows(runs, 30)
+    ref, got = (torch.stack(runs[n].logp) for n in ("DynamicCache", "noisy"))
+    assert len(ref) == 5 and rows[0]["kl"] == 0                          # the prompt's last, 1 + 3 steps
+    assert rows[1]["kl"] == pytest.approx(numpy_kl(ref, got).mean(), rel=1e-6)
+    assert abs(numpy_kl(got, ref).mean() - rows[1]["kl"]) > 1e-3 * rows[1]["kl"]
+
+
+def test_each_rows_peak_is_measured_from_the_resident_set_just_before_it():
+    """A row that holds 256 MiB after its run does not count in the next row's peak: each row's
+    baseline is the resident set before its own prefill (one baseline for all rows would give
+    DynamicCache, run second, the ballast's 256 MiB)."""
+    hf = tiny_llama()
+    with bench_hf.fresh_caches(dict(ballast=lambda: Ballast(config=hf.config),
+                                    DynamicCache=lambda: DynamicCache(config=hf.config))) as caches:
+        runs = bench_hf.run_side_by_side(hf, caches, IDS, 1)
+    assert runs["ballast"].peak_mib >= 0.9 * Ballast.mib
+    assert runs["DynamicCache"].peak_mib < 0.25 * Ballast.mib, runs["DynamicCache"].peak_mib
+
+
+def test_a_rows_peak_counts_the_runtime_its_warm_up_left_resident():
+    """warm_up measures the resident set a cache's first use leaves behind (a stand-in for numba's
+    compiled kernels: 128 MiB loaded once, at the first cache made), none for DynamicCache; the row's
+    peak counts it, although its own run allocates nothing new for it."""
+    hf, loaded = tiny_llama(), []
+
+    def with_runtime():
+        loaded.append(torch.ones(0 if loaded else 128 * MIB // 4))      # once per process, like numba
+        return DynamicCache(config=hf.config)
+    make = dict(DynamicCache=lambda: DynamicCache(config=hf.config), runtime=with_runtime)
+    runtime = bench_hf.warm_up(hf, make, IDS, 20)
+    assert runtime["runtime"] >= 0.9 * 128 and runtime["DynamicCache"] < 16, runtime
+    with bench_hf.fresh_caches(make) as caches:
+        runs = bench_hf.run_side_by_side(hf, caches, IDS, 1, runtime)
+    assert runs["runtime"].peak_mib >= 0.9 * 128 > runs["DynamicCache"].peak_mib + 64
+
+
+def test_the_timed_steps_interleave_the_caches():
+    """After each cache's prefill and first step (one cache after the other: the prefill is timed
+    alone), every round of timed steps takes one step of each cache, their order rotating."""
+    hf, log = tiny_llama(), []
+    make = {n: (lambda n=n: Logged(n, log, hf.config)) for n in ("DynamicCache", "other")}
+    with bench_hf.fresh_caches(make) as caches:
+        bench_hf.run_side_by_side(hf, caches, IDS, 4)
+    assert log[:4] == ["DynamicCache", "DynamicCache", "other", "other"]
+    rounds = [log[i:i + 2] for i in range(4, len(log), 2)]
+    assert len(rounds) == 4 and all(sorted(r) == ["DynamicCache", "other"] for r in rounds), log
+    assert rounds[0] != rounds[1]                                       # the order rotates
+
+
+def test_generate_runs_alternate_the_caches_and_report_every_run():
+    """generate() end to end: a fresh cache per run, the caches in turn (DynamicCache, other,
+    DynamicCache, other), each run's seconds reported, and the greedy tokens a row shares with
+    DynamicCache's (all of them for a cache that stores the same)."""
+    hf, made = tiny_llama(), []
+
+    def maker(name):
+        def make():
+            made.append(name)
+            return DynamicCache(config=hf.config)
+        return make
+    got = bench_hf.generate_runs(hf, {n: maker(n) for n in ("DynamicCache", "other")}, IDS[:, :12], 5, 2)
+    assert made == ["DynamicCache", "other", "DynamicCache", "other"]
+    assert all(len(r["s"]) == 2 and min(r["s"]) > 0 and r["same"] == 5 for r in got.values()), got
+
+
+def test_the_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
+    """A row's "N.Nx smaller" is DynamicCache's (the first row's) MiB over the row's, its decode,
+    prefill and generate ratios the row's time over DynamicCache's (decode: the median step, generate:
+    run by run)."""
+    def filled(T):                                   # 2 KV heads x 64 channels x T tokens, fp32
+        cache = DynamicCache()
+        cache.update(torch.zeros(1, 2, T, 64), torch.zeros(1, 2, T, 64), 0)
+        return cache
+    logp = list(torch.randn(3, 10).log_softmax(-1))
+    runs = {"DynamicCache": bench_hf.CacheRun(filled(400), 2.0, 50.0, [10.0, 30.0, 20.0], logp),
+            "small": bench_hf.CacheRun(filled(100), 3.0, 20.0, [5.0, 6.0, 40.0], [x.flip(-1) for x in logp])}
+    rows = bench_hf.end_to_end_columns(bench_hf.side_by_side_rows(runs, 400),
+                                       dict(DynamicCache=(0.0, 0.0), small=(0.1, 0.5)),
+                                       dict(DynamicCache=dict(s=[4.0, 5.0], same=8), small=dict(s=[2.0, 10.0], same=3)))
+    (s,) = bench_hf.print_side_by_side(rows)
+    assert [r["decode_ms"] for r in rows] == [20.0, 6.0]
+    assert (s["smaller"], s["decode_x"], s["prefill_x"], *s["generate_x"]) == pytest.approx((4.0, 0.3, 1.5, 0.5, 2.0))
+    assert ("generate 0.50x, 2.00x (3 tokens the same), decode 0.30x, prefill 1.50x, cache 4.0x smaller "
+            "(0.4 / 0.1 MiB)") in capsys.readouterr().out
+
+
+def test_the_config_refuses_an_unknown_row_and_a_bad_chat_turn():
+    """BenchConfig: a cache name it does not know, a chat turn of one number, zero new tokens: a
+    ValueError naming the field (under python -O too)."""
+    for bad, field in ((dict(rows=("DynamicCache", "StaticCache")), "rows"), (dict(chat_turn=(5,)), "chat_turn"),
+                       (dict(new_tokens=0), "new_tokens")):
+        with pytest.raises(ValueError, match=field):
+            bench_hf.BenchConfig(**bad)
+
+
+@pytest.mark.slow
+def test_the_command_line_runs_dynamic_cache_and_hf_cache_side_by_side_on_smollm2(capsys, tmp_path):
+    """python -m tools.bench_hf --quick (SmolLM2, its published quarot+center+clip at the default
+    max_tokens, 400 tokens of real text, 2 teacher-forced steps, generate() of 4 tokens twice per
+    cache, a 340 + 8 chat turn, --profile): a row per cache with finite numbers; KLs against
+    DynamicCache (its own 0, hf_cache's small but not 0); the summary's "N.Nx smaller" is
+    DynamicCache's MiB over hf_cache's; hf_cache's runtime (numba) measured; table and figure written."""
+    out = bench_hf.main(["--quick", "--rows", "DynamicCache,hf_cache", "--profile", "--out", str(tmp_path)])
+    rows, (s,) = out["rows"], out["summary"]
+    assert [(r["cache"], r["T"]) for r in rows] == [("DynamicCache", 400), ("hf_cache", 400)]
+    for r in rows + out["chat"] + list(out["profile"][400].values()):
+        assert all(math.isfinite(x) and x >= 0 for x in r.values() if isinstance(x, float)), r
+    assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["cache_mib"] > 0 for r in rows), rows
+    assert all(len(r["generate_s"]) == 2 and min(r["generate_s"]) > 0 for r in rows), rows
+    assert rows[0]["kl"] == rows[0]["prompt_kl"] == 0 and 0 < rows[1]["kl"] < 0.5, rows
+    assert 0 < rows[1]["prompt_kl"] <= rows[1]["prompt_kl_max"], rows
+    assert [(c["cache"], c["P"], c["F"]) for c in out["chat"]] == [("DynamicCache", 340, 8), ("hf_cache", 340, 8)]
+    assert s["cache"] == "hf_cache" and s["smaller"] == pytest.approx(rows[0]["cache_mib"] / rows[1]["cache_mib"])
+    assert set(out["runtime_mib"]) == {"DynamicCache", "hf_cache"}
+    printed = capsys.readouterr().out.splitlines()
+    header = printed.index(bench_hf.HEADER)
+    assert [line.split()[:2] for line in printed[header + 1:header + 3]] == [["DynamicCache", "400"], ["hf_cache", "400"]]
+    assert not [line for line in printed if "USDT" in line or "Warning" in line], printed
+    assert (tmp_path / "bench_hf_smollm2.png").is_file() and (tmp_path / "bench_hf_smollm2.json").is_file()
