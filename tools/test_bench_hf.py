@@ -173,10 +173,12 @@ def test_the_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
             "small": bench_hf.CacheRun(filled(100), 3.0, 20.0, [5.0, 6.0, 40.0], [x.flip(-1) for x in logp])}
     rows = bench_hf.end_to_end_columns(bench_hf.side_by_side_rows(runs, 400),
                                        dict(DynamicCache=(0.0, 0.0), small=(0.1, 0.5)),
-                                       dict(DynamicCache=dict(s=[4.0, 5.0], same=8), small=dict(s=[2.0, 10.0], same=3)))
+                                       dict(DynamicCache=dict(s=[4.0, 5.0], same=8),
+                                            small=dict(s=[2.0, 10.0], same=3)))
     (s,) = bench_hf.print_side_by_side(rows)
     assert [r["decode_ms"] for r in rows] == [20.0, 6.0]
-    assert (s["smaller"], s["decode_x"], s["prefill_x"], *s["generate_x"]) == pytest.approx((4.0, 0.3, 1.5, 0.5, 2.0))
+    got = (s["smaller"], s["decode_x"], s["prefill_x"], *s["generate_x"])
+    assert got == pytest.approx((4.0, 0.3, 1.5, 0.5, 2.0))
     assert ("generate 0.50x, 2.00x (3 tokens the same), decode 0.30x, prefill 1.50x, cache 4.0x smaller "
             "(0.4 / 0.1 MiB)") in capsys.readouterr().out
 
@@ -184,8 +186,8 @@ def test_the_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
 def test_the_config_refuses_an_unknown_row_and_a_bad_chat_turn():
     """BenchConfig: a cache name it does not know, a chat turn of one number, zero new tokens: a
     ValueError naming the field (under python -O too)."""
-    for bad, field in ((dict(rows=("DynamicCache", "StaticCache")), "rows"), (dict(chat_turn=(5,)), "chat_turn"),
-                       (dict(new_tokens=0), "new_tokens")):
+    for bad, field in ((dict(rows=("DynamicCache", "StaticCache")), "rows"),
+                       (dict(chat_turn=(5,)), "chat_turn"), (dict(new_tokens=0), "new_tokens")):
         with pytest.raises(ValueError, match=field):
             bench_hf.BenchConfig(**bad)
 
@@ -207,10 +209,12 @@ def test_the_command_line_runs_dynamic_cache_and_hf_cache_side_by_side_on_smollm
     assert rows[0]["kl"] == rows[0]["prompt_kl"] == 0 and 0 < rows[1]["kl"] < 0.5, rows
     assert 0 < rows[1]["prompt_kl"] <= rows[1]["prompt_kl_max"], rows
     assert [(c["cache"], c["P"], c["F"]) for c in out["chat"]] == [("DynamicCache", 340, 8), ("hf_cache", 340, 8)]
-    assert s["cache"] == "hf_cache" and s["smaller"] == pytest.approx(rows[0]["cache_mib"] / rows[1]["cache_mib"])
+    assert s["cache"] == "hf_cache"
+    assert s["smaller"] == pytest.approx(rows[0]["cache_mib"] / rows[1]["cache_mib"])
     assert set(out["runtime_mib"]) == {"DynamicCache", "hf_cache"}
     printed = capsys.readouterr().out.splitlines()
     header = printed.index(bench_hf.HEADER)
-    assert [line.split()[:2] for line in printed[header + 1:header + 3]] == [["DynamicCache", "400"], ["hf_cache", "400"]]
+    shown = [line.split()[:2] for line in printed[header + 1:header + 3]]
+    assert shown == [["DynamicCache", "400"], ["hf_cache", "400"]]
     assert not [line for line in printed if "USDT" in line or "Warning" in line], printed
     assert (tmp_path / "bench_hf_smollm2.png").is_file() and (tmp_path / "bench_hf_smollm2.json").is_file()

@@ -27,7 +27,8 @@ GEMMA_SLIDING = 12                                     # tokens a sliding layer 
 
 
 def rand(*shape, seed=0, scale=1.0):
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).float() * scale
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64).float() * scale
 
 
 def random_orthogonal(d, seed=0):
@@ -39,16 +40,16 @@ def orthogonal_specs(cfg, seed=0):
     """One KVQuant per layer: a key mean and a random orthogonal R_K, R_V per KV head."""
     H, d = cfg.n_kv_heads, cfg.head_dim
     heads = lambda s: torch.stack([random_orthogonal(d, s + h) for h in range(H)])
-    return [optr.KVQuant(k_mean=rand(H, d, seed=seed + l), r_k=heads(seed + 10 * l + 1), r_v=heads(seed + 10 * l + 5))
-            for l in range(cfg.n_layers)]
+    return [optr.KVQuant(k_mean=rand(H, d, seed=seed + l), r_k=heads(seed + 10 * l + 1),
+                         r_v=heads(seed + 10 * l + 5)) for l in range(cfg.n_layers)]
 
 
 def served_model(kind="qwen2", seed=3, **kw):
     """A random TinyLM the engine can serve as calibrated (G = d = 16, windows of 8; Llama, or
     Qwen2's q/k/v bias) with every weight drawn, and its specs."""
-    cfg = optr.Config(vocab_size=300, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16, ffn_dim=80,
-                      group_size=16, rope_theta=5e4, rms_eps=1e-5, attention_bias=kind == "qwen2", seed=seed,
-                      sink=8, window=8, page_size=8, **kw)
+    cfg = optr.Config(vocab_size=300, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, head_dim=16,
+                      ffn_dim=80, group_size=16, rope_theta=5e4, rms_eps=1e-5, attention_bias=kind == "qwen2",
+                      seed=seed, sink=8, window=8, page_size=8, **kw)
     model = optr.TinyLM(cfg)
     with torch.no_grad():
         for i, (n, p) in enumerate(model.named_parameters()):
@@ -331,7 +332,8 @@ def test_the_command_line_exports_a_rotation_files_variant_as_its_specs(tmp_path
     weights) the V file is the identity."""
     model, kv = served_model("llama")
     other = orthogonal_specs(model.cfg, seed=50)
-    optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"oscar+optr": other, "quarot+optr": kv}, model.cfg)
+    optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"oscar+optr": other, "quarot+optr": kv},
+                           model.cfg)
     d = sglang.main([str(tmp_path / "r.safetensors"), str(tmp_path / "a")])
     back = sglang_specs(*(os.path.join(d, f) for f in ("k_rotation.pt", "v_rotation.pt")), model.cfg,
                         os.path.join(d, "k_mean.pt"))
@@ -339,7 +341,8 @@ def test_the_command_line_exports_a_rotation_files_variant_as_its_specs(tmp_path
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
     optr.export_hf(model, kv, str(tmp_path / "hf"))
     d = sglang.main([str(tmp_path / "hf"), str(tmp_path / "b"), "--variant", "optr"])
-    assert torch.equal(sglang_rotations(os.path.join(d, "v_rotation.pt"), 2, 16, 2), torch.eye(16).expand(2, 2, 16, 16))
+    v_file = sglang_rotations(os.path.join(d, "v_rotation.pt"), 2, 16, 2)
+    assert torch.equal(v_file, torch.eye(16).expand(2, 2, 16, 16))
 
 
 def test_the_command_line_refuses_the_recommended_recipe_naming_its_clips(tmp_path):
