@@ -2849,7 +2849,7 @@ def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
             assert (got[0] - got[1]).abs().max().item() <= 1e-4
             for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
                 assert (a - b).abs().max().item() <= 1e-4
-    names = ["quarot", "quarot+optr"]
+    names = ["quarot+center", "quarot+optr"]
     runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
             for m in (model, tiny)]
     for name in names:
