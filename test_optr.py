@@ -5524,6 +5524,30 @@ def test_without_triton_the_triton_launcher_names_the_missing_package(monkeypatc
         int2_paged_decode(**bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu"))
 
 
+class _HideTriton:
+    """A meta_path finder for which triton is not installed (as on macOS and Windows)."""
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ImportError(f"No module named {name!r} (hidden by the test)", name=name)
+
+
+def test_kernel_and_optr_import_with_triton_hidden_and_its_kernel_refuses_to_launch(monkeypatch):
+    """With triton hidden, kernel and optr import afresh, kernel's Triton kernels are still
+    top-level definitions that refuse a launch with an ImportError naming triton, and the
+    numba CPU decode runs."""
+    import importlib
+    for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernel", "optr")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_HideTriton()] + sys.meta_path)
+    hidden, _ = importlib.import_module("kernel"), importlib.import_module("optr")
+    assert hidden is not kernel and hidden.triton is None
+    with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton.*int2_paged_decode_cpu"):
+        hidden._int2_decode_split_kernel[(1, 1, 1)]()
+    args = bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu")
+    assert_close_report(hidden.int2_paged_decode_cpu(**args), optr.paged_decode_reference(**args),
+                        *TOLERANCES[torch.float32], "numba without triton")
+
+
 def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
     """`python -m tools.bench` (here on the CPU: the compiled CPU kernel against bf16
     SDPA) prints its header and one timed row per (batch, context)."""
