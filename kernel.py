@@ -718,22 +718,47 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 # Sums are reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
 prange = range   # numba.prange where compiled (_nb)
 
-def _cpu_unpack(codes, page, h, slot, out):
-    """out[:] = the d codes of row (page, h, slot) as fp32 (int32 shifts: AVX2 converts int32)."""
+_CPU_TILE = 16                      # INT2 tokens unpacked at once (within one page)
+_EXP2_TAYLOR = tuple(math.log(2) ** i / math.factorial(i) for i in range(8))   # 2^f = e^(f ln 2)
+
+
+def _cpu_unpack(codes, page, h, slot, m, tile):
+    """tile[t] = the d codes of row (page, h, slot + t) as fp32, t < m (int32 shifts: AVX2 converts int32)."""
     D4 = codes.shape[3]
-    for c in range(4):
-        for j in range(D4):
-            out[c * D4 + j] = np.float32((np.int32(codes[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
+    for t in range(m):
+        for c in range(4):
+            for j in range(D4):
+                tile[t, c * D4 + j] = np.float32((np.int32(codes[page, h, slot + t, j]) >> np.int32(2 * c))
+                                                 & np.int32(3))
+
+
+def _cpu_exp_rows(a, m, n):
+    """a[r, :n] = exp(a[r, :n] - m[r]) (a loop LLVM vectorises; libm's expf does not): 2^t as 2^k,
+    added to the exponent bits, times 2^f, f = t - k in [-1/2, 1/2], by its degree-7 Taylor
+    polynomial (relative error < 6e-9 before fp32 rounding); t >= -115, so 2^k stays normal."""
+    f32 = np.float32
+    c0, c1, c2, c3, c4, c5, c6, c7 = _EXP2_TAYLOR
+    bits = a.view(np.int32)
+    for r in range(a.shape[0]):
+        for i in range(n):
+            t = max(a[r, i] - m[r], f32(-80.0)) * f32(1.4426950408889634)
+            k = np.floor(t + f32(0.5))
+            f = t - k
+            p = ((((((f32(c7) * f + f32(c6)) * f + f32(c5)) * f + f32(c4)) * f + f32(c3)) * f + f32(c2))
+                 * f + f32(c1)) * f + f32(c0)
+            a[r, i] = p
+            bits[r, i] += np.int32(k) << 23
 
 
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                     lse_part, job):
     """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no
-    rescaling), factored as the Triton kernel; b reads block-table and window row rows[b]."""
+    rescaling), factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page
+    (codes unpacked once per tile, p V four tokens at a time); b reads block-table and window row rows[b]."""
     f32 = np.float32
     B, Hq, d = q.shape
     H, P = kc.shape[1], kc.shape[2]
-    R, NG = Hq // H, d // G
+    R, NG, T = Hq // H, d // G, _CPU_TILE
     b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
     n, w, s = nq[b], wl[b], rows[b]
     t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split          # INT2 tokens [t0, t1)
@@ -748,25 +773,29 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
             qs[r, ch] = q[b, h * R + r, ch] * scale
             qsum[r, ch // G] += qs[r, ch]
     a = np.empty((R, nt + nw), dtype=f32)
-    code = np.empty(d, dtype=f32)
-    qs3, code2 = qs.reshape(R, NG, G), code.reshape(NG, G)            # views by Q2 group
-    for i in range(nt):                                               # pass 1: INT2 logits
-        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
-        _cpu_unpack(kc, page, h, slot, code)
-        for r in range(R):
-            if NG == 1:
+    tile = np.empty((T, d), dtype=f32)
+    qs3, tile3 = qs.reshape(R, NG, G), tile.reshape(T, NG, G)         # views by Q2 group
+    i = 0
+    while i < nt:                                                     # pass 1: INT2 logits, a tile
+        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P               # of m tokens in one page
+        mt = min(T, nt - i, P - slot)
+        _cpu_unpack(kc, page, h, slot, mt, tile)
+        for t in range(mt if NG == 1 else 0):                         # G = d
+            for r in range(R):
                 y = f32(0.0)
                 for ch in range(d):
-                    y += qs[r, ch] * code[ch]
-                a[r, i] = ks[page, h, slot, 0] * (y - kz[page, h, slot, 0] * qsum[r, 0])
-            else:
+                    y += qs[r, ch] * tile[t, ch]
+                a[r, i + t] = ks[page, h, slot + t, 0] * (y - kz[page, h, slot + t, 0] * qsum[r, 0])
+        for t in range(0 if NG == 1 else mt):                         # G < d
+            for r in range(R):
                 y = f32(0.0)
                 for g in range(NG):
                     x = f32(0.0)
                     for k in range(G):        # indices from ranges (known >= 0): the loop vectorises
-                        x += qs3[r, g, k] * code2[g, k]
-                    y += ks[page, h, slot, g] * (x - kz[page, h, slot, g] * qsum[r, g])
-                a[r, i] = y
+                        x += qs3[r, g, k] * tile3[t, g, k]
+                    y += ks[page, h, slot + t, g] * (x - kz[page, h, slot + t, g] * qsum[r, g])
+                a[r, i + t] = y
+        i += mt
     for i in range(nw):                                               # the window tokens, exact
         for r in range(R):
             y = f32(0.0)
@@ -776,26 +805,34 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
     m, l = np.empty(R, dtype=f32), np.zeros(R, dtype=f32)
     for r in range(R):
         m[r] = a[r].max()
+    _cpu_exp_rows(a, m, nt + nw)
+    for r in range(R):
         for i in range(nt + nw):
-            a[r, i] = np.exp(a[r, i] - m[r])
             l[r] += a[r, i]
     o, psz = np.zeros((R, d), dtype=f32), np.zeros((R, NG), dtype=f32)
-    o3 = o.reshape(R, NG, G)
-    for i in range(nt):                                               # pass 2: p V~
+    o3, xs = o.reshape(R, NG, G), np.empty((R, T * NG), dtype=f32)  # xs[r, t NG + g]: p s of (t, g)
+    i = 0
+    while i < nt:                                                     # pass 2: p V~, tile by tile
         page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
-        _cpu_unpack(vc, page, h, slot, code)
+        mt = min(T, nt - i, P - slot)
+        _cpu_unpack(vc, page, h, slot, mt, tile)
         for r in range(R):
-            if NG == 1:
-                x = a[r, i] * vs[page, h, slot, 0]
-                psz[r, 0] += x * vz[page, h, slot, 0]
-                for ch in range(d):
-                    o[r, ch] += x * code[ch]
-            else:
+            for t in range(mt):
                 for g in range(NG):
-                    x = a[r, i] * vs[page, h, slot, g]
-                    psz[r, g] += x * vz[page, h, slot, g]
+                    xs[r, t * NG + g] = a[r, i + t] * vs[page, h, slot + t, g]
+                    psz[r, g] += xs[r, t * NG + g] * vz[page, h, slot + t, g]
+            t = 0
+            while NG == 1 and t + 4 <= mt:                            # G = d: four tokens a sweep of o
+                x0, x1, x2, x3 = xs[r, t], xs[r, t + 1], xs[r, t + 2], xs[r, t + 3]
+                for ch in range(d):
+                    o[r, ch] += (x0 * tile[t, ch] + x1 * tile[t + 1, ch]) + (x2 * tile[t + 2, ch]
+                                                                          + x3 * tile[t + 3, ch])
+                t += 4
+            for t in range(t, mt):                                    # the rest; G < d: every token
+                for g in range(NG):
                     for k in range(G):
-                        o3[r, g, k] += x * code2[g, k]
+                        o3[r, g, k] += xs[r, t * NG + g] * tile3[t, g, k]
+        i += mt
     for i in range(nw):
         for r in range(R):
             for ch in range(d):
@@ -939,11 +976,11 @@ _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep in
 @functools.lru_cache(maxsize=None)
 def _nb() -> types.SimpleNamespace:
     """The compiled CPU kernels by name (decode, store, step), jitted at the first call, then cached
-    on disk.  Each is compiled from a copy of its function whose globals map the names it calls
-    (_cpu_unpack, prange, ...) to their compiled forms: the module's own names stay plain Python."""
+    on disk.  Each is compiled from a copy of its function whose globals are a copy of the module's
+    with the names it calls (_cpu_unpack, prange, ...) compiled: the module's stay plain Python."""
     import numba
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]   # omp: 90 ms/token at 4k,
-    scope = dict(np=np, prange=numba.prange, __name__=__name__)          # workqueue 242 (SmolLM2)
+    scope = dict(globals(), prange=numba.prange)                         # workqueue 242 (SmolLM2)
 
     def jit(fn, **options):
         copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
@@ -952,6 +989,7 @@ def _nb() -> types.SimpleNamespace:
         return scope[fn.__name__]
     jit(_cpu_decode_job, fastmath=_FASTMATH)
     jit(_cpu_unpack, inline="always")
+    jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     jit(_cpu_q2_row)
     jit(_cpu_rotate)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
