@@ -719,7 +719,6 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 prange = range   # numba.prange where compiled (_nb)
 
 _CPU_TILE = 16                      # INT2 tokens unpacked at once (within one page)
-_CPU_SERIAL = 2048                  # token-heads below which one thread decodes (SmolLM2: 0, 64 INT2 tokens)
 _EXP2_TAYLOR = tuple(math.log(2) ** i / math.factorial(i) for i in range(8))   # 2^f = e^(f ln 2)
 
 
@@ -845,19 +844,14 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
 
 
 def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split):
-    """Stage 1 over (sequence, KV head, split) in parallel (one thread below _CPU_SERIAL token-heads:
-    1 thread 93 us, 2 threads 112 at SmolLM2's 0 INT2 tokens), then the log-sum-exp merge."""
+    """Stage 1 over (sequence, KV head, split) in parallel, then the log-sum-exp merge."""
     B, Hq, d = q.shape
     H = kc.shape[1]
     o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
     lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
-    threads = numba.get_num_threads()
-    if H * (nq.sum() + wl.sum()) < _CPU_SERIAL:      # little work: one thread, no others woken
-        numba.set_num_threads(1)
     for job in prange(B * H * n_split):
         _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                        lse_part, job)
-    numba.set_num_threads(threads)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
         b, j = bj // Hq, bj % Hq
@@ -986,7 +980,7 @@ def _nb() -> types.SimpleNamespace:
     with the names it calls (_cpu_unpack, prange, ...) compiled: the module's stay plain Python."""
     import numba
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]   # omp: 90 ms/token at 4k,
-    scope = dict(globals(), numba=numba, prange=numba.prange)                      # workqueue 242 (SmolLM2)
+    scope = dict(globals(), prange=numba.prange)                         # workqueue 242 (SmolLM2)
 
     def jit(fn, **options):
         copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
