@@ -20,12 +20,12 @@ field, so the codes are never reordered.  Scale and zero stay out of the fp16 MM
 in one group (FACTORED: G a multiple of d/4, d >= 64); other group sizes dequantize in fp32.  Each
 program writes a partial output and base-2 lse (-inf: no tokens); stage 2, grid (B, H_q), merges them.
 
-Order: the Triton kernels (top-level; where triton is not installed they are defined and refuse to
-launch), input checks, the launcher int2_paged_decode, the numba CPU kernels by name (_nb(): decode,
-store, step), int2_paged_decode_cpu, cpu_decode_step, paged_decode, q2_store; `python -m tools.bench`
-times them.  Where each has run: the Triton kernels only in Triton's CPU interpreter (TRITON_INTERPRET=1,
-set before triton is imported; it computes fp16 dots exactly, so the CPU tests run the GPU's algorithm)
-and through ptxas (`tools.sass`), never on a GPU (none was lent); numba's on x86_64 Linux CPUs (AVX2).
+Order: the Triton kernels (without triton: defined, refusing to launch), input checks, the launcher
+int2_paged_decode, the numba CPU kernels (compiled by _nb(), by name), int2_paged_decode_cpu,
+cpu_decode_step, paged_decode, q2_store; `python -m tools.bench` times them.  Where each has run: the
+Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1 before triton is imported: exact fp16
+dots, so the CPU tests run the GPU's algorithm) and ptxas (`tools.sass`), never on a GPU (none was
+lent); numba's on x86_64 Linux CPUs (AVX2, AVX-512).
 Shape letters: S sub-tiles per tile, T tokens per sub-tile, W = d/4 dims per quarter-row.
 """
 import functools
@@ -42,8 +42,7 @@ try:                  # only the Triton kernel needs it; triton ships wheels for
 except ImportError:   # macOS, Windows: the checks, the numba CPU decode and q2_store still work
     triton, tl = None, types.SimpleNamespace(constexpr=None)     # tl: the kernels' annotations
 
-    class triton_jit:
-        """@triton.jit where triton is not installed: the kernel is defined and refuses to launch."""
+    class triton_jit:   # @triton.jit without triton: the kernel is defined and refuses to launch
         def __init__(self, fn):
             self.fn = fn
 
@@ -61,12 +60,11 @@ _MAX_SPLITS = 1024
 def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte
-    times 2^SHIFT (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m
-    (m < 1024): masking a word with 0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0
-    and 2 in its halves (shifted right by 8: bytes 1 and 3), OR 0x64006400 makes both fp16
-    1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller folds 2^SHIFT into
-    the other operand."""
+    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte times 2^SHIFT
+    (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m (m < 1024): masking a word with
+    0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0 and 2 in its halves (shifted right by 8: bytes 1 and
+    3), OR 0x64006400 makes both fp16 1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller
+    folds 2^SHIFT into the other operand."""
     mask: tl.constexpr = 0x00030003 << SHIFT
     even = (words & mask) | 0x64006400                 # bytes 0 and 2
     odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
@@ -349,15 +347,11 @@ def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outpu
 def _int2_decode_split_kernel(
         q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
         k_codes_ptr,           # (num_pages, H_kv, P, d/4) uint8 packed key codes
-        k_scale_ptr,           # (num_pages, H_kv, P, d/G) fp32 key scales
-        k_zero_ptr,            # (num_pages, H_kv, P, d/G) fp32 key zeros
-        v_codes_ptr,           # same layouts for the values
-        v_scale_ptr,
-        v_zero_ptr,
+        k_scale_ptr, k_zero_ptr,  # (num_pages, H_kv, P, d/G) fp32 key scales, zeros
+        v_codes_ptr, v_scale_ptr, v_zero_ptr,  # same layouts for the values
         block_table_ptr,       # (B, max_blocks) int32 logical block -> page
         n_quant_ptr,           # (B,) int32 INT2 tokens per sequence
-        win_k_ptr,             # (B, H_kv, NW, d) fp32/bf16 window keys
-        win_v_ptr,             # (B, H_kv, NW, d) fp32/bf16 window values
+        win_k_ptr, win_v_ptr,  # (B, H_kv, NW, d) fp32/bf16 window keys, values
         win_len_ptr,           # (B,) int32 valid window slots per sequence
         part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
         part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
@@ -515,8 +509,8 @@ def check_tensor(name, x, shape=None, dtype=None, finite=False, device=None, con
         fail(name, "a floating dtype", x.dtype)
     if isinstance(dtype, tuple) and x.dtype not in dtype:
         fail(name, "dtype " + " or ".join(str(d) for d in dtype), x.dtype)
-    if shape is not None and (x.dim() != len(shape)
-                              or any(s is not None and s != n for s, n in zip(shape, x.shape))):
+    if shape is not None and (x.dim() != len(shape) or any(s not in (None, n)
+                                                            for s, n in zip(shape, x.shape))):
         fail(name, "shape (" + ", ".join("*" if s is None else str(s) for s in shape) + ")", tuple(x.shape))
     if device is not None and x.device != device:
         fail(name, f"device {device} (the device of q)", x.device)
@@ -531,14 +525,12 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     """Validate everything (ValueError naming the argument); return the sizes as a dict."""
     floats = (torch.float32, torch.bfloat16)
     check_tensor("q", q, (None, None, None), floats, device=None, contiguous=True)
-    dev = q.device
-    B, H_q, d = q.shape
+    dev, (B, H_q, d) = q.device, q.shape
     if B < 1 or H_q < 1:
         fail("q", "at least one sequence and one head", tuple(q.shape))
     if d < 16 or d > 256 or d & (d - 1):
         fail("q", "head_dim (last dim) a power of two in [16, 256]", d)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 \
-            or d % group_size:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or d % group_size:
         fail("group_size", f"a positive int dividing head_dim {d}", group_size)
     check_tensor("k_codes", k_codes, (None, None, None, d // 4), (torch.uint8,), device=dev, contiguous=True)
     num_pages, H_kv, P, _ = k_codes.shape
@@ -548,8 +540,7 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         fail("k_codes", "page size (dim 2) >= 1", P)
     check_tensor("v_codes", v_codes, tuple(k_codes.shape), (torch.uint8,), device=dev, contiguous=True)
     params = (num_pages, H_kv, P, d // group_size)
-    for name, t in (("k_scale", k_scale), ("k_zero", k_zero),
-                    ("v_scale", v_scale), ("v_zero", v_zero)):
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         check_tensor(name, t, params, (torch.float32,), device=dev, contiguous=True)
     check_tensor("block_table", block_table, (B, None), (torch.int32,), device=dev, contiguous=True)
     check_tensor("n_quant", n_quant, (B,), (torch.int32,), device=dev, contiguous=True)
@@ -562,20 +553,16 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         fail("num_splits", f"None or an int in [1, {_MAX_SPLITS}]", num_splits)
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
         fail("sm_scale", "None or a finite float", sm_scale)
-
-    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW,
-                max_tokens=block_table.shape[1] * P, num_pages=num_pages)
+    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW, max_tokens=block_table.shape[1] * P,
+                num_pages=num_pages)
 
 
 def _check_values(k_codes, block_table, n_quant, win_len, sizes):
     """Check lengths and used block-table entries (read on the host); return the longest n_quant."""
     P, NW, num_pages = sizes["P"], sizes["NW"], sizes["num_pages"]
-    nq = n_quant.cpu().long()
-    wl = win_len.cpu().long()
-    max_blocks = block_table.shape[1]
+    nq, wl, max_blocks = n_quant.cpu().long(), win_len.cpu().long(), block_table.shape[1]
     if (nq < 0).any() or (nq > max_blocks * P).any():
-        fail("n_quant", f"values in [0, max_blocks * page_size] = [0, {max_blocks * P}]",
-              nq.tolist())
+        fail("n_quant", f"values in [0, max_blocks * page_size] = [0, {max_blocks * P}]", nq.tolist())
     if (wl < 0).any() or (wl > NW).any():
         fail("win_len", f"values in [0, NW] = [0, {NW}] (NW from win_k)", wl.tolist())
     empty = ((nq + wl) < 1).nonzero().flatten().tolist()
@@ -594,21 +581,17 @@ def _check_values(k_codes, block_table, n_quant, win_len, sizes):
 # ==== Launcher: block sizes and launch ====
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _default_num_splits(B, H_kv, max_tiles, device):
     """Enough programs for ~4 waves of the GPU, at least one tile per split."""
-    want = triton.cdiv(4 * _sm_count(device), max(1, B * H_kv))
-    return max(1, min(want, max_tiles, 64))
+    return max(1, min(triton.cdiv(4 * _sm_count(device), max(1, B * H_kv)), max_tiles, 64))
 
 
 @functools.lru_cache(maxsize=None)
 def _dot_precision(device):
-    """fp32 tl.dot (window tokens, general path): 3xTF32 keeps ~fp32 accuracy on tensor
-    cores (NVIDIA sm80+)."""
+    """fp32 tl.dot (window tokens, general path): 3xTF32 keeps ~fp32 accuracy on tensor cores (sm80+)."""
     if device.type == "cuda" and not _INTERPRETED and torch.version.hip is None \
             and torch.cuda.get_device_capability(device)[0] >= 8:
         return "tf32x3"
@@ -616,12 +599,11 @@ def _dot_precision(device):
 
 
 def _block_sizes(d, G, ratio, P):
-    """Stage 1's tiles, warps and stages (no autotuning), chosen with `python -m tools.sass`'s
-    static model; all tested configurations compile spill-free for sm_80 and sm_90a (`pytest -m
-    sass_all`; triton 3.7.1, 3.6.0).  d = G = 128: 128-token tiles, no pipelining (model: 2.0x
-    the HBM time; 64 tokens, 1-3 stages: 2.2-2.4x), 64 if a page is shorter.  Several groups per
-    row: 64 within a page, 32 across pages and for d = 256.  General path: 16 tokens, one
-    sub-tile.  maxnreg 255: unset, ptxas settles at 168 on sm_90a and spills."""
+    """Stage 1's tiles, warps and stages (no autotuning), chosen with `python -m tools.sass`'s static
+    model; all tested configurations compile spill-free for sm_80 and sm_90a (`pytest -m sass_all`; triton
+    3.7.1, 3.6.0).  d = G = 128: 128-token tiles, no pipelining (model: 2.0x the HBM time; 64 tokens, 1-3
+    stages: 2.2-2.4x), 64 if a page is shorter.  Several groups per row: 64 within a page, 32 across pages
+    and for d = 256.  General path: 16 tokens, one sub-tile.  maxnreg 255: unset, ptxas spills at 168."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
@@ -644,11 +626,9 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
     """Launch both stages on already validated inputs; no host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
     cfg = _block_sizes(d, group_size, H_q // H_kv, P)
-    if num_splits is None:
-        max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
-        num_splits = _default_num_splits(B, H_kv, max_tiles, q.device)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
+    max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
+    num_splits = num_splits or _default_num_splits(B, H_kv, max_tiles, q.device)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if NW == 0:  # give the kernel a readable (never read) pointer
         win_k = win_v = q.new_zeros(B, H_kv, 1, d)
     if k_codes.shape[0] == 0:  # empty pool (all n_quant == 0): same reason
@@ -656,33 +636,19 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         k_scale = k_zero = v_scale = v_zero = k_scale.new_zeros(1, *k_scale.shape[1:])
     if block_table.shape[1] == 0:
         block_table = block_table.new_zeros(B, 1)
-
     part_out = torch.empty(B, H_q, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H_q, d, dtype=torch.float32, device=q.device)
-
-    _int2_decode_split_kernel[(B, H_kv, num_splits)](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
-        win_k, win_v, win_len, part_out, part_lse,
-        sm_scale * _LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        block_table.stride(0),
-        win_k.stride(0), win_k.stride(1), win_k.stride(2),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=d, GROUP_SIZE=group_size, NUM_GROUPS=d // group_size, PAGE_SIZE=P,
-        QUERIES_PER_KV=H_q // H_kv, DOT_PRECISION=_dot_precision(q.device), **cfg,
-    )
+    _int2_decode_split_kernel[(B, H_kv, num_splits)](      # strides as the kernel's arguments name them
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k, win_v, win_len,
+        part_out, part_lse, sm_scale * _LOG2E, num_splits, *q.stride()[:2], *k_codes.stride()[:3],
+        *k_scale.stride()[:3], block_table.stride(0), *win_k.stride()[:3], *part_out.stride()[:3],
+        *part_lse.stride()[:2], HEAD_DIM=d, GROUP_SIZE=group_size, NUM_GROUPS=d // group_size, PAGE_SIZE=P,
+        QUERIES_PER_KV=H_q // H_kv, DOT_PRECISION=_dot_precision(q.device), **cfg)
     _merge_splits_kernel[(B, H_q)](
-        part_out, part_lse, out, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_SPLITS=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
-        num_warps=4,
-    )
+        part_out, part_lse, out, num_splits, *part_out.stride()[:3], *part_lse.stride()[:2],
+        *out.stride()[:2], HEAD_DIM=d, BLOCK_SPLITS=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
+        num_warps=4)
     return out
 
 
@@ -712,10 +678,10 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
 
 # ==== CPU kernels (numba): the same algorithm without a GPU, and the INT2 write ====
-# numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes);
-# it compiles once (~40 s), then loads from __pycache__ in 0.6 s; ~110 MiB resident once loaded.
-# A job owns one (sequence, KV head, split) and all its query heads; partials merge by log-sum-exp.
-# Sums are reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
+# numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes); it compiles
+# once (~40 s), then loads from __pycache__ in 0.6 s; ~110 MiB resident once loaded.  A job owns one
+# (sequence, KV head, split) and all its query heads; partials merge by log-sum-exp.  Sums are
+# reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
 prange = range   # numba.prange where compiled (_nb)
 
 _CPU_TILE = 16                      # INT2 tokens unpacked at once (within one page)
@@ -744,9 +710,8 @@ def _cpu_exp_rows(a, m, n):
             t = max(a[r, i] - m[r], f32(-80.0)) * f32(1.4426950408889634)
             k = np.floor(t + f32(0.5))
             f = t - k
-            p = ((((((f32(c7) * f + f32(c6)) * f + f32(c5)) * f + f32(c4)) * f + f32(c3)) * f + f32(c2))
-                 * f + f32(c1)) * f + f32(c0)
-            a[r, i] = p
+            a[r, i] = ((((((f32(c7) * f + f32(c6)) * f + f32(c5)) * f + f32(c4)) * f + f32(c3)) * f
+                        + f32(c2)) * f + f32(c1)) * f + f32(c0)
             bits[r, i] += np.int32(k) << 23
 
 
@@ -756,8 +721,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
     rescaling), factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page
     (codes unpacked once per tile, p V four tokens at a time); b reads block-table and window row rows[b]."""
     f32 = np.float32
-    B, Hq, d = q.shape
-    H, P = kc.shape[1], kc.shape[2]
+    (B, Hq, d), H, P = q.shape, kc.shape[1], kc.shape[2]
     R, NG, T = Hq // H, d // G, _CPU_TILE
     b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
     n, w, s = nq[b], wl[b], rows[b]
@@ -772,8 +736,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
         for ch in range(d):
             qs[r, ch] = q[b, h * R + r, ch] * scale
             qsum[r, ch // G] += qs[r, ch]
-    a = np.empty((R, nt + nw), dtype=f32)
-    tile = np.empty((T, d), dtype=f32)
+    a, tile = np.empty((R, nt + nw), dtype=f32), np.empty((T, d), dtype=f32)   # logits then p; codes
     qs3, tile3 = qs.reshape(R, NG, G), tile.reshape(T, NG, G)         # views by Q2 group
     i = 0
     while i < nt:                                                     # pass 1: INT2 logits, a tile
@@ -987,14 +950,11 @@ def _nb() -> types.SimpleNamespace:
         copy.__qualname__ = fn.__qualname__
         scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
         return scope[fn.__name__]
-    jit(_cpu_decode_job, fastmath=_FASTMATH)
-    jit(_cpu_unpack, inline="always")
-    jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
-    jit(_cpu_q2_row)
-    jit(_cpu_rotate)
+    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate)      # called by the three
+    jit(_cpu_unpack, inline="always"), jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), store=jit(_cpu_q2_store, parallel=True),
-                                 step=jit(_cpu_step))
+    return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), step=jit(_cpu_step),
+                                 store=jit(_cpu_q2_store, parallel=True))
 
 
 def _cpu_splits(B, H_kv, longest):
@@ -1015,15 +975,12 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         _check_values(k_codes, block_table, n_quant, win_len, sizes)
     B, H_kv, d = q.shape[0], k_codes.shape[1], q.shape[2]
     nq, wl = n_quant.numpy(), win_len.numpy()
-    decode = _nb().decode
     num_splits = num_splits or _cpu_splits(B, H_kv, int(nq.max()) + int(wl.max()))
-    fp32 = lambda x: x.detach().float().numpy()   # bf16 windows: numba has no bf16
-    out = decode(q.detach().float().numpy(), k_codes.numpy(), k_scale.numpy(), k_zero.numpy(),
-                 v_codes.numpy(), v_scale.numpy(), v_zero.numpy(), block_table.numpy(), nq,
-                 fp32(win_k), fp32(win_v), wl,
-                 np.arange(B), group_size, np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale),
-                 num_splits)
-    return torch.from_numpy(out)
+    fp32 = lambda x: x.detach().float().numpy()   # bf16 q and windows: numba has no bf16
+    return torch.from_numpy(_nb().decode(
+        fp32(q), *(x.numpy() for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table)), nq,
+        fp32(win_k), fp32(win_v), wl, np.arange(B), group_size,
+        np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), num_splits))
 
 
 def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: int, rank_v: int,
@@ -1034,9 +991,9 @@ def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: i
     B, H = q.shape[0], pages[0].shape[1]
     splits = _cpu_splits(B, H, int(length[seqs].max()) + 1)
     _nb().step(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k,
-                r_k if r_v is None else r_v, r_v is not None,
-                *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
-                np.float32(sm_scale), splits, out)
+               r_k if r_v is None else r_v, r_v is not None,
+               *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
+               np.float32(sm_scale), splits, out)
 
 
 def paged_decode(q, **view) -> torch.Tensor:
