@@ -647,7 +647,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         QUERIES_PER_KV=H_q // H_kv, DOT_PRECISION=_dot_precision(q.device), **cfg)
     _merge_splits_kernel[(B, H_q)](
         part_out, part_lse, out, num_splits, *part_out.stride()[:3], *part_lse.stride()[:2],
-        *out.stride()[:2], HEAD_DIM=d, BLOCK_SPLITS=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
+        *out.stride()[:2], HEAD_DIM=d, BLOCK_SPLITS=min(triton.next_power_of_2(num_splits), 4096 // d),
         num_warps=4)
     return out
 
@@ -817,9 +817,8 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n
                        lse_part, job)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
-        b, j = bj // Hq, bj % Hq
+        b, j, tot = bj // Hq, bj % Hq, np.float32(0.0)
         M = lse_part[b, j].max()
-        tot = np.float32(0.0)
         for sp in range(n_split):
             if lse_part[b, j, sp] > -np.inf:
                 wgt = np.exp(lse_part[b, j, sp] - M)
@@ -830,11 +829,9 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n
 
 
 def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
-    """Q2 of one row x (d,) fp32 into codes, scale, zero[page, h, slot], bit for bit as
-    q2_quantize. code: (d,) uint8 scratch."""
-    f32 = np.float32
-    d = x.shape[0]
-    D4 = d // 4
+    """Q2 of one row x (d,) fp32 into codes, scale, zero[page, h, slot], bit for bit as q2_quantize.
+    code: (d,) uint8 scratch."""
+    f32, d, D4 = np.float32, x.shape[0], x.shape[0] // 4
     for g in range(d // G):
         xg = x[g * G:(g + 1) * G]
         tau = np.sort(np.abs(xg))[rank]                            # |x| at rank floor(c G)

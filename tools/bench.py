@@ -85,18 +85,19 @@ CPU_LENGTHS = (0, 64, 700, 3776, 7700)                            # INT2 tokens:
 
 def _machine():
     """The CPU's model name and the threads torch and numba use."""
-    model = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-                 "CPU") if __import__("os").path.exists("/proc/cpuinfo") else "CPU"
+    import os
+    info = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "CPU")
     return f"{model}, {torch.get_num_threads()} threads"
 
 
 def cpu_table(lengths=CPU_LENGTHS, reps=21, shape=SMOLLM2_SHAPE, log=print):
-    """One decode call per INT2 length at SmolLM2's shape, batch 1, the paths interleaved in one
-    process with a memory bandwidth read each round (torch.sum over 256 MiB fp32): the numba decode
-    as int2_paged_decode_cpu (unchecked) and as _nb().decode (what cpu_decode_step calls, numpy in);
-    in a seeded random order each round; medians [min-max].  ns per INT2 token and KV head: (t(n) - t(0)) / (H_kv n), against the bytes
-    a token-head reads (K and V codes, scale and zero) at the bandwidth; the window's and the fixed
-    cost are t(0).  Returns {(path, n): median us}."""
+    """One decode call per INT2 length at SmolLM2's shape, batch 1: the numba decode as
+    int2_paged_decode_cpu (unchecked) and as _nb().decode (what cpu_decode_step calls, numpy in),
+    interleaved in one process in a seeded random order each round, with a memory bandwidth read each
+    round (torch.sum over 256 MiB fp32); medians [min-max].  ns per INT2 token and KV head:
+    (t(n) - t(0)) / (H_kv n), against the bytes a token-head reads (K and V codes, scale and zero) at
+    that bandwidth; t(0) is the window's and the fixed cost.  Returns {(path, n): median us}."""
     import time
     import numpy as np
     H_q, H_kv, d, G, P, NW = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P", "NW"))
