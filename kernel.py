@@ -51,8 +51,7 @@ except ImportError:   # macOS, Windows: the checks, the numba CPU decode and q2_
                               "for Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
 
 _INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # what @triton.jit uses
-_LOG2E = 1.4426950408889634
-_MAX_SPLITS = 1024
+_LOG2E, _MAX_SPLITS = 1.4426950408889634, 1024
 
 
 # ==== Triton kernels (launched where triton is installed) ====
@@ -140,9 +139,8 @@ def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of thi
                 scale, zero,        # factored: (S, T) group params; general: (S, T, W)
                 SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
                 BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) =
-    c^T (p s) - sum(p s z), with p s scaled into [0, 2^14] (by the sub-tile's largest
-    scale) and split into hi / lo columns, one dot for both."""
+    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) = c^T (p s) -
+    sum(p s z), p s scaled into [0, 2^14] (by the sub-tile's largest scale), hi / lo columns, one dot."""
     codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
     unit: tl.constexpr = 1.0 / (1 << SHIFT)
     if FACTORED:
@@ -157,8 +155,7 @@ def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of thi
         return acc * alpha[:, None, :] + pv                              # two FFMA each
     else:
         v = (codes.to(tl.float32) * unit - zero) * scale
-        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
-                                                input_precision=DOT_PRECISION)
+        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p, input_precision=DOT_PRECISION)
 
 @triton_jit
 def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
@@ -166,8 +163,7 @@ def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / 
                     SUB_TILED: tl.constexpr):
     """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
     rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
-    m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-    # -inf only while no real token has been seen; shift by 0 then (not -inf - -inf).
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))      # -inf until a real token: shift by 0 then
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
     if SUB_TILED:
@@ -180,16 +176,13 @@ def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / 
 def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
                 head_mask,          # (BLOCK_H,) query heads that exist
                 qk_scale,           # sm_scale * log2(e)
-                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                FACTORED: tl.constexpr):
+                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, FACTORED: tl.constexpr):
     """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
     into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
-    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-         for c in (0, 1, 2, 3)]
+    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
     if FACTORED:
         row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
-        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]),
-                           tl.maximum(row_max[2], row_max[3]))
+        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]), tl.maximum(row_max[2], row_max[3]))
         q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
         q = [x * q_mul[:, None] for x in q]
         row_scale = qk_scale / q_mul
@@ -203,8 +196,7 @@ def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each
 def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
                  offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """(block-table column, slot in the page) of every token of a tile; a scalar block when
-    the tile lies in one page."""
+    """(block-table column, slot in the page) of every token of a tile; a scalar block within a page."""
     if PAGE_SIZE % BLOCK_N == 0:
         return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
     elif BLOCK_N % PAGE_SIZE == 0:
@@ -652,15 +644,14 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
     return out
 
 
-def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                      n_quant, win_k, win_v, win_len, group_size, num_splits=None,
-                      sm_scale=None, checked=True) -> torch.Tensor:
-    """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d)
-    fp32.  num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale:
-    logit scale (None: 1/sqrt(d)).  A ValueError names any malformed argument.  checked=True also
-    checks n_quant, win_len and the used block-table entries on the host (a sync); checked=False
-    never syncs (CUDA-graph capturable; a whole optr.decode_step is not): bad values are then
-    undefined behaviour, and num_splits=None sizes from the block table's capacity."""
+def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k,
+                      win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True):
+    """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d) fp32.
+    num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale: logit scale (None:
+    1/sqrt(d)).  A ValueError names any malformed argument.  checked=True also checks n_quant, win_len
+    and the used block-table entries on the host (a sync); checked=False never syncs (CUDA-graph
+    capturable; a whole optr.decode_step is not): bad values are then undefined behaviour, and
+    num_splits=None sizes from the block table's capacity."""
     if triton is None:
         raise ImportError("int2_paged_decode needs triton, which is not installed (its wheels are for "
                           "Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
