@@ -926,9 +926,9 @@ _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep in
 
 @functools.lru_cache(maxsize=None)
 def _nb() -> types.SimpleNamespace:
-    """The compiled CPU kernels by name (decode, store, step), jitted at the first call, then cached
-    on disk.  Each is compiled from a copy of its function whose globals are a copy of the module's
-    with the names it calls (_cpu_unpack, prange, ...) compiled: the module's stay plain Python."""
+    """The compiled CPU kernels by name (decode, store, step; exp_rows for its test), jitted at the first
+    call, then cached on disk.  Each is compiled from a copy of its function whose globals are a copy of
+    the module's with the names it calls (_cpu_unpack, prange, ...) compiled: the module's stay Python."""
     import numba
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]   # omp: 90 ms/token at 4k,
     scope = dict(globals(), prange=numba.prange)                         # workqueue 242 (SmolLM2)
@@ -942,7 +942,7 @@ def _nb() -> types.SimpleNamespace:
     jit(_cpu_unpack, inline="always"), jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), step=jit(_cpu_step),
-                                 store=jit(_cpu_q2_store, parallel=True))
+                                 store=jit(_cpu_q2_store, parallel=True), exp_rows=scope["_cpu_exp_rows"])
 
 
 def _cpu_splits(B, H_kv, longest):

@@ -5071,6 +5071,24 @@ def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, sc
     assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
 
 
+@given(x=arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 64)),
+                elements=st.floats(-150, 60, width=32)))
+def test_the_compiled_decode_exp_is_float64_exp_within_fp32_argument_rounding(x):
+    """The decode's vectorised exp (2^k 2^f, f's degree-7 Taylor) of a - max(a) per row, beside a fixed
+    row whose every argument in [-20, 0] (step 1/64) puts f anywhere in [-1/2, 1/2], is numpy's float64
+    exp of the same fp32 difference within 3e-7 relative plus the rounding of a t = a log2(e) of that
+    size (1.2e-7 |a|); arguments below -80 read as -80 (an absolute 2e-35)."""
+    x = np.concatenate([np.pad(x, ((0, 0), (0, 1281 - x.shape[1])), constant_values=-1e4),
+                        -np.arange(1281, dtype=np.float32)[None] / 64])
+    m, a = x.max(axis=1), x.copy()
+    kernel._nb().exp_rows(a, m, a.shape[1])
+    arg = (x - m[:, None]).astype(np.float64)                              # the fp32 difference, exact
+    want = np.exp(arg)
+    excess = np.abs(a - want) - ((3e-7 + 1.2e-7 * np.abs(arg)) * want + 2e-35)
+    worst = np.unravel_index(excess.argmax(), a.shape)
+    assert excess.max() <= 0, f"exp({arg[worst]}) = {a[worst]}, float64 {want[worst]}"
+
+
 def q2_store_row(x, clip, G):
     """kernel.q2_store of one row x (d,) into a one-slot pool: (its codes (d,), scales, zeros (d/G,))."""
     d, at = x.shape[-1], torch.zeros(1, dtype=torch.long)
