@@ -708,9 +708,9 @@ def _cpu_exp_rows(a, m, n):
 
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                     lse_part, job):
-    """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no
-    rescaling), factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page
-    (codes unpacked once per tile, p V four tokens at a time); b reads block-table and window row rows[b]."""
+    """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no rescaling),
+    factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page (codes unpacked once
+    a tile; at G = d p V four tokens a sweep); b reads block-table and window row rows[b]."""
     f32 = np.float32
     (B, Hq, d), H, P = q.shape, kc.shape[1], kc.shape[2]
     R, NG, T = Hq // H, d // G, _CPU_TILE
@@ -731,7 +731,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
     qs3, tile3 = qs.reshape(R, NG, G), tile.reshape(T, NG, G)         # views by Q2 group
     i = 0
     while i < nt:                                                     # pass 1: INT2 logits, a tile
-        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P               # of m tokens in one page
+        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P               # of mt tokens in one page
         mt = min(T, nt - i, P - slot)
         _cpu_unpack(kc, page, h, slot, mt, tile)
         for t in range(mt if NG == 1 else 0):                         # G = d
