@@ -20,14 +20,17 @@ field, so the codes are never reordered.  Scale and zero stay out of the fp16 MM
 in one group (FACTORED: G a multiple of d/4, d >= 64); other group sizes dequantize in fp32.  Each
 program writes a partial output and base-2 lse (-inf: no tokens); stage 2, grid (B, H_q), merges them.
 
-Order: Triton kernels, input checks, the launcher int2_paged_decode, the numba CPU kernels
-(int2_paged_decode_cpu, q2_store, cpu_decode_step), paged_decode; `python -m tools.bench` times them.
-Shape letters: S sub-tiles per tile, T tokens per sub-tile, W = d/4 dims per quarter-row.  Triton's
-interpreter (TRITON_INTERPRET=1, set before triton is imported) computes fp16 dots exactly, so the CPU
-tests run the GPU's algorithm.
+Order: the Triton kernels (without triton: defined, refusing to launch), input checks, the launcher
+int2_paged_decode, the numba CPU kernels (compiled by _nb(), by name), int2_paged_decode_cpu,
+cpu_decode_step, paged_decode, q2_store; `python -m tools.bench` times them.  Where each has run: the
+Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1 before triton is imported: exact fp16
+dots, so the CPU tests run the GPU's algorithm) and ptxas (`tools.sass`), never on a GPU (none was
+lent); numba's on x86_64 Linux CPUs (AVX2, AVX-512).
+Shape letters: S sub-tiles per tile, T tokens per sub-tile, W = d/4 dims per quarter-row.
 """
 import functools
 import math
+import types
 
 import numpy as np
 import torch
@@ -35,450 +38,444 @@ import torch
 try:                  # only the Triton kernel needs it; triton ships wheels for Linux alone
     import triton
     import triton.language as tl
+    triton_jit = triton.jit
 except ImportError:   # macOS, Windows: the checks, the numba CPU decode and q2_store still work
-    triton = tl = None
+    triton, tl = None, types.SimpleNamespace(constexpr=None)     # tl: the kernels' annotations
+
+    class triton_jit:   # @triton.jit without triton: the kernel is defined and refuses to launch
+        def __init__(self, fn):
+            self.fn = fn
+
+        def __getitem__(self, grid):
+            raise ImportError(f"{self.fn.__name__} needs triton, which is not installed (its wheels are "
+                              "for Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
 
 _INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # what @triton.jit uses
-_LOG2E = 1.4426950408889634
-_MAX_SPLITS = 1024
+_LOG2E, _MAX_SPLITS = 1.4426950408889634, 1024
 
 
-# ==== Triton kernels (defined where triton is installed) ====
+# ==== Triton kernels (launched where triton is installed) ====
+@triton_jit
+def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
+                SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
+                S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte times 2^SHIFT
+    (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m (m < 1024): masking a word with
+    0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0 and 2 in its halves (shifted right by 8: bytes 1 and
+    3), OR 0x64006400 makes both fp16 1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller
+    folds 2^SHIFT into the other operand."""
+    mask: tl.constexpr = 0x00030003 << SHIFT
+    even = (words & mask) | 0x64006400                 # bytes 0 and 2
+    odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
+    b0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    # (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA operand wants.
+    bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
+    return bits - 1024.0
 
-if triton is not None:
-    @triton.jit
-    def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
-                    SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
-                    S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-        """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte
-        times 2^SHIFT (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m
-        (m < 1024): masking a word with 0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0
-        and 2 in its halves (shifted right by 8: bytes 1 and 3), OR 0x64006400 makes both fp16
-        1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller folds 2^SHIFT into
-        the other operand."""
-        mask: tl.constexpr = 0x00030003 << SHIFT
-        even = (words & mask) | 0x64006400                 # bytes 0 and 2
-        odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
-        b0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-        b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-        b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-        # (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA operand wants.
-        bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
-        return bits - 1024.0
+@triton_jit
+def _quarter_dims(W: tl.constexpr):
+    """(W,) int32: the dim (within its quarter) at each position of _codes_fp16's output:
+    positions 4i .. 4i+3 hold dims 4i, 4i+2, 4i+1, 4i+3 (bits 0 and 1 swapped)."""
+    pos = tl.arange(0, W)
+    return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
 
-    @triton.jit
-    def _quarter_dims(W: tl.constexpr):
-        """(W,) int32: the dim (within its quarter) at each position of _codes_fp16's output:
-        positions 4i .. 4i+3 hold dims 4i, 4i+2, 4i+1, 4i+3 (bits 0 and 1 swapped)."""
-        pos = tl.arange(0, W)
-        return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
-
-    @triton.jit
-    def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
-                       S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
-        """x = hi + lo + r (hi, lo fp16, |r| <= 2^-22 |x| + 2^-25) as one (S, R, 2 * BLOCK_H) dot
-        operand, column 2h hi of head h, 2h + 1 its lo: the heads fill the MMA's 8-wide side."""
-        hi = x.to(tl.float16)
-        lo = (x - hi.to(tl.float32)).to(tl.float16)
-        return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
-
-    @triton.jit
-    def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
-                       SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
-                       S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
-        """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns."""
-        unit: tl.constexpr = 1.0 / (1 << SHIFT)
-        q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
-        return _hi_lo_columns(q_t, S, W, BLOCK_H)
-
-    @triton.jit
-    def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
+@triton_jit
+def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
                    S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
-        """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
-        hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
-        return hi + lo
+    """x = hi + lo + r (hi, lo fp16, |r| <= 2^-22 |x| + 2^-25) as one (S, R, 2 * BLOCK_H) dot
+    operand, column 2h hi of head h, 2h + 1 its lo: the heads fill the MMA's 8-wide side."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
 
-    @triton.jit
-    def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
-                     q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
-                     acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
-                     SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
-                     S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-        """acc + codes @ q_cols in every sub-tile (one quarter's exact fp16 codes, fp32 sums)."""
-        return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
+@triton_jit
+def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
+                   SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
+                   S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
+    q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
+    return _hi_lo_columns(q_t, S, W, BLOCK_H)
 
-    @triton.jit
-    def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
-                        packed,         # (S, T, W // 4) uint32 code words of the tile
-                        scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
-                        SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-                        BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """General path: one quarter-row's share of q.k, (S, T, BLOCK_H), dequantized in fp32."""
-        unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
-        k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
-        if USE_DOT:
-            q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
-            return tl.dot(k, q_t, input_precision=DOT_PRECISION)
-        else:
-            return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
+@triton_jit
+def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
+               S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
+    hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
+    return hi + lo
 
-    @triton.jit
-    def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
-                    alpha,              # (S, BLOCK_H) rescale of the running output
-                    p,                  # (S, T, BLOCK_H) fp32 softmax numerators
-                    packed,             # (S, T, W // 4) uint32 code words of the tile
-                    scale, zero,        # factored: (S, T) group params; general: (S, T, W)
+@triton_jit
+def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
+                 q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
+                 acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
+                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """acc + codes @ q_cols in every sub-tile (one quarter's exact fp16 codes, fp32 sums)."""
+    return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
+
+@triton_jit
+def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
+                    packed,         # (S, T, W // 4) uint32 code words of the tile
+                    scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
                     SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-                    BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) =
-        c^T (p s) - sum(p s z), with p s scaled into [0, 2^14] (by the sub-tile's largest
-        scale) and split into hi / lo columns, one dot for both."""
-        codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
-        unit: tl.constexpr = 1.0 / (1 << SHIFT)
-        if FACTORED:
-            s_max = tl.max(scale, axis=1)
-            s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
-            ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
-            pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
-                        out_dtype=tl.float32)
-            pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
-            psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
-            pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
-            return acc * alpha[:, None, :] + pv                              # two FFMA each
-        else:
-            v = (codes.to(tl.float32) * unit - zero) * scale
-            return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p,
-                                                    input_precision=DOT_PRECISION)
+                    BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """General path: one quarter-row's share of q.k, (S, T, BLOCK_H), dequantized in fp32."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
+    k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
+    if USE_DOT:
+        q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
+        return tl.dot(k, q_t, input_precision=DOT_PRECISION)
+    else:
+        return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
 
-    @triton.jit
-    def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
-                        m_i, l_i,       # running max, sum of 2^(logit - m_i): (S, BLOCK_H) / (BLOCK_H,)
-                        SUB_TILED: tl.constexpr):
-        """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
-        rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
-        m_new = tl.maximum(m_i, tl.max(logits, axis=1))
-        # -inf only while no real token has been seen; shift by 0 then (not -inf - -inf).
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
-        if SUB_TILED:
-            p = tl.exp2(logits - m_ref[:, None, :])  # 0 for masked tokens
-        else:
-            p = tl.exp2(logits - m_ref[:, None])
-        return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+@triton_jit
+def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
+                alpha,              # (S, BLOCK_H) rescale of the running output
+                p,                  # (S, T, BLOCK_H) fp32 softmax numerators
+                packed,             # (S, T, W // 4) uint32 code words of the tile
+                scale, zero,        # factored: (S, T) group params; general: (S, T, W)
+                SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+                BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) = c^T (p s) -
+    sum(p s z), p s scaled into [0, 2^14] (by the sub-tile's largest scale), hi / lo columns, one dot."""
+    codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
+    if FACTORED:
+        s_max = tl.max(scale, axis=1)
+        s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
+        ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
+        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
+                    out_dtype=tl.float32)
+        pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
+        psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
+        pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
+        return acc * alpha[:, None, :] + pv                              # two FFMA each
+    else:
+        v = (codes.to(tl.float32) * unit - zero) * scale
+        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p, input_precision=DOT_PRECISION)
 
-    @triton.jit
-    def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
-                    head_mask,          # (BLOCK_H,) query heads that exist
-                    qk_scale,           # sm_scale * log2(e)
-                    S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                    FACTORED: tl.constexpr):
-        """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
-        into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
-        q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32)
-             for c in (0, 1, 2, 3)]
-        if FACTORED:
-            row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
-            q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]),
-                               tl.maximum(row_max[2], row_max[3]))
-            q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
-            q = [x * q_mul[:, None] for x in q]
-            row_scale = qk_scale / q_mul
-        else:
-            row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
-        q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
-        q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
-        return q, q_cols, q_sum, row_scale
+@triton_jit
+def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
+                    m_i, l_i,       # running max, sum of 2^(logit - m_i): (S, BLOCK_H) / (BLOCK_H,)
+                    SUB_TILED: tl.constexpr):
+    """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
+    rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))      # -inf until a real token: shift by 0 then
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
+    if SUB_TILED:
+        p = tl.exp2(logits - m_ref[:, None, :])  # 0 for masked tokens
+    else:
+        p = tl.exp2(logits - m_ref[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
 
-    @triton.jit
-    def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
-                     offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
-                     BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-        """(block-table column, slot in the page) of every token of a tile; a scalar block when
-        the tile lies in one page."""
-        if PAGE_SIZE % BLOCK_N == 0:
-            return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
-        elif BLOCK_N % PAGE_SIZE == 0:
-            return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
-        else:
-            tok = tile * BLOCK_N + offs_n
-            return tok // PAGE_SIZE, tok % PAGE_SIZE
+@triton_jit
+def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
+                head_mask,          # (BLOCK_H,) query heads that exist
+                qk_scale,           # sm_scale * log2(e)
+                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, FACTORED: tl.constexpr):
+    """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
+    into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
+    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
+    if FACTORED:
+        row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
+        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]), tl.maximum(row_max[2], row_max[3]))
+        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
+        q = [x * q_mul[:, None] for x in q]
+        row_scale = qk_scale / q_mul
+    else:
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
+    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
+    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
+    return q, q_cols, q_sum, row_scale
 
-    @triton.jit
-    def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
-                        rows,           # (S, T) int64 element offset of each token's row
-                        valid,          # (S, T) tokens that exist
-                        offs_w,         # (W,) dims of a quarter, in the order of the codes
-                        C: tl.constexpr,  # the quarter, 0 .. 3
-                        W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
-        """(scale, zero) of quarter C: (S, T) each if FACTORED, else (S, T, W); 0 if missing."""
-        if FACTORED:
-            group: tl.constexpr = C * W // GROUP_SIZE
-            return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
-                    tl.load(zero_ptr + rows + group, mask=valid, other=0.0))
-        else:
-            cols = rows[:, :, None] + ((C * W + offs_w) // GROUP_SIZE)[None, None, :]
-            return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
-                    tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
+@triton_jit
+def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
+                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(block-table column, slot in the page) of every token of a tile; a scalar block within a page."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
+    elif BLOCK_N % PAGE_SIZE == 0:
+        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
+    else:
+        tok = tile * BLOCK_N + offs_n
+        return tok // PAGE_SIZE, tok % PAGE_SIZE
 
-    @triton.jit
-    def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
-                     W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                     FACTORED: tl.constexpr):
-        """The four quarters' (scale, zero) (one load when a row is one group)."""
-        if FACTORED and NUM_GROUPS == 1:
-            params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
-                                     FACTORED)
-            return params, params, params, params
-        else:
-            return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
-                                    FACTORED) for c in (0, 1, 2, 3)]
+@triton_jit
+def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
+                    rows,           # (S, T) int64 element offset of each token's row
+                    valid,          # (S, T) tokens that exist
+                    offs_w,         # (W,) dims of a quarter, in the order of the codes
+                    C: tl.constexpr,  # the quarter, 0 .. 3
+                    W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
+    """(scale, zero) of quarter C: (S, T) each if FACTORED, else (S, T, W); 0 if missing."""
+    if FACTORED:
+        group: tl.constexpr = C * W // GROUP_SIZE
+        return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
+                tl.load(zero_ptr + rows + group, mask=valid, other=0.0))
+    else:
+        cols = rows[:, :, None] + ((C * W + offs_w) // GROUP_SIZE)[None, None, :]
+        return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
+                tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
 
-    @triton.jit
-    def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
-                     q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
-                     q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
-                     packed,            # (S, T, W // 4) uint32 key code words of the tile
-                     params,            # tuple of 4 (scale, zero), as _tile_params
-                     S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                     NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
-                     DOT_PRECISION: tl.constexpr):
-        """(S, T, BLOCK_H) logits before row_scale, summed over the quarters.  Factored:
-        s * (q.c - z * sum(q)), tokens on the MMA's 16 rows, heads' hi / lo on its 8 columns."""
-        if FACTORED:
-            no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
-            if NUM_GROUPS == 1:
-                t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
-                for c in tl.static_range(1, 4):
-                    t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
-                scale, zero = params[0]
-                q_total = q_sum[0] + q_sum[1] + q_sum[2] + q_sum[3]
-                return scale[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - zero[:, :, None] * q_total)
-            else:
-                logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
-                for c in tl.static_range(4):
-                    scale, zero = params[c]
-                    t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
-                                   S, T, BLOCK_H)
-                    logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
-                return logits
+@triton_jit
+def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
+                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 FACTORED: tl.constexpr):
+    """The four quarters' (scale, zero) (one load when a row is one group)."""
+    if FACTORED and NUM_GROUPS == 1:
+        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
+                                 FACTORED)
+        return params, params, params, params
+    else:
+        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
+                                FACTORED) for c in (0, 1, 2, 3)]
+
+@triton_jit
+def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
+                 q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
+                 q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
+                 packed,            # (S, T, W // 4) uint32 key code words of the tile
+                 params,            # tuple of 4 (scale, zero), as _tile_params
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                 NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """(S, T, BLOCK_H) logits before row_scale, summed over the quarters.  Factored:
+    s * (q.c - z * sum(q)), tokens on the MMA's 16 rows, heads' hi / lo on its 8 columns."""
+    if FACTORED:
+        no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
+        if NUM_GROUPS == 1:
+            t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
+            for c in tl.static_range(1, 4):
+                t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
+            scale, zero = params[0]
+            q_total = q_sum[0] + q_sum[1] + q_sum[2] + q_sum[3]
+            return scale[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - zero[:, :, None] * q_total)
         else:
             logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
             for c in tl.static_range(4):
                 scale, zero = params[c]
-                logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
-                                          USE_DOT, DOT_PRECISION)
+                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
+                               S, T, BLOCK_H)
+                logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
             return logits
-
-    @triton.jit
-    def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
-                   m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
-                   q, q_cols, q_sum,    # the query, as _tile_logits takes it
-                   row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
-                   k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
-                   k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
-                   code_rows,           # (S, T) int64 offset of each token's code row, in words
-                   param_rows,          # (S, T) int64 element offset of its scale / zero row
-                   valid,               # (S, T) tokens that exist (the rest read nothing)
-                   offs_w,              # (W,) dims of a quarter, in the order of the codes
-                   S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                   GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
-                   USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One tile of S x T INT2 tokens (K and V rows loaded once, as 32-bit words): logits,
-        each sub-tile's online softmax, P.V into each quarter.  Returns (acc, m_i, l_i)."""
-        words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
-        k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
-        v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
-        k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
-                                GROUP_SIZE, NUM_GROUPS, FACTORED)
-        v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
-                                GROUP_SIZE, NUM_GROUPS, FACTORED)
-        logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
-                              NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
-        logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
-        acc = [_quarter_pv(acc[c], alpha, p, v_packed, v_params[c][0], v_params[c][1], 2 * c,
-                           S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
-        return acc, m_i, l_i
-
-    @triton.jit
-    def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
-                         acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
-        """Sub-tile states rescaled to the largest max and summed: m, l (BLOCK_H,), acc 4 (BLOCK_H, W)."""
-        m = tl.max(m_i, axis=0)
-        m_ref = tl.where(m == float("-inf"), 0.0, m)
-        w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
-        l = tl.sum(l_i * w, axis=0)
-        return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
-
-    @triton.jit
-    def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
-                     m_i, l_i,          # (BLOCK_H,) softmax state
-                     q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
-                     win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
-                     rows,              # (BLOCK_W, 1) element offset of each window token's row
-                     valid,             # (BLOCK_W,) window slots that hold a token
-                     offs_w,            # (W,) dims of a quarter, in the order of the codes
-                     qk_scale,          # sm_scale * log2(e)
-                     HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-        """One tile of window tokens, fp32 dots, output per quarter.  Returns (acc, m_i, l_i)."""
-        W: tl.constexpr = HEAD_DIM // 4
-        k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
-                    other=0.0).to(tl.float32)
-        logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        logits = tl.where(valid[None, :], logits, float("-inf"))
-        m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
-        v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
-                     other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
-        acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
-               for c in (0, 1, 2, 3)]
-        return acc, m_i, l_i
-
-    @triton.jit
-    def _int2_decode_split_kernel(
-            q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
-            k_codes_ptr,           # (num_pages, H_kv, P, d/4) uint8 packed key codes
-            k_scale_ptr,           # (num_pages, H_kv, P, d/G) fp32 key scales
-            k_zero_ptr,            # (num_pages, H_kv, P, d/G) fp32 key zeros
-            v_codes_ptr,           # same layouts for the values
-            v_scale_ptr,
-            v_zero_ptr,
-            block_table_ptr,       # (B, max_blocks) int32 logical block -> page
-            n_quant_ptr,           # (B,) int32 INT2 tokens per sequence
-            win_k_ptr,             # (B, H_kv, NW, d) fp32/bf16 window keys
-            win_v_ptr,             # (B, H_kv, NW, d) fp32/bf16 window values
-            win_len_ptr,           # (B,) int32 valid window slots per sequence
-            part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
-            part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
-            qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
-            num_splits,            # NUM_SPLITS, programs per (sequence, KV head)
-            stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
-            stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
-            stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
-            stride_btb,                            # block-table row stride
-            stride_wb, stride_wh, stride_wn,       # window strides (batch, head, slot)
-            stride_ob, stride_oh, stride_os,       # partial-output strides (batch, head, split)
-            stride_lb, stride_lh,                  # partial-lse strides (batch, head)
-            HEAD_DIM: tl.constexpr,       # d, a power of two
-            GROUP_SIZE: tl.constexpr,     # G, dims per scale / zero
-            NUM_GROUPS: tl.constexpr,     # d // G
-            PAGE_SIZE: tl.constexpr,      # P, tokens per page
-            QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
-            BLOCK_H: tl.constexpr,        # query-head tile, power of two >= QUERIES_PER_KV
-            BLOCK_N: tl.constexpr,        # INT2 tokens per tile (any page size), power of two >= 16
-            SUB_TILES: tl.constexpr,      # token sub-tiles per tile, each with its own softmax state
-            BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
-            FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
-            DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
-    ):
-        pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-        batch = pid_b.to(tl.int64)
-        W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
-        S: tl.constexpr = SUB_TILES             # sub-tiles per tile (the helpers' S)
-        T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
-
-        # Query heads of this KV head as quarter-rows in the codes' dim order (offs_w), as all else.
-        offs_h = tl.arange(0, BLOCK_H)
-        head_mask = offs_h < QUERIES_PER_KV
-        q_heads = pid_kv * QUERIES_PER_KV + offs_h
-        offs_w = _quarter_dims(W)
-        q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh
-        q, q_cols, q_sum, row_scale = _load_query(q_rows + offs_w[None, :], head_mask, qk_scale,
-                                                  S, W, BLOCK_H, FACTORED)
-
-        # Per sub-tile (a warp's share) softmax state and outputs: merged once, after the loop.
-        m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
-        acc = [tl.zeros([S, W, BLOCK_H], dtype=tl.float32) for _ in (0, 1, 2, 3)]  # transposed
-
-        # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
-        n_quant = tl.load(n_quant_ptr + pid_b)
-        n_tiles = tl.cdiv(n_quant, BLOCK_N)
-        tiles_per_split = tl.cdiv(n_tiles, num_splits)
-        first_tile = tl.minimum(split * tiles_per_split, n_tiles)
-        last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
-        offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
-        bt_row = block_table_ptr + batch * stride_btb
-        k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))   # a code row is d/4 bytes,
-        v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))   # loaded as 32-bit words
-        n_blocks = tl.cdiv(n_quant, PAGE_SIZE)                   # block-table entries in use
-        # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
-        blk = _tile_blocks(first_tile, offs_n, BLOCK_N, PAGE_SIZE)[0]
-        page_next = tl.load(bt_row + blk, mask=(first_tile < last_tile) & (blk < n_blocks), other=0)
-        for tile in range(first_tile, last_tile):
-            page = page_next.to(tl.int64)
-            blk_next = _tile_blocks(tile + 1, offs_n, BLOCK_N, PAGE_SIZE)[0]
-            page_next = tl.load(bt_row + blk_next, mask=(tile + 1 < last_tile) & (blk_next < n_blocks),
-                                other=0)
-            slot = _tile_blocks(tile, offs_n, BLOCK_N, PAGE_SIZE)[1]
-            acc, m_i, l_i = _int2_tile(
-                acc, m_i, l_i, q, q_cols, q_sum, row_scale, k_words_ptr, v_words_ptr,
-                k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
-                page * (stride_cp // 4) + pid_kv * (stride_ch // 4) + slot * (stride_cn // 4),
-                page * stride_sp + pid_kv * stride_sh + slot * stride_sn,
-                tile * BLOCK_N + offs_n < n_quant, offs_w,
-                S, T, W, BLOCK_H, GROUP_SIZE, NUM_GROUPS, FACTORED, W >= 16, DOT_PRECISION)
-
-        # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
-        m_i, l_i, acc = _merge_sub_tiles(m_i, l_i, acc)
-
-        # ---- Full-precision window tokens: window tile t goes to split t % num_splits ----
-        win_len = tl.load(win_len_ptr + pid_b)
-        q_full = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None],
-                         other=0.0).to(tl.float32)
-        for w_tile in range(split, tl.cdiv(win_len, BLOCK_W), num_splits):
-            slot = w_tile * BLOCK_W + tl.arange(0, BLOCK_W)
-            rows = batch * stride_wb + pid_kv * stride_wh + slot[:, None] * stride_wn
-            acc, m_i, l_i = _window_tile(acc, m_i, l_i, q_full, win_k_ptr, win_v_ptr, rows,
-                                         slot < win_len, offs_w, qk_scale, HEAD_DIM, DOT_PRECISION)
-
-        # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
-        has_tokens = l_i > 0
-        l_safe = tl.where(has_tokens, l_i, 1.0)
-        out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh \
-            + split * stride_os + offs_w[None, :]
+    else:
+        logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
         for c in tl.static_range(4):
-            tl.store(out_rows + c * W, acc[c] / l_safe[:, None], mask=head_mask[:, None])
-        tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split,
-                 tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf")), mask=head_mask)
+            scale, zero = params[c]
+            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+        return logits
 
-    @triton.jit
-    def _merge_splits_kernel(
-            part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 normalized partial outputs
-            part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 partial log2-sum-exp2 (-inf: empty)
-            out_ptr,               # (B, H_q, d) fp32 out: final attention output
-            num_splits,            # NUM_SPLITS, partials per (sequence, head)
-            stride_ob, stride_oh, stride_os,   # partial-output strides (batch, head, split)
-            stride_lb, stride_lh,              # partial-lse strides (batch, head)
-            stride_yb, stride_yh,              # output strides (batch, head)
-            HEAD_DIM: tl.constexpr,  # d
-            BLOCK_SPLITS: tl.constexpr,  # partials merged per step (a (BLOCK_SPLITS, d) block)
-    ):
-        """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M = max lse, BLOCK_SPLITS splits
-        at a time (running-max rescaling); empty splits (lse = -inf) weigh 0."""
-        batch = tl.program_id(0).to(tl.int64)
-        head = tl.program_id(1)
-        offs_split = tl.arange(0, BLOCK_SPLITS)
-        offs_d = tl.arange(0, HEAD_DIM)
-        lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
-        out_row = part_out_ptr + batch * stride_ob + head * stride_oh
-        m = tl.full([1], float("-inf"), tl.float32)
-        denom = tl.zeros([1], tl.float32)
-        acc = tl.zeros([HEAD_DIM], tl.float32)
-        for first in range(0, num_splits, BLOCK_SPLITS):
-            split = first + offs_split
-            lse = tl.load(lse_row + split, mask=split < num_splits, other=float("-inf"))
-            o = tl.load(out_row + split[:, None] * stride_os + offs_d[None, :],
-                        mask=(split < num_splits)[:, None], other=0.0)
-            m_new = tl.maximum(m, tl.max(lse, axis=0))
-            m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_ref)
-            w = tl.exp2(lse - m_ref)                                     # empty splits: 0
-            denom = denom * alpha + tl.sum(w, axis=0)
-            acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
-            m = m_new
-        out = acc / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
+@triton_jit
+def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
+               m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
+               q, q_cols, q_sum,    # the query, as _tile_logits takes it
+               row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
+               k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
+               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
+               code_rows,           # (S, T) int64 offset of each token's code row, in words
+               param_rows,          # (S, T) int64 element offset of its scale / zero row
+               valid,               # (S, T) tokens that exist (the rest read nothing)
+               offs_w,              # (W,) dims of a quarter, in the order of the codes
+               S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of S x T INT2 tokens (K and V rows loaded once, as 32-bit words): logits,
+    each sub-tile's online softmax, P.V into each quarter.  Returns (acc, m_i, l_i)."""
+    words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
+    k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
+    v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
+    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
+                          NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
+    logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
+    acc = [_quarter_pv(acc[c], alpha, p, v_packed, v_params[c][0], v_params[c][1], 2 * c,
+                       S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+@triton_jit
+def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
+                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
+    """Sub-tile states rescaled to the largest max and summed: m, l (BLOCK_H,), acc 4 (BLOCK_H, W)."""
+    m = tl.max(m_i, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
+    l = tl.sum(l_i * w, axis=0)
+    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
+
+@triton_jit
+def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
+                 m_i, l_i,          # (BLOCK_H,) softmax state
+                 q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
+                 win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
+                 rows,              # (BLOCK_W, 1) element offset of each window token's row
+                 valid,             # (BLOCK_W,) window slots that hold a token
+                 offs_w,            # (W,) dims of a quarter, in the order of the codes
+                 qk_scale,          # sm_scale * log2(e)
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of window tokens, fp32 dots, output per quarter.  Returns (acc, m_i, l_i)."""
+    W: tl.constexpr = HEAD_DIM // 4
+    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
+    v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
+                 other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
+    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
+           for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+@triton_jit
+def _int2_decode_split_kernel(
+        q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
+        k_codes_ptr,           # (num_pages, H_kv, P, d/4) uint8 packed key codes
+        k_scale_ptr, k_zero_ptr,  # (num_pages, H_kv, P, d/G) fp32 key scales, zeros
+        v_codes_ptr, v_scale_ptr, v_zero_ptr,  # same layouts for the values
+        block_table_ptr,       # (B, max_blocks) int32 logical block -> page
+        n_quant_ptr,           # (B,) int32 INT2 tokens per sequence
+        win_k_ptr, win_v_ptr,  # (B, H_kv, NW, d) fp32/bf16 window keys, values
+        win_len_ptr,           # (B,) int32 valid window slots per sequence
+        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
+        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
+        qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
+        num_splits,            # NUM_SPLITS, programs per (sequence, KV head)
+        stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
+        stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
+        stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
+        stride_btb,                            # block-table row stride
+        stride_wb, stride_wh, stride_wn,       # window strides (batch, head, slot)
+        stride_ob, stride_oh, stride_os,       # partial-output strides (batch, head, split)
+        stride_lb, stride_lh,                  # partial-lse strides (batch, head)
+        HEAD_DIM: tl.constexpr,       # d, a power of two
+        GROUP_SIZE: tl.constexpr,     # G, dims per scale / zero
+        NUM_GROUPS: tl.constexpr,     # d // G
+        PAGE_SIZE: tl.constexpr,      # P, tokens per page
+        QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
+        BLOCK_H: tl.constexpr,        # query-head tile, power of two >= QUERIES_PER_KV
+        BLOCK_N: tl.constexpr,        # INT2 tokens per tile (any page size), power of two >= 16
+        SUB_TILES: tl.constexpr,      # token sub-tiles per tile, each with its own softmax state
+        BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
+        FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
+        DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
+):
+    pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    batch = pid_b.to(tl.int64)
+    W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
+    S: tl.constexpr = SUB_TILES             # sub-tiles per tile (the helpers' S)
+    T: tl.constexpr = BLOCK_N // SUB_TILES  # tokens per sub-tile (>= 16 for the P.V dot)
+
+    # Query heads of this KV head as quarter-rows in the codes' dim order (offs_w), as all else.
+    offs_h = tl.arange(0, BLOCK_H)
+    head_mask = offs_h < QUERIES_PER_KV
+    q_heads = pid_kv * QUERIES_PER_KV + offs_h
+    offs_w = _quarter_dims(W)
+    q_rows = q_ptr + batch * stride_qb + q_heads[:, None] * stride_qh
+    q, q_cols, q_sum, row_scale = _load_query(q_rows + offs_w[None, :], head_mask, qk_scale,
+                                              S, W, BLOCK_H, FACTORED)
+
+    # Per sub-tile (a warp's share) softmax state and outputs: merged once, after the loop.
+    m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
+    acc = [tl.zeros([S, W, BLOCK_H], dtype=tl.float32) for _ in (0, 1, 2, 3)]  # transposed
+
+    # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
+    n_quant = tl.load(n_quant_ptr + pid_b)
+    n_tiles = tl.cdiv(n_quant, BLOCK_N)
+    tiles_per_split = tl.cdiv(n_tiles, num_splits)
+    first_tile = tl.minimum(split * tiles_per_split, n_tiles)
+    last_tile = tl.minimum(first_tile + tiles_per_split, n_tiles)
+    offs_n = tl.arange(0, S)[:, None] * T + tl.arange(0, T)[None, :]   # (S, T) token in tile
+    bt_row = block_table_ptr + batch * stride_btb
+    k_words_ptr = k_codes_ptr.to(tl.pointer_type(tl.uint32))   # a code row is d/4 bytes,
+    v_words_ptr = v_codes_ptr.to(tl.pointer_type(tl.uint32))   # loaded as 32-bit words
+    n_blocks = tl.cdiv(n_quant, PAGE_SIZE)                   # block-table entries in use
+    # Block-table entries of the first tile, loaded ahead; each iteration loads the next.
+    blk = _tile_blocks(first_tile, offs_n, BLOCK_N, PAGE_SIZE)[0]
+    page_next = tl.load(bt_row + blk, mask=(first_tile < last_tile) & (blk < n_blocks), other=0)
+    for tile in range(first_tile, last_tile):
+        page = page_next.to(tl.int64)
+        blk_next = _tile_blocks(tile + 1, offs_n, BLOCK_N, PAGE_SIZE)[0]
+        page_next = tl.load(bt_row + blk_next, mask=(tile + 1 < last_tile) & (blk_next < n_blocks),
+                            other=0)
+        slot = _tile_blocks(tile, offs_n, BLOCK_N, PAGE_SIZE)[1]
+        acc, m_i, l_i = _int2_tile(
+            acc, m_i, l_i, q, q_cols, q_sum, row_scale, k_words_ptr, v_words_ptr,
+            k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
+            page * (stride_cp // 4) + pid_kv * (stride_ch // 4) + slot * (stride_cn // 4),
+            page * stride_sp + pid_kv * stride_sh + slot * stride_sn,
+            tile * BLOCK_N + offs_n < n_quant, offs_w,
+            S, T, W, BLOCK_H, GROUP_SIZE, NUM_GROUPS, FACTORED, W >= 16, DOT_PRECISION)
+
+    # ---- One state from the sub-tiles' states: (BLOCK_H,) and (BLOCK_H, W) from here ----
+    m_i, l_i, acc = _merge_sub_tiles(m_i, l_i, acc)
+
+    # ---- Full-precision window tokens: window tile t goes to split t % num_splits ----
+    win_len = tl.load(win_len_ptr + pid_b)
+    q_full = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None],
+                     other=0.0).to(tl.float32)
+    for w_tile in range(split, tl.cdiv(win_len, BLOCK_W), num_splits):
+        slot = w_tile * BLOCK_W + tl.arange(0, BLOCK_W)
+        rows = batch * stride_wb + pid_kv * stride_wh + slot[:, None] * stride_wn
+        acc, m_i, l_i = _window_tile(acc, m_i, l_i, q_full, win_k_ptr, win_v_ptr, rows,
+                                     slot < win_len, offs_w, qk_scale, HEAD_DIM, DOT_PRECISION)
+
+    # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
+    has_tokens = l_i > 0
+    l_safe = tl.where(has_tokens, l_i, 1.0)
+    out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh \
+        + split * stride_os + offs_w[None, :]
+    for c in tl.static_range(4):
+        tl.store(out_rows + c * W, acc[c] / l_safe[:, None], mask=head_mask[:, None])
+    tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split,
+             tl.where(has_tokens, m_i + tl.log2(l_safe), float("-inf")), mask=head_mask)
+
+@triton_jit
+def _merge_splits_kernel(
+        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 normalized partial outputs
+        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 partial log2-sum-exp2 (-inf: empty)
+        out_ptr,               # (B, H_q, d) fp32 out: final attention output
+        num_splits,            # NUM_SPLITS, partials per (sequence, head)
+        stride_ob, stride_oh, stride_os,   # partial-output strides (batch, head, split)
+        stride_lb, stride_lh,              # partial-lse strides (batch, head)
+        stride_yb, stride_yh,              # output strides (batch, head)
+        HEAD_DIM: tl.constexpr,  # d
+        BLOCK_SPLITS: tl.constexpr,  # partials merged per step (a (BLOCK_SPLITS, d) block)
+):
+    """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M = max lse, BLOCK_SPLITS splits
+    at a time (running-max rescaling); empty splits (lse = -inf) weigh 0."""
+    batch = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    offs_split = tl.arange(0, BLOCK_SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
+    out_row = part_out_ptr + batch * stride_ob + head * stride_oh
+    m = tl.full([1], float("-inf"), tl.float32)
+    denom = tl.zeros([1], tl.float32)
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for first in range(0, num_splits, BLOCK_SPLITS):
+        split = first + offs_split
+        lse = tl.load(lse_row + split, mask=split < num_splits, other=float("-inf"))
+        o = tl.load(out_row + split[:, None] * stride_os + offs_d[None, :],
+                    mask=(split < num_splits)[:, None], other=0.0)
+        m_new = tl.maximum(m, tl.max(lse, axis=0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_ref)
+        w = tl.exp2(lse - m_ref)                                     # empty splits: 0
+        denom = denom * alpha + tl.sum(w, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * o, axis=0)
+        m = m_new
+    out = acc / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
 
 
 _KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
@@ -504,8 +501,8 @@ def check_tensor(name, x, shape=None, dtype=None, finite=False, device=None, con
         fail(name, "a floating dtype", x.dtype)
     if isinstance(dtype, tuple) and x.dtype not in dtype:
         fail(name, "dtype " + " or ".join(str(d) for d in dtype), x.dtype)
-    if shape is not None and (x.dim() != len(shape)
-                              or any(s is not None and s != n for s, n in zip(shape, x.shape))):
+    if shape is not None and (x.dim() != len(shape) or any(s not in (None, n)
+                                                            for s, n in zip(shape, x.shape))):
         fail(name, "shape (" + ", ".join("*" if s is None else str(s) for s in shape) + ")", tuple(x.shape))
     if device is not None and x.device != device:
         fail(name, f"device {device} (the device of q)", x.device)
@@ -520,14 +517,12 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
     """Validate everything (ValueError naming the argument); return the sizes as a dict."""
     floats = (torch.float32, torch.bfloat16)
     check_tensor("q", q, (None, None, None), floats, device=None, contiguous=True)
-    dev = q.device
-    B, H_q, d = q.shape
+    dev, (B, H_q, d) = q.device, q.shape
     if B < 1 or H_q < 1:
         fail("q", "at least one sequence and one head", tuple(q.shape))
     if d < 16 or d > 256 or d & (d - 1):
         fail("q", "head_dim (last dim) a power of two in [16, 256]", d)
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 \
-            or d % group_size:
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1 or d % group_size:
         fail("group_size", f"a positive int dividing head_dim {d}", group_size)
     check_tensor("k_codes", k_codes, (None, None, None, d // 4), (torch.uint8,), device=dev, contiguous=True)
     num_pages, H_kv, P, _ = k_codes.shape
@@ -537,8 +532,7 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         fail("k_codes", "page size (dim 2) >= 1", P)
     check_tensor("v_codes", v_codes, tuple(k_codes.shape), (torch.uint8,), device=dev, contiguous=True)
     params = (num_pages, H_kv, P, d // group_size)
-    for name, t in (("k_scale", k_scale), ("k_zero", k_zero),
-                    ("v_scale", v_scale), ("v_zero", v_zero)):
+    for name, t in (("k_scale", k_scale), ("k_zero", k_zero), ("v_scale", v_scale), ("v_zero", v_zero)):
         check_tensor(name, t, params, (torch.float32,), device=dev, contiguous=True)
     check_tensor("block_table", block_table, (B, None), (torch.int32,), device=dev, contiguous=True)
     check_tensor("n_quant", n_quant, (B,), (torch.int32,), device=dev, contiguous=True)
@@ -551,20 +545,16 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         fail("num_splits", f"None or an int in [1, {_MAX_SPLITS}]", num_splits)
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
         fail("sm_scale", "None or a finite float", sm_scale)
-
-    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW,
-                max_tokens=block_table.shape[1] * P, num_pages=num_pages)
+    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW, max_tokens=block_table.shape[1] * P,
+                num_pages=num_pages)
 
 
 def _check_values(k_codes, block_table, n_quant, win_len, sizes):
     """Check lengths and used block-table entries (read on the host); return the longest n_quant."""
     P, NW, num_pages = sizes["P"], sizes["NW"], sizes["num_pages"]
-    nq = n_quant.cpu().long()
-    wl = win_len.cpu().long()
-    max_blocks = block_table.shape[1]
+    nq, wl, max_blocks = n_quant.cpu().long(), win_len.cpu().long(), block_table.shape[1]
     if (nq < 0).any() or (nq > max_blocks * P).any():
-        fail("n_quant", f"values in [0, max_blocks * page_size] = [0, {max_blocks * P}]",
-              nq.tolist())
+        fail("n_quant", f"values in [0, max_blocks * page_size] = [0, {max_blocks * P}]", nq.tolist())
     if (wl < 0).any() or (wl > NW).any():
         fail("win_len", f"values in [0, NW] = [0, {NW}] (NW from win_k)", wl.tolist())
     empty = ((nq + wl) < 1).nonzero().flatten().tolist()
@@ -583,21 +573,17 @@ def _check_values(k_codes, block_table, n_quant, win_len, sizes):
 # ==== Launcher: block sizes and launch ====
 @functools.lru_cache(maxsize=None)
 def _sm_count(device):
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
 def _default_num_splits(B, H_kv, max_tiles, device):
     """Enough programs for ~4 waves of the GPU, at least one tile per split."""
-    want = triton.cdiv(4 * _sm_count(device), max(1, B * H_kv))
-    return max(1, min(want, max_tiles, 64))
+    return max(1, min(triton.cdiv(4 * _sm_count(device), max(1, B * H_kv)), max_tiles, 64))
 
 
 @functools.lru_cache(maxsize=None)
 def _dot_precision(device):
-    """fp32 tl.dot (window tokens, general path): 3xTF32 keeps ~fp32 accuracy on tensor
-    cores (NVIDIA sm80+)."""
+    """fp32 tl.dot (window tokens, general path): 3xTF32 keeps ~fp32 accuracy on tensor cores (sm80+)."""
     if device.type == "cuda" and not _INTERPRETED and torch.version.hip is None \
             and torch.cuda.get_device_capability(device)[0] >= 8:
         return "tf32x3"
@@ -605,12 +591,11 @@ def _dot_precision(device):
 
 
 def _block_sizes(d, G, ratio, P):
-    """Stage 1's tiles, warps and stages (no autotuning), chosen with `python -m tools.sass`'s
-    static model; all tested configurations compile spill-free for sm_80 and sm_90a (`pytest -m
-    sass_all`; triton 3.7.1, 3.6.0).  d = G = 128: 128-token tiles, no pipelining (model: 2.0x
-    the HBM time; 64 tokens, 1-3 stages: 2.2-2.4x), 64 if a page is shorter.  Several groups per
-    row: 64 within a page, 32 across pages and for d = 256.  General path: 16 tokens, one
-    sub-tile.  maxnreg 255: unset, ptxas settles at 168 on sm_90a and spills."""
+    """Stage 1's tiles, warps and stages (no autotuning), chosen with `python -m tools.sass`'s static
+    model; all tested configurations compile spill-free for sm_80 and sm_90a (`pytest -m sass_all`; triton
+    3.7.1, 3.6.0).  d = G = 128: 128-token tiles, no pipelining (model: 2.0x the HBM time; 64 tokens, 1-3
+    stages: 2.2-2.4x), 64 if a page is shorter.  Several groups per row: 64 within a page, 32 across pages
+    and for d = 256.  General path: 16 tokens, one sub-tile.  maxnreg 255: unset, ptxas spills at 168."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
     if not factored:
@@ -633,11 +618,9 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
     """Launch both stages on already validated inputs; no host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
     cfg = _block_sizes(d, group_size, H_q // H_kv, P)
-    if num_splits is None:
-        max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
-        num_splits = _default_num_splits(B, H_kv, max_tiles, q.device)
-    if sm_scale is None:
-        sm_scale = 1.0 / math.sqrt(d)
+    max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
+    num_splits = num_splits or _default_num_splits(B, H_kv, max_tiles, q.device)
+    sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if NW == 0:  # give the kernel a readable (never read) pointer
         win_k = win_v = q.new_zeros(B, H_kv, 1, d)
     if k_codes.shape[0] == 0:  # empty pool (all n_quant == 0): same reason
@@ -645,45 +628,30 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         k_scale = k_zero = v_scale = v_zero = k_scale.new_zeros(1, *k_scale.shape[1:])
     if block_table.shape[1] == 0:
         block_table = block_table.new_zeros(B, 1)
-
     part_out = torch.empty(B, H_q, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H_q, d, dtype=torch.float32, device=q.device)
-
-    _int2_decode_split_kernel[(B, H_kv, num_splits)](
-        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
-        win_k, win_v, win_len, part_out, part_lse,
-        sm_scale * _LOG2E, num_splits,
-        q.stride(0), q.stride(1),
-        k_codes.stride(0), k_codes.stride(1), k_codes.stride(2),
-        k_scale.stride(0), k_scale.stride(1), k_scale.stride(2),
-        block_table.stride(0),
-        win_k.stride(0), win_k.stride(1), win_k.stride(2),
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        HEAD_DIM=d, GROUP_SIZE=group_size, NUM_GROUPS=d // group_size, PAGE_SIZE=P,
-        QUERIES_PER_KV=H_q // H_kv, DOT_PRECISION=_dot_precision(q.device), **cfg,
-    )
+    _int2_decode_split_kernel[(B, H_kv, num_splits)](      # strides as the kernel's arguments name them
+        q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k, win_v, win_len,
+        part_out, part_lse, sm_scale * _LOG2E, num_splits, *q.stride()[:2], *k_codes.stride()[:3],
+        *k_scale.stride()[:3], block_table.stride(0), *win_k.stride()[:3], *part_out.stride()[:3],
+        *part_lse.stride()[:2], HEAD_DIM=d, GROUP_SIZE=group_size, NUM_GROUPS=d // group_size, PAGE_SIZE=P,
+        QUERIES_PER_KV=H_q // H_kv, DOT_PRECISION=_dot_precision(q.device), **cfg)
     _merge_splits_kernel[(B, H_q)](
-        part_out, part_lse, out, num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=d, BLOCK_SPLITS=max(1, min(triton.next_power_of_2(num_splits), 4096 // d)),
-        num_warps=4,
-    )
+        part_out, part_lse, out, num_splits, *part_out.stride()[:3], *part_lse.stride()[:2],
+        *out.stride()[:2], HEAD_DIM=d, BLOCK_SPLITS=min(triton.next_power_of_2(num_splits), 4096 // d),
+        num_warps=4)
     return out
 
 
-def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                      n_quant, win_k, win_v, win_len, group_size, num_splits=None,
-                      sm_scale=None, checked=True) -> torch.Tensor:
-    """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d)
-    fp32.  num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale:
-    logit scale (None: 1/sqrt(d)).  A ValueError names any malformed argument.  checked=True also
-    checks n_quant, win_len and the used block-table entries on the host (a sync); checked=False
-    never syncs (CUDA-graph capturable; a whole optr.decode_step is not): bad values are then
-    undefined behaviour, and num_splits=None sizes from the block table's capacity."""
+def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k,
+                      win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True):
+    """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d) fp32.
+    num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale: logit scale (None:
+    1/sqrt(d)).  A ValueError names any malformed argument.  checked=True also checks n_quant, win_len
+    and the used block-table entries on the host (a sync); checked=False never syncs (CUDA-graph
+    capturable; a whole optr.decode_step is not): bad values are then undefined behaviour, and
+    num_splits=None sizes from the block table's capacity."""
     if triton is None:
         raise ImportError("int2_paged_decode needs triton, which is not installed (its wheels are for "
                           "Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
@@ -701,27 +669,51 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
 
 # ==== CPU kernels (numba): the same algorithm without a GPU, and the INT2 write ====
-# numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes);
-# it compiles once (~40 s), then loads from __pycache__ in 0.6 s; ~110 MiB resident once loaded.
-# A job owns one (sequence, KV head, split) and all its query heads; partials merge by log-sum-exp.
-# Sums are reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
+# numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes); it compiles
+# once (~40 s), then loads from __pycache__ in 0.6 s; ~110 MiB resident once loaded.  A job owns one
+# (sequence, KV head, split) and all its query heads; partials merge by log-sum-exp.  Sums are
+# reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
+prange = range   # numba.prange where compiled (_nb)
 
-def _cpu_unpack(codes, page, h, slot, out):
-    """out[:] = the d codes of row (page, h, slot) as fp32 (int32 shifts: AVX2 converts int32)."""
+_CPU_TILE = 16                      # INT2 tokens unpacked at once (within one page)
+_EXP2_TAYLOR = tuple(math.log(2) ** i / math.factorial(i) for i in range(8))   # 2^f = e^(f ln 2)
+
+
+def _cpu_unpack(codes, page, h, slot, m, tile):
+    """tile[t] = the d codes of row (page, h, slot + t) as fp32, t < m (int32 shifts: AVX2 converts int32)."""
     D4 = codes.shape[3]
-    for c in range(4):
-        for j in range(D4):
-            out[c * D4 + j] = np.float32((np.int32(codes[page, h, slot, j]) >> np.int32(2 * c)) & np.int32(3))
+    for t in range(m):
+        for c in range(4):
+            for j in range(D4):
+                tile[t, c * D4 + j] = np.float32((np.int32(codes[page, h, slot + t, j]) >> np.int32(2 * c))
+                                                 & np.int32(3))
+
+
+def _cpu_exp_rows(a, m, n):
+    """a[r, :n] = exp(a[r, :n] - m[r]) (a loop LLVM vectorises; libm's expf does not): 2^t as 2^k,
+    added to the exponent bits, times 2^f, f = t - k in [-1/2, 1/2], by its degree-7 Taylor
+    polynomial (relative error < 6e-9 before fp32 rounding); t >= -115, so 2^k stays normal."""
+    f32 = np.float32
+    c0, c1, c2, c3, c4, c5, c6, c7 = _EXP2_TAYLOR
+    bits = a.view(np.int32)
+    for r in range(a.shape[0]):
+        for i in range(n):
+            t = max(a[r, i] - m[r], f32(-80.0)) * f32(1.4426950408889634)
+            k = np.floor(t + f32(0.5))
+            f = t - k
+            a[r, i] = ((((((f32(c7) * f + f32(c6)) * f + f32(c5)) * f + f32(c4)) * f + f32(c3)) * f
+                        + f32(c2)) * f + f32(c1)) * f + f32(c0)
+            bits[r, i] += np.int32(k) << 23
 
 
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                     lse_part, job):
-    """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no
-    rescaling), factored as the Triton kernel; b reads block-table and window row rows[b]."""
+    """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no rescaling),
+    factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page (codes unpacked once
+    a tile; at G = d p V four tokens a sweep); b reads block-table and window row rows[b]."""
     f32 = np.float32
-    B, Hq, d = q.shape
-    H, P = kc.shape[1], kc.shape[2]
-    R, NG = Hq // H, d // G
+    (B, Hq, d), H, P = q.shape, kc.shape[1], kc.shape[2]
+    R, NG, T = Hq // H, d // G, _CPU_TILE
     b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
     n, w, s = nq[b], wl[b], rows[b]
     t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split          # INT2 tokens [t0, t1)
@@ -735,26 +727,29 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
         for ch in range(d):
             qs[r, ch] = q[b, h * R + r, ch] * scale
             qsum[r, ch // G] += qs[r, ch]
-    a = np.empty((R, nt + nw), dtype=f32)
-    code = np.empty(d, dtype=f32)
-    qs3, code2 = qs.reshape(R, NG, G), code.reshape(NG, G)            # views by Q2 group
-    for i in range(nt):                                               # pass 1: INT2 logits
-        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
-        cpu_unpack(kc, page, h, slot, code)
-        for r in range(R):
-            if NG == 1:
+    a, tile = np.empty((R, nt + nw), dtype=f32), np.empty((T, d), dtype=f32)   # logits then p; codes
+    qs3, tile3 = qs.reshape(R, NG, G), tile.reshape(T, NG, G)         # views by Q2 group
+    i = 0
+    while i < nt:                                                     # pass 1: INT2 logits, a tile
+        page, slot = bt[s, (t0 + i) // P], (t0 + i) % P               # of mt tokens in one page
+        mt = min(T, nt - i, P - slot)
+        _cpu_unpack(kc, page, h, slot, mt, tile)
+        for t in range(mt if NG == 1 else 0):                         # G = d
+            for r in range(R):
                 y = f32(0.0)
                 for ch in range(d):
-                    y += qs[r, ch] * code[ch]
-                a[r, i] = ks[page, h, slot, 0] * (y - kz[page, h, slot, 0] * qsum[r, 0])
-            else:
+                    y += qs[r, ch] * tile[t, ch]
+                a[r, i + t] = ks[page, h, slot + t, 0] * (y - kz[page, h, slot + t, 0] * qsum[r, 0])
+        for t in range(0 if NG == 1 else mt):                         # G < d
+            for r in range(R):
                 y = f32(0.0)
                 for g in range(NG):
                     x = f32(0.0)
                     for k in range(G):        # indices from ranges (known >= 0): the loop vectorises
-                        x += qs3[r, g, k] * code2[g, k]
-                    y += ks[page, h, slot, g] * (x - kz[page, h, slot, g] * qsum[r, g])
-                a[r, i] = y
+                        x += qs3[r, g, k] * tile3[t, g, k]
+                    y += ks[page, h, slot + t, g] * (x - kz[page, h, slot + t, g] * qsum[r, g])
+                a[r, i + t] = y
+        i += mt
     for i in range(nw):                                               # the window tokens, exact
         for r in range(R):
             y = f32(0.0)
@@ -764,26 +759,34 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
     m, l = np.empty(R, dtype=f32), np.zeros(R, dtype=f32)
     for r in range(R):
         m[r] = a[r].max()
+    _cpu_exp_rows(a, m, nt + nw)
+    for r in range(R):
         for i in range(nt + nw):
-            a[r, i] = np.exp(a[r, i] - m[r])
             l[r] += a[r, i]
     o, psz = np.zeros((R, d), dtype=f32), np.zeros((R, NG), dtype=f32)
-    o3 = o.reshape(R, NG, G)
-    for i in range(nt):                                               # pass 2: p V~
+    o3, xs = o.reshape(R, NG, G), np.empty((R, T * NG), dtype=f32)  # xs[r, t NG + g]: p s of (t, g)
+    i = 0
+    while i < nt:                                                     # pass 2: p V~, tile by tile
         page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
-        cpu_unpack(vc, page, h, slot, code)
+        mt = min(T, nt - i, P - slot)
+        _cpu_unpack(vc, page, h, slot, mt, tile)
         for r in range(R):
-            if NG == 1:
-                x = a[r, i] * vs[page, h, slot, 0]
-                psz[r, 0] += x * vz[page, h, slot, 0]
-                for ch in range(d):
-                    o[r, ch] += x * code[ch]
-            else:
+            for t in range(mt):
                 for g in range(NG):
-                    x = a[r, i] * vs[page, h, slot, g]
-                    psz[r, g] += x * vz[page, h, slot, g]
+                    xs[r, t * NG + g] = a[r, i + t] * vs[page, h, slot + t, g]
+                    psz[r, g] += xs[r, t * NG + g] * vz[page, h, slot + t, g]
+            t = 0
+            while NG == 1 and t + 4 <= mt:                            # G = d: four tokens a sweep of o
+                x0, x1, x2, x3 = xs[r, t], xs[r, t + 1], xs[r, t + 2], xs[r, t + 3]
+                for ch in range(d):
+                    o[r, ch] += (x0 * tile[t, ch] + x1 * tile[t + 1, ch]) + (x2 * tile[t + 2, ch]
+                                                                          + x3 * tile[t + 3, ch])
+                t += 4
+            for t in range(t, mt):                                    # the rest; G < d: every token
+                for g in range(NG):
                     for k in range(G):
-                        o3[r, g, k] += x * code2[g, k]
+                        o3[r, g, k] += xs[r, t * NG + g] * tile3[t, g, k]
+        i += mt
     for i in range(nw):
         for r in range(R):
             for ch in range(d):
@@ -800,14 +803,13 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n
     H = kc.shape[1]
     o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
     lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
-    for job in numba_prange(B * H * n_split):
-        cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
+    for job in prange(B * H * n_split):
+        _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
                        lse_part, job)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
-        b, j = bj // Hq, bj % Hq
+        b, j, tot = bj // Hq, bj % Hq, np.float32(0.0)
         M = lse_part[b, j].max()
-        tot = np.float32(0.0)
         for sp in range(n_split):
             if lse_part[b, j, sp] > -np.inf:
                 wgt = np.exp(lse_part[b, j, sp] - M)
@@ -818,11 +820,9 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n
 
 
 def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
-    """Q2 of one row x (d,) fp32 into codes, scale, zero[page, h, slot], bit for bit as
-    q2_quantize. code: (d,) uint8 scratch."""
-    f32 = np.float32
-    d = x.shape[0]
-    D4 = d // 4
+    """Q2 of one row x (d,) fp32 into codes, scale, zero[page, h, slot], bit for bit as q2_quantize.
+    code: (d,) uint8 scratch."""
+    f32, d, D4 = np.float32, x.shape[0], x.shape[0] // 4
     for g in range(d // G):
         xg = x[g * G:(g + 1) * G]
         tau = np.sort(np.abs(xg))[rank]                            # |x| at rank floor(c G)
@@ -844,9 +844,9 @@ def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
 def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
     """_cpu_q2_row of rows (N, H, d) fp32 at [page[i], :, slot[i]], in parallel."""
     N, H = rows.shape[0], rows.shape[1]
-    for ih in numba_prange(N * H):
+    for ih in prange(N * H):
         i, h = ih // H, ih % H
-        cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i],
+        _cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i],
                    np.empty(rows.shape[2], dtype=np.uint8))
 
 
@@ -886,28 +886,28 @@ def _cpu_step(q, k, v, mu, rk, rv, rotate_v, kc, ks, kz, vc, vs, vz, bt, wk, wv,
                 n = p - W - S
                 page, ps = bt[s, n // P], n % P
                 if W > 0:                                         # the ring's oldest: its window copy
-                    cpu_q2_row(wk[s, h, slot], rank_k, G, eps, kc, ks, kz, page, h, ps, code)
-                    cpu_q2_row(wv[s, h, slot], rank_v, G, eps, vc, vs, vz, page, h, ps, code)
-            cpu_rotate(k[b, h, 0], mu, rk, h, row)
+                    _cpu_q2_row(wk[s, h, slot], rank_k, G, eps, kc, ks, kz, page, h, ps, code)
+                    _cpu_q2_row(wv[s, h, slot], rank_v, G, eps, vc, vs, vz, page, h, ps, code)
+            _cpu_rotate(k[b, h, 0], mu, rk, h, row)
             if slot >= 0:
                 wk[s, h, slot] = row
             else:
-                cpu_q2_row(row, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
+                _cpu_q2_row(row, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
             if rotate_v:
-                cpu_rotate(v[b, h, 0], zeros, rv, h, row)
+                _cpu_rotate(v[b, h, 0], zeros, rv, h, row)
             else:
                 row[:] = v[b, h, 0]
             if slot >= 0:
                 wv[s, h, slot] = row
             else:
-                cpu_q2_row(row, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
+                _cpu_q2_row(row, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
         length[s] = p + 1
         nq[b], wl[b] = max(0, p + 1 - S - W), min(p + 1, S + W)
     qr = np.empty((B, Hq, d), dtype=np.float32)                   # q R_K
     for b in range(B):
         for j in range(Hq):
-            cpu_rotate(q[b, j, 0], zeros, rk, j // R, qr[b, j])
-    o = cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
+            _cpu_rotate(q[b, j, 0], zeros, rk, j // R, qr[b, j])
+    o = _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
     for b in range(B):
         for j in range(Hq):
             if rotate_v:                                          # o R_V^T
@@ -925,21 +925,24 @@ _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep in
 
 
 @functools.lru_cache(maxsize=None)
-def _numba():
-    """The compiled CPU kernels, jitted at the first call (compiled once, then cached on disk)."""
+def _nb() -> types.SimpleNamespace:
+    """The compiled CPU kernels by name (decode, store, step; exp_rows for its test), jitted at the first
+    call, then cached on disk.  Each is compiled from a copy of its function whose globals are a copy of
+    the module's with the names it calls (_cpu_unpack, prange, ...) compiled: the module's stay Python."""
     import numba
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]   # omp: 90 ms/token at 4k,
-    g = globals()                                                        # workqueue 242 (SmolLM2)
-    g["numba_prange"] = numba.prange
-    g["cpu_decode_job"] = numba.njit(cache=True, fastmath=_FASTMATH)(_cpu_decode_job)
-    g["cpu_unpack"] = numba.njit(cache=True, inline="always")(_cpu_unpack)
-    g["cpu_q2_row"] = numba.njit(cache=True)(_cpu_q2_row)
-    g["cpu_rotate"] = numba.njit(cache=True)(_cpu_rotate)
-    g["cpu_decode"] = decode = numba.njit(parallel=True, cache=True)(_cpu_decode)
-    store = numba.njit(parallel=True, cache=True)(_cpu_q2_store)
-    step = numba.njit(cache=True)(_cpu_step)
+    scope = dict(globals(), prange=numba.prange)                         # workqueue 242 (SmolLM2)
+
+    def jit(fn, **options):
+        copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
+        copy.__qualname__ = fn.__qualname__
+        scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
+        return scope[fn.__name__]
+    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate)      # called by the three
+    jit(_cpu_unpack, inline="always"), jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
-    return decode, store, step
+    return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), step=jit(_cpu_step),
+                                 store=jit(_cpu_q2_store, parallel=True), exp_rows=scope["_cpu_exp_rows"])
 
 
 def _cpu_splits(B, H_kv, longest):
@@ -960,15 +963,12 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         _check_values(k_codes, block_table, n_quant, win_len, sizes)
     B, H_kv, d = q.shape[0], k_codes.shape[1], q.shape[2]
     nq, wl = n_quant.numpy(), win_len.numpy()
-    decode = _numba()[0]
     num_splits = num_splits or _cpu_splits(B, H_kv, int(nq.max()) + int(wl.max()))
-    fp32 = lambda x: x.detach().float().numpy()   # bf16 windows: numba has no bf16
-    out = decode(q.detach().float().numpy(), k_codes.numpy(), k_scale.numpy(), k_zero.numpy(),
-                 v_codes.numpy(), v_scale.numpy(), v_zero.numpy(), block_table.numpy(), nq,
-                 fp32(win_k), fp32(win_v), wl,
-                 np.arange(B), group_size, np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale),
-                 num_splits)
-    return torch.from_numpy(out)
+    fp32 = lambda x: x.detach().float().numpy()   # bf16 q and windows: numba has no bf16
+    return torch.from_numpy(_nb().decode(
+        fp32(q), *(x.numpy() for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table)), nq,
+        fp32(win_k), fp32(win_v), wl, np.arange(B), group_size,
+        np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), num_splits))
 
 
 def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: int, rank_v: int,
@@ -978,10 +978,10 @@ def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: i
     (k_codes .. v_zero, block_table, win_k, win_v), length (max_seqs,), seqs (B,) int64, out."""
     B, H = q.shape[0], pages[0].shape[1]
     splits = _cpu_splits(B, H, int(length[seqs].max()) + 1)
-    _numba()[2](q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k,
-                r_k if r_v is None else r_v, r_v is not None,
-                *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
-                np.float32(sm_scale), splits, out)
+    _nb().step(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k,
+               r_k if r_v is None else r_v, r_v is not None,
+               *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
+               np.float32(sm_scale), splits, out)
 
 
 def paged_decode(q, **view) -> torch.Tensor:
@@ -996,5 +996,5 @@ def q2_store(rows, clip, group_size, eps, codes, scale, zero, page, slot):
     need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(),
          "q2_store: fp32 rows")
     rank = min(max(int(math.floor(clip * group_size)), 0), group_size - 1)
-    _numba()[1](rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
+    _nb().store(rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
                 zero.numpy(), page.numpy(), slot.numpy())

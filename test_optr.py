@@ -4510,6 +4510,24 @@ def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, sc
     assert not codes.transpose(1, 2)[~written].any() and not sc.transpose(1, 2)[~written].any()
 
 
+@given(x=arrays(np.float32, st.tuples(st.integers(1, 3), st.integers(1, 64)),
+                elements=st.floats(-150, 60, width=32)))
+def test_the_compiled_decode_exp_is_float64_exp_within_fp32_argument_rounding(x):
+    """The decode's vectorised exp (2^k 2^f, f's degree-7 Taylor) of a - max(a) per row, beside a fixed
+    row whose every argument in [-20, 0] (step 1/64) puts f anywhere in [-1/2, 1/2], is numpy's float64
+    exp of the same fp32 difference within 3e-7 relative plus the rounding of a t = a log2(e) of that
+    size (1.2e-7 |a|); arguments below -80 read as -80 (an absolute 2e-35)."""
+    x = np.concatenate([np.pad(x, ((0, 0), (0, 1281 - x.shape[1])), constant_values=-1e4),
+                        -np.arange(1281, dtype=np.float32)[None] / 64])
+    m, a = x.max(axis=1), x.copy()
+    kernel._nb().exp_rows(a, m, a.shape[1])
+    arg = (x - m[:, None]).astype(np.float64)                              # the fp32 difference, exact
+    want = np.exp(arg)
+    excess = np.abs(a - want) - ((3e-7 + 1.2e-7 * np.abs(arg)) * want + 2e-35)
+    worst = np.unravel_index(excess.argmax(), a.shape)
+    assert excess.max() <= 0, f"exp({arg[worst]}) = {a[worst]}, float64 {want[worst]}"
+
+
 def q2_store_row(x, clip, G):
     """kernel.q2_store of one row x (d,) into a one-slot pool: (its codes (d,), scales, zeros (d/G,))."""
     d, at = x.shape[-1], torch.zeros(1, dtype=torch.long)
@@ -4963,6 +4981,30 @@ def test_without_triton_the_triton_launcher_names_the_missing_package(monkeypatc
         int2_paged_decode(**bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu"))
 
 
+class _HideTriton:
+    """A meta_path finder for which triton is not installed (as on macOS and Windows)."""
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "triton":
+            raise ImportError(f"No module named {name!r} (hidden by the test)", name=name)
+
+
+def test_kernel_and_optr_import_with_triton_hidden_and_its_kernel_refuses_to_launch(monkeypatch):
+    """With triton hidden, kernel and optr import afresh, kernel's Triton kernels are still
+    top-level definitions that refuse a launch with an ImportError naming triton, and the
+    numba CPU decode runs."""
+    import importlib
+    for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernel", "optr")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setattr(sys, "meta_path", [_HideTriton()] + sys.meta_path)
+    hidden, _ = importlib.import_module("kernel"), importlib.import_module("optr")
+    assert hidden is not kernel and hidden.triton is None
+    with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton.*int2_paged_decode_cpu"):
+        hidden._int2_decode_split_kernel[(1, 1, 1)]()
+    args = bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu")
+    assert_close_report(hidden.int2_paged_decode_cpu(**args), optr.paged_decode_reference(**args),
+                        *TOLERANCES[torch.float32], "numba without triton")
+
+
 def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
     """`python -m tools.bench` (here on the CPU: the compiled CPU kernel against bf16
     SDPA) prints its header and one timed row per (batch, context)."""
@@ -4970,6 +5012,19 @@ def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
     rows = [l.split() for l in capsys.readouterr().out.splitlines()[2:]]
     assert [r[:2] for r in rows] == [["1", "400"], ["2", "400"]], rows
     assert all(float(r[2]) > 0 and r[-1].endswith("x") for r in rows), rows
+
+
+def test_the_cpu_table_prints_each_path_and_length_and_the_bytes_bound_past_the_fixed_cost():
+    """`python -m tools.bench --cpu-table` (here 2 rounds, INT2 0 and 300) prints the bandwidth, a
+    row per path and length, and ns per token-head against the bytes' time only past t(0)."""
+    lines = []
+    times = bench.cpu_table(lengths=(0, 300), reps=2, log=lines.append)
+    assert set(times) == {(p, n) for p in ("int2_paged_decode_cpu", "_nb().decode") for n in (0, 300)}
+    assert "GB/s" in lines[1] and "48 B" in lines[1]
+    rows = [l.split() for l in lines[3:]]
+    assert [(r[0], r[1]) for r in rows] == [(p, n) for p in ("int2_paged_decode_cpu", "_nb().decode")
+                                            for n in ("0", "300")]
+    assert [len(r) for r in rows] == [4, 6, 4, 6] and all(r[-1].endswith("x") for r in rows[1::2])
 
 
 def test_the_bench_refuses_a_batch_list_with_a_zero_as_a_usage_error(capsys):

@@ -79,6 +79,67 @@ def bench(batches, contexts, device, peak_gbs=None, shape=BENCH_SHAPE):
                   f"{bf16_bytes / bf16_us / 1e3:>7.0f} {bf16_us / int2_us:>6.2f}x", flush=True)
 
 
+SMOLLM2_SHAPE = dict(H_q=9, H_kv=3, d=64, G=64, P=64, NW=320)   # fp32 windows: sink 64 + window 256
+CPU_LENGTHS = (0, 64, 700, 3776, 7700)                            # INT2 tokens: 1k, 4k, 8k less the windows
+
+
+def _machine():
+    """The CPU's model name and the threads torch and numba use."""
+    import os
+    info = open("/proc/cpuinfo").read().splitlines() if os.path.exists("/proc/cpuinfo") else []
+    model = next((line.split(":", 1)[1].strip() for line in info if line.startswith("model name")), "CPU")
+    return f"{model}, {torch.get_num_threads()} threads"
+
+
+def cpu_table(lengths=CPU_LENGTHS, reps=21, shape=SMOLLM2_SHAPE, log=print):
+    """One decode call per INT2 length at SmolLM2's shape, batch 1: the numba decode as
+    int2_paged_decode_cpu (unchecked) and as _nb().decode (what cpu_decode_step calls, numpy in),
+    interleaved in one process in a seeded random order each round, with a memory bandwidth read each
+    round (torch.sum over 256 MiB fp32); medians [min-max].  ns per INT2 token and KV head:
+    (t(n) - t(0)) / (H_kv n), against the bytes a token-head reads (K and V codes, scale and zero) at
+    that bandwidth; t(0) is the window's and the fixed cost.  Returns {(path, n): median us}."""
+    import time
+    import numpy as np
+    H_q, H_kv, d, G, P, NW = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P", "NW"))
+    torch.manual_seed(0)
+    cases = {n: random_inputs(1, n, H_q, H_kv, d, G, P, NW, torch.float32, "cpu") for n in lengths}
+    nb = kernel._nb()
+    np_args = {n: [a[k].numpy() for k in ("q", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
+                                          "block_table", "n_quant", "win_k", "win_v", "win_len")]
+               + [np.arange(1), G, np.float32(d ** -0.5), kernel._cpu_splits(1, H_kv, n + NW)]
+               for n, a in cases.items()}
+    paths = {"int2_paged_decode_cpu": lambda n: kernel.int2_paged_decode_cpu(**cases[n], checked=False),
+             "_nb().decode": lambda n: nb.decode(*np_args[n])}
+    big = torch.ones(64 << 20)                                               # 256 MiB
+    times, gbs = {(p, n): [] for p in paths for n in lengths}, []
+    order, rng = [(p, n) for n in lengths for p in paths], np.random.default_rng(0)
+    for rep in range(reps + 1):                                              # round 0 warms up
+        t0 = time.perf_counter()
+        big.sum()
+        gbs.append(big.numel() * 4 / (time.perf_counter() - t0) / 1e9)
+        for i in rng.permutation(len(order)):                                # a fresh order each round
+            p, n = order[i]
+            t0 = time.perf_counter()
+            paths[p](n)
+            times[p, n].append((time.perf_counter() - t0) * 1e6)
+    med = lambda x: sorted(x[1:])[len(x[1:]) // 2]
+    bw, per_tok = med(gbs), 2 * (d // 4) + 2 * 8 * (d // G)                 # bytes per INT2 token and KV head
+    log(f"{_machine()}; torch {torch.__version__}; H_q {H_q}, H_kv {H_kv}, d {d}, G {G}, page {P}, "
+        f"fp32 windows {NW}; batch 1; {reps} interleaved rounds, median [min-max]")
+    log(f"read bandwidth (torch.sum, 256 MiB): {bw:.1f} GB/s [{min(gbs[1:]):.1f}-{max(gbs[1:]):.1f}]; "
+        f"a token-head reads {per_tok} B: {per_tok / bw:.2f} ns")
+    log(f"{'path':>22} {'INT2':>5} {'us/call':>22} {'ns/tok-head':>11} {'x bytes':>8}")
+    for p in paths:
+        for n in lengths:
+            t, t_0 = times[p, n], med(times[p, lengths[0]])
+            row = f"{p:>22} {n:>5} {med(t):>9.1f} [{min(t[1:]):.1f}-{max(t[1:]):.1f}]".ljust(52)
+            if n > lengths[0] and n >= 256:
+                ns = (med(t) - t_0) * 1e3 / (H_kv * (n - lengths[0]))
+                row += f" {ns:>11.1f} {ns / (per_tok / bw):>7.1f}x"
+            log(row)
+    return {key: med(t) for key, t in times.items()}
+
+
 def _ints(s):
     """argparse type of --batches, --contexts: positive ints, comma-separated."""
     import argparse
@@ -95,10 +156,14 @@ def main(argv=None):
     p.add_argument("--batches", type=_ints, default="1,8,32,64" if cuda else "1,8", help="default: %(default)s")
     p.add_argument("--contexts", type=_ints, default="1024,4096,16384,32768,131072" if cuda else "1024,4096,16384",
                    help="default: %(default)s")
+    p.add_argument("--cpu-table", action="store_true", help="the numba decode at SmolLM2's shape against "
+                   "its bytes' time (ns per INT2 token and KV head; the fixed cost at 0 and 64 tokens)")
     p.add_argument("--peak-gbs", type=float, default=None, help="HBM GB/s for %%peak (default: by GPU name)")
     args = p.parse_args(argv)
     if args.peak_gbs is not None and not args.peak_gbs > 0:
         p.error(f"--peak-gbs: expected a positive number, got {args.peak_gbs}")
+    if args.cpu_table:
+        return cpu_table()
     bench(args.batches, args.contexts, torch.device("cuda" if cuda else "cpu"), args.peak_gbs)
 
 
