@@ -1098,12 +1098,12 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
     nor stored. Pages reserved by the caller (paged_forward, hf_cache)."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
+    if T == 1 and attend is None and compiled(cache):
+        return compiled_step(cache, layer, seqs, q, k, v, scale, r_v)                 # Appendix A
     r_k = spec.r_k
     qr = q.float() if r_k is None else (q.float().unflatten(1, (r_k.shape[0], -1)) @ r_k[:, None]).flatten(1, 2)
     kr, v = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V
-    if T == 1 and attend is None and compiled(cache):
-        o = compiled_step(cache, layer, seqs, qr, kr, v, scale)                       # Appendix A
-    elif T == 1:                                                                      # decode
+    if T == 1:                                                                        # decode
         cache.store(layer, seqs, kr, v)
         if attend is None:
             from kernel import paged_decode as attend
@@ -1247,21 +1247,35 @@ def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
     return plan
 
 
-def compiled_step(cache: PagedKVCache, layer: int, seqs: list, qr, kr, v, sm_scale: float):
-    """paged_step's one token per sequence (qr (n, H_q, 1, d) rotated, kr, v (n, H_kv, 1, d) as
-    stored) in one compiled call, kernel.cpu_decode_step: cache.store's writes bit for bit, then
-    paged_decode_reference's output within round-off (sums reordered) -> (n, H_q, 1, d) fp32."""
-    c, views = cache.quant[layer], getattr(cache, "numpy_views", (None,))
+def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale: float, r_v=None):
+    """paged_step's one token per sequence (its q, k, v (n, H, 1, d), r_v) in one compiled call,
+    kernel.cpu_decode_step: cache.store's writes bit for bit, paged_decode_reference's output within
+    round-off (sums reordered) -> (n, H_q, 1, d) fp32. The rotations in numpy, not torch (a torch
+    call costs microseconds): the float64 products of rotate_rows, summed in another order."""
+    c, spec, views = cache.quant[layer], cache.kv[layer], getattr(cache, "numpy_views", (None,))
     if views[0] is not cache.k_codes:                 # numpy views of the pages, again after they grow
         cache.numpy_views = views = (cache.k_codes, [tuple(getattr(cache, t)[l].numpy() for t in PACKED)
                                      + (cache.block_table.numpy(), cache.win_k[l].numpy(), cache.win_v[l].numpy())
-                                     for l in range(cache.cfg.n_layers)])
-    rows = lambda x: np.ascontiguousarray(x[:, :, 0].detach().float().numpy())  # (n, H, d)
-    out = np.empty((len(seqs), qr.shape[1], qr.shape[3]), dtype=np.float32)
-    kernel.cpu_decode_step(rows(qr), rows(kr), rows(v), views[1][layer], np.asarray(seqs, dtype=np.int64),
+                                     for l in range(cache.cfg.n_layers)], {})
+    arrays = views[2]                                 # mu, R_K, R_V as numpy, converted once
+
+    def array(t, dtype=np.float32):
+        if t is not None and arrays.get((id(t), dtype), (None,))[0] is not t:
+            arrays[id(t), dtype] = (t, t.detach().cpu().numpy().astype(dtype))
+        return None if t is None else arrays[id(t), dtype][1]
+    rot = lambda x, R: x if R is None else (x[:, :, None].astype(np.float64) @ R)[:, :, 0].astype(np.float32)
+    rows = lambda x: x.detach().numpy()[:, :, 0].astype(np.float32)                    # (n, H, d)
+    mu = 0 if spec.k_mean is None else array(spec.k_mean)
+    kr, vr = rot(rows(k) - mu, array(spec.r_k, np.float64)), rot(rows(v), array(r_v, np.float64))  # as stored
+    q = rows(q).reshape(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim)
+    qr = q if spec.r_k is None else q @ array(spec.r_k)                                  # q R_K, fp32
+    out = np.empty((len(seqs), c.n_heads, c.head_dim), dtype=np.float32)
+    kernel.cpu_decode_step(qr.reshape(out.shape), kr, vr, views[1][layer], np.asarray(seqs, dtype=np.int64),
                            decode_plan(cache, layer, seqs), clip_rank(c.clip_k, c.group_size),
                            clip_rank(c.clip_v, c.group_size), c.group_size, c.scale_eps, sm_scale, out)
-    return torch.from_numpy(out)[:, :, None]
+    if r_v is not None:                                                                  # o R_V^T
+        out = (out.reshape(q.shape) @ array(r_v).swapaxes(-1, -2)).reshape(out.shape)
+    return torch.from_numpy(np.ascontiguousarray(out))[:, :, None]
 
 
 # ----------------------------------------------------------------------------------------
