@@ -1099,7 +1099,7 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
     if T == 1 and attend is None and compiled(cache):
-        return compiled_step(cache, layer, seqs, q, k, v, scale, r_v)                 # Appendix A
+        return compiled_step(cache, layer, seqs, q, k, v, scale, r_v=r_v)             # Appendix A
     r_k = spec.r_k
     qr = q.float() if r_k is None else (q.float().unflatten(1, (r_k.shape[0], -1)) @ r_k[:, None]).flatten(1, 2)
     kr, v = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V

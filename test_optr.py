@@ -2974,7 +2974,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     Optr against optr: the paged decode path against SimulatedINT2."""
     model, data, specs, _ = calibrated_tiny
     kv, idx = layer_clips(specs), data[1]
-    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg, chunks=(10,)))                  # the prompt one forward
     folded = optr.fold_value_rotation(model, kv)
     cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
@@ -2982,7 +2982,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
     assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
     assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
-    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg))
+    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg, chunks=(10,)))
     assert not torch.allclose(at_config[:, 10:], sim[:, 10:], atol=1e-2)   # the clips matter here
 
 
@@ -3937,19 +3937,23 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 
 @pytest.mark.slow
 def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
-    """The generate() check against simulate_hf fails when the one-pass prefill (paged_step's,
-    shared by prefill and hf_cache) reads one more recent token exactly (window + 1), and the
-    token-by-token check when its pages hold values that were not rotated by R_V (the original
-    weights' path storing v, not v R_V, and reading o without R_V^T)."""
-    sim = optr.block_simulated_attention
+    """The generate() check against simulate_hf fails when the multi-token forward (paged_step's,
+    shared by prefill and hf_cache) lets a prompt's queries read the tokens after them (no causal
+    mask), and the token-by-token check when its pages hold values that were not rotated by R_V
+    (the original weights' path storing v, not v R_V, and reading o without R_V^T)."""
     model = tiny_hf("llama-GQA")
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     check_hf_cache_generate_is_simulate_hf_decoding(model, quarot_specs(cfg, seed=7), cfg)   # holds
-    monkeypatch.setattr(optr, "block_simulated_attention", lambda *a, block, **kw: sim(*a[:6], a[6] + 1, block, **kw))
+
+    def not_causal(cache, layer, seq, qr, kr, v, sm_scale):
+        K, V = cache.held(layer, seq)
+        K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
+        return F.scaled_dot_product_attention(qr.float(), K, V, scale=sm_scale, enable_gqa=True)
+    monkeypatch.setattr(optr, "chunk_attention", not_causal)
     assert fails(check_hf_cache_generate_is_simulate_hf_decoding, model, quarot_specs(cfg, seed=7), cfg)
     monkeypatch.undo()
-    step = kernel.cpu_decode_step                               # the compiled step, told no R_V
-    monkeypatch.setattr(kernel, "cpu_decode_step", lambda q, k, v, mu, r_k, r_v, *a: step(q, k, v, mu, r_k, None, *a))
+    step = optr.compiled_step                                   # the compiled step, told no R_V
+    monkeypatch.setattr(optr, "compiled_step", lambda *a, r_v=None: step(*a))
     assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
 
 
@@ -4557,8 +4561,8 @@ def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
 @pytest.mark.slow
 def test_checks_of_what_a_user_supplies_hold_under_python_O():
     """Under python -O (asserts stripped) the paged cache, prefill and kernel.q2_store still refuse
-    what a user hands them with a ValueError: specs for another layer count, a model quantizing
-    otherwise than its cache, rows that are not fp32."""
+    what a user hands them with a ValueError: specs for another layer count, a prompt that is not
+    (sequences, T), rows that are not fp32."""
     code = """
 import torch, optr, kernel
 cfg = optr.Config(n_layers=2)
@@ -4571,7 +4575,7 @@ def refused(f):
 print(refused(lambda: optr.PagedKVCache(cfg, 4, 1, kv[:1])))
 cache = optr.PagedKVCache(cfg, 4, 1, kv)
 model = optr.TinyLM(optr.Config(n_layers=2, window=8))
-print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(1, 5, dtype=torch.long))))
+print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(5, dtype=torch.long))))
 rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
 print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
                                       torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
@@ -4581,7 +4585,7 @@ print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()[-3:]
     assert "PagedKVCache: kv is 1 layers" in lines[0], lines
-    assert "model.cfg must quantize as the cache does" in lines[1], lines
+    assert "idx: expected a prompt per sequence" in lines[1], lines
     assert "q2_store: fp32 rows" in lines[2], lines
 
 
@@ -5057,14 +5061,13 @@ def test_a_custom_sm_scale_is_the_logit_scale():
     assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
 
 
-@pytest.mark.parametrize("n, chunk", [(5000, 4096), (100, 32)])
-def test_the_reference_reads_past_one_chunk_as_float64_attention(n, chunk):
-    """paged_decode_reference reads the INT2 tokens `chunk` at a time (one chunk held in fp32):
-    past one chunk (5,000 INT2 tokens at the default 4,096, as --bench-hf at 8k needs; 100 at
-    32, a ragged last chunk) it is float64 dense attention, a second sequence of 37 beside it."""
+@pytest.mark.parametrize("n", [5000, 100])
+def test_the_reference_is_float64_attention_on_long_sequences(n):
+    """paged_decode_reference (dense: every INT2 token dequantized) is float64 dense attention
+    over 5,000 INT2 tokens (as --bench-hf at 8k needs) and 100, a second sequence of 37 beside it."""
     args, dense_k, dense_v = build(Case((n, 37), 2, 1, 16, 8, 16, NW=3, win_len=(3, 1)))
-    assert_close_report(optr.paged_decode_reference(**args, chunk=chunk), dense_attention(args["q"], dense_k, dense_v),
-                        *TOLERANCES[torch.float32], f"{n} tokens, chunk {chunk}")
+    assert_close_report(optr.paged_decode_reference(**args), dense_attention(args["q"], dense_k, dense_v),
+                        *TOLERANCES[torch.float32], f"{n} tokens")
 
 
 # ----------------------------------------------------------------------------
