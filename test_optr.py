@@ -3984,7 +3984,7 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
 def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path, smollm2):
     """The README's "Serving elsewhere" code runs as written on SmolLM2 with its published
     rotations (the recommended quarot+center+clip): greedy generate() through hf_cache, the prompt past the sink and recent window,
-    gives the tokens of greedy decoding through simulate_hf (the whole sequence each token), and
+    gives the tokens of greedy decoding through simulate_hf (the whole sequence each token, the prompt one forward), and
     its default decode on a CPU (the compiled one) the tokens of the torch reference's;
     the exported checkpoint reads back with R_V folded, and the SGLang files of the paper's
     quarot+optr as its specs. Optr against optr: hf_cache against simulate_hf."""
@@ -3997,7 +3997,7 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
     exec(code.replace('"rotations/', f'"{Path(__file__).parent}/rotations/'), env)
     x, spec, cfg = prompt, env["spec"], env["cfg"]
     for _ in range(8):
-        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg):
+        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg, chunks=(prompt.shape[1],)):
             x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     assert env["ids"].tolist() == x.tolist()
     with torch.no_grad():                                  # the compiled decode's tokens are the reference's
