@@ -887,6 +887,10 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors
 
 
+def _on(device, idx: list) -> torch.Tensor:     # host indices on the pages' device, with no host sync
+    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+
+
 def ring_slot(p: int, sink: int, window: int) -> int:
     """The window slot of position p: p in the sink, else ring slot sink + (p - sink) % window (-1: none)."""
     return p if p < sink else (sink + (p - sink) % window if window else -1)
@@ -976,8 +980,8 @@ class PagedKVCache:
         """Q2 (storage form) of INT2 tokens n of `seq`, rows (N, H_kv, d), into slot i % page_size of
         page block_table[seq, i // page_size]; on the CPU compiled (kernel.q2_store, bit for bit)."""
         c, dev = self.quant[layer], self.k_codes.device
-        page = torch.tensor([self.pages[seq][i // c.page_size] for i in n], device=dev)
-        slot = torch.tensor([i % c.page_size for i in n], device=dev)
+        page = _on(dev, [self.pages[seq][i // c.page_size] for i in n])
+        slot = _on(dev, [i % c.page_size for i in n])
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
                                                (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
             if dev.type == "cpu":
@@ -1013,14 +1017,14 @@ class PagedKVCache:
             n0, win_k, win_v = int(length[s]), self.win_k[layer, s], self.win_v[layer, s]
             lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
             if hi > lo:
-                old = [ring_slot(p, S, W) for p in range(lo, min(hi, n0))]           # from the ring,
+                old = _on(kr.device, [ring_slot(p, S, W) for p in range(lo, min(hi, n0))])   # the ring's,
                 new = slice(max(lo, n0) - n0, max(hi, n0) - n0)                       # then the chunk
                 nk, nv = (torch.cat([w[:, old], x[i, :, new].to(w.dtype)], 1) if W else x[i, :, new]
                           for w, x in ((win_k, kr), (win_v, v)))
                 self._write_int2(layer, s, range(lo - S, hi - S), nk.transpose(0, 1), nv.transpose(0, 1))
             pos = [*range(n0, min(S, n0 + T)), *(range(max(S, n0 + T - W, n0), n0 + T) if W else ())]
             if pos:                                                      # into the windows
-                slots, rows = [ring_slot(p, S, W) for p in pos], [p - n0 for p in pos]
+                slots, rows = (_on(kr.device, x) for x in ([ring_slot(p, S, W) for p in pos], [p - n0 for p in pos]))
                 win_k[:, slots], win_v[:, slots] = kr[i][:, rows].to(win_k.dtype), v[i][:, rows].to(win_v.dtype)
             length[s], n_int2[s] = n0 + T, max(0, n0 + T - S - W)
 
@@ -1044,11 +1048,11 @@ class PagedKVCache:
         """The tensors a decode kernel reads for these sequences (keyword arguments of
         paged_decode_reference and the kernels)."""
         dev, n, q = self.block_table.device, self.length[layer, seqs], self.n_int2[layer, seqs]
+        i, on = _on(dev, seqs), lambda x: x.to(device=dev, dtype=torch.int32, non_blocking=True)
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
-                    block_table=self.block_table[seqs], n_quant=q.to(dev, torch.int32),
-                    win_k=self.win_k[layer, seqs], win_v=self.win_v[layer, seqs],
-                    win_len=(n - q).to(dev, torch.int32))
+                    block_table=self.block_table[i], n_quant=on(q), win_k=self.win_k[layer, i],
+                    win_v=self.win_v[layer, i], win_len=on(n - q))
 
 
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
@@ -1126,7 +1130,8 @@ def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Ten
     """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
     `model` folded (fold_value_rotation); attend, options: paged_step's."""
     cache.reserve(0, seqs, idx.shape[1])           # the forward's pages, once for every layer
-    pos = cache.length[0, seqs].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
+    pos = cache.length[0, seqs].to(idx.device, non_blocking=True)[:, None] + torch.arange(idx.shape[1],
+                                                                                         device=idx.device)
     return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
 
 
