@@ -657,10 +657,9 @@ def exact_attention(layer: int, q, k, v):
 
 
 def int2_frontier(T: int, window: int, chunks=(), device=None) -> torch.Tensor:
-    """(T,) per query position t the first key after the sink it reads exactly, as served when the
-    forwards hold `chunks` tokens each, in order (one token each after them). A one-token step
-    appends first: t + 1 - window (the ladders' rule, chunks ()); a forward of several tokens
-    [c0, c1) reads the windows held at its start and itself: c0 - window (Section 8's extend)."""
+    """(T,) per query t the first key after the sink it reads exactly, served by forwards of `chunks`
+    tokens, then of one each: one token appends first, t + 1 - window (the ladders' rule, chunks ());
+    a forward [c0, c1) of several reads the windows held at its start and itself: c0 - window."""
     f, c0 = torch.arange(T, device=device) + 1 - window, 0
     for n in chunks:
         f[c0:c0 + n] = c0 - window if n > 1 else f[c0:c0 + n]
@@ -1036,9 +1035,8 @@ class PagedKVCache:
         """Every token a sequence holds, in position order: keys, values (H_kv, n, d) fp32 in the
         stored basis, the sink and ring as held, the INT2 tokens dequantized (Q2's dequant)."""
         c, (n, q) = self.cfg, (int(x[seq]) for x in self.counts(layer))
-        pages = self.block_table[seq, :-(-q // c.page_size)].long()
-        int2 = [q2_dequantize(*(getattr(self, t)[layer][pages].transpose(0, 1).flatten(1, 2)[:, :q]
-                                for t in names), c.group_size) for names in (PACKED[:3], PACKED[3:])]
+        int2 = [int2_rows(*(getattr(self, t)[layer] for t in names), self.block_table[seq], q, c.group_size)
+                for names in (PACKED[:3], PACKED[3:])]
         slots = [ring_slot(p, c.sink, c.window) for p in (*range(min(c.sink, n)), *range(c.sink + q, n))]
         ns = min(c.sink, n)
         return [torch.cat([w[layer, seq][:, slots[:ns]].float(), x, w[layer, seq][:, slots[ns:]].float()], 1)
@@ -1055,23 +1053,27 @@ class PagedKVCache:
                     win_v=self.win_v[layer, i], win_len=on(n - q))
 
 
+def int2_rows(codes, scale, zero, block_row, n: int, G: int) -> torch.Tensor:
+    """INT2 tokens 0..n-1 of a sequence (its block-table row) of a layer's pages, dequantized:
+    (H_kv, n, d) fp32."""
+    rows = lambda x: x[block_row[:-(-n // codes.shape[2])].long()].transpose(0, 1).flatten(1, 2)[:, :n]
+    return q2_dequantize(rows(codes), rows(scale), rows(zero), G)
+
+
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                            n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
     """The decode every kernel must match, dense: q (B, H_q, d) already rotated by R_K, one token
     per sequence -> (B, H_q, d) fp32 in the rotated value basis. Per sequence: its n_quant INT2
     tokens dequantized and its win_len window slots, then Eq. 1-2 over them."""
-    B, Hq, d = q.shape
-    H, P = k_codes.shape[1], k_codes.shape[2]
+    (B, Hq, d), H = q.shape, k_codes.shape[1]
     scale = d ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         n, w = int(n_quant[b]), int(win_len[b])
         assert n + w >= 1, "every sequence holds at least one token"
-        pages = block_table[b, :-(-n // P)].long()
-        rows = lambda x: x[pages].transpose(0, 1).flatten(1, 2)[:, :n]              # (H_kv, n, ...)
-        K = torch.cat([q2_dequantize(rows(k_codes), rows(k_scale), rows(k_zero), group_size),
+        K = torch.cat([int2_rows(k_codes, k_scale, k_zero, block_table[b], n, group_size),
                        win_k[b, :, :w].float()], 1)                                    # (H_kv, n + w, d)
-        V = torch.cat([q2_dequantize(rows(v_codes), rows(v_scale), rows(v_zero), group_size),
+        V = torch.cat([int2_rows(v_codes, v_scale, v_zero, block_table[b], n, group_size),
                        win_v[b, :, :w].float()], 1)
         qh = q[b].float().view(H, Hq // H, d)                                          # (H_kv, n_rep, d)
         p = torch.softmax(qh @ K.mT * scale, dim=-1)                                   # Eq. 1
@@ -1170,11 +1172,9 @@ split; the 1e-12 clamp applies on S. Tested: optr_key_loss's value and gradient.
 Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 [sink, t1 - window) and the exact keys of [t0 - window + 1, t1), masked as
 exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
-The compiled decode step (paged_step's on CPU pages with fp32 windows): append and decode
-of one token in one numba call (kernel.cpu_decode_step), from a plan optr makes
-(decode_plan: window slot, INT2 page and slot, counts); the stored rotation, the ring slot
-and the clip rank stay optr's. The cache's lengths stay on the host (numpy views, no torch
-call); the kernels get n_quant and win_len on the pages' device from layer_view.
+The compiled decode step (paged_step's on CPU pages, fp32 windows): append and decode of a
+token in one numba call, from a plan optr makes (decode_plan: window slot, INT2 page and slot,
+counts). The lengths stay on the host (numpy views); layer_view copies counts to the device.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1267,7 +1267,7 @@ def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale
     def array(t, dtype=np.float32):
         if t is not None and arrays.get((id(t), dtype), (None,))[0] is not t:
             arrays[id(t), dtype] = (t, t.detach().cpu().numpy().astype(dtype))
-        return None if t is None else arrays[id(t), dtype][1]
+        return t if t is None else arrays[id(t), dtype][1]
     rot = lambda x, R: x if R is None else (x[:, :, None].astype(np.float64) @ R)[:, :, 0].astype(np.float32)
     rows = lambda x: x.detach().numpy()[:, :, 0].astype(np.float32)                    # (n, H, d)
     mu = 0 if spec.k_mean is None else array(spec.k_mean)
