@@ -1618,7 +1618,8 @@ class PagedLayer:
     """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
     pool's PagedKVCache (as layer `index`)."""
     # Duck-typed: hf_cache registers it as a virtual subclass of transformers' CacheLayerMixin (an
-    # ABC), so `import optr` needs no transformers. What generate() calls is here, beam search not.
+    # ABC), so `import optr` needs no transformers. What generate() calls is here: greedy, sampling,
+    # beam search (reorder_cache); assisted generation's rollback (crop) a ValueError.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
@@ -1640,6 +1641,16 @@ class PagedLayer:
         self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
         return self, self
 
+    def reorder_cache(self, beam_idx: torch.Tensor):
+        """Beam search: row b takes what row beam_idx[b] holds (its windows, counts, INT2 tokens copied)."""
+        if self.n:
+            pool = self.pool
+            reorder_sequences(pool.cache, self.index, pool.seqs, [pool.seqs[i] for i in beam_idx.tolist()])
+
+    def crop(self, max_length: int):
+        need(False, "hf_cache: assisted generation (assistant_model=) rolls the cache back (crop): optr's "
+                    "INT2 pages keep what they evicted; generate without assistant_model")
+
     def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)
         return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
 
@@ -1650,6 +1661,20 @@ class PagedLayer:
         pad = left_pad(pos, Tq).expand(query.shape[0]) if self.n == Tq and pos is not None else None
         o = paged_step(pool.cache, self.index, pool.seqs, query, k, v, pool.attend, scaling, pad, self.spec.r_v)
         return o.transpose(1, 2).to(query.dtype)
+
+
+def reorder_sequences(cache: PagedKVCache, layer: int, seqs: list, src: list):
+    """Sequence seqs[b] of a layer takes what src[b] holds (beam search, sequences of one length):
+    windows and counts, and its INT2 tokens copied into seqs[b]'s own pages."""
+    (length, n_int2), dev, P = cache.counts(layer), cache.block_table.device, cache.cfg.page_size
+    n = -(-int(n_int2[src].max()) // P)                                       # pages in use
+    to, of = ([cache.pages[s][j] for s in x for j in range(n)] for x in (seqs, src))
+    for t in PACKED:
+        x = getattr(cache, t)[layer]
+        x[_on(dev, to)] = x[_on(dev, of)]
+    for w in (cache.win_k, cache.win_v):
+        w[layer, _on(dev, seqs)] = w[layer, _on(dev, src)]
+    length[seqs], n_int2[seqs] = length[src], n_int2[src]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

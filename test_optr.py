@@ -4693,6 +4693,43 @@ def test_a_padded_batch_through_int2_and_exact_full_attention_layers_is_each_seq
         check_padded_mixed_batch(model, kv, cfg)
 
 
+def beam_search_through(model, kv, cfg, P=12, n=10):
+    """num_beams=3 through hf_cache, and through simulate_hf (the whole sequence each step, the
+    prompt as one forward): the two token sequences (2 rows, each its best beam)."""
+    args = dict(num_beams=3, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, early_stopping=False)
+    with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+        ours = model.generate(IDX_HF[:, :P], past_key_values=cache, **args)
+    with torch.no_grad(), optr.simulate_hf(model, kv, cfg, chunks=(P,)):
+        theirs = model.generate(IDX_HF[:, :P], use_cache=False, **args)
+    return ours, theirs
+
+
+def test_beam_search_through_hf_cache_is_beam_search_through_the_simulation(monkeypatch):
+    """generate(num_beams=3) through hf_cache (transformers reorders the beams: each layer's
+    reorder_cache copies windows, counts and INT2 pages from row to row) gives the tokens of
+    beam search over the chunk-aware simulation, 10 tokens past a 12-token prompt (INT2 from
+    token 7); with reorder_cache a no-op it does not. Optr against optr: hf_cache against
+    simulate_hf."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    ours, theirs = beam_search_through(model, kv, cfg)
+    assert torch.equal(ours, theirs)
+    monkeypatch.setattr(optr.PagedLayer, "reorder_cache", lambda self, beam_idx: None)
+    ours, _ = beam_search_through(model, kv, cfg)
+    assert not torch.equal(ours, theirs)
+
+
+def test_assisted_generation_through_hf_cache_is_a_value_error_naming_it():
+    """Assisted generation rolls the cache back (crop), which the INT2 pages do not serve: a
+    ValueError naming assistant_model, and the model's own attention back after the `with`."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="assisted generation \\(assistant_model=\\)"), torch.no_grad(), \
+            optr.hf_cache(model, kv, cfg) as cache:
+        model.generate(IDX_HF[:1, :12], past_key_values=cache, assistant_model=tiny_hf("llama-GQA", seed=1),
+                       max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model.config._attn_implementation == before
+
+
 def test_hf_cache_refuses_specs_it_cannot_hold():
     """Keys in INT2 with exact values (or the reverse), and Gemma 3's sliding layers partly in
     INT2 (their caches would report different lengths to one mask), are ValueErrors."""
