@@ -361,9 +361,9 @@ def passkey_prompts(tok, L: int, n: int, cfg, gen: torch.Generator):
 
 def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=print):
     """Every variant of `specs` on the same prompts {ctx: passkey_prompts(...)}: per-prompt scores {variant:
-    {ctx: dict(correct=[bool], logprob=[float])}}, the answer logits at the shortest context (for the decode
-    check). Greedy decoding returns the passkey iff the argmax at each answer position is the true token."""
-    scores, keep = {name: {} for name in specs}, {}
+    {ctx: dict(correct=[bool], logprob=[float])}}. Greedy decoding returns the passkey iff the argmax at
+    each answer position is the true token."""
+    scores = {name: {} for name in specs}
     for L, (idx, n_ans, _) in prompts.items():
         T = idx.shape[1]                           # L' <= L: whole sentences (passkey_prompts)
         pos, target = torch.arange(T - n_ans - 1, T - 1), idx[:, T - n_ans:]
@@ -375,12 +375,10 @@ def passkey_eval(model, specs: dict, prompts: dict, cfg: RunConfig, timer, log=p
             ok = (logits.argmax(-1) == target).all(-1)                    # greedy: the passkey
             logp = logits.float().log_softmax(-1).gather(-1, target[..., None])[..., 0].mean(-1)
             scores[name][L] = {"correct": ok.tolist(), "logprob": logp.tolist()}
-            if L == min(prompts):
-                keep[name] = logits
             dt = timer.lap("passkey", t0)
             log(f"passkey {L:5d} tok | {name:<21} | {int(ok.sum()):3d}/{len(idx):<3d} correct | answer "
                 f"log-prob {logp.mean().item():8.3f} | {dt:6.1f} s | {1000 * dt / idx.numel():5.2f} ms/token")
-    return scores, keep
+    return scores
 
 
 def passkey_summary(by_ctx: dict) -> dict:
@@ -518,7 +516,8 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         with optr.simulate_hf(hf, [optr.served_spec(s) for s in kv], c):     # R_V is in the checkpoint
             ids = {"simulate_hf": greedy(use_cache=False)}
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
-            ids[name] = greedy(past_key_values=optr.hf_cache(kv, c, hf, folded=True), prefill_chunk_size=chunk)
+            with optr.hf_cache(hf, kv, c, folded=True) as cache:
+                ids[name] = greedy(past_key_values=cache, prefill_chunk_size=chunk)
         for name, x in ids.items():
             log(f"generate | {name:17s} | {tok.decode(x)!r}")
         out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[
@@ -699,12 +698,12 @@ def aggregate_samples(samples: list, cfg: RunConfig) -> tuple[dict, dict, dict]:
                                variants_std=std, gap_closed_std=gap_std, per_sample=per_sample)
 
 
-def passkey_stage(run: Run, samples: list, variants: dict) -> tuple[dict, dict, dict]:
+def passkey_stage(run: Run, samples: list, variants: dict) -> tuple[dict, dict]:
     """Passkey retrieval on the same prompts for every variant of the stage (with the rotations of
     passkey_samples samples, pooled), paired comparisons; a length where full precision answers fewer than
-    retrieval_min is left out. Returns the prompts, sample 0's answer logits, results.json's keys."""
+    retrieval_min is left out. Returns the prompts and results.json's keys."""
     cfg, log, specs = run.cfg, run.log, samples[0]["specs"]
-    prompts, scores, sim_logits = {}, {}, {}
+    prompts, scores = {}, {}
     names = [n for n in cfg.passkey_variants if n in specs]
     n_pk = min(cfg.passkey_samples or cfg.calib_samples, cfg.calib_samples)
     if cfg.passkey_prompts:
@@ -719,9 +718,8 @@ def passkey_stage(run: Run, samples: list, variants: dict) -> tuple[dict, dict, 
         per_sample = []
         for i, smp in enumerate(samples[:n_pk]):
             todo = {n: smp["specs"][n] for n in names if i == 0 or learns_from_data(n)}
-            got, logits = passkey_eval(run.model, todo, prompts, cfg, run.timer, log)
+            got = passkey_eval(run.model, todo, prompts, cfg, run.timer, log)
             per_sample.append({n: got[n] if n in got else per_sample[0][n] for n in names})
-            sim_logits = logits if i == 0 else sim_logits
         scores = {n: {L: {k: sum((s[n][L][k] for s in per_sample), []) for k in ("correct", "logprob")}
                       for L in prompts} for n in names}
     else:
@@ -734,14 +732,14 @@ def passkey_stage(run: Run, samples: list, variants: dict) -> tuple[dict, dict, 
     scores = {n: {L: s[L] for L in reported} for n, s in scores.items()}
     for name, v in variants.items():
         v.update(passkey_summary(scores[name]) if name in scores and reported else {"passkey": {}})
-    return prompts, sim_logits, dict(
+    return prompts, dict(
         passkey_samples=n_pk if prompts else 0, passkey_needles={str(L): p[2] for L, p in prompts.items()},
         retrieval_lengths=[str(L) for L in reported], retrieval_ran=list(scores),
         retrieval_full_accuracy={str(L): a for L, a in full_pk.items()},
         retrieval_paired=retrieval_paired(scores) if reported else {})
 
 
-def decode_stage(run: Run, specs: dict, prompts: dict, sim_logits: dict, attend) -> dict:
+def decode_stage(run: Run, specs: dict, prompts: dict, attend) -> dict:
     """The OptR variants' passkey answers decoded through the twin's paged INT2 cache, against
     the simulated logits of the passkey stage."""
     names = [n for n in ("quarot+optr", "oscar+optr") if n in specs]
@@ -751,9 +749,8 @@ def decode_stage(run: Run, specs: dict, prompts: dict, sim_logits: dict, attend)
         return {}
     idx, n_ans, _ = prompts[min(prompts)]
     first = idx.shape[1] - n_ans - 1                              # the first answer-predicting position
-    sim = sim_logits if all(n in sim_logits for n in names) else None              # else recomputed
     return decode_check(run.twin, specs, names, idx[:run.cfg.decode_prompts], first, torch.arange(first,
-                        first + n_ans), attend, simulated=sim, block=BLOCK, timer=run.timer, log=run.log)
+                        first + n_ans), attend, timer=run.timer, log=run.log)
 
 
 def bits_stage(run: Run, specs: dict, variants: dict, ref: Reference) -> dict:
@@ -850,8 +847,8 @@ def main(argv=None) -> dict:
     samples = run_samples(run, ref, cal, held)
     variants, gap, sample_keys = aggregate_samples(samples, cfg)
     specs = samples[0]["specs"]                       # decode, bits, plots, export: sample 0's
-    prompts, sim_logits, passkey_keys = passkey_stage(run, samples, variants)
-    decode = decode_stage(run, specs, prompts, sim_logits, attend)
+    prompts, passkey_keys = passkey_stage(run, samples, variants)
+    decode = decode_stage(run, specs, prompts, attend)
     bits = bits_stage(run, specs, variants, ref)
     plots = write_plots(run, ref, samples, variants)
     exported = dict(export_best(run, samples, ref), **publish(run, samples))

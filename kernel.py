@@ -850,75 +850,27 @@ def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
                    np.empty(rows.shape[2], dtype=np.uint8))
 
 
-def _cpu_rotate(x, mu, R, h, out):
-    """out = (x - mu[h]) R[h] for one row, summed in float64 and rounded once (as optr.rotate_rows)."""
-    d = x.shape[0]
-    xc = np.empty(d, dtype=np.float64)
-    for i in range(d):
-        xc[i] = np.float64(x[i] - mu[h, i])
-    for j in range(d):
-        acc = 0.0
-        for i in range(d):
-            acc += xc[i] * np.float64(R[h, i, j])
-        out[j] = np.float32(acc)
-
-
-def _cpu_step(q, k, v, mu, rk, rv, rotate_v, kc, ks, kz, vc, vs, vz, bt, wk, wv, length, seqs,
-              rank_k, rank_v, G, eps, S, W, scale, n_split, out):
-    """One INT2 layer's decode step (optr.paged_step's), one token per sequence: stores (k - mu) R_K,
-    v R_V (if rotate_v) of token p = length[seqs[b]] in window slot p (p < S) or ring slot
-    S + (p - S) % W, whose old token p - W first goes to INT2 index p - W - S (W = 0: the token to
-    p - S); length advances.  Decodes q R_K into out (B, 1, H_q, d), by R_V^T if rotate_v.  The
-    caller reserves the pages in the block table."""
-    B, Hq, d = q.shape[0], q.shape[1], q.shape[3]
-    H, P = kc.shape[1], kc.shape[2]
-    R = Hq // H
-    row, code = np.empty(d, dtype=np.float32), np.empty(d, dtype=np.uint8)
-    zeros = np.zeros((H, d), dtype=np.float32)
-    nq, wl = np.empty(B, dtype=np.int32), np.empty(B, dtype=np.int32)
-    page, ps = 0, 0
+def _cpu_step(qr, kr, vr, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps, scale,
+              n_split):
+    """One INT2 layer's decode step as optr's plan (optr.decode_plan) says, one token per sequence b
+    (cache row seqs[b]): if plan[1, b] >= 0, Q2 of the token leaving for INT2 (window slot plan[0, b],
+    or the new token itself when that is -1) into page plan[1, b], slot plan[2, b]; the stored key
+    and value kr, vr (B, H_kv, d) into window slot plan[0, b]. Then qr (B, H_q, d) over plan[3, b]
+    INT2 tokens and plan[4, b] window slots -> (B, H_q, d) fp32."""
+    B, H = kr.shape[0], kr.shape[1]
+    code = np.empty(kr.shape[2], dtype=np.uint8)
     for b in range(B):
-        s = seqs[b]
-        p = length[s]
-        slot = p if p < S else (S + (p - S) % W if W > 0 else -1)
+        s, slot, page, ps = seqs[b], plan[0, b], plan[1, b], plan[2, b]
         for h in range(H):
-            if p >= S + W:                                        # a token goes INT2
-                n = p - W - S
-                page, ps = bt[s, n // P], n % P
-                if W > 0:                                         # the ring's oldest: its window copy
-                    _cpu_q2_row(wk[s, h, slot], rank_k, G, eps, kc, ks, kz, page, h, ps, code)
-                    _cpu_q2_row(wv[s, h, slot], rank_v, G, eps, vc, vs, vz, page, h, ps, code)
-            _cpu_rotate(k[b, h, 0], mu, rk, h, row)
+            if page >= 0:                                         # a token goes INT2: the ring's oldest
+                k_old, v_old = (wk[s, h, slot], wv[s, h, slot]) if slot >= 0 else (kr[b, h], vr[b, h])
+                _cpu_q2_row(k_old, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
+                _cpu_q2_row(v_old, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
             if slot >= 0:
-                wk[s, h, slot] = row
-            else:
-                _cpu_q2_row(row, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
-            if rotate_v:
-                _cpu_rotate(v[b, h, 0], zeros, rv, h, row)
-            else:
-                row[:] = v[b, h, 0]
-            if slot >= 0:
-                wv[s, h, slot] = row
-            else:
-                _cpu_q2_row(row, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
-        length[s] = p + 1
-        nq[b], wl[b] = max(0, p + 1 - S - W), min(p + 1, S + W)
-    qr = np.empty((B, Hq, d), dtype=np.float32)                   # q R_K
-    for b in range(B):
-        for j in range(Hq):
-            _cpu_rotate(q[b, j, 0], zeros, rk, j // R, qr[b, j])
-    o = _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
-    for b in range(B):
-        for j in range(Hq):
-            if rotate_v:                                          # o R_V^T
-                h = j // R
-                for i in range(d):
-                    acc = np.float32(0.0)
-                    for e in range(d):
-                        acc += o[b, j, e] * rv[h, i, e]
-                    out[b, 0, j, i] = acc
-            else:
-                out[b, 0, j] = o[b, j]
+                wk[s, h, slot] = kr[b, h]
+                wv[s, h, slot] = vr[b, h]
+    nq, wl = plan[3].astype(np.int32), plan[4].astype(np.int32)
+    return _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
 
 
 _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep inf and NaN semantics
@@ -938,7 +890,7 @@ def _nb() -> types.SimpleNamespace:
         copy.__qualname__ = fn.__qualname__
         scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
         return scope[fn.__name__]
-    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate)      # called by the three
+    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row)      # called by the three
     jit(_cpu_unpack, inline="always"), jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), step=jit(_cpu_step),
@@ -971,17 +923,14 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), num_splits))
 
 
-def cpu_decode_step(q, k, v, mu, r_k, r_v, pages: tuple, length, seqs, rank_k: int, rank_v: int,
-                    group_size: int, eps: float, sink: int, window: int, sm_scale: float, out):
-    """_cpu_step in one call, unchecked (optr's cache vouches): q (B, H_q, 1, d), k, v (B, H_kv, 1, d)
-    fp32 tensors; as numpy: mu (H_kv, d), r_k, r_v (H_kv, d, d; r_v None: v as given), `pages`
-    (k_codes .. v_zero, block_table, win_k, win_v), length (max_seqs,), seqs (B,) int64, out."""
-    B, H = q.shape[0], pages[0].shape[1]
-    splits = _cpu_splits(B, H, int(length[seqs].max()) + 1)
-    _nb().step(q.detach().numpy(), k.detach().numpy(), v.detach().numpy(), mu, r_k,
-               r_k if r_v is None else r_v, r_v is not None,
-               *pages, length, seqs, rank_k, rank_v, group_size, np.float32(eps), sink, window,
-               np.float32(sm_scale), splits, out)
+def cpu_decode_step(qr, kr, vr, pages: tuple, seqs, plan, rank_k: int, rank_v: int, group_size: int,
+                    eps: float, sm_scale: float, out):
+    """_cpu_step in one call, unchecked (optr's cache vouches), as numpy arrays: qr (B, H_q, d), kr, vr
+    (B, H_kv, d) fp32 contiguous; `pages` (k_codes .. v_zero, block_table, win_k, win_v) of a layer;
+    seqs (B,) and plan (5, B) int64 (optr.decode_plan); the clip ranks; out (B, H_q, d) fp32."""
+    splits = _cpu_splits(qr.shape[0], pages[0].shape[1], int((plan[3] + plan[4]).max()))
+    out[:] = _nb().step(qr, kr, vr, *pages, seqs, plan, rank_k, rank_v, group_size, np.float32(eps),
+                         np.float32(sm_scale), splits)
 
 
 def paged_decode(q, **view) -> torch.Tensor:

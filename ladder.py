@@ -501,13 +501,12 @@ def ladder_bits(model, specs: dict, variants: dict, idx: torch.Tensor, timer, lo
 
 @torch.no_grad()
 def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
-                 positions: torch.Tensor, attend, simulated: dict | None = None,
-                 block: int | None = None, timer=None, log=print) -> dict:
+                 positions: torch.Tensor, attend, timer=None, log=print) -> dict:
     """Prefill idx[:, :first] (n, first) into optr.PagedKVCache (optr.prefill), then decode
     the tokens first .. max(positions) one at a time (optr.decode_step with `attend`,
     R_V folded into the weights), teacher-forced. Compare the logits at `positions` (each
-    predicting the next token of idx) with the simulated cache every other number comes
-    from: simulated {name: (n, len(positions), vocab)}, or model(idx, SimulatedINT2)."""
+    predicting the next token of idx) with the simulated cache as served: model(idx,
+    SimulatedINT2(chunks=(first,))), the prompt one forward, then a token at a time."""
     timer = timer or Timer()
     n, T = idx.shape
     assert first >= 1 and int(positions.min()) >= first and int(positions.max()) < T - 1
@@ -524,10 +523,8 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
         steps = [optr.decode_step(served, cache, seqs, idx[:, t], attend=attend)
                  for t in range(first, int(positions.max()) + 1)]
         dec = torch.stack(steps, 1)[:, positions - first]                  # (n, n_pos, vocab)
-        if simulated is not None:
-            sim = simulated[name][:n]
-        else:
-            sim = model(idx, None if kv is None else optr.SimulatedINT2(kv, model.cfg, block))[:, positions]
+        sim = model(idx, None if kv is None else optr.SimulatedINT2(kv, model.cfg, chunks=(first,)))
+        sim = sim[:, positions]
         ok_dec, ok_sim = dec.argmax(-1) == target, sim.argmax(-1) == target
         res = dict(seqs=n, context=T, answer_tokens=target.numel(), attend=attend.__name__,
                    same_argmax=int((dec.argmax(-1) == sim.argmax(-1)).sum()),

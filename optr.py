@@ -17,8 +17,8 @@ ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped)
   5. Windows, error split  exact sink/recent windows; Eq. 5-10: dy_K + dy_V, exactly
   6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
   7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
-  8. Serving               value-rotation folding, INT2 packing, the paged INT2 cache, decode_step
-  A. Fast paths            the key loss on the INT2 columns, block-wise simulation, prefill
+  8. Serving               value-rotation folding, INT2 packing, the paged INT2 cache, its forward
+  A. Fast paths            the key loss on the INT2 columns, block-wise simulation, the compiled step
   B. Files                 checks of outside data; rotation files; Hugging Face export
   D. Beyond the paper      ours: a clip searched per layer (optr+)
   E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: tools/sglang.py)
@@ -45,6 +45,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+import kernel
 from kernel import check_tensor, need   # the project's one set of input checks (kernel.py imports nothing of ours)
 
 
@@ -159,13 +160,17 @@ input dtype (the authors' quantizer, formula for formula):
 Gradients flow through the rounding (STE) and through scale, zero, min and max.
 """
 
+def clip_rank(clip: float, G: int) -> int:
+    """The rank of tau in a group's sorted |x|: floor(c G), clamped (at c = 1 still the largest |x|)."""
+    return min(max(int(math.floor(clip * G)), 0), G - 1)
+
+
 def _q2_params(x, clip, G, eps):
     """Shared by the fake-quant and storage (Section 8) forms, so both compute the same numbers.
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     assert x.shape[-1] % G == 0 and 0 < clip <= 1 and eps > 0, "G must divide d; clip in (0, 1]"
     xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
-    rank = min(max(int(math.floor(clip * G)), 0), G - 1)   # at c = 1 still the largest |x|
-    tau = xg.detach().abs().topk(G - rank, dim=-1).values[..., -1:]  # sorted |x|[rank]; no grad
+    tau = xg.detach().abs().topk(G - clip_rank(clip, G), dim=-1).values[..., -1:]  # sorted |x|[rank]; no grad
     xg = torch.maximum(torch.minimum(xg, tau), -tau)
     mn = xg.amin(dim=-1, keepdim=True)
     mx = xg.amax(dim=-1, keepdim=True)
@@ -317,10 +322,11 @@ Eq. 9  E_rec = |K - K~|^2 + |V - V~|^2          (the proxy)
 Eq. 10 E_out = |dy_K + dy_V|^2                  (what the model sees)
 """
 
-def exact_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int) -> torch.Tensor:
-    """(Tq, T) bool: key s is exact for the query at q_pos[i] if s < sink or s > q_pos[i] - window."""
+def exact_window_mask(q_pos: torch.Tensor, T: int, sink: int, window: int, frontier=None) -> torch.Tensor:
+    """(Tq, T) bool: key s is exact for the query at q_pos[i] if s < sink or s >= frontier[i], by default
+    q_pos[i] + 1 - window (s > q_pos[i] - window); serving's frontiers: int2_frontier."""
     s = torch.arange(T, device=q_pos.device)[None, :]
-    return (s < sink) | (s > q_pos[:, None] - window)
+    return (s < sink) | (s >= (q_pos + 1 - window if frontier is None else frontier)[:, None])
 
 
 def int2_mask(mask, exact=None):
@@ -646,13 +652,26 @@ def exact_attention(layer: int, q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def int2_frontier(T: int, window: int, chunks=(), device=None) -> torch.Tensor:
+    """(T,) per query t the first key after the sink it reads exactly, served by forwards of `chunks`
+    tokens, then of one each: one token appends first, t + 1 - window (the ladders' rule, chunks ());
+    a forward [c0, c1) of several reads the windows held at its start and itself: c0 - window."""
+    f, c0 = torch.arange(T, device=device) + 1 - window, 0
+    for n in chunks:
+        f[c0:c0 + n] = c0 - window if n > 1 else f[c0:c0 + n]
+        c0 += n
+    return f
+
+
 class SimulatedINT2:
     """The INT2 cache of the per-layer specs `kv` on every position at once (Section 5): dense
-    (T, T) logits, or block=n the same numbers block by block (Appendix A)."""
+    (T, T) logits, or block=n the same numbers block by block (Appendix A); chunks: the windows
+    as served by forwards of these lengths (int2_frontier; None: every query its own)."""
 
-    def __init__(self, kv: list, cfg: Config, block: int | None = None):
+    def __init__(self, kv: list, cfg: Config, block: int | None = None, chunks=None):
         assert len(kv) == cfg.n_layers and (block is None or block >= 1), "a KVQuant per layer"
-        self.kv, self.cfg, self.block = kv, cfg, block
+        assert block is None or chunks is None, "block by block: every query its own windows"
+        self.kv, self.cfg, self.block, self.chunks = kv, cfg, block, chunks
 
     def __call__(self, layer: int, q, k, v):
         c, T = self.cfg, q.shape[2]
@@ -660,7 +679,8 @@ class SimulatedINT2:
         if self.block is not None:
             return block_simulated_attention(q, k, v, k_tilde, v_tilde, c.sink, c.window, self.block)
         pos = torch.arange(T, device=q.device)
-        mask, exact = causal_mask(pos, T), exact_window_mask(pos, T, c.sink, c.window)
+        frontier = None if self.chunks is None else int2_frontier(T, c.window, self.chunks, q.device)
+        mask, exact = causal_mask(pos, T), exact_window_mask(pos, T, c.sink, c.window, frontier)
         return effective_attention(q, k, v, k_tilde, v_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
 
 
@@ -775,18 +795,22 @@ def full_precision_captures(model, calib_idx, heldout_idx):
 """
 The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
 (window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
-are rotated by R_K once per step: <q R_K, (k - mu) R_K> = <q, k - mu>. R_V folds into the
-weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
+are rotated by R_K: <q R_K, (k - mu) R_K> = <q, k - mu>, the same softmax. R_V folds into
+the weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
 Layout (per layer; the kernels in kernel.py read exactly this):
-  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (below)
+  k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (pack_int2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
                block_table[seq, n // page_size], slot n % page_size; -1 = no page
-  win_k, win_v  (max_seqs, H_kv, sink + window, d): slots [0, sink) the first tokens, then a
-               ring of the most recent; valid slots [0, win_len), win_len = min(length, sink + window)
-One page pool and block table serve all sequences and layers; a token leaving the recent
-window is quantized, packed (pack_int2: four contiguous quarter-rows, the layout the Triton
-kernel reads) and written to its page; only the cache's methods write it.
+  win_k, win_v  (max_seqs, H_kv, sink + window, d): position p < sink in slot p, the `window`
+               newest in ring slot sink + (p - sink) % window (ring_slot)
+  length, n_int2  (n_layers, max_seqs) on the host: tokens held, and how many of them in INT2
+Two ways in, as the authors' engine runs them (../shared/docs/METHOD.md, "Serving"):
+  append   one token (decode): it enters the window, the oldest leaves to INT2; then the
+           token's query reads every INT2 token and the windows (paged_decode_reference).
+  extend   a multi-token forward (a prompt, a chat turn): its queries read the chunk's own
+           keys exactly and what was held before it as held (chunk_attention); then the
+           chunk is stored in bulk.
 """
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
@@ -811,10 +835,15 @@ def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
     return pack_int2(code.reshape(x.shape)), scale.squeeze(-1), zero.squeeze(-1)
 
 
+def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
+    """Q2's dequant of the storage form: (code - zero) * scale per group -> (..., d) fp32."""
+    codes = unpack_int2(packed).float().unflatten(-1, (-1, G))                  # (..., d/G, G)
+    return ((codes - zero[..., None]) * scale[..., None]).flatten(-2)
+
+
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
     """x (n, H, T, d) @ R (H, d, d) per head, summed in float64 and rounded once to x's dtype: the
-    fp32 products are exact in float64, so any summation order (T tokens at once, one at a time,
-    the compiled step's loop) stores the same numbers, bit for bit."""
+    fp32 products are exact in float64, so T tokens at once and one at a time store the same numbers."""
     return x if R is None else (x.double() @ R.double()).to(x.dtype)
 
 
@@ -853,12 +882,17 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors
 
 
-def _index(i: list):               # indices as a slice (a view) where they run consecutively
-    return slice(i[0], i[0] + len(i)) if i and i == list(range(i[0], i[0] + len(i))) else i
+def _on(device, idx: list) -> torch.Tensor:     # host indices on the pages' device, with no host sync
+    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+
+
+def ring_slot(p: int, sink: int, window: int) -> int:
+    """The window slot of position p: p in the sink, else ring slot sink + (p - sink) % window (-1: none)."""
+    return p if p < sink else (sink + (p - sink) % window if window else -1)
 
 
 class PagedKVCache:
-    """Page pool + block tables + full-precision windows, for every layer of a model."""
+    """Page pool + block table + full-precision windows, for every layer of a model."""
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
                  window_dtype=torch.float32, device="cpu", grow: bool = False):
@@ -869,26 +903,19 @@ class PagedKVCache:
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
-        NW, self.budget, self._views = cfg.sink + cfg.window, num_pages, None
-        n = 0 if grow else num_pages                                   # pages allocated
+        n, self.budget = (0 if grow else num_pages), num_pages            # pages allocated, allowed
         for t in PACKED:          # codes (L, pages, H_kv, P, d/4) uint8; scale, zero (L, pages, H_kv, P, d/G) fp32
             codes = t.endswith("codes")
             setattr(self, t, torch.zeros(L, n, H, P, d // 4 if codes else d // G, device=device,
                                          dtype=torch.uint8 if codes else torch.float32))
-        self.win_k = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
-        self.win_v = torch.zeros(L, max_seqs, H, NW, d, dtype=window_dtype, device=device)
+        self.win_k, self.win_v = (torch.zeros(L, max_seqs, H, cfg.sink + cfg.window, d, dtype=window_dtype,
+                                              device=device) for _ in range(2))
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
-        self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens appended per layer
-        self._len = self.length.numpy()                                # the same, read without torch
-        self.dev_len = self.length.to(device)      # the same on the pages' device (no copy on a CPU)
+        self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens held
+        self.n_int2 = torch.zeros(L, max_seqs, dtype=torch.long)       # of them in INT2 pages
         self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
-        # the compiled decode step (appendix A): CPU pages, fp32 windows; mu, R_K as numpy arrays
-        self.compiled = torch.device(device).type == "cpu" and window_dtype == torch.float32
-        rot = lambda s: (torch.zeros(H, d) if s.k_mean is None else s.k_mean.float(),
-                         torch.eye(d).expand(H, d, d) if s.r_k is None else s.r_k.float())
-        self._rot = [tuple(t.detach().cpu().contiguous().numpy() for t in rot(s)) for s in self.kv]
 
     # -- sequences and pages ------------------------------------------------------------
     def add_sequence(self) -> int:
@@ -904,7 +931,7 @@ class PagedKVCache:
         self.free_pages += self.pages[seq]
         self.block_table[seq].fill_(-1)
         self.pages[seq] = []
-        self.length[:, seq], self.dev_len[:, seq], self.active[seq] = 0, 0, False
+        self.length[:, seq], self.n_int2[:, seq], self.active[seq] = 0, 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
     def check_seqs(self, seqs: list):
@@ -916,28 +943,23 @@ class PagedKVCache:
             raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
 
     def reserve(self, layer: int, seqs: list, n_tokens: int):
-        """Take from the pool the pages that the next n_tokens of each sequence will fill in
-        INT2, in the order appending them token by token takes them (token after token, each
-        across seqs), or raise before taking any. All layers share the block table: the
-        first layer to reach a page takes it, the others find it."""
+        """Take from the pool the pages that the next n_tokens of each sequence will fill in INT2,
+        or raise before taking any. All layers share the block table: the first layer to reach a
+        page takes it, the others find it."""
         self.check_seqs(seqs)
         c, num_pages = self.cfg, self.block_table.shape[1]
-        P, exact = c.page_size, c.sink + c.window            # tokens held before INT2 index 0
-        want = []                                             # (token step, i, seq, block)
-        for i, s in enumerate(seqs):
-            n0 = int(self._len[layer, s])
-            lo, hi = max(0, n0 - exact), max(0, n0 + n_tokens - exact)   # new INT2 indices
-            for blk in range(max(lo // P, len(self.pages[s])), (hi + P - 1) // P):   # pages it lacks
-                want.append((max(blk * P, lo) + exact - n0, i, s, blk))  # step that writes it
-        if len(want) > len(self.free_pages) or any(blk >= num_pages for *_, blk in want):
+        P, held = c.page_size, c.sink + c.window                            # tokens before INT2 index 0
+        want = [(s, blk) for s in seqs for blk in range(len(self.pages[s]),
+                -(-max(0, int(self.length.numpy()[layer, s]) + n_tokens - held) // P))]
+        if len(want) > len(self.free_pages) or any(blk >= num_pages for _, blk in want):
             raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, "
                                f"{len(self.free_pages)} free) while sequences {list(seqs)} "
                                f"needed {len(want)} more for {n_tokens} more tokens each")
-        for _, _, s, blk in sorted(want):
+        for s, blk in want:
             self.pages[s].append(self.free_pages.pop(0))
             self.block_table[s, blk] = self.pages[s][-1]
         if want:
-            self._grow(1 + max(self.pages[s][-1] for _, _, s, _ in want))
+            self._grow(1 + max(self.pages[s][-1] for s, _ in want))
 
     def _grow(self, n: int):
         """At least n pages allocated (1/8 more than before, within the budget), contents kept."""
@@ -947,195 +969,178 @@ class PagedKVCache:
             for name in PACKED:
                 old = getattr(self, name)
                 setattr(self, name, torch.cat([old, old.new_zeros(old.shape[0], n - have, *old.shape[2:])], 1))
-            self._views = None
 
     # -- writes: one path, extend; append is extend of one token ------------------------
-    def _write_int2(self, layer, seq, n, k_rows, v_rows):
-        """Quantize and pack INT2 tokens n (a range) of `seq`, rows (N, H_kv, d), into slot n % page_size
-        of page block_table[seq, n // page_size]: compiled (kernel.q2_store) on the CPU, else torch."""
-        c, n = self.quant[layer], range(n[0], n[-1] + 1)
-        assert len(self.pages[seq]) > n[-1] // c.page_size, "reserve takes a page before it is written"
-        if self.k_codes.device.type == "cpu":
-            page = torch.tensor([self.pages[seq][i // c.page_size] for i in n])
-            slot = torch.tensor([i % c.page_size for i in n])
-        else:                                                  # on the device: no host-to-device copy
-            slot = torch.arange(n[0], n[-1] + 1, device=self.k_codes.device)
-            page, slot = self.block_table[seq, slot // c.page_size].long(), slot % c.page_size
+    def _write_int2(self, layer, seq, n: range, k_rows, v_rows):
+        """Q2 (storage form) of INT2 tokens n of `seq`, rows (N, H_kv, d), into slot i % page_size of
+        page block_table[seq, i // page_size]; on the CPU compiled (kernel.q2_store, bit for bit)."""
+        c, dev = self.quant[layer], self.k_codes.device
+        page = _on(dev, [self.pages[seq][i // c.page_size] for i in n])
+        slot = _on(dev, [i % c.page_size for i in n])
         for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
                                                (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
-            if codes.device.type == "cpu":
-                from kernel import q2_store                    # the same numbers, bit for bit
+            if dev.type == "cpu":
+                from kernel import q2_store
                 q2_store(rows.float().contiguous(), clip, c.group_size, c.scale_eps, codes[layer],
                          scale[layer], zero[layer], page, slot)
-                continue
-            pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
-            codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
+            else:
+                pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
+                codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
 
-    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor, checked: bool = True):
+    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """extend by one token per sequence: k, v (n, H_kv, d)."""
-        if checked:
-            check_tensor("k", k, shape=(len(seqs), self.cfg.n_kv_heads, self.cfg.head_dim), dtype="float")
-            check_tensor("v", v, shape=tuple(k.shape), dtype="float")
-        self.extend(layer, seqs, k[:, :, None], v[:, :, None], checked)
+        check_tensor("k", k, shape=(len(seqs), self.cfg.n_kv_heads, self.cfg.head_dim), dtype="float")
+        check_tensor("v", v, shape=tuple(k.shape), dtype="float")
+        self.extend(layer, seqs, k[:, :, None], v[:, :, None])
 
-    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor, checked: bool = True):
+    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append T tokens per sequence: k (n, H_kv, T, d) post-RoPE keys, v (n, H_kv, T, d) in R_V's
-        basis; pages reserved first (a full pool writes nothing). Token p lives in window slot p
-        (p < sink), in ring slot sink + (p - sink) % window while among the `window` newest, else at
-        INT2 index p - sink; those leaving the ring are quantized in one call, each through the
-        window dtype as if appended one by one. checked=False (a forward's own k, v): no checks."""
+        basis; pages reserved first (a full pool writes nothing)."""
         c = self.cfg
-        if checked:
-            check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
-            check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
-        T, S, W = k.shape[2], c.sink, c.window
-        self.reserve(layer, seqs, T)
-        kr = stored_keys(self.kv[layer], k)                              # (n, H_kv, T, d)
-        ring = lambda p: p if p < S else S + (p - S) % W                 # window slot of position p
+        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
+        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+        self.reserve(layer, seqs, k.shape[2])
+        self.store(layer, seqs, stored_keys(self.kv[layer], k), v)
+
+    def store(self, layer: int, seqs: list, kr, v):
+        """extend's write, kr (n, H_kv, T, d) the stored keys (k - mu) R_K, pages reserved. Position p
+        goes to window slot ring_slot(p) while in the sink or among the `window` newest, else to INT2
+        index p - sink; the tokens leaving the ring are quantized in one call, each through the
+        window dtype as if appended one by one."""
+        (S, W, T), length, n_int2 = (self.cfg.sink, self.cfg.window, kr.shape[2]), *self.counts(layer)
         for i, s in enumerate(seqs):
-            n0, win_k, win_v = int(self._len[layer, s]), self.win_k[layer, s], self.win_v[layer, s]
+            n0, win_k, win_v = int(length[s]), self.win_k[layer, s], self.win_v[layer, s]
             lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
             if hi > lo:
-                new = slice(max(lo, n0) - n0, max(hi, n0) - n0)          # rows of k, v going INT2
-                nk, nv = kr[i, :, new], v[i, :, new]
-                if W:                                                    # old ring slots, then new
-                    old = _index([ring(p) for p in range(lo, min(hi, n0))])   # all through the window dtype
-                    nk, nv = (w[:, old] if x.shape[1] == 0 else torch.cat([w[:, old], x.to(w.dtype)], 1)
-                              for w, x in ((win_k, nk), (win_v, nv)))
+                old = _on(kr.device, [ring_slot(p, S, W) for p in range(lo, min(hi, n0))])   # the ring's,
+                new = slice(max(lo, n0) - n0, max(hi, n0) - n0)                       # then the chunk
+                nk, nv = (torch.cat([w[:, old], x[i, :, new].to(w.dtype)], 1) if W else x[i, :, new]
+                          for w, x in ((win_k, kr), (win_v, v)))
                 self._write_int2(layer, s, range(lo - S, hi - S), nk.transpose(0, 1), nv.transpose(0, 1))
             pos = [*range(n0, min(S, n0 + T)), *(range(max(S, n0 + T - W, n0), n0 + T) if W else ())]
-            if pos:
-                slots, rows = _index([ring(p) for p in pos]), _index([p - n0 for p in pos])
-                win_k[:, slots] = kr[i][:, rows].to(win_k.dtype)
-                win_v[:, slots] = v[i][:, rows].to(win_v.dtype)
-            self._len[layer, s] = n0 + T
-            if self.dev_len is not self.length:                          # a device's copy, no transfer
-                self.dev_len[layer, s] += T
+            if pos:                                                      # into the windows
+                slots, rows = (_on(kr.device, x) for x in ([ring_slot(p, S, W) for p in pos], [p - n0 for p in pos]))
+                win_k[:, slots], win_v[:, slots] = kr[i][:, rows].to(win_k.dtype), v[i][:, rows].to(win_v.dtype)
+            length[s], n_int2[s] = n0 + T, max(0, n0 + T - S - W)
+
+    def counts(self, layer: int) -> tuple:     # length, n_int2 of a layer as numpy views (no torch call)
+        return self.length.numpy()[layer], self.n_int2.numpy()[layer]
 
     # -- reads --------------------------------------------------------------------------
-    def decode(self, layer: int, seqs: list, q, attend=None, **options):
-        """q (n, H_q, d) of the tokens just appended -> (n, H_q, d) fp32 in R_V's basis: q R_K, then
-        `attend` (None: kernel.paged_decode unchecked, the device's; or paged_decode_reference)."""
-        c = self.cfg
-        if attend is None:
-            from kernel import paged_decode as attend
-            options = {"checked": False, **options}
-        qr, r_k = q.float().view(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim), self.kv[layer].r_k
-        qr = qr if r_k is None else qr @ r_k                                  # (n, H_kv, n_rep, d)
-        return attend(qr.reshape(q.shape).contiguous(), **self.layer_view(layer, seqs),
-                      group_size=c.group_size, **options)
-
-    def step(self, layer: int, seqs: list, q, k, v, sm_scale: float, r_v=None):
-        """append + decode of one token per sequence in one compiled call (kernel.cpu_decode_step):
-        q (n, H_q, 1, d), k, v (n, H_kv, 1, d) fp32 on the CPU, pages reserved (paged_forward,
-        hf_cache) -> (n, H_q, 1, d) fp32 in R_V's basis, or with r_v (v in the model's basis) in the model's."""
-        import kernel
-        assert self.compiled and q.shape[2] == 1, "the compiled step: CPU pages, fp32 windows, one token"
-        if self._views is None:                                  # numpy views, again after the pool grows
-            self._views = [tuple(getattr(self, t)[l].numpy() for t in PACKED) + (self.block_table.numpy(),
-                           self.win_k[l].numpy(), self.win_v[l].numpy()) for l in range(self.cfg.n_layers)]
-        c, (n, Hq, _, d) = self.quant[layer], q.shape
-        rank = lambda clip: min(max(int(math.floor(clip * c.group_size)), 0), c.group_size - 1)
-        out = torch.empty(n, 1, Hq, d)
-        kernel.cpu_decode_step(q, k, v, *self._rot[layer], None if r_v is None else r_v.detach().numpy(),
-                               self._views[layer], self._len[layer], np.asarray(seqs, dtype=np.int64),
-                               rank(c.clip_k), rank(c.clip_v), c.group_size, c.scale_eps, c.sink, c.window,
-                               sm_scale, out.numpy())
-        return out.transpose(1, 2)
-
-    def int2_rows(self, layer: int, seq: int, n: int):
-        """INT2 tokens 0..n-1 of a sequence, dequantized: keys, values (H_kv, n, d) fp32, stored basis."""
-        c, d = self.cfg, self.cfg.head_dim
-        pages = self.block_table[seq, :-(-n // c.page_size)].long()
-        rows = lambda x: x[layer][pages].transpose(0, 1).flatten(1, 2)[:, :n]       # (H_kv, n, ...)
-        deq = lambda codes, scale, zero: ((unpack_int2(rows(codes)).float().unflatten(-1, (-1, c.group_size))
-                                          - rows(zero)[..., None]) * rows(scale)[..., None]).flatten(-2)
-        return deq(self.k_codes, self.k_scale, self.k_zero), deq(self.v_codes, self.v_scale, self.v_zero)
+    def held(self, layer: int, seq: int):
+        """Every token a sequence holds, in position order: keys, values (H_kv, n, d) fp32 in the
+        stored basis, the sink and ring as held, the INT2 tokens dequantized (Q2's dequant)."""
+        c, (n, q) = self.cfg, (int(x[seq]) for x in self.counts(layer))
+        int2 = [int2_rows(*(getattr(self, t)[layer] for t in names), self.block_table[seq], q, c.group_size)
+                for names in (PACKED[:3], PACKED[3:])]
+        slots = [ring_slot(p, c.sink, c.window) for p in (*range(min(c.sink, n)), *range(c.sink + q, n))]
+        ns = min(c.sink, n)
+        return [torch.cat([w[layer, seq][:, slots[:ns]].float(), x, w[layer, seq][:, slots[ns:]].float()], 1)
+                for w, x in ((self.win_k, int2[0]), (self.win_v, int2[1]))]
 
     def layer_view(self, layer: int, seqs: list) -> dict:
         """The tensors a decode kernel reads for these sequences (keyword arguments of
-        paged_decode_reference and the kernels): views, no copies, for consecutive ids."""
-        c, dev = self.cfg, self.block_table.device
-        run = seqs == list(range(seqs[0], seqs[0] + len(seqs)))     # consecutive ids: views, no transfer
-        idx = slice(seqs[0], seqs[0] + len(seqs)) if run else torch.tensor(seqs, dtype=torch.long, device=dev)
-        n = self.dev_len[layer, idx]
+        paged_decode_reference and the kernels)."""
+        dev, n, q = self.block_table.device, self.length[layer, seqs], self.n_int2[layer, seqs]
+        i, on = _on(dev, seqs), lambda x: x.to(device=dev, dtype=torch.int32, non_blocking=True)
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
-                    block_table=self.block_table[idx].contiguous(),
-                    n_quant=(n - c.sink - c.window).clamp_min(0).to(torch.int32),
-                    win_k=self.win_k[layer, idx].contiguous(), win_v=self.win_v[layer, idx].contiguous(),
-                    win_len=n.clamp_max(c.sink + c.window).to(torch.int32))
+                    block_table=self.block_table[i], n_quant=on(q), win_k=self.win_k[layer, i],
+                    win_v=self.win_v[layer, i], win_len=on(n - q))
+
+
+def int2_rows(codes, scale, zero, block_row, n: int, G: int) -> torch.Tensor:
+    """INT2 tokens 0..n-1 of a sequence (its block-table row) of a layer's pages, dequantized:
+    (H_kv, n, d) fp32."""
+    rows = lambda x: x[block_row[:-(-n // codes.shape[2])].long()].transpose(0, 1).flatten(1, 2)[:, :n]
+    return q2_dequantize(rows(codes), rows(scale), rows(zero), G)
 
 
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                           n_quant, win_k, win_v, win_len, group_size, sm_scale=None, chunk=4096):
-    """The decode the Triton kernel must match, in torch: q (B, H_q, d) already rotated by R_K,
-    one token per sequence -> (B, H_q, d) fp32 in the rotated value basis. INT2 tokens are read
-    about `chunk` at a time (whole pages) in Q2's affine form, q . k~ = sum_g s_g (q_g . c_g -
-    z_g sum q_g) over groups g (codes c, scale s, zero z), and p~ V~ alike: a step holds one
-    chunk in fp32, whatever the history."""
-    B, Hq, d = q.shape
-    H, P, G = k_codes.shape[1], k_codes.shape[2], group_size
-    chunk = max(1, chunk // P) * P
-    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+                           n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
+    """The decode every kernel must match, dense: q (B, H_q, d) already rotated by R_K, one token
+    per sequence -> (B, H_q, d) fp32 in the rotated value basis. Per sequence: its n_quant INT2
+    tokens dequantized and its win_len window slots, then Eq. 1-2 over them."""
+    (B, Hq, d), H = q.shape, k_codes.shape[1]
+    scale = d ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         n, w = int(n_quant[b]), int(win_len[b])
         assert n + w >= 1, "every sequence holds at least one token"
-        pages = block_table[b, :(n + P - 1) // P].long()
-        spans = [(t, pages[t // P:(t + chunk) // P]) for t in range(0, n, chunk)]
-        tokens = lambda x, t, pg: x[pg].transpose(0, 1).flatten(1, 2)[:, :n - t]   # (H_kv, tokens, ...)
-        codes = lambda x, t, pg: unpack_int2(tokens(x, t, pg)).float().unflatten(-1, (d // G, G))
-        qg = (q[b].float() * scale).view(H, Hq // H, d // G, G)           # (H_kv, n_rep, d/G, G)
-        logits = [(torch.einsum("hrgk,htgk->hrtg", qg, codes(k_codes, t, pg)) - tokens(k_zero, t, pg)[:, None]
-                   * qg.sum(-1)[:, :, None]).mul(tokens(k_scale, t, pg)[:, None]).sum(-1) for t, pg in spans]
-        p = torch.softmax(torch.cat(logits + [qg.flatten(-2) @ win_k[b, :, :w].float().mT], -1), -1)  # Eq. 1
-        o = p[..., n:] @ win_v[b, :, :w].float()                          # Eq. 2: the windows,
-        for t, pg in spans:                                               # then the INT2 tokens
-            ps = p[..., t:min(n, t + chunk), None] * tokens(v_scale, t, pg)[:, None]   # (H, n_rep, t, d/G)
-            o = o + (torch.einsum("hrtg,htgk->hrgk", ps, codes(v_codes, t, pg))
-                     - (ps * tokens(v_zero, t, pg)[:, None]).sum(2)[..., None]).flatten(-2)
-        out[b] = o.reshape(Hq, d)
+        K = torch.cat([int2_rows(k_codes, k_scale, k_zero, block_table[b], n, group_size),
+                       win_k[b, :, :w].float()], 1)                                    # (H_kv, n + w, d)
+        V = torch.cat([int2_rows(v_codes, v_scale, v_zero, block_table[b], n, group_size),
+                       win_v[b, :, :w].float()], 1)
+        qh = q[b].float().view(H, Hq // H, d)                                          # (H_kv, n_rep, d)
+        p = torch.softmax(qh @ K.mT * scale, dim=-1)                                   # Eq. 1
+        out[b] = (p @ V).reshape(Hq, d)                                                # Eq. 2
     return out
+
+
+def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_scale: float):
+    """The authors' multi-token forward (extend) for one sequence: qr (1, H_q, T, d) rotated by R_K,
+    kr (1, H_kv, T, d) the chunk's stored keys, v (1, H_kv, T, d) in R_V's basis -> (1, H_q, T, d)
+    fp32. The chunk's own keys and values exact, what the sequence held before it as held (the
+    windows exact, the pages dequantized once); the chunk causal, the held tokens seen by every query."""
+    K, V = cache.held(layer, seq)                                                      # (H_kv, n0, d)
+    n0, T = K.shape[1], qr.shape[2]
+    K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
+    mask = None if n0 == 0 else torch.ones(T, n0 + T, dtype=torch.bool, device=qr.device).tril(n0)
+    return F.scaled_dot_product_attention(qr.float(), K, V, attn_mask=mask, is_causal=n0 == 0,
+                                          scale=sm_scale, enable_gqa=True)            # Eq. 1-2
 
 
 def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None, sm_scale=None,
                pad=None, r_v=None, **options):
-    """One layer's attention through the paged cache, for decode_step, prefill and hf_cache alike:
-    q (n, H_q, T, d), k, v (n, H_kv, T, d) new tokens (v in R_V's basis; with r_v in the model's,
-    rotated here, and o rotated back) -> o (n, H_q, T, d) fp32. The one place that picks the path:
-    one token on CPU pages with the default decode: one compiled call (PagedKVCache.step); one token
-    otherwise: append, then decode; several tokens: attended in one pass block by block (Appendix
-    A), then extend once. pad (n,): left padding before a prompt, not attended nor stored."""
+    """One layer's attention through the paged cache (decode_step, prefill, hf_cache): q (n, H_q, T, d),
+    k, v (n, H_kv, T, d) post-RoPE (v in R_V's basis; with r_v in the model's, rotated here and o
+    back) -> o (n, H_q, T, d) fp32. One token: append, then decode (attend: None the kernel,
+    unchecked; or paged_decode_reference), or the compiled step (Appendix A) on CPU pages, fp32
+    windows, attend None. Several: chunk_attention, then store. pad (n,): left padding, not attended
+    nor stored. Pages reserved by the caller (paged_forward, hf_cache)."""
     n, Hq, T, d = q.shape
-    scale = d ** -0.5 if sm_scale is None else sm_scale
-    if T == 1 and attend is None and cache.compiled:
-        return cache.step(layer, seqs, q.float(), k.float(), v.float(), scale, r_v)
-    v = v.float() if r_v is None else rotate_rows(v.float(), r_v)                 # v R_V
-    if T == 1:                                                                    # Section 8's decode
-        cache.append(layer, seqs, k[:, :, 0], v[:, :, 0], checked=False)       # the model's own k, v
-        o = cache.decode(layer, seqs, q[:, :, 0], attend, sm_scale=sm_scale, **options)[:, :, None]
-    else:
+    spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
+    if T == 1 and attend is None and compiled(cache):
+        return compiled_step(cache, layer, seqs, q, k, v, scale, r_v=r_v)             # Appendix A
+    r_k = spec.r_k
+    qr = q.float() if r_k is None else (q.float().unflatten(1, (r_k.shape[0], -1)) @ r_k[:, None]).flatten(1, 2)
+    kr, v = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V
+    if T == 1:                                                                        # decode
+        cache.store(layer, seqs, kr, v)
+        if attend is None:
+            from kernel import paged_decode as attend
+            options = {"checked": False, **options}
+        o = attend(qr[:, :, 0].contiguous(), **cache.layer_view(layer, seqs), group_size=cache.cfg.group_size,
+                   sm_scale=scale, **options)[:, :, None]
+    else:                                                                             # extend
         o = torch.zeros(n, Hq, T, d, device=q.device)
-        cache.reserve(layer, seqs, T)                     # pages in token-by-token order, across seqs
         for b, s in enumerate(seqs):
             t = slice(0 if pad is None else int(pad[b]), T)
-            assert t.start == 0 or not cache._len[layer, s], "left padding only before a prompt"
-            qs = 1.0 if sm_scale is None else sm_scale * math.sqrt(d)              # Eq. 1's 1/sqrt(d) in SDPA
-            o[b:b + 1, :, t] = block_step(cache, layer, s, q[b:b + 1, :, t].float() * qs,
-                                          k[b:b + 1, :, t].float(), v[b:b + 1, :, t])
-    return o if r_v is None else (o.view(n, -1, cache.cfg.n_rep * T, d) @ r_v.mT).view(n, Hq, T, d)
+            o[b:b + 1, :, t] = chunk_attention(cache, layer, s, qr[b:b + 1, :, t], kr[b:b + 1, :, t],
+                                               v[b:b + 1, :, t], scale)
+            cache.store(layer, [s], kr[b:b + 1, :, t], v[b:b + 1, :, t])
+    return o if r_v is None else (o.view(n, -1, cache.cfg.n_rep * T, d) @ r_v.mT.float()).view(n, Hq, T, d)
 
 
 @torch.no_grad()
 def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, attend=None,
                   **options) -> torch.Tensor:
     """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
-    `model` folded (fold_value_rotation); attend, options: cache.decode's (None: kernel's)."""
-    cache.reserve(0, seqs, idx.shape[1])           # the step's pages, once for every layer
-    _block_masks.cache_clear()                     # the last forward's masks, if any
-    pos = cache.dev_len[0, _index(seqs)].to(idx.device)[:, None] + torch.arange(idx.shape[1], device=idx.device)
+    `model` folded (fold_value_rotation); attend, options: paged_step's."""
+    cache.reserve(0, seqs, idx.shape[1])           # the forward's pages, once for every layer
+    pos = cache.length[0, seqs].to(idx.device, non_blocking=True)[:, None] + torch.arange(idx.shape[1],
+                                                                                         device=idx.device)
     return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
+
+
+def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor) -> torch.Tensor:
+    """A prompt idx (n, T) into empty sequences: paged_forward, each layer's queries reading the
+    prompt exactly (the authors' extend), then storing it in bulk -> logits (n, T, vocab)."""
+    need(idx.dim() == 2 and idx.shape[0] == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
+    cache.check_seqs(seqs)
+    held = {s: int(cache.length[:, s].max()) for s in seqs if cache.length[:, s].any()}
+    need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (tokens held)")
+    return paged_forward(model, cache, seqs, idx)
 
 
 def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
@@ -1151,7 +1156,7 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # ========================================================================================
 
 # ----------------------------------------------------------------------------------------
-# A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, prefill
+# A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, the decode step
 # ----------------------------------------------------------------------------------------
 """
 The numbers of Sections 6-8, faster.
@@ -1163,6 +1168,9 @@ split; the 1e-12 clamp applies on S. Tested: optr_key_loss's value and gradient.
 Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 [sink, t1 - window) and the exact keys of [t0 - window + 1, t1), masked as
 exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
+The compiled decode step (paged_step's on CPU pages, fp32 windows): append and decode of a
+token in one numba call, from a plan optr makes (decode_plan: window slot, INT2 page and slot,
+counts). The lengths stay on the host (numpy views); layer_view copies counts to the device.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1218,46 +1226,57 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
     return out
 
 
-def block_step(cache: PagedKVCache, layer: int, s: int, q, k, v):
-    """T tokens of sequence s in one pass (paged_step's): q (1, H_q, T, d) scaled for Eq. 1's
-    1/sqrt(d), k, v (1, H_kv, T, d) fp32, v in R_V's basis -> o (1, H_q, T, d) in R_V's basis. Each
-    query reads what decoding token by token would: a prompt (nothing held) Section 5's cache of
-    its own keys, simulated (Eq. 4, 5); after n0 held tokens the exact windows held and the new
-    tokens, and INT2 as the pages store it (read after the one extend). Then or meanwhile: extend."""
-    c, spec = cache.quant[layer], cache.kv[layer]
-    S, W, n0, T = c.sink, c.window, int(cache._len[layer, s]), q.shape[2]
-    if n0 == 0:                                                     # a prompt: simulated, then stored
-        o = block_simulated_attention(q, k, v, *effective_kv(k, v, spec, c), S, W, block=256)  # Eq. 4, 5, 2
-        cache.extend(layer, [s], k, v, checked=False)
-        return o
-    ring = lambda p: p if p < S else S + (p - S) % W                # window slot of position p
-    held = [*range(min(S, n0)), *range(max(S, n0 - W), n0)]         # positions the windows hold
-    wk, wv = cache.win_k[layer, s], cache.win_v[layer, s]
-    K, V = (k.new_zeros(1, k.shape[1], n0 + T, k.shape[3]) for _ in range(2))   # exact, stored basis
-    K[0, :, held], V[0, :, held] = wk[:, [ring(p) for p in held]].float(), wv[:, [ring(p) for p in held]].float()
-    K[0, :, n0:], V[0, :, n0:] = stored_keys(spec, k)[0].to(wk.dtype).float(), v[0].to(wv.dtype).float()
-    cache.extend(layer, [s], k, v, checked=False)
-    n = max(0, n0 + T - S - W)                                      # INT2 tokens now stored
-    K_t, V_t = K.clone(), V.clone()
-    K_t[0, :, S:S + n], V_t[0, :, S:S + n] = cache.int2_rows(layer, s, n)
-    r_k = spec.r_k
-    qr = q if r_k is None else (q.unflatten(1, (r_k.shape[0], -1)) @ r_k[:, None]).flatten(1, 2)   # q R_K
-    return block_simulated_attention(qr, K, V, K_t, V_t, S, W, block=256, q0=n0)           # Eq. 5, Eq. 2
+def compiled(cache: PagedKVCache) -> bool:
+    """paged_step's fast path applies: CPU pages and fp32 windows (numba has no bf16, no GPU)."""
+    return cache.win_k.device.type == "cpu" and cache.win_k.dtype == torch.float32
 
 
-def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor):
-    """A prompt idx (n, T) into empty sequences: paged_forward, whose paged_step attends in one
-    pass block by block and extends each layer once. The cache is bit for bit that of token-by-
-    token decoding (page ids included); the logits (n, T, vocab) are decode_step's up to round-off."""
-    m, c = model.cfg, cache.cfg
-    need(idx.dim() == 2 and idx.shape[0] == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
-    need((m.sink, m.window, m.group_size, m.clip_k, m.clip_v) == (c.sink, c.window, c.group_size, c.clip_k,
-         c.clip_v), "prefill: model.cfg must quantize as the cache does (the forward stores what decode would)")
-    cache.check_seqs(seqs)
-    held = {s: int(cache.length[:, s].max()) for s in seqs if cache.length[:, s].any()}
-    need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (tokens held)")
-    cache.reserve(0, seqs, idx.shape[1])           # an exhausted pool raises before the forward
-    return paged_forward(model, cache, seqs, idx)
+def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
+    """What one token per sequence does to the cache, as the compiled step reads it: (5, n) int64,
+    per sequence the new token's window slot (ring_slot; -1: none), the page and page slot of the
+    INT2 token it makes (-1: none; the ring's oldest, or with window 0 the token itself), then the
+    INT2 and window token counts after it. The counts are advanced here."""
+    c, (length, n_int2) = cache.cfg, cache.counts(layer)
+    plan = np.full((5, len(seqs)), -1, dtype=np.int64)
+    for b, s in enumerate(seqs):
+        p, n = int(length[s]), int(length[s]) - c.sink - c.window       # n: the INT2 index it fills
+        plan[0, b] = ring_slot(p, c.sink, c.window)
+        if n >= 0:
+            plan[1, b], plan[2, b] = cache.pages[s][n // c.page_size], n % c.page_size
+        length[s], n_int2[s] = p + 1, max(0, n + 1)
+        plan[3, b], plan[4, b] = n_int2[s], length[s] - n_int2[s]
+    return plan
+
+
+def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale: float, r_v=None):
+    """paged_step's one token per sequence (its q, k, v (n, H, 1, d), r_v) in one compiled call,
+    kernel.cpu_decode_step: cache.store's writes bit for bit, paged_decode_reference's output within
+    round-off (sums reordered) -> (n, H_q, 1, d) fp32. The rotations in numpy, not torch (a torch
+    call costs microseconds): the float64 products of rotate_rows, summed in another order."""
+    c, spec, views = cache.quant[layer], cache.kv[layer], getattr(cache, "numpy_views", (None,))
+    if views[0] is not cache.k_codes:                 # numpy views of the pages, again after they grow
+        cache.numpy_views = views = (cache.k_codes, [tuple(getattr(cache, t)[l].numpy() for t in PACKED)
+                                     + (cache.block_table.numpy(), cache.win_k[l].numpy(), cache.win_v[l].numpy())
+                                     for l in range(cache.cfg.n_layers)], {})
+    arrays = views[2]                                 # mu, R_K, R_V as numpy, converted once
+
+    def array(t, dtype=np.float32):
+        if t is not None and arrays.get((id(t), dtype), (None,))[0] is not t:
+            arrays[id(t), dtype] = (t, t.detach().cpu().numpy().astype(dtype))
+        return t if t is None else arrays[id(t), dtype][1]
+    rot = lambda x, R: x if R is None else (x[:, :, None].astype(np.float64) @ R)[:, :, 0].astype(np.float32)
+    rows = lambda x: x.detach().numpy()[:, :, 0].astype(np.float32)                    # (n, H, d)
+    mu = 0 if spec.k_mean is None else array(spec.k_mean)
+    kr, vr = rot(rows(k) - mu, array(spec.r_k, np.float64)), rot(rows(v), array(r_v, np.float64))  # as stored
+    q = rows(q).reshape(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim)
+    qr = q if spec.r_k is None else q @ array(spec.r_k)                                  # q R_K, fp32
+    out = np.empty((len(seqs), c.n_heads, c.head_dim), dtype=np.float32)
+    kernel.cpu_decode_step(qr.reshape(out.shape), kr, vr, views[1][layer], np.asarray(seqs, dtype=np.int64),
+                           decode_plan(cache, layer, seqs), clip_rank(c.clip_k, c.group_size),
+                           clip_rank(c.clip_v, c.group_size), c.group_size, c.scale_eps, sm_scale, out)
+    if r_v is not None:                                                                  # o R_V^T
+        out = (out.reshape(q.shape) @ array(r_v).swapaxes(-1, -2)).reshape(out.shape)
+    return torch.from_numpy(np.ascontiguousarray(out))[:, :, None]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1474,12 +1493,14 @@ Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its a
 calibrate_hf runs Section 6 on what that attention reads. hf_cache serves INT2 layers from
 Section 8's pages: PagedLayer.update(k, v) keeps k, v and returns (layer, layer) as keys and
 values, which transformers hands untouched (no repeat_kv, no cast) to "optr-paged"
-(paged_attention); that calls the layer's attend: Section 8's paged_step in R_V's basis.
+(paged_attention); that calls the layer's attend: Section 8's paged_step. Served is simulated:
+hf_cache's logits are simulate_hf's with chunks, the lengths of the forwards it ran.
 """
 
 @dataclass
 class _Pool:
     """What hf_cache's INT2 layers share: their specs, and the PagedKVCache of the first update."""
+    model: object                          # the transformers model it serves
     specs: list                            # KVQuant of each INT2 layer, in order
     cfg: Config
     max_tokens: int                        # tokens a sequence may hold, prompt and new ones
@@ -1488,10 +1509,12 @@ class _Pool:
     seqs: list | None = None
 
     def begin(self, k, held: int):
-        """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens: the
-        step's plan for every layer: max_tokens checked, the pages it fills taken (the pool grows
-        with the sequences; max_tokens bounds it). The first one opens the cache, a sequence a row."""
+        """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens:
+        max_tokens checked, the pages the forward fills taken for every layer (the pool grows with
+        the sequences; max_tokens bounds it). The first one opens the cache, a sequence a row."""
         (B, _, T, _), c = k.shape, self.cfg
+        need(self.model.config._attn_implementation == "optr-paged",
+             "hf_cache: the model attends through it inside `with optr.hf_cache(model, kv, cfg) as cache:`")
         need(held or T <= self.max_tokens, f"hf_cache: a prompt of {T} tokens passes max_tokens={self.max_tokens}")
         need(held + T <= self.max_tokens, f"hf_cache: a sequence passes max_tokens={self.max_tokens}")
         if self.cache is None:
@@ -1500,7 +1523,6 @@ class _Pool:
                                       self.specs, window_dtype=k.dtype, device=k.device, grow=True)
             self.seqs = [self.cache.add_sequence() for _ in range(B)]
         self.cache.reserve(0, self.seqs, T)
-        _block_masks.cache_clear()                            # the last forward's masks, if any
 
 
 def left_pad(pos, T: int):
@@ -1512,7 +1534,8 @@ class PagedLayer:
     """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
     pool's PagedKVCache (as layer `index`)."""
     # Duck-typed: hf_cache registers it as a virtual subclass of transformers' CacheLayerMixin (an
-    # ABC), so `import optr` needs no transformers. What generate() calls is here, beam search not.
+    # ABC), so `import optr` needs no transformers. What generate() calls is here: greedy, sampling,
+    # beam search (reorder_cache); assisted generation's rollback (crop) a ValueError.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
@@ -1534,6 +1557,16 @@ class PagedLayer:
         self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
         return self, self
 
+    def reorder_cache(self, beam_idx: torch.Tensor):
+        """Beam search: row b takes what row beam_idx[b] holds (its windows, counts, INT2 tokens copied)."""
+        if self.n:
+            pool = self.pool
+            reorder_sequences(pool.cache, self.index, pool.seqs, [pool.seqs[i] for i in beam_idx.tolist()])
+
+    def crop(self, max_length: int):
+        need(False, "hf_cache: assisted generation (assistant_model=) rolls the cache back (crop): optr's "
+                    "INT2 pages keep what they evicted; generate without assistant_model")
+
     def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)
         return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
 
@@ -1546,9 +1579,23 @@ class PagedLayer:
         return o.transpose(1, 2).to(query.dtype)
 
 
+def reorder_sequences(cache: PagedKVCache, layer: int, seqs: list, src: list):
+    """Sequence seqs[b] of a layer takes what src[b] holds (beam search, sequences of one length):
+    windows and counts, and its INT2 tokens copied into seqs[b]'s own pages."""
+    (length, n_int2), dev, P = cache.counts(layer), cache.block_table.device, cache.cfg.page_size
+    n = -(-int(n_int2[src].max()) // P)                                       # pages in use
+    to, of = ([cache.pages[s][j] for s in x for j in range(n)] for x in (seqs, src))
+    for t in PACKED:
+        x = getattr(cache, t)[layer]
+        x[_on(dev, to)] = x[_on(dev, of)]
+    for w in (cache.win_k, cache.win_v):
+        w[layer, _on(dev, seqs)] = w[layer, _on(dev, src)]
+    length[seqs], n_int2[seqs] = length[src], n_int2[src]
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers' attention interface "optr-paged": hf_cache's INT2 layers decode from the pages
-    (PagedLayer.attend), every other layer is transformers' sdpa."""
+    """transformers' attention interface "optr-paged": hf_cache's INT2 layers attend through the
+    pages (PagedLayer.attend), every other layer is transformers' sdpa."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     if not isinstance(key, PagedLayer):
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
@@ -1558,20 +1605,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 
 @functools.lru_cache(maxsize=None)
-def _int2_cache_type():                   # hf_cache's Cache: `with` it, or restore(), to give
-    from transformers.cache_utils import Cache             # the model back its own attention
-    return type("INT2Cache", (Cache,), dict(
-        __enter__=lambda self: self, __exit__=lambda self, *exc: self.restore(),
-        restore=lambda self: self.model.set_attn_implementation(self.attn_before)))
+def _int2_cache_type():                   # hf_cache's Cache: the model attends through it inside `with`
+    from transformers.cache_utils import Cache
+
+    def enter(self):
+        self.attn_before = self.model.config._attn_implementation
+        self.model.set_attn_implementation("optr-paged")
+        return self
+    return type("INT2Cache", (Cache,), dict(__enter__=enter, __exit__=lambda self, *exc:
+                                             self.model.set_attn_implementation(self.attn_before)))
 
 
-def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int | None = None, attend=None):
-    """A transformers Cache for model.generate(past_key_values=...): INT2 layers in one PagedKVCache,
-    exact ones in transformers' own (sliding ones slide). max_tokens: prompt and new tokens a
-    sequence may hold (None: max_position_embeddings, else 8192), a longer prompt refused before
-    any layer attends. The model attends through "optr-paged" (sdpa for the layers it does not
-    hold) until restore() or the end of `with optr.hf_cache(...) as cache:`. folded: True beside
-    export_hf's weights, False for the original ones (v rotated by R_V here). attend: the decode."""
+def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int | None = None, attend=None):
+    """A transformers Cache for model.generate(past_key_values=...), used as `with optr.hf_cache(model,
+    kv, cfg) as cache:`: inside it the model attends through "optr-paged" (INT2 layers from one
+    PagedKVCache, Section 8's semantics; the others sdpa over transformers' own layers, sliding ones
+    sliding), after it through its own attention again; constructing it changes nothing. max_tokens:
+    prompt and new tokens a sequence may hold (None: max_position_embeddings, else 8192), a longer
+    prompt refused before any layer attends. folded: True beside export_hf's weights, False beside
+    the original ones (v rotated by R_V here). attend: the decode (None: kernel.paged_decode)."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.cache_utils import CacheLayerMixin, DynamicCache
     from transformers.masking_utils import sdpa_mask
@@ -1585,14 +1637,13 @@ def hf_cache(kv: list, cfg: Config, model, folded: bool = False, max_tokens: int
         max_tokens = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 8192
     need(isinstance(max_tokens, int) and max_tokens >= 1, f"hf_cache: max_tokens must be an int >= 1, got {max_tokens}")
     int2 = [l for l, s in enumerate(kv) if s.quant_k]
-    pool = _Pool([kv[l] for l in int2], cfg, max_tokens, attend)
+    pool = _Pool(model, [kv[l] for l in int2], cfg, max_tokens, attend)
     AttentionInterface.register("optr-paged", paged_attention)
     AttentionMaskInterface.register("optr-paged", sdpa_mask)
     CacheLayerMixin.register(PagedLayer)
     cache = _int2_cache_type()(layers=[PagedLayer(pool, int2.index(l), s, folded) if s.quant_k else t
                                        for l, (s, t) in enumerate(zip(kv, theirs))])
-    cache.model, cache.attn_before = model, model.config._attn_implementation
-    model.set_attn_implementation("optr-paged")
+    cache.model = model
     return cache
 
 
@@ -1617,10 +1668,11 @@ def hf_config(hf_config, **settings) -> Config:
 
 
 @contextlib.contextmanager
-def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int | None = None):
+def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int | None = None, chunks=None):
     """`with simulate_hf(model, kv, cfg):` the model's attention interface reads Section 5's INT2
     cache of kv (None: exact), windows in the model's positions, sdpa's masks (padding, sliding).
-    capture: {layer: ((q, k, v), module, window)}; block: causal layers block by block (Appendix A).
+    capture: {layer: ((q, k, v), module, window)}; block: causal layers block by block (Appendix A);
+    chunks: the windows hf_cache serves to forwards of these lengths (int2_frontier, in keys).
     Layers that bypass the interface (gpt_neo, falcon): a ValueError."""
     from transformers.masking_utils import sdpa_mask
     if kv is not None:
@@ -1641,10 +1693,11 @@ def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int 
         kv_tilde = (spec.quant_k or spec.quant_v) and effective_kv(key, value, spec, cfg)   # Eq. 4
         if not kv_tilde:                                         # an exact layer: Eq. 1-2, as sdpa computes them
             o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, enable_gqa=True)
-        elif block and Tq == T and bool((mask == causal_mask(q_idx, T)).all()):    # Appendix A
+        elif block and chunks is None and Tq == T and bool((mask == causal_mask(q_idx, T)).all()):  # App. A
             o = block_simulated_attention(q, key, value, *kv_tilde, cfg.sink, cfg.window, block)
         else:                                                    # the exact windows per sequence
-            exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window)      # (B, 1, Tq, T)
+            f = None if chunks is None else int2_frontier(T, cfg.window, chunks, key.device)[T - Tq:]
+            exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window, f)   # (B, 1, Tq, T)
             o = effective_attention(q, key, value, *kv_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
         if capture is not None:
             capture[l] = ((q, key, value), module, kwargs.get("sliding_window"))

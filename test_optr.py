@@ -1992,11 +1992,11 @@ def test_paged_cache_matches_contiguous_reference(T, ratio):
 @pytest.mark.slow
 def test_decode_path_matches_simulated_model(calibrated_tiny):
     """The real serving path - folded model, prefill, then token-by-token decode from the
-    paged cache with rotated queries - gives the logits of the simulated INT2 model.
-    Optr against optr: the paged decode path against SimulatedINT2."""
+    paged cache with rotated queries - gives the logits of the simulated INT2 model, the prompt
+    one forward (chunks (10,)). Optr against optr: the paged decode path against SimulatedINT2."""
     model, data, specs, _ = calibrated_tiny
     idx = data[1]
-    sim = model(idx, optr.SimulatedINT2(specs, model.cfg))
+    sim = model(idx, optr.SimulatedINT2(specs, model.cfg, chunks=(10,)))
     folded = optr.fold_value_rotation(model, specs)
     cache = shuffled(optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs), 0)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
@@ -2109,16 +2109,25 @@ def test_block_wise_simulation_equals_the_dense_one(block):
 
 
 def cache_state(cache):
-    """Every tensor and table of a cache, for bit-for-bit comparisons."""
-    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
-             "block_table", "length")
-    return {n: getattr(cache, n).clone() for n in names} | dict(free=list(cache.free_pages))
+    """What a cache holds, for bit-for-bit comparisons: per layer and sequence its INT2 tokens in
+    order (codes, scales, zeros, wherever their pages are), its windows, lengths and INT2 counts,
+    and the number of free pages (page ids may differ)."""
+    P, out = cache.cfg.page_size, dict(free=len(cache.free_pages), length=cache.length.clone(),
+                                       n_int2=cache.n_int2.clone(), win_k=cache.win_k.clone(),
+                                       win_v=cache.win_v.clone())
+    for n in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero"):
+        for l in range(cache.cfg.n_layers):
+            for s in range(len(cache.active)):
+                q = int(cache.n_int2[l, s])
+                pages = cache.block_table[s, :-(-q // P)].long()
+                out[n, l, s] = getattr(cache, n)[l][pages].transpose(0, 1).flatten(1, 2)[:, :q].clone()
+    return out
 
 
 def assert_same_state(a, b):
     for n in a:
         if n == "free":
-            assert a[n] == b[n], "free page lists differ"
+            assert a[n] == b[n], "free page counts differ"
         else:
             assert a[n].dtype == b[n].dtype and torch.equal(a[n], b[n]), f"{n} differs"
 
@@ -2128,9 +2137,9 @@ def assert_same_state(a, b):
        bf16=st.booleans(), seed=st.integers(0, 10_000))
 def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
     """Appending T tokens at once (cache.extend: one quantizer call per sequence, scattered
-    into pages) leaves the cache bit for bit as appending them one at a time: codes,
-    scales, zeros, sink and ring windows, block table (pages taken in the same order),
-    lengths, free list; for lengths below the sink, inside the windows, and past a ring wrap.
+    into pages) leaves the cache bit for bit as appending them one at a time: each sequence's
+    INT2 codes, scales, zeros in order, sink and ring windows, lengths, pages used; for lengths
+    below the sink, inside the windows, and past a ring wrap.
     Optr against optr: cache.extend against cache.append."""
     cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
                       window=window, page_size=page_size, n_layers=2)
@@ -2165,33 +2174,34 @@ def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
 
 
 def prefill_and_appended(calibrated_tiny, n_prompt=13):
-    """Two caches holding the same prompt: one filled by prefill, one by appending the
-    simulated forward's k, v token by token. Returns them with the prefill logits, the
-    simulated forward's logits, the folded model, the sequence ids and the tokens."""
+    """Two caches holding the same prompt: one filled by prefill, one by appending, token by token,
+    the k, v that prefill's layers stored (recorded). Returns them with the prefill logits, the
+    folded model, the sequence ids and the tokens."""
     model, data, specs, _ = calibrated_tiny
     idx = data[1]
     folded = optr.fold_value_rotation(model, specs)
     bulk, one = (shuffled(optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs), 0) for _ in range(2))
     seqs = [bulk.add_sequence() for _ in range(idx.shape[0])]
     assert [one.add_sequence() for _ in range(idx.shape[0])] == seqs
-    logits = optr.prefill(folded, bulk, seqs, idx[:, :n_prompt])
-    sim = [optr.KVQuant(k_mean=s.k_mean, r_k=s.r_k) for s in specs]     # R_V is folded
-    captured = []
-    ref = folded(idx[:, :n_prompt], optr.SimulatedINT2(sim, folded.cfg, block=256), capture=captured)
-    for l, (_, k, v) in enumerate(captured):
+    step, captured = optr.paged_step, []
+    optr.paged_step = lambda cache, l, s, q, k, v, *a, **kw: captured.append((k, v)) or step(cache, l, s, q, k, v,
+                                                                                            *a, **kw)
+    try:
+        logits = optr.prefill(folded, bulk, seqs, idx[:, :n_prompt])
+    finally:
+        optr.paged_step = step
+    for l, (k, v) in enumerate(captured):
         for t in range(n_prompt):
             one.append(l, seqs, k[:, :, t], v[:, :, t])
-    return bulk, one, logits, ref, folded, seqs, idx
+    return bulk, one, logits, folded, seqs, idx
 
 
 @pytest.mark.slow
 def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrated_tiny):
-    """prefill (one simulated forward, bulk writes) stores exactly what appending the same
-    keys and values token by token stores; its logits are that simulated forward's; and
-    decoding on from either cache gives the same logits and caches, bit for bit.
-    Optr against optr: prefill against append and SimulatedINT2."""
-    bulk, one, logits, ref, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
-    assert torch.equal(logits, ref)
+    """prefill (one forward, bulk writes) stores what appending the same keys and values token by
+    token stores (page ids aside); decoding on from either cache gives the same logits and
+    caches, bit for bit. Optr against optr: prefill against append."""
+    bulk, one, logits, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
     assert_same_state(cache_state(one), cache_state(bulk))
     for t in range(13, idx.shape[1]):
         assert torch.equal(optr.decode_step(folded, bulk, seqs, idx[:, t]),
@@ -2199,118 +2209,142 @@ def test_prefill_leaves_the_cache_bit_for_bit_as_token_by_token_appends(calibrat
     assert_same_state(cache_state(one), cache_state(bulk))
 
 
-@pytest.mark.slow
-def test_prefill_logits_are_those_of_token_by_token_decoding_up_to_round_off(calibrated_tiny):
-    """The logits of prefill agree with those of decode_step fed the prompt one token at a
-    time, up to round-off (a different summation order: about 1e-5, not bit for bit).
-    Optr against optr: prefill against decode_step."""
+def test_a_prompts_logits_through_prefill_are_the_exact_models(calibrated_tiny):
+    """A prompt of 24 through prefill (its queries read the prompt itself exactly, as the authors'
+    engine does, and only then is it stored in INT2) gives the full-precision model's logits
+    within fp32 round-off (1e-4); the ladders' simulation (every query over its INT2 past) does
+    not. Optr against optr: prefill against TinyLM's exact forward."""
     model, data, specs, _ = calibrated_tiny
-    idx = data[1][:, :13]
+    idx = data[1][:, :24]
     folded = optr.fold_value_rotation(model, specs)
-    caches = [optr.PagedKVCache(model.cfg, 16, idx.shape[0], specs) for _ in range(2)]
-    seqs = [[c.add_sequence() for _ in range(idx.shape[0])] for c in caches]
-    pre = optr.prefill(folded, caches[0], seqs[0], idx)
-    dec = torch.stack([optr.decode_step(folded, caches[1], seqs[1], idx[:, t]) for t in range(13)], 1)
-    assert torch.allclose(pre, dec, atol=1e-4, rtol=1e-5)
-    assert (pre.argmax(-1) == dec.argmax(-1)).all()
+    cache = optr.PagedKVCache(model.cfg, 64, idx.shape[0], specs)
+    logits = optr.prefill(folded, cache, [cache.add_sequence() for _ in range(idx.shape[0])], idx)
+    with torch.no_grad():
+        exact, ladders = model(idx), model(idx, optr.SimulatedINT2(specs, model.cfg))
+    assert (logits - exact).abs().max().item() <= 1e-4
+    assert (logits - ladders).abs().max().item() > 1e-2
+    assert int(cache.n_int2[0, 0]) == 24 - model.cfg.sink - model.cfg.window     # it is stored in INT2
 
 
-def test_prefill_refuses_a_model_with_other_windows(calibrated_tiny):
-    """Prefill simulates the cache with the model's config; if its windows or quantizer
-    differ from the cache's, what it stores would not be what decoding stores: an assert."""
+def test_a_chat_turn_through_the_paged_cache_is_the_chunk_aware_simulation(calibrated_tiny):
+    """A prompt of 10 (prefill), a follow-up of 9 in one forward (paged_forward), then 5 tokens
+    decoded: every position's logits are SimulatedINT2's with chunks (10, 9) within 1e-4: the
+    follow-up reads the windows held at its start and itself exactly, the INT2 pages beyond.
+    Optr against optr: the paged cache against SimulatedINT2 with chunks."""
     model, data, specs, _ = calibrated_tiny
-    cache = optr.PagedKVCache(replace_cfg(model.cfg, window=7), 16, 1, specs)
-    with pytest.raises(ValueError, match="model.cfg must quantize as the cache does"):
-        optr.prefill(model, cache, [cache.add_sequence()], data[0][:1])
+    idx = data[1][:, :24]
+    folded = optr.fold_value_rotation(model, specs)
+    cache = shuffled(optr.PagedKVCache(model.cfg, 32, idx.shape[0], specs), 1)
+    seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
+    ours = [optr.prefill(folded, cache, seqs, idx[:, :10]), optr.paged_forward(folded, cache, seqs, idx[:, 10:19])]
+    ours += [optr.decode_step(folded, cache, seqs, idx[:, t])[:, None] for t in range(19, 24)]
+    with torch.no_grad():
+        sim = model(idx, optr.SimulatedINT2(specs, model.cfg, chunks=(10, 9)))
+    assert (torch.cat(ours, 1) - sim).abs().max().item() <= 1e-4
 
 
 def test_prefill_refuses_sequences_that_already_hold_tokens(calibrated_tiny):
     """Prefill writes positions 0 .. T-1, so a sequence already holding tokens is refused."""
-    bulk, _, _, _, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
+    bulk, _, _, folded, seqs, idx = prefill_and_appended(calibrated_tiny)
     with pytest.raises(ValueError, match="expected empty sequences"):
         optr.prefill(folded, bulk, seqs, idx[:, :2])
 
 
-# The serving step's fast paths, each against the plain one (paged_step picks among them)
+# The serving step's fast path, against the plain one (paged_step picks it)
 
-def step_cache(seed, sink, window, page_size, G, n_seqs, mean, rotate):
-    """A compiled-step PagedKVCache (one layer, H_kv 2, GQA 2, d 16) with random specs, pages
-    shuffled, n_seqs sequences; and its spec."""
+def step_cache(seed, sink, window, page_size, G, mean, rotate):
+    """A PagedKVCache (one layer, H_kv 2, GQA 2, d 16) with random specs, pages shuffled, 3
+    sequences active (ids 0, 1, 2)."""
     cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=G, sink=sink, window=window,
                       page_size=page_size, n_layers=1, clip_k=0.9, clip_v=0.95)
     spec = optr.KVQuant(k_mean=rand(2, 16, seed=seed) if mean else None,
                         r_k=random_rotations(2, 16, seed + 1) if rotate else None)
     cache = shuffled(optr.PagedKVCache(cfg, 120, 3, [spec]), seed)
-    return cache, [cache.add_sequence() for _ in range(n_seqs)]
+    assert [cache.add_sequence() for _ in range(3)] == [0, 1, 2]
+    return cache
 
 
-@given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 3, 4]),
-       G=st.sampled_from([8, 16]), n_seqs=st.integers(1, 3), n=st.integers(1, 24), mean=st.booleans(),
-       rotate=st.booleans(), r_v=st.booleans(), seed=st.integers(0, 10_000))
-def test_the_compiled_decode_step_stores_and_decodes_what_append_then_decode_do(
-        sink, window, page_size, G, n_seqs, n, mean, rotate, r_v, seed):
-    """PagedKVCache.step (one compiled call: center and rotate the key, rotate the value (r_v
-    given: v in the model's basis, the output rotated back), write the ring, move the evicted
-    token to its INT2 page, decode) leaves the cache bit for bit as append does, codes, scales,
-    zeros, windows, lengths, and returns decode's attention through paged_decode_reference within
-    round-off, at every one of n tokens: below the sink, in the windows, past ring wraps, W = 0.
-    Optr against optr: the compiled step against append + the torch reference decode."""
-    fast, seqs = step_cache(seed, sink, window, page_size, G, n_seqs, mean, rotate)
-    plain, _ = step_cache(seed, sink, window, page_size, G, n_seqs, mean, rotate)
+def check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, seed):
+    """n tokens into seqs through paged_step's compiled path and its plain one (store, then
+    paged_decode_reference): outputs within 1e-5, caches bit for bit."""
+    fast, plain = (step_cache(seed, sink, window, page_size, G, mean, rotate) for _ in range(2))
     R_V = random_rotations(2, 16, seed + 2) if r_v else None
     for t in range(n):
-        q, k = rand(n_seqs, 4, 1, 16, seed=seed + 3 * t), rand(n_seqs, 2, 1, 16, seed=seed + 3 * t + 1) * 3 + 1
-        v = rand(n_seqs, 2, 1, 16, seed=seed + 3 * t + 2)
+        q, k = rand(len(seqs), 4, 1, 16, seed=seed + 3 * t), rand(len(seqs), 2, 1, 16, seed=seed + 3 * t + 1) * 3 + 1
+        v = rand(len(seqs), 2, 1, 16, seed=seed + 3 * t + 2)
         for c in (fast, plain):
             c.reserve(0, seqs, 1)
-        got = fast.step(0, seqs, q, k, v, 0.3, R_V)
-        plain.append(0, seqs, k[:, :, 0], v[:, :, 0] if R_V is None else optr.rotate_rows(v, R_V)[:, :, 0])
-        want = plain.decode(0, seqs, q[:, :, 0], optr.paged_decode_reference, sm_scale=0.3)
-        if R_V is not None:
-            want = (want.view(n_seqs, 2, 2, 16) @ R_V.mT).view(n_seqs, 4, 16)
-        assert torch.allclose(got[:, :, 0], want, atol=1e-5), t
+        got = optr.paged_step(fast, 0, seqs, q, k, v, sm_scale=0.3, r_v=R_V)
+        want = optr.paged_step(plain, 0, seqs, q, k, v, optr.paged_decode_reference, sm_scale=0.3, r_v=R_V)
+        assert torch.allclose(got, want, atol=1e-5), t
     assert_same_state(cache_state(plain), cache_state(fast))
 
 
+@given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 3, 4]),
+       G=st.sampled_from([8, 16]), seqs=st.permutations([0, 1, 2]).flatmap(
+           lambda p: st.integers(1, 3).map(lambda n: p[:n])), n=st.integers(1, 24), mean=st.booleans(),
+       rotate=st.booleans(), r_v=st.booleans(), seed=st.integers(0, 10_000))
+def test_the_compiled_decode_step_stores_and_decodes_what_the_plain_step_does(
+        sink, window, page_size, G, seqs, n, mean, rotate, r_v, seed):
+    """paged_step's compiled path (CPU pages, fp32 windows: one numba call from optr's plan) leaves
+    the cache bit for bit as its plain path (store, then paged_decode_reference) does, INT2 codes,
+    scales, zeros, windows, lengths, and returns its attention within round-off, at every one of
+    n tokens: below the sink, in the windows, past ring wraps, W = 0, sequence ids in any order
+    (not 0..B-1), r_v given (v in the model's basis, the output rotated back) or not.
+    Optr against optr: the compiled step against the plain step."""
+    check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, seed)
+
+
 def test_the_compiled_decode_step_can_fail(monkeypatch):
-    """The test above fails on a step that rounds the stored key differently (the INT2 write of
-    a scaled row) or decodes with another scale: the comparison has teeth."""
-    fast, seqs = step_cache(0, 1, 2, 4, 8, 2, True, True)
-    plain, _ = step_cache(0, 1, 2, 4, 8, 2, True, True)
-    for t in range(9):
-        q, k, v = rand(2, 4, 1, 16, seed=t), rand(2, 2, 1, 16, seed=t + 50), rand(2, 2, 1, 16, seed=t + 99)
-        for c in (fast, plain):
-            c.reserve(0, seqs, 1)
-        got = fast.step(0, seqs, q, k * (1 + 1e-3), v, 0.3)
-        plain.append(0, seqs, k[:, :, 0], v[:, :, 0])
-        want = plain.decode(0, seqs, q[:, :, 0], optr.paged_decode_reference, sm_scale=0.25)
-    assert not torch.allclose(got[:, :, 0], want, atol=1e-5)
-    with pytest.raises(AssertionError, match="differs"):
-        assert_same_state(cache_state(plain), cache_state(fast))
+    """The test above fails on a compiled step that reads and writes cache rows by batch row
+    instead of sequence id (sequences [2, 0]), and on one that stores another key."""
+    step = kernel.cpu_decode_step
+    monkeypatch.setattr(kernel, "cpu_decode_step", lambda qr, kr, vr, pages, seqs, *a:
+                        step(qr, kr, vr, pages, np.arange(len(seqs)), *a))
+    assert fails(check_compiled_step, [2, 0], 1, 2, 4, 8, 9, True, True, False, 0)
+    check_compiled_step([0, 1], 1, 2, 4, 8, 9, True, True, False, 0)                 # rows = ids: holds
+    monkeypatch.setattr(kernel, "cpu_decode_step", lambda qr, kr, vr, *a: step(qr, kr * 1.001, vr, *a))
+    assert fails(check_compiled_step, [0, 1], 1, 2, 4, 8, 9, True, True, False, 0)
+
+
+def held_reference(k0, v0, mu, R, cfg):
+    """Keys and values (H_kv, n0, d) float64 that a sequence of n0 tokens k0, v0 (H_kv, n0, d) holds
+    after extend, in the stored basis, by the test's own numbers: (k - mu) R and v, the positions
+    in [sink, n0 - window) through the numpy Q2 (authors_q2), the others exact."""
+    kr, v0 = ((k0.double() - mu.double()[:, None]) @ R.double()).float(), v0.float()
+    n0 = k0.shape[1]
+    int2 = torch.tensor([cfg.sink <= p < n0 - cfg.window for p in range(n0)], dtype=torch.bool)
+    deq = lambda x, c: torch.from_numpy(authors_q2(x.numpy(), c, cfg.group_size)[0])
+    return [torch.where(int2[:, None], deq(x, c), x).double() for x, c in ((kr, cfg.clip_k), (v0, cfg.clip_v))]
 
 
 @given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 4]),
-       n0=st.integers(1, 20), T=st.integers(2, 12), n_seqs=st.integers(1, 2), seed=st.integers(0, 10_000))
-def test_several_tokens_into_a_held_sequence_attend_in_one_pass_as_token_by_token(sink, window, page_size, n0,
-                                                                                 T, n_seqs, seed):
-    """paged_step with T > 1 tokens into sequences that hold n0 (a chat turn, a chunked prefill, a
-    verification step) attends in one pass (block_step: the held windows, the new tokens, the
-    pages dequantized after one extend) and gives, at each of the T positions, the output of
-    stepping the same tokens one at a time (each query its own windows over everything before
-    it) within round-off, and the cache they leave, bit for bit.
-    Optr against optr: the one-pass path against the token-by-token one."""
-    one, seqs = step_cache(seed, sink, window, page_size, 8, n_seqs, True, True)
-    bulk, _ = step_cache(seed, sink, window, page_size, 8, n_seqs, True, True)
-    k0, v0 = rand(n_seqs, 2, n0, 16, seed=seed) * 3 + 1, rand(n_seqs, 2, n0, 16, seed=seed + 1)
-    for c in (one, bulk):
-        c.extend(0, seqs, k0, v0)
-    q, k = rand(n_seqs, 4, T, 16, seed=seed + 2), rand(n_seqs, 2, T, 16, seed=seed + 3) * 3 + 1
-    v = rand(n_seqs, 2, T, 16, seed=seed + 4)
-    got = optr.paged_step(bulk, 0, seqs, q, k, v, sm_scale=0.3)
-    want = torch.cat([optr.paged_step(one, 0, seqs, q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1],
-                                      attend=optr.paged_decode_reference, sm_scale=0.3) for t in range(T)], 2)
-    assert torch.allclose(got, want, atol=2e-5)
-    assert_same_state(cache_state(one), cache_state(bulk))
+       n0=st.integers(0, 20), T=st.integers(2, 12), seq=st.integers(0, 2), seed=st.integers(0, 10_000))
+def test_a_multi_token_forward_reads_its_chunk_exactly_and_what_was_held_as_held(sink, window, page_size, n0,
+                                                                               T, seq, seed):
+    """paged_step with T > 1 tokens into a sequence holding n0 (a prompt, a chat turn, a chunked
+    prefill) attends as the authors' engine does: each query t reads the chunk's keys up to itself
+    exactly and the n0 held ones as held (the sink and recent window exact, the rest INT2), the
+    float64 softmax of the test's own numbers (numpy Q2) within 2e-5; the cache it leaves is that
+    of extending by the chunk (optr against optr: paged_step against extend)."""
+    cache, ext = (step_cache(seed, sink, window, page_size, 8, True, True) for _ in range(2))
+    c, spec = cache.cfg, cache.kv[0]
+    k0, v0 = rand(1, 2, n0, 16, seed=seed) * 3 + 1, rand(1, 2, n0, 16, seed=seed + 1)
+    q, k = rand(1, 4, T, 16, seed=seed + 2), rand(1, 2, T, 16, seed=seed + 3) * 3 + 1
+    v = rand(1, 2, T, 16, seed=seed + 4)
+    for x in (cache, ext):
+        x.extend(0, [seq], k0, v0)
+        x.reserve(0, [seq], T)
+    got = optr.paged_step(cache, 0, [seq], q, k, v, sm_scale=0.3)
+    K0, V0 = held_reference(k0[0], v0[0], spec.k_mean, spec.r_k, c)
+    K = torch.cat([K0, (k[0].double() - spec.k_mean.double()[:, None]) @ spec.r_k.double()], 1)
+    V = torch.cat([V0, v[0].double()], 1)
+    qr = q[0].double().view(2, 2, T, 16) @ spec.r_k.double()[:, None]               # (H_kv, 2, T, d)
+    for t in range(T):
+        p = torch.softmax(0.3 * qr[:, :, t] @ K[:, :n0 + t + 1].mT, -1)             # (H_kv, 2, n0 + t + 1)
+        assert torch.allclose(got[0, :, t], (p @ V[:, :n0 + t + 1]).view(4, 16).float(), atol=2e-5), t
+    ext.extend(0, [seq], k, v)
+    assert_same_state(cache_state(ext), cache_state(cache))
 
 
 def fast_and_reference(cfg, seed=0, mean=True, T=20, T_held=16):
@@ -2927,7 +2961,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     Optr against optr: the paged decode path against SimulatedINT2."""
     model, data, specs, _ = calibrated_tiny
     kv, idx = layer_clips(specs), data[1]
-    sim = model(idx, optr.SimulatedINT2(kv, model.cfg))
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg, chunks=(10,)))                  # the prompt one forward
     folded = optr.fold_value_rotation(model, kv)
     cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
@@ -2935,7 +2969,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     dec = torch.stack([optr.decode_step(folded, cache, seqs, idx[:, t]) for t in range(10, idx.shape[1])], 1)
     assert torch.allclose(pre, sim[:, :10], atol=1e-3, rtol=1e-4)
     assert torch.allclose(dec, sim[:, 10:], atol=1e-3, rtol=1e-4)
-    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg))
+    at_config = model(idx, optr.SimulatedINT2(specs, model.cfg, chunks=(10,)))
     assert not torch.allclose(at_config[:, 10:], sim[:, 10:], atol=1e-2)   # the clips matter here
 
 
@@ -2960,8 +2994,9 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
             steps.append(logits)
             logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
         return torch.stack(steps, 1)
-    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, hf, folded=True),
-                         max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
+    with optr.hf_cache(hf, served["optr"], model.cfg, folded=True) as cache:
+        theirs = hf.generate(IDX_E[:, :12], past_key_values=cache, max_new_tokens=12, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
     ours = paged(kv)
     assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
     assert not torch.allclose(paged([replace_cfg(s, clip_k=None, clip_v=None) for s in kv]), ours, atol=1e-2)
@@ -3238,12 +3273,13 @@ def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
     from transformers import DynamicCache
     model, kv, _, hf = hf_served
     idx = IDX_E[:, :16]
-    a = hf(idx[:, :10], past_key_values=(ca := optr.hf_cache(kv, model.cfg, hf, folded=True))).logits
-    b = hf(idx[:, :10], past_key_values=(cb := DynamicCache())).logits
-    assert torch.allclose(a, b, atol=1e-4)
-    for t in range(10, 16):
-        assert torch.allclose(hf(idx[:, t:t + 1], past_key_values=ca).logits,
-                              hf(idx[:, t:t + 1], past_key_values=cb).logits, atol=1e-4)
+    with optr.hf_cache(hf, kv, model.cfg, folded=True) as ca:
+        a = hf(idx[:, :10], past_key_values=ca).logits
+        b = hf(idx[:, :10], past_key_values=(cb := DynamicCache())).logits
+        assert torch.allclose(a, b, atol=1e-4)
+        for t in range(10, 16):
+            assert torch.allclose(hf(idx[:, t:t + 1], past_key_values=ca).logits,
+                                  hf(idx[:, t:t + 1], past_key_values=cb).logits, atol=1e-4)
     assert bool((pages(ca).block_table < 0).all()) and ca.get_seq_length() == 16
 
 
@@ -3268,8 +3304,7 @@ def check_hf_cache_is_decode_step(hf_served, T=30):
     HF_ROPE_TOL (transformers' RoPE rounds differently)."""
     model, kv, folded, hf = hf_served
     cache, seqs = ours_paged(folded, kv, 2)
-    mine = optr.hf_cache(kv, model.cfg, hf, folded=True)
-    with torch.no_grad():
+    with torch.no_grad(), optr.hf_cache(hf, kv, model.cfg, folded=True) as mine:
         for t in range(T):
             ours = optr.decode_step(folded, cache, seqs, IDX_E[:, t])
             theirs = hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1]
@@ -3312,10 +3347,10 @@ def check_hf_cache_unfolded_is_decode_step(hf_served, out):
     model, kv, folded, _ = hf_served
     hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], out))
     cache, seqs = ours_paged(folded, kv, 2)
-    mine = optr.hf_cache(kv, model.cfg, hf, folded=False)
-    for t in range(26):
-        assert torch.allclose(hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1],
-                              optr.decode_step(folded, cache, seqs, IDX_E[:, t]), atol=1e-4, rtol=1e-5), t
+    with optr.hf_cache(hf, kv, model.cfg, folded=False) as mine:
+        for t in range(26):
+            assert torch.allclose(hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1],
+                                  optr.decode_step(folded, cache, seqs, IDX_E[:, t]), atol=1e-4, rtol=1e-5), t
 
 
 @torch.no_grad()
@@ -3337,8 +3372,8 @@ def check_generate_is_our_decode_loop(hf_served):
         for _ in range(20):
             ours.append(logits.argmax(-1))
             logits = optr.decode_step(folded, cache, seqs, ours[-1])
-        out = hf.generate(IDX_E[:, :P], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True),
-                          max_new_tokens=20, do_sample=False)
+        with optr.hf_cache(hf, kv, model.cfg, folded=True) as mine:
+            out = hf.generate(IDX_E[:, :P], past_key_values=mine, max_new_tokens=20, do_sample=False)
         assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
 
 
@@ -3348,9 +3383,11 @@ def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_
     the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
     (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16)."""
     model, kv, _, hf = hf_served
-    out = [hf.generate(IDX_E[:, :20], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True, attend=a),
-                       max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
-           for a in (optr.paged_decode_reference, kernel.int2_paged_decode)]
+    out = []
+    for a in (optr.paged_decode_reference, kernel.int2_paged_decode):
+        with optr.hf_cache(hf, kv, model.cfg, folded=True, attend=a) as mine:
+            out.append(hf.generate(IDX_E[:, :20], past_key_values=mine, max_new_tokens=8, do_sample=False,
+                                   output_logits=True, return_dict_in_generate=True))
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert max((a - b).abs().max().item() for a, b in zip(out[0].logits, out[1].logits)) <= 1e-4
 
@@ -3370,7 +3407,8 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
     cfg = optr.hf_config(hf.config, sink=64, window=256)
     N, elems = 4096, 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim
     idx = torch.randint(0, 300, (1, N), generator=torch.Generator().manual_seed(1))
-    hf(idx, past_key_values=(mine := optr.hf_cache([optr.KVQuant()] * 2, cfg, hf, max_tokens=N)))
+    with optr.hf_cache(hf, [optr.KVQuant()] * 2, cfg, max_tokens=N) as mine:
+        hf(idx, past_key_values=mine)
     hf(idx, past_key_values=(dyn := DynamicCache()))
     L, H, d, G, S = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.group_size, cfg.sink + cfg.window
     int2_token, bf16_token = 2 * (d // 4 + 2 * 4 * (d // G)), 2 * d * 2    # bytes, K and V of one head
@@ -3391,19 +3429,23 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 
 @pytest.mark.slow
 def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
-    """The generate() check against simulate_hf fails when the one-pass prefill (paged_step's,
-    shared by prefill and hf_cache) reads one more recent token exactly (window + 1), and the
-    token-by-token check when its pages hold values that were not rotated by R_V (the original
-    weights' path storing v, not v R_V, and reading o without R_V^T)."""
-    sim = optr.block_simulated_attention
+    """The generate() check against simulate_hf fails when the multi-token forward (paged_step's,
+    shared by prefill and hf_cache) lets a prompt's queries read the tokens after them (no causal
+    mask), and the token-by-token check when its pages hold values that were not rotated by R_V
+    (the original weights' path storing v, not v R_V, and reading o without R_V^T)."""
     model = tiny_hf("llama-GQA")
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     check_hf_cache_generate_is_simulate_hf_decoding(model, quarot_specs(cfg, seed=7), cfg)   # holds
-    monkeypatch.setattr(optr, "block_simulated_attention", lambda *a, block, **kw: sim(*a[:6], a[6] + 1, block, **kw))
+
+    def not_causal(cache, layer, seq, qr, kr, v, sm_scale):
+        K, V = cache.held(layer, seq)
+        K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
+        return F.scaled_dot_product_attention(qr.float(), K, V, scale=sm_scale, enable_gqa=True)
+    monkeypatch.setattr(optr, "chunk_attention", not_causal)
     assert fails(check_hf_cache_generate_is_simulate_hf_decoding, model, quarot_specs(cfg, seed=7), cfg)
     monkeypatch.undo()
-    step = kernel.cpu_decode_step                               # the compiled step, told no R_V
-    monkeypatch.setattr(kernel, "cpu_decode_step", lambda q, k, v, mu, r_k, r_v, *a: step(q, k, v, mu, r_k, None, *a))
+    step = optr.compiled_step                                   # the compiled step, told no R_V
+    monkeypatch.setattr(optr, "compiled_step", lambda *a, r_v=None: step(*a))
     assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
 
 
@@ -3614,11 +3656,12 @@ def eq4_oracle(x, mu, R, clip, G):
     return deq @ R.double().transpose(-1, -2)[None] + (0 if mu is None else mu.double()[None, :, None])
 
 
-def windowed_loop(kv, cfg, layer_types, sliding_window):
+def windowed_loop(kv, cfg, layer_types, sliding_window, prompt=0):
     """The test's attention for a transformers model (one forward, no cache), query by query in
     float64: query t reads key s <= t, on a sliding layer only s > t - sliding_window; the key
-    is exact if s < sink or s > t - window or its layer stores no INT2, else its Eq. 4 copy
-    (eq4_oracle); logits <q, k> * scaling, the model's."""
+    is exact if s < sink or s > t - window or t < prompt (the authors' engine: a prompt's forward
+    reads itself exactly) or its layer stores no INT2, else its Eq. 4 copy (eq4_oracle); logits
+    <q, k> * scaling, the model's."""
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         spec, slides = kv[module.layer_idx], layer_types[module.layer_idx] == "sliding_attention"
         B, Hq, T, d = query.shape
@@ -3629,7 +3672,7 @@ def windowed_loop(kv, cfg, layer_types, sliding_window):
         for t in range(T):
             s = torch.arange(t + 1)
             seen = (s > t - sliding_window) if slides else torch.ones(t + 1, dtype=torch.bool)
-            exact = ((s < cfg.sink) | (s > t - cfg.window))[:, None]
+            exact = ((s < cfg.sink) | (s > t - cfg.window) | (t < prompt))[:, None]
             K = torch.where(exact, key[:, :, :t + 1].double(), kt[:, :, :t + 1].double())
             V = torch.where(exact, value[:, :, :t + 1].double(), vt[:, :, :t + 1].double())
             a = query[:, :, t].double().view(B, Hkv, Hq // Hkv, 1, d) @ K[:, :, None].transpose(-1, -2) * scaling
@@ -3740,9 +3783,10 @@ def test_calibrate_hf_keeps_gemma3s_sliding_layers_exact_unless_asked():
 
 def greedy_through_simulate_hf(model, kv, cfg, prompt, n):
     """The test's greedy decoding: each step a full forward under simulate_hf on the whole
-    sequence so far, argmax at its last position -> tokens (B, n), logits per step."""
+    sequence so far, the prompt as one forward (chunks), argmax at its last position -> tokens
+    (B, n), logits per step."""
     seq, logits = prompt, []
-    with torch.no_grad(), optr.simulate_hf(model, kv, cfg):
+    with torch.no_grad(), optr.simulate_hf(model, kv, cfg, chunks=(prompt.shape[1],)):
         for _ in range(n):
             logits.append(model(seq).logits[:, -1])
             seq = torch.cat([seq, logits[-1].argmax(-1, keepdim=True)], 1)
@@ -3752,8 +3796,7 @@ def greedy_through_simulate_hf(model, kv, cfg, prompt, n):
 def check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg, P=12, n=18):
     """generate() with hf_cache (the prompt in one pass) gives the loop's tokens, and its
     logits within 1e-4 (transformers' sdpa against simulate_hf: round-off); returns the cache."""
-    cache = optr.hf_cache(kv, cfg, model)
-    with torch.no_grad():
+    with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
         out = model.generate(IDX_HF[:, :P], past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
                              do_sample=False, output_logits=True,
                              return_dict_in_generate=True, pad_token_id=0)
@@ -3800,23 +3843,28 @@ def test_hf_cache_greedy_generate_through_the_compiled_cpu_decode_gives_the_refe
     tokens of the same cache decoding through paged_decode_reference, and its logits within
     1e-4, over 18 steps past a 12-token prompt (INT2 from token 7)."""
     model, cfg, kv = tiny_served(kind)
-    (t0, l0), (t1, l1) = (generate_logits(model, optr.hf_cache(kv, cfg, model, attend=a), IDX_HF[:, :12], 18)
-                          for a in (None, optr.paged_decode_reference))
+    (t0, l0), (t1, l1) = (generate_logits(model, optr.hf_cache(model, kv, cfg, attend=a), IDX_HF[:, :12], 18)
+                          for a in (None, optr.paged_decode_reference))         # generate_logits enters it
     assert torch.equal(t0, t1)
     assert (l0 - l1).abs().max().item() <= 1e-4
 
 
 @torch.no_grad()
 def test_hf_cache_continuation_of_several_tokens_reads_all_the_sequence_holds():
-    """A prompt of 12, then 8 tokens in one call (a chat turn, or prefill_chunk_size > 1), then
-    1: every position's logits are simulate_hf's over the whole sequence (each query with its
-    own windows over everything before it), within 1e-4."""
+    """A chat turn: a prompt of 12, a follow-up of 8 tokens in one call, then 6 decoded tokens:
+    every position's logits are those of simulate_hf over the whole sequence with the forwards'
+    lengths (chunks 12, 8, 1, ...: the prompt exact, the follow-up reading the windows held at its
+    start and itself exactly, the rest in INT2), within 1e-4; and not the ladders' simulation."""
     model, cfg, kv = tiny_served("llama-GQA")
-    cache = optr.hf_cache(kv, cfg, model)
-    ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits for a, b in ((0, 12), (12, 20), (20, 21))], 1)
+    with optr.hf_cache(model, kv, cfg) as cache:
+        ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits
+                          for a, b in ((0, 12), (12, 20), *((t, t + 1) for t in range(20, 26)))], 1)
+    with optr.simulate_hf(model, kv, cfg, chunks=(12, 8)):
+        theirs = model(IDX_HF[:, :26]).logits
     with optr.simulate_hf(model, kv, cfg):
-        theirs = model(IDX_HF[:, :21]).logits
+        ladders = model(IDX_HF[:, :26]).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
+    assert (ours - ladders).abs().max().item() > 1e-2
 
 
 @torch.no_grad()
@@ -3825,13 +3873,13 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
     size 4: the pool has 4 pages per sequence (rounded up), so both sequences reach 19 tokens;
     the 20th is a ValueError naming max_tokens."""
     model, cfg, kv = tiny_served("llama-GQA", page_size=4)
-    cache = optr.hf_cache(kv, cfg, model, max_tokens=19)
-    model(IDX_HF[:, :10], past_key_values=cache)
-    for t in range(10, 19):
-        model(IDX_HF[:, t:t + 1], past_key_values=cache)
-    assert pages(cache).block_table.shape[1] == 8 and int((pages(cache).block_table >= 0).sum()) == 8
-    with pytest.raises(ValueError, match="passes max_tokens=19"):
-        model(IDX_HF[:, 19:20], past_key_values=cache)
+    with optr.hf_cache(model, kv, cfg, max_tokens=19) as cache:
+        model(IDX_HF[:, :10], past_key_values=cache)
+        for t in range(10, 19):
+            model(IDX_HF[:, t:t + 1], past_key_values=cache)
+        assert pages(cache).block_table.shape[1] == 8 and int((pages(cache).block_table >= 0).sum()) == 8
+        with pytest.raises(ValueError, match="passes max_tokens=19"):
+            model(IDX_HF[:, 19:20], past_key_values=cache)
 
 
 @torch.no_grad()
@@ -3841,10 +3889,11 @@ def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch)
     model, cfg, kv = tiny_served("llama-GQA")
     attended = []
     monkeypatch.setattr(optr, "paged_step", lambda *a, **k: attended.append(1))
-    with pytest.raises(ValueError, match="a prompt of 30 tokens passes max_tokens=29"):
-        model(IDX_HF, past_key_values=optr.hf_cache(kv, cfg, model, max_tokens=29))
+    with pytest.raises(ValueError, match="a prompt of 30 tokens passes max_tokens=29"), \
+            optr.hf_cache(model, kv, cfg, max_tokens=29) as cache:
+        model(IDX_HF, past_key_values=cache)
     assert attended == []
-    layer = next(l for l in optr.hf_cache(kv, cfg, model).layers if isinstance(l, optr.PagedLayer))
+    layer = next(l for l in optr.hf_cache(model, kv, cfg).layers if isinstance(l, optr.PagedLayer))
     assert layer.pool.max_tokens == model.config.max_position_embeddings
 
 
@@ -3872,15 +3921,15 @@ def one_step_calls(model, cache, prompt):
 def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(monkeypatch):
     """One decode step of generate() through hf_cache (past the windows: a token leaves the ring
     for its INT2 page) makes at most 10 aten calls per INT2 layer more than the same step through
-    DynamicCache (measured: 3 more), no host read among them (aten._local_scalar_dense: int(t),
-    t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: its plan (pages,
-    lengths) was made once, at the forward's first INT2 layer."""
+    DynamicCache (measured: 7 more), no host read among them (aten._local_scalar_dense: int(t),
+    t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: the pages were taken
+    once, at the forward's first INT2 layer, and each layer's plan (decode_plan) is host arithmetic."""
     from transformers import DynamicCache
     model, cfg, kv = tiny_served("llama-GQA")
     compiled = []
     step = kernel.cpu_decode_step
     monkeypatch.setattr(kernel, "cpu_decode_step", lambda *a, **k: compiled.append(1) or step(*a, **k))
-    with optr.hf_cache(kv, cfg, model) as cache:
+    with optr.hf_cache(model, kv, cfg) as cache:
         ours = one_step_calls(model, cache, IDX_HF[:, :12])
     assert len(compiled) == 2 * cfg.n_layers                      # the two steps, one call per layer each
     theirs = one_step_calls(model, DynamicCache(), IDX_HF[:, :12])
@@ -3894,9 +3943,9 @@ def test_the_plain_decode_step_of_any_device_makes_no_host_read():
     the device's decode unchecked) reads no length, page or slot back from a tensor either: its
     lengths have a copy on the pages' device, its INT2 slots come from the block table there."""
     model, cfg, kv = tiny_served("llama-GQA")
-    with optr.hf_cache(kv, cfg, model.to(torch.bfloat16)) as cache:
+    with optr.hf_cache(model.to(torch.bfloat16), kv, cfg) as cache:
         calls = one_step_calls(model, cache, IDX_HF[:, :12])
-    assert not pages(cache).compiled and calls["aten._local_scalar_dense.default"] == 0, calls
+    assert not optr.compiled(pages(cache)) and calls["aten._local_scalar_dense.default"] == 0, calls
 
 
 @torch.no_grad()
@@ -3905,14 +3954,14 @@ def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
     use, not for max_tokens (the model's 2048 positions here, the budget): after a prompt of 12
     and at each of 18 steps; its bytes grow with the sequences."""
     model, cfg, kv = tiny_served("llama-GQA", page_size=2)
-    cache = optr.hf_cache(kv, cfg, model)
-    tok, sizes = model(IDX_HF[:, :12], past_key_values=cache).logits[:, -1:].argmax(-1), []
-    for _ in range(18):
-        pool = pages(cache)
-        used, allocated = int((pool.block_table >= 0).sum()), pool.k_codes.shape[1]
-        assert used <= allocated <= used + used // 8, (used, allocated)
-        sizes.append(sum(layer.nbytes() for layer in cache.layers))
-        tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
+    with optr.hf_cache(model, kv, cfg) as cache:
+        tok, sizes = model(IDX_HF[:, :12], past_key_values=cache).logits[:, -1:].argmax(-1), []
+        for _ in range(18):
+            pool = pages(cache)
+            used, allocated = int((pool.block_table >= 0).sum()), pool.k_codes.shape[1]
+            assert used <= allocated <= used + used // 8, (used, allocated)
+            sizes.append(sum(layer.nbytes() for layer in cache.layers))
+            tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
     assert pool.budget == 2 * -(-(model.config.max_position_embeddings - 6) // 2) > 10 * allocated
     assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
 
@@ -3920,15 +3969,15 @@ def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
 @torch.no_grad()
 def test_hf_cache_takes_a_prompt_of_exactly_max_tokens_and_refuses_one_more():
     """max_tokens is the most a sequence may hold: a prompt of exactly max_tokens is served (its
-    logits those of simulate_hf's INT2 within 1e-4), one token more is a ValueError naming it."""
+    logits the exact model's within 1e-4: a prompt reads itself exactly), one token more is a
+    ValueError naming it."""
     model, cfg, kv = tiny_served("llama-GQA")
-    with optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
+    theirs = model(IDX_HF[:, :20]).logits
+    with optr.hf_cache(model, kv, cfg, max_tokens=20) as cache:
         ours = model(IDX_HF[:, :20], past_key_values=cache).logits
-    with optr.simulate_hf(model, kv, cfg):
-        theirs = model(IDX_HF[:, :20]).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
     with pytest.raises(ValueError, match="a prompt of 21 tokens passes max_tokens=20"), \
-            optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
+            optr.hf_cache(model, kv, cfg, max_tokens=20) as cache:
         model(IDX_HF[:, :21], past_key_values=cache)
 
 
@@ -3944,7 +3993,7 @@ def test_hf_cache_takes_its_default_max_tokens_from_the_text_config(monkeypatch)
     monkeypatch.setattr(model.config, "max_position_embeddings", 8192)
     monkeypatch.setattr(model.config, "get_text_config", lambda *a, **kw: text, raising=False)
     with pytest.raises(ValueError, match="a prompt of 25 tokens passes max_tokens=24"), \
-            optr.hf_cache(kv, cfg, model) as cache:
+            optr.hf_cache(model, kv, cfg) as cache:
         model(IDX_HF[:, :25], past_key_values=cache)
 
 
@@ -3958,7 +4007,7 @@ def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match=r"hf_cache: kv is 3 layers of \(n_kv_heads, head_dim\) \[\(2, 32\)\], "
                                          r"the model 2 layers of \(2, 16\)"):
-        optr.hf_cache(other, cfg, model)
+        optr.hf_cache(model, other, cfg)
     assert model.config._attn_implementation == before
     with pytest.raises(ValueError, match=r"hf_config: .*\(the model: llama, head_dim 16; settings "
                                          r"\{'group_size': 32"):
@@ -3968,8 +4017,8 @@ def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
 @pytest.mark.slow
 def test_checks_of_what_a_user_supplies_hold_under_python_O():
     """Under python -O (asserts stripped) the paged cache, prefill and kernel.q2_store still refuse
-    what a user hands them with a ValueError: specs for another layer count, a model quantizing
-    otherwise than its cache, rows that are not fp32."""
+    what a user hands them with a ValueError: specs for another layer count, a prompt that is not
+    (sequences, T), rows that are not fp32."""
     code = """
 import torch, optr, kernel
 cfg = optr.Config(n_layers=2)
@@ -3982,7 +4031,7 @@ def refused(f):
 print(refused(lambda: optr.PagedKVCache(cfg, 4, 1, kv[:1])))
 cache = optr.PagedKVCache(cfg, 4, 1, kv)
 model = optr.TinyLM(optr.Config(n_layers=2, window=8))
-print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(1, 5, dtype=torch.long))))
+print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(5, dtype=torch.long))))
 rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
 print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
                                       torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
@@ -3992,22 +4041,25 @@ print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()[-3:]
     assert "PagedKVCache: kv is 1 layers" in lines[0], lines
-    assert "model.cfg must quantize as the cache does" in lines[1], lines
+    assert "idx: expected a prompt per sequence" in lines[1], lines
     assert "q2_store: fp32 rows" in lines[2], lines
 
 
 @torch.no_grad()
 def test_hf_cache_gives_the_model_back_its_own_attention():
-    """Inside `with optr.hf_cache(...)` the model attends through "optr-paged"; after it (or
-    after cache.restore()) its own implementation is back and its logits are its own again."""
+    """Constructing hf_cache changes nothing; inside `with optr.hf_cache(...)` the model attends
+    through "optr-paged"; after it its own implementation is back and its logits are its own
+    again. A cache used outside its `with` is a ValueError saying how to use it."""
     model, cfg, kv = tiny_served("llama-GQA")
     before, theirs = model.config._attn_implementation, model(IDX_HF).logits
-    with optr.hf_cache(kv, cfg, model) as cache:
+    cache = optr.hf_cache(model, kv, cfg)
+    assert model.config._attn_implementation == before
+    with pytest.raises(ValueError, match="inside `with optr.hf_cache"):
+        model(IDX_HF[:, :12], past_key_values=cache)
+    with optr.hf_cache(model, kv, cfg) as cache:
         assert model.config._attn_implementation == "optr-paged"
         model(IDX_HF[:, :12], past_key_values=cache)
     assert model.config._attn_implementation == before and torch.equal(model(IDX_HF).logits, theirs)
-    optr.hf_cache(kv, cfg, model).restore()
-    assert model.config._attn_implementation == before
 
 
 @torch.no_grad()
@@ -4020,13 +4072,14 @@ def test_hf_cache_refuses_a_soft_capped_model():
                                        attn_logit_softcapping=50.0, sliding_window=64)
     model = transformers.Gemma2ForCausalLM(config).eval()
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
-    with pytest.raises(ValueError, match="soft-capping is not Eq. 1"):
-        model(IDX_HF[:, :12], past_key_values=optr.hf_cache(quarot_specs(cfg), cfg, model))
+    with pytest.raises(ValueError, match="soft-capping is not Eq. 1"), \
+            optr.hf_cache(model, quarot_specs(cfg), cfg) as cache:
+        model(IDX_HF[:, :12], past_key_values=cache)
 
 
 def generate_logits(model, cache, prompt, n, **kw):
-    """Greedy generate() through cache: (tokens (B, n), logits (B, n, vocab))."""
-    with torch.no_grad():
+    """Greedy generate() through cache (entered here): (tokens (B, n), logits (B, n, vocab))."""
+    with torch.no_grad(), cache:
         out = model.generate(prompt, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0, **kw)
     return out.sequences[:, prompt.shape[1]:], torch.stack(out.logits, 1)
@@ -4034,17 +4087,18 @@ def generate_logits(model, cache, prompt, n, **kw):
 
 @pytest.mark.parametrize("kind", ["qwen3-GQA", "gemma3-GQA"])
 def test_hf_cache_greedy_generate_is_the_float64_loop_over_numpy_q2(kind):
-    """Greedy generate() through hf_cache (a prompt of 12 in one pass, 18 tokens decoded from the
-    pages) gives, at every step, the logits of the test's float64 windowed loop (numpy Q2, sink 2,
-    window 4, Gemma 3's sliding window) run on the sequence it produced, within 1e-4 (fp32
-    round-off through 2-4 layers; measured below 1e-5), and so its argmax tokens."""
+    """Greedy generate() through hf_cache (a prompt of 12 in one pass, read exactly as the authors'
+    engine reads it, 18 tokens decoded from the pages) gives, at every step, the logits of the
+    test's float64 windowed loop (numpy Q2, sink 2, window 4, Gemma 3's sliding window, the
+    prompt's queries exact) run on the sequence it produced, within 1e-4 (fp32 round-off through
+    2-4 layers; measured below 1e-5), and so its argmax tokens."""
     from transformers import AttentionInterface
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     kv = quarot_specs(cfg, seed=7)
     kv, types = (gemma_full_only(kv), GEMMA_LAYERS) if kind.startswith("gemma") else (kv, ["full_attention"] * 2)
-    tokens, logits = generate_logits(model, optr.hf_cache(kv, cfg, model), IDX_HF[:, :12], 18)
-    AttentionInterface.register("test_loop", windowed_loop(kv, cfg, types, GEMMA_SLIDING))
+    tokens, logits = generate_logits(model, optr.hf_cache(model, kv, cfg), IDX_HF[:, :12], 18)
+    AttentionInterface.register("test_loop", windowed_loop(kv, cfg, types, GEMMA_SLIDING, prompt=12))
     model.set_attn_implementation("test_loop")
     with torch.no_grad():
         loop = model(torch.cat([IDX_HF[:, :12], tokens], 1), use_cache=False).logits[:, 11:-1]
@@ -4063,26 +4117,73 @@ def test_batched_left_padded_generate_is_each_sequence_alone(kind):
     kv = quarot_specs(cfg, seed=7)
     kv = gemma_full_only(kv) if kind.startswith("gemma") else kv
     ids = IDX_HF * PAD_HF
-    both = generate_logits(model, optr.hf_cache(kv, cfg, model), ids, 12, attention_mask=PAD_HF)
+    both = generate_logits(model, optr.hf_cache(model, kv, cfg), ids, 12, attention_mask=PAD_HF)
     for row, start in ((0, 0), (1, 7)):
-        alone = generate_logits(model, optr.hf_cache(kv, cfg, model), ids[row:row + 1, start:], 12)
+        alone = generate_logits(model, optr.hf_cache(model, kv, cfg), ids[row:row + 1, start:], 12)
         assert torch.equal(both[0][row], alone[0][0]), row
         assert (both[1][row] - alone[1][0]).abs().max().item() <= 1e-4, row
 
 
-@torch.no_grad()
-def test_a_prompt_in_one_pass_stores_what_token_by_token_appends_store(hf_served):
-    """generate()'s prompt of 40 written in one pass (Appendix A's prefill, then extend) leaves
-    the pages and windows that writing it token by token leaves (prefill_chunk_size=1: codes
-    equal, scales and zeros within HF_ROPE_TOL), and both decode the same 8 tokens; both decode
-    through the torch reference (the compiled decode sums in another order, which moves the
-    next layers' keys by more than the tolerance meant for RoPE's round-off)."""
-    model, kv, _, hf = hf_served
-    a, b = (optr.hf_cache(kv, model.cfg, hf, folded=True, attend=optr.paged_decode_reference) for _ in range(2))
-    ta = hf.generate(IDX_E[:, :40], past_key_values=a, max_new_tokens=8, do_sample=False)
-    tb = hf.generate(IDX_E[:, :40], past_key_values=b, max_new_tokens=8, do_sample=False, prefill_chunk_size=1)
-    assert torch.equal(ta, tb)
-    check_same_pages(pages(a), pages(b), 47 - 16)
+def check_padded_mixed_batch(model, kv, cfg):
+    """generate() on two prompts in one pool, the second left-padded by 7, through a model whose
+    layer 0 is INT2 (optr's pages) and layer 1 exact full attention (transformers' own cache):
+    each row gets the tokens and logits (1e-4) of generating its prompt alone."""
+    ids = IDX_HF * PAD_HF
+    both = generate_logits(model, optr.hf_cache(model, kv, cfg), ids, 10, attention_mask=PAD_HF)
+    for row, start in ((0, 0), (1, 7)):
+        alone = generate_logits(model, optr.hf_cache(model, kv, cfg), ids[row:row + 1, start:], 10)
+        assert torch.equal(both[0][row], alone[0][0]), row
+        assert (both[1][row] - alone[1][0]).abs().max().item() <= 1e-4, row
+
+
+def test_a_padded_batch_through_int2_and_exact_full_attention_layers_is_each_sequence_alone(monkeypatch):
+    """A left-padded batch through INT2 and exact full-attention layers side by side is each
+    sequence alone; the check fails when an INT2 layer's mask sizes leave out the query's tokens
+    (the exact layer's mask, built from the first full-attention layer, then cuts the keys)."""
+    model = tiny_hf("llama-GQA")
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    kv = [quarot_specs(cfg, seed=7)[0], optr.KVQuant(quant_k=False, quant_v=False)]
+    check_padded_mixed_batch(model, kv, cfg)
+    monkeypatch.setattr(optr.PagedLayer, "get_mask_sizes", lambda self, query_length: (self.n, 0))
+    with pytest.raises((AssertionError, RuntimeError)):             # measured: sdpa's mask 30 keys, not 31
+        check_padded_mixed_batch(model, kv, cfg)
+
+
+def beam_search_through(model, kv, cfg, P=12, n=10):
+    """num_beams=3 through hf_cache, and through simulate_hf (the whole sequence each step, the
+    prompt as one forward): the two token sequences (2 rows, each its best beam)."""
+    args = dict(num_beams=3, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, early_stopping=False)
+    with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+        ours = model.generate(IDX_HF[:, :P], past_key_values=cache, **args)
+    with torch.no_grad(), optr.simulate_hf(model, kv, cfg, chunks=(P,)):
+        theirs = model.generate(IDX_HF[:, :P], use_cache=False, **args)
+    return ours, theirs
+
+
+def test_beam_search_through_hf_cache_is_beam_search_through_the_simulation(monkeypatch):
+    """generate(num_beams=3) through hf_cache (transformers reorders the beams: each layer's
+    reorder_cache copies windows, counts and INT2 pages from row to row) gives the tokens of
+    beam search over the chunk-aware simulation, 10 tokens past a 12-token prompt (INT2 from
+    token 7); with reorder_cache a no-op it does not. Optr against optr: hf_cache against
+    simulate_hf."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    ours, theirs = beam_search_through(model, kv, cfg)
+    assert torch.equal(ours, theirs)
+    monkeypatch.setattr(optr.PagedLayer, "reorder_cache", lambda self, beam_idx: None)
+    ours, _ = beam_search_through(model, kv, cfg)
+    assert not torch.equal(ours, theirs)
+
+
+def test_assisted_generation_through_hf_cache_is_a_value_error_naming_it():
+    """Assisted generation rolls the cache back (crop), which the INT2 pages do not serve: a
+    ValueError naming assistant_model, and the model's own attention back after the `with`."""
+    model, cfg, kv = tiny_served("llama-GQA")
+    before = model.config._attn_implementation
+    with pytest.raises(ValueError, match="assisted generation \\(assistant_model=\\)"), torch.no_grad(), \
+            optr.hf_cache(model, kv, cfg) as cache:
+        model.generate(IDX_HF[:1, :12], past_key_values=cache, assistant_model=tiny_hf("llama-GQA", seed=1),
+                       max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert model.config._attn_implementation == before
 
 
 def test_hf_cache_refuses_specs_it_cannot_hold():
@@ -4092,9 +4193,9 @@ def test_hf_cache_refuses_specs_it_cannot_hold():
     cfg = optr.hf_config(model.config, **hf_settings())
     kv = quarot_specs(cfg, seed=7)
     with pytest.raises(ValueError, match=r"hf_cache: kv\[1\]: keys and values both in INT2 or both exact"):
-        optr.hf_cache([replace_cfg(s, quant_v=l != 1) for l, s in enumerate(kv)], cfg, model)
+        optr.hf_cache(model, [replace_cfg(s, quant_v=l != 1) for l, s in enumerate(kv)], cfg)
     with pytest.raises(ValueError, match="hf_cache: sliding layers both in INT2 and exact"):
-        optr.hf_cache([optr.KVQuant(quant_k=False, quant_v=False)] + kv[1:], cfg, model)
+        optr.hf_cache(model, [optr.KVQuant(quant_k=False, quant_v=False)] + kv[1:], cfg)
 
 
 def check_export_hf_folds_r_v(model, kv, cfg, out):
@@ -4436,14 +4537,13 @@ def test_a_custom_sm_scale_is_the_logit_scale():
     assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
 
 
-@pytest.mark.parametrize("n, chunk", [(5000, 4096), (100, 32)])
-def test_the_reference_reads_past_one_chunk_as_float64_attention(n, chunk):
-    """paged_decode_reference reads the INT2 tokens `chunk` at a time (one chunk held in fp32):
-    past one chunk (5,000 INT2 tokens at the default 4,096, as --bench-hf at 8k needs; 100 at
-    32, a ragged last chunk) it is float64 dense attention, a second sequence of 37 beside it."""
+@pytest.mark.parametrize("n", [5000, 100])
+def test_the_reference_is_float64_attention_on_long_sequences(n):
+    """paged_decode_reference (dense: every INT2 token dequantized) is float64 dense attention
+    over 5,000 INT2 tokens (as --bench-hf at 8k needs) and 100, a second sequence of 37 beside it."""
     args, dense_k, dense_v = build(Case((n, 37), 2, 1, 16, 8, 16, NW=3, win_len=(3, 1)))
-    assert_close_report(optr.paged_decode_reference(**args, chunk=chunk), dense_attention(args["q"], dense_k, dense_v),
-                        *TOLERANCES[torch.float32], f"{n} tokens, chunk {chunk}")
+    assert_close_report(optr.paged_decode_reference(**args), dense_attention(args["q"], dense_k, dense_v),
+                        *TOLERANCES[torch.float32], f"{n} tokens")
 
 
 # ----------------------------------------------------------------------------
@@ -5301,10 +5401,10 @@ def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
     for dev in (torch.device("cpu"), DEVICE):
         model = tiny_hf("llama-GQA").to(dev)
         cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
-        with torch.no_grad():
-            out.append(model.generate(IDX_HF[:, :20].to(dev), past_key_values=optr.hf_cache(
-                quarot_specs(cfg, seed=7), cfg, model), max_new_tokens=12, do_sample=False, pad_token_id=0,
-                output_logits=True, return_dict_in_generate=True))
+        with torch.no_grad(), optr.hf_cache(model, quarot_specs(cfg, seed=7), cfg) as cache:
+            out.append(model.generate(IDX_HF[:, :20].to(dev), past_key_values=cache, max_new_tokens=12,
+                                      do_sample=False, pad_token_id=0, output_logits=True,
+                                      return_dict_in_generate=True))
     a, b = out
     assert torch.equal(a.sequences.cpu(), b.sequences.cpu())
     assert max((x.cpu() - y.cpu()).abs().max().item() for x, y in zip(a.logits, b.logits)) <= 2e-2
@@ -5762,10 +5862,8 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
     for batch in (1, 3):
         cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
         specs = {"quarot": None, "quarot+optr": None, "oscar+optr": None}
-        got, logits = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
-                                            ladder.Timer(), log=lambda *_: None)
-        assert logits["quarot"].shape == (n, n_ans, c.vocab_size)
-        scores[batch] = got
+        scores[batch] = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
+                                              ladder.Timer(), log=lambda *_: None)
     assert scores[1]["quarot"] == scores[1]["quarot+optr"]
     for name in scores[1]:
         assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)

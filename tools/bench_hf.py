@@ -383,7 +383,7 @@ def cache_factories(hf, cfg: BenchConfig) -> tuple[dict, optr.Config]:
     optr.need(RECIPE in kv, f"rotations: {where} holds no {RECIPE}")
     c = optr.hf_config(hf.config, **info["settings"])
     make = {"DynamicCache": lambda: DynamicCache(config=hf.config),
-            "hf_cache": lambda: optr.hf_cache(kv[RECIPE], c, hf)}
+            "hf_cache": lambda: optr.hf_cache(hf, kv[RECIPE], c)}
     if "QuantizedCache" in cfg.rows and is_optimum_quanto_available():
         try:
             QuantizedCache("quanto", hf.config, nbits=2)

@@ -360,7 +360,8 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
     """The README's "Serving elsewhere" code runs as written (SmolLM2 from its wheel through
     transformers alone, its published rotations, the recommended quarot+center+clip): greedy generate()
     through hf_cache, the prompt past the sink and recent window, gives the tokens of greedy decoding
-    through simulate_hf (the whole sequence each token); the exported checkpoint reads back with R_V
+    through simulate_hf (the whole sequence each token, the prompt one forward), and its
+    default decode on a CPU (the compiled one) the tokens of the torch reference's; the exported checkpoint reads back with R_V
     folded, and the SGLang files of the paper's quarot+optr as its specs.
     Optr against optr: hf_cache against simulate_hf."""
     text = (ROOT / "README.md").read_text()
@@ -370,9 +371,13 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
     exec(code.replace('"rotations/', f'"{ROOT}/rotations/'), env)
     hf, x, spec, cfg = env["hf"], prompt, env["spec"], env["cfg"]
     for _ in range(8):
-        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg):
+        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg, chunks=(prompt.shape[1],)):
             x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     assert env["ids"].tolist() == x.tolist()
+    with torch.no_grad():                                  # the compiled decode's tokens are the reference's
+        with optr.hf_cache(hf, spec, cfg, attend=optr.paged_decode_reference) as cache:
+            ref = hf.generate(prompt, past_key_values=cache, max_new_tokens=8, do_sample=False)
+    assert env["ids"].tolist() == ref.tolist()
     d = tmp_path / "x" / "sglang"                          # the paper's variant, for the original weights
     back = sglang_specs(d / "k_rotation.pt", d / "v_rotation.pt", cfg, d / "k_mean.pt")
     for a, b in zip(back, env["kv"]["quarot+optr"]):
