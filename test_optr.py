@@ -2579,7 +2579,8 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
 def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
     directory back (transformers, then eval_llm.tinylm_twin) gives the original full-precision logits, and the
-    same INT2 outputs: simulated, and through prefill and decode on the paged cache, bit for bit."""
+    same INT2 outputs: simulated, and through prefill and decode on the paged cache, bit for bit.
+    Optr against optr: the reloaded export against the original model, path by path."""
     from transformers import AutoModelForCausalLM
     model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=10)
@@ -4126,7 +4127,9 @@ def check_padded_sequence_reads_its_own_windows(model, kv, cfg):
 def test_a_left_padded_sequence_reads_the_int2_cache_it_reads_alone(kind):
     """The windows are counted in the model's positions (position_ids, as generate() passes them
     for a left-padded batch): a sequence padded on the left gives, on its tokens, the logits it
-    gives alone (its own first `sink` tokens exact, not the padding)."""
+    gives alone (its own first `sink` tokens exact, not the padding).
+    Optr against optr: simulate_hf on a left-padded batch against simulate_hf on each sequence
+    alone."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
     check_padded_sequence_reads_its_own_windows(model, quarot_specs(cfg, seed=6), cfg)
@@ -4661,7 +4664,9 @@ def test_export_hf_of_a_transformers_model_folds_r_v_into_v_proj_and_o_proj(kind
     """export_hf folds each layer's R_V into a transformers model's v_proj (rows per KV head,
     Qwen2's v bias too) and o_proj (columns per query head) and saves it with save_pretrained:
     under simulate_hf the folded checkpoint with its file's specs gives the original model's
-    logits with the original specs."""
+    logits with the original specs.
+    Optr against optr: the folded checkpoint under simulate_hf against the original model under
+    simulate_hf."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
     check_export_hf_folds_r_v(model, quarot_specs(cfg, seed=5), cfg, str(tmp_path / "x"))
@@ -4959,7 +4964,9 @@ def test_kernel_matches_reference_and_dense(case):
     """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
     the full-precision windows, equals optr's torch paged reference and a float64 dense
     attention over the logical (never paged) tokens: ragged lengths (0, < 1 page, 63, 64,
-    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits."""
+    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits.
+    Optr against optr: the Triton kernel against paged_decode_reference (and both against the test's
+    dense float64 attention)."""
     args, dense_k, dense_v = build(case)
     atol, rtol = tolerance(case)
     out = int2_paged_decode(**on_device(args), num_splits=case.num_splits)
@@ -4990,7 +4997,8 @@ def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
 
 @triton_kernel_test
 def test_a_custom_sm_scale_is_the_logit_scale():
-    """sm_scale replaces 1/sqrt(d) as the scale of the logits."""
+    """sm_scale replaces 1/sqrt(d) as the scale of the logits.
+    Optr against optr: the Triton kernel against paged_decode_reference, both at sm_scale."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
     out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3)
@@ -5210,7 +5218,9 @@ def test_invalid_num_splits(no_launch, num_splits):
 
 @triton_kernel_test
 def test_unused_block_table_entries_are_ignored():
-    """Block-table entries past a sequence's last used page are never read."""
+    """Block-table entries past a sequence's last used page are never read.
+    Optr against optr: the Triton kernel with garbage past the used pages against
+    paged_decode_reference."""
     args = _valid_args()
     ref = optr.paged_decode_reference(**args)
     args["block_table"][0, 2:] = -7          # sequence 0 uses blocks 0 and 1 only
@@ -5475,7 +5485,8 @@ def tiny_kernel_error(device):
 def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
     """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
     interpreter at its top, before triton is imported, and the Triton kernel then runs and
-    matches the compiled CPU one; importing optr and kernel switches nothing."""
+    matches the compiled CPU one; importing optr and kernel switches nothing.
+    Optr against optr: the interpreted Triton kernel against the compiled CPU one."""
     plain = _run_python("import optr, kernel; print(kernel._INTERPRETED)")
     assert plain.returncode == 0 and plain.stdout.split()[-1] == "False", plain.stderr
     r = _run_python(f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
@@ -5591,7 +5602,8 @@ def kernel_and_reference(worst):
 @pytest.mark.gpu
 def test_gpu_the_kernel_matches_the_reference_on_a_small_ragged_case():
     """The Triton kernel on the device against optr.paged_decode_reference: 3 ragged
-    sequences (one with no INT2 token, one with no window), bf16, within 1e-5."""
+    sequences (one with no INT2 token, one with no window), bf16, within 1e-5.
+    Optr against optr: the Triton kernel on the device against paged_decode_reference."""
     assert tiny_kernel_error(DEVICE) < 1e-5
 
 
@@ -5600,7 +5612,9 @@ def test_gpu_the_kernel_matches_the_reference_on_a_small_ragged_case():
 def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_reference():
     """optr.decode_step through optr.PagedKVCache on the device with bf16 windows: every
     layer's kernel output equals optr.paged_decode_reference on the same paged view, token
-    after token, as INT2 tokens fill several pages."""
+    after token, as INT2 tokens fill several pages.
+    Optr against optr: the Triton kernel on the device against paged_decode_reference, layer by
+    layer."""
     cfg, folded, kv = served_tiny(DEVICE)
     steps, B = 120, 3
     cache, seqs = shuffled_cache(cfg, kv, B, steps, DEVICE)
@@ -5639,7 +5653,9 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
     the cache is bit for bit what token-by-token appends of the same forward's keys and
     values store on the device; the page ids are the CPU prefill's and the logits within 2%
     of the CPU logits' largest (a code at a rounding boundary may round the other way on
-    another device); the next decode_step's kernel output equals the reference."""
+    another device); the next decode_step's kernel output equals the reference.
+    Optr against optr: prefill on the device against appends on the device and against prefill on
+    the CPU."""
     T, B = 200, 3
     prompt = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(1))
 
@@ -5670,7 +5686,8 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
 @pytest.mark.gpu
 def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference():
     """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
-    in place (new queries, shorter sequences) equals the eager reference on the new inputs."""
+    in place (new queries, shorter sequences) equals the eager reference on the new inputs.
+    Optr against optr: the replayed CUDA graph against paged_decode_reference."""
     torch.manual_seed(1)
     s = GPU_SHAPE
     n, NW = 3000, s["sink"] + s["recent"]
@@ -5761,7 +5778,8 @@ def check_transformers(device, make_model=None):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_transformers_models_calibrated_and_simulated_on_the_device_match_the_cpu():
-    """check_transformers(DEVICE) passes: the device computes as the CPU does."""
+    """check_transformers(DEVICE) passes: the device computes as the CPU does.
+    Optr against optr: calibrate_hf and simulate_hf on the device against the same on the CPU."""
     pytest.importorskip("transformers")
     ok, detail = check_transformers(DEVICE)
     assert ok, detail
@@ -5801,7 +5819,8 @@ def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
     """Greedy generate() of a tiny random Llama (GQA, windows 2 and 4) through optr.hf_cache
     on the device (the Triton kernel behind transformers' attention on CUDA) against the CPU
     (the compiled CPU kernel): the same 12 tokens after a 20-token prompt, and the step logits
-    within 2e-2 (a code at a rounding boundary may round the other way)."""
+    within 2e-2 (a code at a rounding boundary may round the other way).
+    Optr against optr: hf_cache's generate() on the device against the same on the CPU."""
     pytest.importorskip("transformers")
     out = []
     for dev in (torch.device("cpu"), DEVICE):
@@ -5918,8 +5937,8 @@ TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", 
 def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path):
     """train_tiny's seeds as processes running at once (--jobs 0, the default) and one after
     another (--jobs 1) write the same numbers, bit for bit: every seed's variants, gap
-    closed, reports and key statistics, and the mean +- std over them. (Two runs of the same
-    script compared with each other: only the scheduling differs.)"""
+    closed, reports and key statistics, and the mean +- std over them.
+    Optr against optr: two runs of the same script, only their scheduling differs."""
     import json
     import train_tiny
     runs = {}
@@ -6087,7 +6106,7 @@ def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path
     samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
     when the whole text is recomputed at every step, never a special token; it caches the
     text in OUT and reads it back while the settings match.
-    Optr against optr's own forward: transformers' cached, padded generation against TinyLM."""
+    Optr against optr: transformers' cached, padded generation against TinyLM's full forward."""
     import eval_llm
     model = random_model("llama")
     hf, tok = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m")))
@@ -6392,7 +6411,9 @@ def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
     every stage runs through transformers; simulate_hf and TinyLM on the same weights give the
     same logits (exact) and the same INT2 KL; full precision answers both passkey prompts; the
     paged decode reproduces the simulated answers; OptR closes part of the KL gap over both
-    bases; centering removes most channels whose |mean| exceeds their std."""
+    bases; centering removes most channels whose |mean| exceeds their std.
+    Optr against optr: simulate_hf against TinyLM on the same weights; the paged decode against the
+    simulation."""
     results = eval_llm.main(["--quick", "--out", str(tmp_path)])
     v, check = results["variants"], results["simulation_check"]
     assert results["architecture"] == "llama" and check["exact_max_abs_logit_diff"] < 1e-3
