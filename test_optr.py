@@ -92,6 +92,14 @@ def replace_cfg(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
+def run_python(*args, timeout=600, **env):
+    """`python *args` in a new process at the repository's root, TRITON_INTERPRET unset (the
+    child decides, as a user's shell would) and `env`'s variables set: its CompletedProcess."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
+    return subprocess.run([sys.executable, *args], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
 def fails(check, *args, **kw):
     """True if the check raises AssertionError on these arguments."""
     try:
@@ -3199,17 +3207,6 @@ def test_gap_closed_names_each_row_beside_its_base():
                                             "kl_center_clip": 0.7, "kl_plus": 0.75, "kl_e2e": 0.55})}
 
 
-def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
-    """A lever is a row of the ladder, never a flag: train_tiny's command line names none of
-    the clip search or the removed OptR+ levers (which used to change every row labelled as
-    the paper's, and --learn-mu crashed on quarot+optr-nocenter)."""
-    here = Path(__file__).parent
-    r = run_script(str(here / "train_tiny.py"), "--help", cwd=here)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
-        assert flag not in r.stdout
-
-
 # ----------------------------------------------------------------------------------------
 # D, continued: end-to-end refinement
 
@@ -5380,10 +5377,7 @@ SASS_CI_LAUNCHES = [dict(sass._SASS_CASE), _first_launch(32, 8, ratio=4),
 def _sass_child(code, timeout=600):
     """Run `code` (which prints one JSON line last) with the interpreter off: compiling
     for a GPU target needs the real @triton.jit functions."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                       capture_output=True, text=True, timeout=timeout)
+    r = run_python("-c", code, timeout=timeout, TRITON_INTERPRET="0")
     assert r.returncode == 0, r.stderr[-3000:]
     return json.loads(r.stdout.strip().splitlines()[-1])
 
@@ -5455,12 +5449,6 @@ def test_pipe_model_counts_by_class():
 # ----------------------------------------------------------------------------
 # Interpreter set-up on machines without CUDA
 # ----------------------------------------------------------------------------
-def _run_python(code):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 # A small ragged launch (3 sequences: 40, 0 and 17 INT2 tokens; windows 5, 2, 0), bf16.
 TINY_LAUNCH = dict(B=3, H_q=8, H_kv=2, d=64, G=16, P=16, NW=5, n_quant=40, num_splits=2,
                    q_dtype="bf16", win_dtype="bf16")
@@ -5485,11 +5473,13 @@ def tiny_kernel_error(device):
 def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
     """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
     interpreter at its top, before triton is imported, and the Triton kernel then runs and
-    matches the compiled CPU one; importing optr and kernel switches nothing.
+    matches the compiled CPU one; importing optr, kernel, train_tiny or eval_llm switches
+    nothing (TRITON_INTERPRET stays unset).
     Optr against optr: the interpreted Triton kernel against the compiled CPU one."""
-    plain = _run_python("import optr, kernel; print(kernel._INTERPRETED)")
-    assert plain.returncode == 0 and plain.stdout.split()[-1] == "False", plain.stderr
-    r = _run_python(f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
+    plain = run_python("-c", "import os, optr, kernel, train_tiny, eval_llm; "
+                       "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
+    assert plain.returncode == 0 and plain.stdout.split()[-2:] == ["False", "None"], plain.stderr
+    r = run_python("-c", f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
                     f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
                     "import kernel, torch; from tools.bench import random_inputs; a = random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
                     "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
@@ -5522,7 +5512,7 @@ def test_memoized_interpreter_scan_finds_the_same_builtins():
 def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
     """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
     ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
-    r = _run_python("import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
+    r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
                     "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
     assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
 
@@ -6089,18 +6079,6 @@ def _check_calibration_samples(res: dict, out):
     assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
 
 
-def test_importing_the_scripts_leaves_triton_alone():
-    """Importing train_tiny or eval_llm (or optr, kernel) switches nothing: TRITON_INTERPRET
-    stays unset and the kernels stay compiled-mode; only a script's own run switches."""
-    code = ("import os, sys, train_tiny, eval_llm, kernel; "
-            "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "None"], r.stdout
-
-
 def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path):
     """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
     samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
@@ -6505,12 +6483,6 @@ def tiny_hf_checkpoint(path):
     return path
 
 
-def run_script(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
 @pytest.mark.parametrize("eval_text", ["missing", "short", "binary"])
 @pytest.mark.slow
 def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text):
@@ -6521,11 +6493,11 @@ def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text
     (tmp_path / "short").write_text("too short")
     (tmp_path / "binary").write_bytes(bytes(range(256)) * 40)
     here = Path(__file__).parent
-    r = run_script(str(here / "eval_llm.py"), "--model", str(ckpt), "--calib-text", str(tmp_path / "calib.txt"),
+    r = run_python(str(here / "eval_llm.py"), "--model", str(ckpt), "--calib-text", str(tmp_path / "calib.txt"),
                    "--eval-text", str(tmp_path / eval_text), "--out", str(tmp_path / "out"),
                    "--sink", "4", "--window", "16", "--contexts", "320,384", "--gap-ctx", "384",
                    "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
-                   "--passkey-contexts", "320,384", cwd=here)
+                   "--passkey-contexts", "320,384")
     assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
     assert "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("eval_llm.py: error: eval_text:"), r.stderr[-500:]
@@ -6540,7 +6512,7 @@ def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_error
                        (["--group-size", "24"], "train_tiny.py: error: head_dim must be a multiple of 4"),
                        (["-O", "--group-size", "7", "--quick"], "train_tiny.py: error: head_dim must be")):
         opt = ["-O"] if args[0] == "-O" else []                 # python -O strips asserts, not these checks
-        r = run_script(*opt, str(here / "train_tiny.py"), *args[len(opt):], cwd=here)
+        r = run_python(*opt, str(here / "train_tiny.py"), *args[len(opt):])
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
 
