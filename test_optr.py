@@ -133,44 +133,58 @@ def authors_q2(x, clip, G, eps=1e-8):
     return deq.reshape(x.shape), code.reshape(x.shape), scale[:, 0], zero[:, 0]
 
 
-def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static=False):
-    """softmax(q k^T / sqrt(d)) v W_O^T computed query by query in float64. Query t (at
-    position q_pos[t]) sees keys s <= q_pos[t]. With sink/window given, key s is exact for
-    it when s < sink or s > q_pos[t] - window (relative windows, as the cache serves), or,
+def eq4_oracle(x, R, clip, G, mu=None):
+    """Eq. 4 on the test's own: mu + Q2((x - mu) R; c, G) R^T per KV head with the numpy Q2
+    (authors_q2), rotations and Q2 in fp32; x (..., H, T, d), R (H, d, d), mu (H, d) or None
+    (no centering). Returns fp32."""
+    centered = x if mu is None else x - mu[:, None]
+    deq, *_ = authors_q2((centered.float() @ R.float()).numpy(), clip, G)
+    out = torch.from_numpy(deq) @ R.float().transpose(-1, -2)
+    return out if mu is None else out + mu.float()[:, None]
+
+
+def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static=False,
+                   scaling=None, sliding=None):
+    """softmax(q k^T * scaling) v W_O^T computed query by query in float64 (scaling 1/sqrt(d)
+    unless given). Query t (at position q_pos[t]) sees keys s <= q_pos[t], with `sliding` only
+    s > q_pos[t] - sliding (a sliding-window layer). With sink/window given, key s is exact
+    for it when s < sink or s > q_pos[t] - window (relative windows, as the cache serves), or,
     with static=True, when s < sink or s >= T - window (the sequence's own windows, as the
     authors calibrate); otherwise it reads k~ and v~. Returns p, p~, da (B, H_q, Tq, T),
     y, y~, dy_K = (sum_s dp_s v_s) W_O^T, dy_V = (sum_s p~_s dv_s) W_O^T (B, H_q, Tq,
     d_model), each summed on its own, and int2 (Tq, T): which keys each query reads in INT2."""
     B, Hq, Tq, d = q.shape
     Hkv, T, dm = k.shape[1], k.shape[2], w_o.shape[1]
+    scaling = 1 / math.sqrt(d) if scaling is None else scaling
     p, pt, da = (torch.zeros(B, Hq, Tq, T, dtype=F64) for _ in range(3))
     y, yt, dyk, dyv = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(4))
     int2 = torch.zeros(Tq, T, dtype=torch.bool)
     for t in range(Tq):
-        n = int(q_pos[t]) + 1                                          # keys 0..q_pos[t]
-        s = torch.arange(n)
+        n = int(q_pos[t]) + 1                                          # keys lo..q_pos[t]
+        lo = 0 if sliding is None else max(0, n - sliding)
+        s, r = torch.arange(lo, n), slice(lo, n)
         if sink is None:
-            exact = torch.zeros(n, dtype=torch.bool)
+            exact = torch.zeros(n - lo, dtype=torch.bool)
         elif static:
             exact = (s < sink) | (s >= T - window)
         else:
             exact = (s < sink) | (s > int(q_pos[t]) - window)
-        int2[t, :n] = ~exact
+        int2[t, r] = ~exact
         for b in range(B):
             for j in range(Hq):
                 h = j // (Hq // Hkv)
-                ke = torch.where(exact[:, None], k[b, h, :n], k_t[b, h, :n])
-                ve = torch.where(exact[:, None], v[b, h, :n], v_t[b, h, :n])
-                a = k[b, h, :n].double() @ q[b, j, t].double() / math.sqrt(d)
-                at = ke.double() @ q[b, j, t].double() / math.sqrt(d)
+                ke = torch.where(exact[:, None], k[b, h, r], k_t[b, h, r])
+                ve = torch.where(exact[:, None], v[b, h, r], v_t[b, h, r])
+                a = k[b, h, r].double() @ q[b, j, t].double() * scaling
+                at = ke.double() @ q[b, j, t].double() * scaling
                 e, et = torch.exp(a - a.max()), torch.exp(at - at.max())
-                p[b, j, t, :n], pt[b, j, t, :n] = e / e.sum(), et / et.sum()
-                da[b, j, t, :n] = at - a
+                p[b, j, t, r], pt[b, j, t, r] = e / e.sum(), et / et.sum()
+                da[b, j, t, r] = at - a
                 W = w_o[j].double()                                    # (d_model, d)
-                y[b, j, t] = W @ (p[b, j, t, :n] @ v[b, h, :n].double())
-                yt[b, j, t] = W @ (pt[b, j, t, :n] @ ve.double())
-                dyk[b, j, t] = W @ ((pt[b, j, t, :n] - p[b, j, t, :n]) @ v[b, h, :n].double())
-                dyv[b, j, t] = W @ (pt[b, j, t, :n] @ (ve - v[b, h, :n]).double())  # dv = 0 if exact
+                y[b, j, t] = W @ (p[b, j, t, r] @ v[b, h, r].double())
+                yt[b, j, t] = W @ (pt[b, j, t, r] @ ve.double())
+                dyk[b, j, t] = W @ ((pt[b, j, t, r] - p[b, j, t, r]) @ v[b, h, r].double())
+                dyv[b, j, t] = W @ (pt[b, j, t, r] @ (ve - v[b, h, r]).double())  # dv = 0 if exact
     return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, dy_v=dyv, da=da, int2=int2)
 
 
@@ -990,8 +1004,7 @@ def test_rotate_dequant_mixes_dtypes_and_computes_in_fp32(dtype):
     z R, authors' Q2, R^T), rounded once to z's dtype."""
     z = rand(1, 2, 5, 16, seed=43).to(dtype)
     R = random_rotations(2, 16, 44)
-    deq, *_ = authors_q2((z.float() @ R).numpy(), 0.96, 8)
-    expect = (torch.from_numpy(deq) @ R.transpose(-1, -2)).to(dtype)
+    expect = eq4_oracle(z.float(), R, 0.96, 8).to(dtype)
     out = optr.rotate_dequant(z, R, 0.96, 8)
     assert out.dtype == dtype and torch.equal(out, expect)
 
@@ -1357,10 +1370,8 @@ def test_effective_kv_applies_eq_4_to_what_the_spec_quantizes():
     k, v = rand(1, 2, 5, 8, seed=30), rand(1, 2, 5, 8, seed=31)
     mu, rk, rv = rand(2, 8, seed=32), random_rotations(2, 8, 33), random_rotations(2, 8, 35)
     k_t, v_t = optr.effective_kv(k, v, optr.KVQuant(k_mean=mu, r_k=rk, r_v=rv), cfg)
-    dk, *_ = authors_q2(((k - mu[None, :, None]) @ rk).numpy(), cfg.clip_k, 8)
-    dv, *_ = authors_q2((v @ rv).numpy(), cfg.clip_v, 8)
-    assert torch.allclose(k_t, torch.from_numpy(dk) @ rk.transpose(-1, -2) + mu[None, :, None], atol=1e-6)
-    assert torch.allclose(v_t, torch.from_numpy(dv) @ rv.transpose(-1, -2), atol=1e-6)
+    assert torch.allclose(k_t, eq4_oracle(k, rk, cfg.clip_k, 8, mu), atol=1e-6)
+    assert torch.allclose(v_t, eq4_oracle(v, rv, cfg.clip_v, 8), atol=1e-6)
     k_e, v_e = optr.effective_kv(k, v, optr.KVQuant(k_mean=mu, r_k=rk, quant_k=False, quant_v=False), cfg)
     assert torch.equal(k_e, k) and torch.equal(v_e, v)
 
@@ -2935,10 +2946,8 @@ def test_the_simulated_cache_quantizes_each_layer_at_its_own_clips():
     k, v = cal[1], cal[2]
     spec = layer_clips(quarot_specs(replace_cfg(cfg, n_layers=1), seed=2))[0]
     k_t, v_t = optr.effective_kv(k, v, spec, cfg)
-    mu = spec.k_mean[None, :, None].double()
-    q2 = lambda x, R, c: torch.from_numpy(authors_q2((x @ R[None]).numpy(), c, 16)[0]).double() @ R.double().mT
-    assert torch.allclose(k_t.double(), mu + q2(k - spec.k_mean[None, :, None], spec.r_k, 0.7), atol=1e-5)
-    assert torch.allclose(v_t.double(), q2(v, spec.r_v, 0.8), atol=1e-5)
+    assert torch.allclose(k_t, eq4_oracle(k, spec.r_k, 0.7, 16, spec.k_mean), atol=1e-5)
+    assert torch.allclose(v_t, eq4_oracle(v, spec.r_v, 0.8, 16), atol=1e-5)
 
 
 @pytest.mark.slow
@@ -4151,35 +4160,20 @@ def test_decoding_through_transformers_cache_reads_what_the_full_forward_reads(k
     assert min(layer.keys.shape[2] for layer in cache.layers) == (11 if kind.startswith("gemma") else 30)
 
 
-def eq4_oracle(x, mu, R, clip, G):
-    """mu + Q2((x - mu) R; c, G) R^T per KV head, with the numpy Q2 oracle: x (B, H, T, d)."""
-    rows = (x.double() - (0 if mu is None else mu.double()[None, :, None])) @ R.double()[None]
-    deq = torch.from_numpy(authors_q2(rows.float().numpy(), clip, G)[0]).double()
-    return deq @ R.double().transpose(-1, -2)[None] + (0 if mu is None else mu.double()[None, :, None])
-
-
 def windowed_loop(kv, cfg, layer_types, sliding_window):
-    """The test's attention for a transformers model (one forward, no cache), query by query in
-    float64: query t reads key s <= t, on a sliding layer only s > t - sliding_window; the key
-    is exact if s < sink or s > t - window or its layer stores no INT2, else its Eq. 4 copy
+    """The test's attention for a transformers model (one forward, no cache): loop_attention,
+    query t reading key s <= t, on a sliding layer only s > t - sliding_window; the key is
+    exact if s < sink or s > t - window or its layer stores no INT2, else its Eq. 4 copy
     (eq4_oracle); logits <q, k> * scaling, the model's."""
     def attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         spec, slides = kv[module.layer_idx], layer_types[module.layer_idx] == "sliding_attention"
         B, Hq, T, d = query.shape
-        Hkv = key.shape[1]
-        kt = eq4_oracle(key, spec.k_mean, spec.r_k, cfg.clip_k, cfg.group_size) if spec.quant_k else key
-        vt = eq4_oracle(value, None, spec.r_v, cfg.clip_v, cfg.group_size) if spec.quant_v else value
-        out = torch.zeros(B, T, Hq, d, dtype=F64)
-        for t in range(T):
-            s = torch.arange(t + 1)
-            seen = (s > t - sliding_window) if slides else torch.ones(t + 1, dtype=torch.bool)
-            exact = ((s < cfg.sink) | (s > t - cfg.window))[:, None]
-            K = torch.where(exact, key[:, :, :t + 1].double(), kt[:, :, :t + 1].double())
-            V = torch.where(exact, value[:, :, :t + 1].double(), vt[:, :, :t + 1].double())
-            a = query[:, :, t].double().view(B, Hkv, Hq // Hkv, 1, d) @ K[:, :, None].transpose(-1, -2) * scaling
-            p = a.masked_fill(~seen, float("-inf")).softmax(-1)                     # (B, Hkv, g, 1, t + 1)
-            out[:, t] = (p @ V[:, :, None]).reshape(B, Hq, d)
-        return out.to(query.dtype), None
+        kt = eq4_oracle(key, spec.r_k, cfg.clip_k, cfg.group_size, spec.k_mean) if spec.quant_k else key
+        vt = eq4_oracle(value, spec.r_v, cfg.clip_v, cfg.group_size) if spec.quant_v else value
+        eye = torch.eye(d, dtype=F64).expand(Hq, d, d)
+        ref = loop_attention(query, key, value, kt, vt, eye, torch.arange(T), cfg.sink, cfg.window,
+                             scaling=scaling, sliding=sliding_window if slides else None)
+        return ref["y_tilde"].transpose(1, 2).to(query.dtype), None
     return attention
 
 
