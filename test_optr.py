@@ -101,6 +101,47 @@ def run_python(*args, timeout=600, **env):
                           capture_output=True, text=True, timeout=timeout)
 
 
+class HostTransfers(TorchDispatchMode):
+    """Counts, under it, what moves values between the host and a tensor, by kind and aten
+    name (`calls`, a Counter; empty when nothing crossed):
+      - "read": a value read back to the host: aten._local_scalar_dense (int(t), float(t),
+        bool(t), t.item()) and Tensor.tolist() (which dispatches nothing: wrapped while on);
+      - "upload": host data made a tensor: aten.lift_fresh(_copy) (torch.tensor(list),
+        torch.as_tensor, t.new_tensor), a host-to-device copy where the tensors are on CUDA;
+      - "copy": aten._to_copy with a device= argument (t.to(device), t.to(other), t.type_as)
+        or to another device, aten.copy_ between two devices.
+    A `.to(device)` of a tensor already there dispatches nothing and is not counted: on the
+    CPU, `torch.tensor(...).to(device)` is seen by its upload."""
+    READ, UPLOAD = {"aten._local_scalar_dense.default"}, {"aten.lift_fresh.default",
+                                                           "aten.lift_fresh_copy.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs, name = kwargs or {}, str(func)
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if name in self.READ:
+            self.calls[f"read: {name}"] += 1
+        elif name in self.UPLOAD:
+            self.calls[f"upload: {name}"] += 1
+        elif name.startswith("aten._to_copy") and "device" in kwargs or \
+                name.startswith(("aten._to_copy", "aten.copy_")) and len(devices | set(
+                    [kwargs["device"]] if "device" in kwargs else [])) > 1:
+            self.calls[f"copy: {name} to {kwargs.get('device', args[0].device)}"] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self.tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: self.calls.update(["read: Tensor.tolist"]) or self.tolist(t)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+
 def fails(check, *args, **kw):
     """True if the check raises AssertionError on these arguments."""
     try:
@@ -5138,6 +5179,31 @@ def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     actual[1, 2, 5] = expected[1, 2, 5] + bad_value
     with pytest.raises(AssertionError, match=r"\[1, 2, 5\]|NaN/inf"):
         assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
+
+
+def with_an_upload(x):
+    """A decode-like step with the host-to-device copy the previous read found in _write_int2."""
+    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
+
+
+def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
+    """HostTransfers (the spec's counter for "no host read" claims) sees an injected
+    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
+    .to(device=...), and nothing in a step that keeps its values on the device."""
+    x, tolist = rand(3, seed=90), torch.Tensor.tolist
+    with HostTransfers() as clean:
+        (x * 2 + x.sum()).exp()
+    assert not clean.calls, clean.calls
+    with HostTransfers() as seen:
+        with_an_upload(x)
+    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
+    with HostTransfers() as seen:
+        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
+        x.to(device=x.device, dtype=F64)
+    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
+                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
+                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
+    assert torch.Tensor.tolist is tolist                                  # given back on exit
 
 
 # ----------------------------------------------------------------------------
