@@ -32,6 +32,9 @@ Refusals of bad input close their section. Beside the tooling they test: tools/t
 tools/test_bench.py.
 """
 import collections
+import contextlib
+import importlib
+import importlib.abc
 import json
 import math
 import os
@@ -5490,6 +5493,54 @@ def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out(
     r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
                     "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
     assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+class RefuseTriton(importlib.abc.MetaPathFinder):
+    """A sys.meta_path finder for which triton is not installed: triton and triton.* raise ImportError."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r} (hidden by the spec)", name=name)
+        return None
+
+
+@contextlib.contextmanager
+def imported_without_triton(*names):
+    """The modules `names` imported afresh with triton hidden (RefuseTriton first on sys.meta_path,
+    triton's modules out of sys.modules); on exit the fresh ones leave sys.modules and the
+    originals (and triton's) come back, so the rest of the spec sees what it saw before."""
+    ours = lambda n: n in names or n == "triton" or n.startswith("triton.")
+    saved = {n: m for n, m in sys.modules.items() if ours(n)}
+    finder = RefuseTriton()
+    for n in saved:
+        del sys.modules[n]
+    sys.meta_path.insert(0, finder)
+    try:
+        yield [importlib.import_module(n) for n in names]
+    finally:
+        sys.meta_path.remove(finder)
+        for n in [n for n in sys.modules if ours(n)]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+
+
+def test_optr_and_kernel_import_and_decode_on_the_cpu_where_triton_cannot_be_imported():
+    """Where triton cannot be imported (it has wheels for Linux alone), `import kernel, optr`
+    works, in this process: kernel.triton is None, the Triton launcher is an ImportError naming
+    triton, and the CPU decode (kernel.paged_decode: numba) gives paged_decode_reference's
+    output on a small ragged case (a .ci/run pass without triton is not needed to see a
+    Triton-only import creep in).
+    Optr against optr: the numba decode against paged_decode_reference, both without triton."""
+    args = bench.random_inputs(2, 40, 4, 2, 64, 16, 16, 5, torch.float32, "cpu")
+    args["n_quant"] = torch.tensor([40, 17], dtype=torch.int32)
+    with imported_without_triton("kernel", "optr") as (fresh_kernel, fresh_optr):
+        assert fresh_kernel is not kernel and fresh_optr is not optr and "triton" not in sys.modules
+        assert fresh_kernel.triton is None and not fresh_kernel._INTERPRETED
+        out, ref = fresh_kernel.paged_decode(**args), fresh_optr.paged_decode_reference(**args)
+        with pytest.raises(ImportError, match="triton"):
+            fresh_kernel.int2_paged_decode(**args)
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert sys.modules["kernel"] is kernel and sys.modules["optr"] is optr
+    assert (kernel.triton is None) == ("triton" not in sys.modules)
 
 
 def test_without_triton_the_triton_launcher_names_the_missing_package(monkeypatch):
