@@ -204,7 +204,9 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
     p, pt, da = (torch.zeros(B, Hq, Tq, T, dtype=F64) for _ in range(3))
     y, yt, dyk, dyv = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(4))
     int2 = torch.zeros(Tq, T, dtype=torch.bool)
-    for t in range(Tq):
+    rep = lambda x: x.double().repeat_interleave(Hq // Hkv, dim=1)        # query head j reads j // n_rep
+    k, v, k_t, v_t, W = rep(k), rep(v), rep(k_t), rep(v_t), w_o.double()  # (B, H_q, T, d), (H_q, dm, d)
+    for t in range(Tq):                                                   # one query (of every head) at a time
         n = int(q_pos[t]) + 1                                          # keys lo..q_pos[t]
         lo = 0 if sliding is None else max(0, n - sliding)
         s, r = torch.arange(lo, n), slice(lo, n)
@@ -215,21 +217,17 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
         else:
             exact = (s < sink) | (s > int(q_pos[t]) - window)
         int2[t, r] = ~exact
-        for b in range(B):
-            for j in range(Hq):
-                h = j // (Hq // Hkv)
-                ke = torch.where(exact[:, None], k[b, h, r], k_t[b, h, r])
-                ve = torch.where(exact[:, None], v[b, h, r], v_t[b, h, r])
-                a = k[b, h, r].double() @ q[b, j, t].double() * scaling
-                at = ke.double() @ q[b, j, t].double() * scaling
-                e, et = torch.exp(a - a.max()), torch.exp(at - at.max())
-                p[b, j, t, r], pt[b, j, t, r] = e / e.sum(), et / et.sum()
-                da[b, j, t, r] = at - a
-                W = w_o[j].double()                                    # (d_model, d)
-                y[b, j, t] = W @ (p[b, j, t, r] @ v[b, h, r].double())
-                yt[b, j, t] = W @ (pt[b, j, t, r] @ ve.double())
-                dyk[b, j, t] = W @ ((pt[b, j, t, r] - p[b, j, t, r]) @ v[b, h, r].double())
-                dyv[b, j, t] = W @ (pt[b, j, t, r] @ (ve - v[b, h, r]).double())  # dv = 0 if exact
+        ke = torch.where(exact[:, None], k[:, :, r], k_t[:, :, r])              # (B, H_q, n - lo, d)
+        ve = torch.where(exact[:, None], v[:, :, r], v_t[:, :, r])
+        qt = q[:, :, t, :, None].double()                                       # (B, H_q, d, 1)
+        a, at = (k[:, :, r] @ qt)[..., 0] * scaling, (ke @ qt)[..., 0] * scaling  # (B, H_q, n - lo)
+        e, et = torch.exp(a - a.amax(-1, keepdim=True)), torch.exp(at - at.amax(-1, keepdim=True))
+        p[:, :, t, r], pt[:, :, t, r] = e / e.sum(-1, keepdim=True), et / et.sum(-1, keepdim=True)
+        da[:, :, t, r] = at - a
+        out = lambda w, x: (W @ (w[:, :, None] @ x).transpose(-1, -2))[..., 0]  # sum_s w_s x_s W_O^T
+        y[:, :, t], yt[:, :, t] = out(p[:, :, t, r], v[:, :, r]), out(pt[:, :, t, r], ve)
+        dyk[:, :, t] = out(pt[:, :, t, r] - p[:, :, t, r], v[:, :, r])
+        dyv[:, :, t] = out(pt[:, :, t, r], ve - v[:, :, r])                    # dv = 0 if exact
     return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, dy_v=dyv, da=da, int2=int2)
 
 
