@@ -1738,7 +1738,7 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
     """Held-out keys and values that the base quantizes exactly (each group holds only the
     levels 0, 1, 2, 3) have zero held-out loss under the base, so whatever the fit learns
     on the calibration data can only be worse there: every head keeps R_base exactly."""
-    cfg = small_cfg(steps=10, eval_every=5)
+    cfg = small_cfg(steps=4, eval_every=2)
     cal, _, w_o = layer_fixture(seed=2)
     g = torch.Generator().manual_seed(3)
     exact = lambda *shape: torch.cat([torch.arange(4.0).expand(*shape[:-1], 4),
@@ -4304,7 +4304,7 @@ def test_calibrate_hf_keeps_gemma3s_sliding_layers_exact_unless_asked():
     calibrates the sliding layers too, on sequences that fit their window, and refuses
     longer ones."""
     model = tiny_hf("gemma3-MQA")
-    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4, steps=2, eval_every=1))
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
     kv, rows = optr.calibrate_hf(model, cal, held, cfg)
     mine = projections(model, cal)
