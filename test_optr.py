@@ -2071,7 +2071,7 @@ def test_decode_path_matches_simulated_model(calibrated_tiny):
     assert (dec.argmax(-1) == sim[:, 10:].argmax(-1)).all()
 
 
-def served(calibrated_tiny, n_prompt=10):
+def folded_and_prefilled(calibrated_tiny, n_prompt=10):
     """The folded model and a paged cache holding a prompt of the held-out data."""
     model, data, specs, _ = calibrated_tiny
     folded = optr.fold_value_rotation(model, specs)
@@ -2086,7 +2086,7 @@ def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
     view and these options (kernel.int2_paged_decode's checked=False, sm_scale, ...), and
     returns the logits of what f computed.
     Optr against optr: decode_step through a recording attend against its default one."""
-    folded, cache, seqs, idx = served(calibrated_tiny)
+    folded, cache, seqs, idx = folded_and_prefilled(calibrated_tiny)
     calls = []
 
     def recording(q, checked=True, **view):
@@ -2095,10 +2095,11 @@ def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
     out = optr.decode_step(folded, cache, seqs, idx[:, 10], attend=recording, checked=False, sm_scale=0.3)
     assert [(c["checked"], c["sm_scale"]) for c in calls] == [(False, 0.3)] * folded.cfg.n_layers
     assert all(c["n_quant"].tolist() == [11 - 6] * len(seqs) for c in calls)
-    folded2, cache2, seqs2, _ = served(calibrated_tiny)
+    folded2, cache2, seqs2, _ = folded_and_prefilled(calibrated_tiny)
     assert torch.equal(out, optr.decode_step(folded2, cache2, seqs2, idx[:, 10], optr.paged_decode_reference,
                                                sm_scale=0.3))
-    assert not torch.allclose(out, optr.decode_step(*served(calibrated_tiny)[:3], idx[:, 10]), atol=1e-3)
+    other = optr.decode_step(*folded_and_prefilled(calibrated_tiny)[:3], idx[:, 10])
+    assert not torch.allclose(out, other, atol=1e-3)
 
 
 def test_page_pool_exhaustion_raises_and_free_returns_pages():
@@ -2717,7 +2718,7 @@ def test_reconfigure_refuses_a_new_rope_base():
 # ----------------------------------------------------------------------------------------
 
 
-def hf_config(cfg, kind):
+def config_json(cfg, kind):
     return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                 num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
@@ -2742,7 +2743,7 @@ def write_hf(model, kind, path, shards=1, config=None, tokenizer=True):
         weight_map |= {k: fname for k in part}
     if shards > 1:
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config or hf_config(model.cfg, kind)))
+    (path / "config.json").write_text(json.dumps(config or config_json(model.cfg, kind)))
     if tokenizer:
         _byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
@@ -2869,7 +2870,7 @@ def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
     twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
     assert twin is None and "weights are not TinyLM's" in why
     model = random_model("llama")
-    scaled = hf_config(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    scaled = config_json(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
     hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
     twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
     assert twin is None and "logits differ" in why
@@ -3043,7 +3044,7 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
     exported checkpoint gives, step by step, the logits of prefill + decode_step through the
     paged cache with each layer's own clips (1e-3), not those at Config's clips.
     Optr against optr: generate() with hf_cache against the paged decode loop."""
-    model, kv = served_model("qwen2")
+    model, kv = engine_ready_tinylm("qwen2")
     kv = layer_clips(kv)
     out = optr.export_hf(model, kv, str(tmp_path / "x"))
     hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
@@ -3052,12 +3053,13 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
     def paged(specs):
         cache = optr.PagedKVCache(model.cfg, 32, 2, specs)
         seqs = [cache.add_sequence() for _ in range(2)]
-        logits, steps = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
+        logits, steps = optr.prefill(folded, cache, seqs, IDX_LONG[:, :12])[:, -1], []
         for _ in range(12):
             steps.append(logits)
             logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
         return torch.stack(steps, 1)
-    theirs = hf.generate(IDX_E[:, :12], past_key_values=optr.hf_cache(served["optr"], model.cfg, hf, folded=True),
+    theirs = hf.generate(IDX_LONG[:, :12],
+                         past_key_values=optr.hf_cache(served["optr"], model.cfg, hf, folded=True),
                          max_new_tokens=12, do_sample=False, output_logits=True, return_dict_in_generate=True)
     ours = paged(kv)
     assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
@@ -3094,7 +3096,7 @@ def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tm
 def test_export_sglang_refuses_a_layer_clip_of_its_own_on_either_side(side):
     """The engine clips every layer at serve.env's one c_K and c_V: a layer with a clip of its
     own on either side is a ValueError naming the layer."""
-    model, kv = served_model("qwen2")
+    model, kv = engine_ready_tinylm("qwen2")
     with pytest.raises(ValueError, match=r"kv\[1\]: clips of its own"):
         eval_llm.export_sglang(_kv_with(kv, 1, **{side: 0.8}), model.cfg, "/nonexistent/never-written")
 
@@ -3652,10 +3654,10 @@ def engine_attention(files, cfg):
     return attention
 
 
-IDX_E = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(8))
+IDX_LONG = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(8))  # past windows of 8
 
 
-def served_model(kind="qwen2", seed=3, **kw):
+def engine_ready_tinylm(kind="qwen2", seed=3, **kw):
     """A random model the engine can serve as calibrated (G = d = 16, windows of 8), and specs."""
     model = random_model(kind, seed=seed, sink=8, window=8, page_size=8, **kw)
     return model, quarot_specs(model.cfg, seed=seed)
@@ -3670,7 +3672,7 @@ def test_sglang_files_load_in_their_loaders_with_the_flags_they_need(tmp_path):
     """export_sglang writes plain-tensor files their loaders and validator accept, holding
     R_K, R_V and mu per layer and KV head, and a serve.env that passes their launch rules with
     group size d, page size 8, our windows and clips, V absorption and the key mean on."""
-    model, kv = served_model()
+    model, kv = engine_ready_tinylm()
     c = model.cfg
     k_path, v_path, mu_path = exported(tmp_path, kv, c)
     for p in (k_path, v_path, mu_path):
@@ -3722,7 +3724,7 @@ def test_their_loaders_read_back_export_sglangs_specs_exactly(tmp_path):
     """Their loaders read export_sglang's files back as every layer's mu, R_K and R_V bit for
     bit; with folded=True R_V comes back as the identity; a file of one (d, d) rotation per
     layer (their V1 format) is expanded per head."""
-    model, kv = served_model()
+    model, kv = engine_ready_tinylm()
     c = model.cfg
     k_path, v_path, mu_path = exported(tmp_path, kv, c)
     back = sglang_specs(k_path, v_path, c, mu_path)
@@ -3740,7 +3742,7 @@ def test_the_v_file_matches_the_weights_it_is_served_with(tmp_path):
     """Served by their engine (the oracle: INT2 everywhere), the original weights with R_V in
     the V file and our folded weights (export_hf) with the identity there both give optr's
     simulated INT2 outputs; our folded weights with R_V in the file rotate V twice."""
-    model, kv = served_model("llama")
+    model, kv = engine_ready_tinylm("llama")
     c = model.cfg
     files = lambda folded, name: (sglang_rotations(exported(tmp_path, kv, c, folded, name)[0], 2, 16, 2),
                                   sglang_rotations(str(tmp_path / name / "v_rotation.pt"), 2, 16, 2),
@@ -3769,7 +3771,7 @@ def _kv_with(kv, l, **change):
 def test_export_sglang_refuses_what_their_engine_cannot_serve_as_calibrated(tmp_path, change, kv_change, match):
     """G != d (per-row clip), windows that are not multiples of 8, d not a power of two, an
     epsilon other than theirs, or a layer left in full precision: a ValueError naming it."""
-    model, kv = served_model()
+    model, kv = engine_ready_tinylm()
     cfg = replace_cfg(model.cfg, **change)
     kv = quarot_specs(cfg) if "head_dim" in change else kv
     with pytest.raises(ValueError, match=match):
@@ -3786,16 +3788,16 @@ def hf_load(path):
 def test_export_hf_loads_in_transformers_with_optrs_logits(tmp_path, kind, tie):
     """optr.export_hf's checkpoint (R_V folded in) loads in transformers'
     AutoModelForCausalLM, offline, and gives optr's full-precision logits."""
-    model, kv = served_model(kind, tie=tie)
+    model, kv = engine_ready_tinylm(kind, tie=tie)
     hf = hf_load(optr.export_hf(model, kv, str(tmp_path / "hf")))
     with torch.no_grad():
         assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-4)
 
 
 @pytest.fixture(scope="module")
-def hf_served(tmp_path_factory):
+def exported_to_hf(tmp_path_factory):
     """A model, its specs, its folded copy and export_hf's checkpoint in transformers."""
-    model, kv = served_model("qwen2")
+    model, kv = engine_ready_tinylm("qwen2")
     out = optr.export_hf(model, kv, str(tmp_path_factory.mktemp("hf") / "x"))
     return model, kv, optr.fold_value_rotation(model, kv), hf_load(out)
 
@@ -3813,12 +3815,12 @@ def paged_rows(cache, layer, seq, n, codes, *rest):
 
 @torch.no_grad()
 @pytest.mark.slow
-def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
+def test_hf_cache_below_sink_plus_window_is_dynamic_cache(exported_to_hf):
     """While every token fits in the sink and the recent window, hf_cache takes no page and its
     logits are DynamicCache's within round-off (query and keys both rotated by R_K: 1e-4)."""
     from transformers import DynamicCache
-    model, kv, _, hf = hf_served
-    idx = IDX_E[:, :16]
+    model, kv, _, hf = exported_to_hf
+    idx = IDX_LONG[:, :16]
     a = hf(idx[:, :10], past_key_values=(ca := optr.hf_cache(kv, model.cfg, hf, folded=True))).logits
     b = hf(idx[:, :10], past_key_values=(cb := DynamicCache())).logits
     assert torch.allclose(a, b, atol=1e-4)
@@ -3843,17 +3845,17 @@ def pages(cache):
     return next(layer for layer in cache.layers if isinstance(layer, optr.PagedLayer)).pool.cache
 
 
-def check_hf_cache_is_decode_step(hf_served, T=30):
+def check_hf_cache_is_decode_step(exported_to_hf, T=30):
     """Fed token by token, hf_cache's logits are optr.decode_step's through PagedKVCache and
     its pages hold the paged cache's codes, bit for bit, and scales and zeros within
     HF_ROPE_TOL (transformers' RoPE rounds differently)."""
-    model, kv, folded, hf = hf_served
+    model, kv, folded, hf = exported_to_hf
     cache, seqs = ours_paged(folded, kv, 2)
     mine = optr.hf_cache(kv, model.cfg, hf, folded=True)
     with torch.no_grad():
         for t in range(T):
-            ours = optr.decode_step(folded, cache, seqs, IDX_E[:, t])
-            theirs = hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1]
+            ours = optr.decode_step(folded, cache, seqs, IDX_LONG[:, t])
+            theirs = hf(IDX_LONG[:, t:t + 1], past_key_values=mine).logits[:, -1]
             assert torch.allclose(theirs, ours, atol=1e-4, rtol=1e-5), t
     check_same_pages(pages(mine), cache, T - 16)
 
@@ -3871,65 +3873,66 @@ def check_same_pages(mine, cache, n, tol=HF_ROPE_TOL):
 
 
 @pytest.mark.slow
-def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
+def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(exported_to_hf):
     """Token by token, hf_cache in transformers gives optr.decode_step's logits (within
     round-off) and stores the paged cache's codes, scales and zeros.
     Optr against optr: hf_cache inside transformers against decode_step and PagedKVCache."""
-    check_hf_cache_is_decode_step(hf_served)
+    check_hf_cache_is_decode_step(exported_to_hf)
 
 
 @torch.no_grad()
 @pytest.mark.slow
-def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp_path):
+def test_hf_cache_with_the_original_weights_rotates_values_itself(exported_to_hf, tmp_path):
     """folded=False: transformers runs the original weights (export_hf of specs without R_V)
     and hf_cache rotates each value by R_V before quantizing and back after: the logits are
     decode_step's on the folded model, within round-off.
     Optr against optr: hf_cache inside transformers against decode_step."""
-    check_hf_cache_unfolded_is_decode_step(hf_served, str(tmp_path / "o"))
+    check_hf_cache_unfolded_is_decode_step(exported_to_hf, str(tmp_path / "o"))
 
 
-def check_hf_cache_unfolded_is_decode_step(hf_served, out):
+def check_hf_cache_unfolded_is_decode_step(exported_to_hf, out):
     """hf_cache with folded=False beside the original weights (exported to `out`) is decode_step."""
-    model, kv, folded, _ = hf_served
+    model, kv, folded, _ = exported_to_hf
     hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], out))
     cache, seqs = ours_paged(folded, kv, 2)
     mine = optr.hf_cache(kv, model.cfg, hf, folded=False)
     for t in range(26):
-        assert torch.allclose(hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1],
-                              optr.decode_step(folded, cache, seqs, IDX_E[:, t]), atol=1e-4, rtol=1e-5), t
+        assert torch.allclose(hf(IDX_LONG[:, t:t + 1], past_key_values=mine).logits[:, -1],
+                              optr.decode_step(folded, cache, seqs, IDX_LONG[:, t]), atol=1e-4, rtol=1e-5), t
 
 
 @torch.no_grad()
-def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
+def test_greedy_generate_gives_the_tokens_of_our_decode_loop(exported_to_hf):
     """Greedy generate() with hf_cache gives the tokens of optr's own loop (prefill, then
     decode_step through the paged cache, argmax): with a prompt inside the windows, and
     with longer ones, each written in one pass (each query its own windows).
     Optr against optr: generate() with hf_cache against prefill + decode_step."""
-    check_generate_is_our_decode_loop(hf_served)
+    check_generate_is_our_decode_loop(exported_to_hf)
 
 
-def check_generate_is_our_decode_loop(hf_served):
+def check_generate_is_our_decode_loop(exported_to_hf):
     """generate() with hf_cache gives prefill + decode_step's greedy tokens, prompts of 12, 23, 40."""
-    model, kv, folded, hf = hf_served
+    model, kv, folded, hf = exported_to_hf
     for P in (12, 23, 40):
         cache, seqs = ours_paged(folded, kv, 2)
-        logits = optr.prefill(folded, cache, seqs, IDX_E[:, :P])[:, -1]
+        logits = optr.prefill(folded, cache, seqs, IDX_LONG[:, :P])[:, -1]
         ours = []
         for _ in range(20):
             ours.append(logits.argmax(-1))
             logits = optr.decode_step(folded, cache, seqs, ours[-1])
-        out = hf.generate(IDX_E[:, :P], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True),
+        out = hf.generate(IDX_LONG[:, :P], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True),
                           max_new_tokens=20, do_sample=False)
         assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
 
 
 @pytest.mark.slow
-def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_served):
+def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(exported_to_hf):
     """generate() with hf_cache's decode set to kernel.int2_paged_decode (the default on CUDA;
     the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
     (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16)."""
-    model, kv, _, hf = hf_served
-    out = [hf.generate(IDX_E[:, :20], past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True, attend=a),
+    model, kv, _, hf = exported_to_hf
+    out = [hf.generate(IDX_LONG[:, :20],
+                       past_key_values=optr.hf_cache(kv, model.cfg, hf, folded=True, attend=a),
                        max_new_tokens=8, do_sample=False, output_logits=True, return_dict_in_generate=True)
            for a in (optr.paged_decode_reference, kernel.int2_paged_decode)]
     assert torch.equal(out[0].sequences, out[1].sequences)
@@ -3971,7 +3974,7 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 # -- the checks can fail ------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
+def test_serving_checks_can_fail(exported_to_hf, monkeypatch, tmp_path):
     """The generate() check against simulate_hf fails when the one-pass prefill (paged_step's,
     shared by prefill and hf_cache) reads one more recent token exactly (window + 1), and the
     token-by-token check when its pages hold values that were not rotated by R_V (the original
@@ -3985,7 +3988,7 @@ def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
     monkeypatch.undo()
     step = kernel.cpu_decode_step                               # the compiled step, told no R_V
     monkeypatch.setattr(kernel, "cpu_decode_step", lambda q, k, v, mu, r_k, r_v, *a: step(q, k, v, mu, r_k, None, *a))
-    assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
+    assert fails(check_hf_cache_unfolded_is_decode_step, exported_to_hf, str(tmp_path / "o"))
 
 
 @pytest.mark.slow
@@ -3996,7 +3999,7 @@ def test_eval_llm_serves_the_export_in_sglang_files_and_transformers(tmp_path):
     (the whole sequence each token), and they are the same.
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
     import eval_llm
-    model, kv = served_model("llama")
+    model, kv = engine_ready_tinylm("llama")
     optr.export_hf(model, kv, str(tmp_path / "x"))
     cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), export_sglang=True, hf_generate=6)
     text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -4388,7 +4391,7 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
             assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
 
 
-def tiny_served(kind, **settings):
+def tiny_hf_with_specs(kind, **settings):
     """A tiny transformers model, its Config (sink 2, window 4) and random QuaRot-like specs
     (Gemma 3's sliding layers exact)."""
     model = tiny_hf(kind)
@@ -4403,7 +4406,7 @@ def test_hf_cache_greedy_generate_through_the_compiled_cpu_decode_gives_the_refe
     """generate() with hf_cache's default decode on a CPU (kernel.paged_decode: numba) gives the
     tokens of the same cache decoding through paged_decode_reference, and its logits within
     1e-4, over 18 steps past a 12-token prompt (INT2 from token 7)."""
-    model, cfg, kv = tiny_served(kind)
+    model, cfg, kv = tiny_hf_with_specs(kind)
     (t0, l0), (t1, l1) = (generate_logits(model, optr.hf_cache(kv, cfg, model, attend=a), IDX_HF[:, :12], 18)
                           for a in (None, optr.paged_decode_reference))
     assert torch.equal(t0, t1)
@@ -4415,7 +4418,7 @@ def test_hf_cache_continuation_of_several_tokens_reads_all_the_sequence_holds():
     """A prompt of 12, then 8 tokens in one call (a chat turn, or prefill_chunk_size > 1), then
     1: every position's logits are simulate_hf's over the whole sequence (each query with its
     own windows over everything before it), within 1e-4."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     cache = optr.hf_cache(kv, cfg, model)
     ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits for a, b in ((0, 12), (12, 20), (20, 21))], 1)
     with optr.simulate_hf(model, kv, cfg):
@@ -4428,7 +4431,7 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
     """max_tokens 19 with sink 2 and window 4 leaves 13 INT2 tokens, not a multiple of the page
     size 4: the pool has 4 pages per sequence (rounded up), so both sequences reach 19 tokens;
     the 20th is a ValueError naming max_tokens."""
-    model, cfg, kv = tiny_served("llama-GQA", page_size=4)
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA", page_size=4)
     cache = optr.hf_cache(kv, cfg, model, max_tokens=19)
     model(IDX_HF[:, :10], past_key_values=cache)
     for t in range(10, 19):
@@ -4442,7 +4445,7 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
 def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch):
     """A prompt longer than max_tokens is refused at the cache's first update, before any
     attention runs; by default max_tokens is the model's max_position_embeddings."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     attended = []
     monkeypatch.setattr(optr, "paged_step", lambda *a, **k: attended.append(1))
     with pytest.raises(ValueError, match="a prompt of 30 tokens passes max_tokens=29"):
@@ -4480,7 +4483,7 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
     t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: its plan (pages,
     lengths) was made once, at the forward's first INT2 layer."""
     from transformers import DynamicCache
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     compiled = []
     step = kernel.cpu_decode_step
     monkeypatch.setattr(kernel, "cpu_decode_step", lambda *a, **k: compiled.append(1) or step(*a, **k))
@@ -4497,7 +4500,7 @@ def test_the_plain_decode_step_of_any_device_makes_no_host_read():
     """The step that is not the compiled one (bf16 windows here; every step on CUDA: append, then
     the device's decode unchecked) reads no length, page or slot back from a tensor either: its
     lengths have a copy on the pages' device, its INT2 slots come from the block table there."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(kv, cfg, model.to(torch.bfloat16)) as cache:
         calls = one_step_calls(model, cache, IDX_HF[:, :12])
     assert not pages(cache).compiled and calls["aten._local_scalar_dense.default"] == 0, calls
@@ -4508,7 +4511,7 @@ def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
     """hf_cache allocates INT2 pages as its sequences reach them, at most 1/8 more than they
     use, not for max_tokens (the model's 2048 positions here, the budget): after a prompt of 12
     and at each of 18 steps; its bytes grow with the sequences."""
-    model, cfg, kv = tiny_served("llama-GQA", page_size=2)
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA", page_size=2)
     cache = optr.hf_cache(kv, cfg, model)
     tok, sizes = model(IDX_HF[:, :12], past_key_values=cache).logits[:, -1:].argmax(-1), []
     for _ in range(18):
@@ -4525,7 +4528,7 @@ def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
 def test_hf_cache_takes_a_prompt_of_exactly_max_tokens_and_refuses_one_more():
     """max_tokens is the most a sequence may hold: a prompt of exactly max_tokens is served (its
     logits those of simulate_hf's INT2 within 1e-4), one token more is a ValueError naming it."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(kv, cfg, model, max_tokens=20) as cache:
         ours = model(IDX_HF[:, :20], past_key_values=cache).logits
     with optr.simulate_hf(model, kv, cfg):
@@ -4542,7 +4545,7 @@ def test_hf_cache_takes_its_default_max_tokens_from_the_text_config(monkeypatch)
     is the language model's: hf_cache's default max_tokens is that one. A config whose text part
     says 24 under a top level saying 8192 refuses a 25-token prompt."""
     import copy
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     text = copy.deepcopy(model.config)
     text.max_position_embeddings = 24
     monkeypatch.setattr(model.config, "max_position_embeddings", 8192)
@@ -4557,7 +4560,7 @@ def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
     """Specs of another model (here: 3 layers of head_dim 32 beside a model of 2 layers of 16)
     are a ValueError naming both geometries, before the model is switched (not an assert that
     python -O strips); hf_config given that model's settings names the model it reads."""
-    model, cfg, _ = tiny_served("llama-GQA")
+    model, cfg, _ = tiny_hf_with_specs("llama-GQA")
     other = quarot_specs(replace_cfg(cfg, n_layers=3, head_dim=32, group_size=32))
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match=r"hf_cache: kv is 3 layers of \(n_kv_heads, head_dim\) \[\(2, 32\)\], "
@@ -4604,7 +4607,7 @@ print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 
 def test_hf_cache_gives_the_model_back_its_own_attention():
     """Inside `with optr.hf_cache(...)` the model attends through "optr-paged"; after it (or
     after cache.restore()) its own implementation is back and its logits are its own again."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     before, theirs = model.config._attn_implementation, model(IDX_HF).logits
     with optr.hf_cache(kv, cfg, model) as cache:
         assert model.config._attn_implementation == "optr-paged"
@@ -4675,16 +4678,17 @@ def test_batched_left_padded_generate_is_each_sequence_alone(kind):
 
 
 @torch.no_grad()
-def test_a_prompt_in_one_pass_stores_what_token_by_token_appends_store(hf_served):
+def test_a_prompt_in_one_pass_stores_what_token_by_token_appends_store(exported_to_hf):
     """generate()'s prompt of 40 written in one pass (Appendix A's prefill, then extend) leaves
     the pages and windows that writing it token by token leaves (prefill_chunk_size=1: codes
     equal, scales and zeros within HF_ROPE_TOL), and both decode the same 8 tokens; both decode
     through the torch reference (the compiled decode sums in another order, which moves the
     next layers' keys by more than the tolerance meant for RoPE's round-off)."""
-    model, kv, _, hf = hf_served
+    model, kv, _, hf = exported_to_hf
     a, b = (optr.hf_cache(kv, model.cfg, hf, folded=True, attend=optr.paged_decode_reference) for _ in range(2))
-    ta = hf.generate(IDX_E[:, :40], past_key_values=a, max_new_tokens=8, do_sample=False)
-    tb = hf.generate(IDX_E[:, :40], past_key_values=b, max_new_tokens=8, do_sample=False, prefill_chunk_size=1)
+    ta = hf.generate(IDX_LONG[:, :40], past_key_values=a, max_new_tokens=8, do_sample=False)
+    tb = hf.generate(IDX_LONG[:, :40], past_key_values=b, max_new_tokens=8, do_sample=False,
+                     prefill_chunk_size=1)
     assert torch.equal(ta, tb)
     check_same_pages(pages(a), pages(b), 47 - 16)
 

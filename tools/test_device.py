@@ -19,7 +19,7 @@ from test_optr import (DEVICE, IDX_HF, hf_settings, quarot_specs, shuffled, tiny
 from tools import bench
 
 GPU_SHAPE = dict(bench.BENCH_SHAPE)
-def served_tiny(device):
+def folded_tinylm_on(device):
     """A random optr.TinyLM with QuaRot rotations on `device`: (cfg, the model with R_V
     folded, the rotations as optr.KVQuant)."""
     d = 128
@@ -67,7 +67,7 @@ def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_referenc
     after token, as INT2 tokens fill several pages.
     Optr against optr: the Triton kernel on the device against paged_decode_reference, layer by
     layer."""
-    cfg, folded, kv = served_tiny(DEVICE)
+    cfg, folded, kv = folded_tinylm_on(DEVICE)
     steps, B = 120, 3
     cache, seqs = shuffled_cache(cfg, kv, B, steps, DEVICE)
     worst = [0.0]
@@ -84,7 +84,7 @@ def test_gpu_a_decode_step_makes_no_host_sync():
     """optr.decode_step through optr.PagedKVCache on CUDA runs under set_sync_debug_mode("error"):
     its pages are taken once per forward on the host, its lengths live on the device too, the INT2
     write gathers its slots from the block table there, the kernel launches unchecked."""
-    cfg, folded, kv = served_tiny(DEVICE)
+    cfg, folded, kv = folded_tinylm_on(DEVICE)
     cache, seqs = shuffled_cache(cfg, kv, 2, 40, DEVICE)
     tokens = torch.randint(0, cfg.vocab_size, (40, 2), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     for t in range(30):                                          # past the windows; the kernels compiled
@@ -112,7 +112,7 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
     prompt = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(1))
 
     def prefilled(dev):                     # (cfg, folded model, kv, cache, seqs, logits)
-        cfg, folded, kv = served_tiny(dev)
+        cfg, folded, kv = folded_tinylm_on(dev)
         cache, seqs = shuffled_cache(cfg, kv, B, T + 1, dev)
         return cfg, folded, kv, cache, seqs, optr.prefill(folded, cache, seqs, prompt[:, :T].to(dev))
     cfg, folded, kv, cache, seqs, logits = prefilled(DEVICE)
