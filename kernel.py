@@ -938,12 +938,13 @@ def paged_decode(q, **view) -> torch.Tensor:
     return (int2_paged_decode if q.is_cuda else int2_paged_decode_cpu)(q, **view)
 
 
-def q2_store(rows, clip, group_size, eps, codes, scale, zero, page, slot):
+def q2_store(rows, rank, group_size, eps, codes, scale, zero, page, slot):
     """Write Q2's storage form of rows (N, H, d) fp32 (CPU) into codes[page[i], :, slot[i]] and
-    its scale and zero, as optr.q2_quantize computes them, bit for bit (compiled by numba)."""
+    its scale and zero, as optr.q2_quantize computes them, bit for bit (compiled by numba); rank:
+    the clip's, optr.clip_rank(clip, group_size)."""
     need(rows.dim() == 3 and page.shape == slot.shape == rows.shape[:1], "q2_store: a page and slot per row")
     need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(),
          "q2_store: fp32 rows")
-    rank = min(max(int(math.floor(clip * group_size)), 0), group_size - 1)
+    need(isinstance(rank, int) and 0 <= rank < group_size, f"q2_store: rank in [0, {group_size}), got {rank}")
     _nb().store(rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
                 zero.numpy(), page.numpy(), slot.numpy())

@@ -981,7 +981,7 @@ class PagedKVCache:
                                                (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
             if dev.type == "cpu":
                 from kernel import q2_store
-                q2_store(rows.float().contiguous(), clip, c.group_size, c.scale_eps, codes[layer],
+                q2_store(rows.float().contiguous(), clip_rank(clip, c.group_size), c.group_size, c.scale_eps, codes[layer],
                          scale[layer], zero[layer], page, slot)
             else:
                 pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
@@ -1604,16 +1604,30 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return key.attend(query, scaling, kwargs.get("position_ids")), None
 
 
+class _Modes(list):         # generate()'s modes hf_cache serves, read before the prompt runs; its error names ours
+    def __str__(self):
+        return ("every generation mode but assisted generation (assistant_model=, prompt_lookup_num_tokens=): "
+                "hf_cache cannot roll back its INT2 pages")
+
+
 @functools.lru_cache(maxsize=None)
 def _int2_cache_type():                   # hf_cache's Cache: the model attends through it inside `with`
     from transformers.cache_utils import Cache
+    from transformers.generation.configuration_utils import GenerationMode
 
     def enter(self):
-        self.attn_before = self.model.config._attn_implementation
-        self.model.set_attn_implementation("optr-paged")
+        m = self.model
+        self.before = m.config._attn_implementation, m.__dict__.get("_supported_generation_modes", self)
+        m.set_attn_implementation("optr-paged")
+        m._supported_generation_modes = _Modes(g for g in GenerationMode if g != GenerationMode.ASSISTED_GENERATION)
         return self
-    return type("INT2Cache", (Cache,), dict(__enter__=enter, __exit__=lambda self, *exc:
-                                             self.model.set_attn_implementation(self.attn_before)))
+
+    def exit(self, *exc):
+        self.model.set_attn_implementation(self.before[0])
+        del self.model._supported_generation_modes
+        if self.before[1] is not self:
+            self.model._supported_generation_modes = self.before[1]
+    return type("INT2Cache", (Cache,), dict(__enter__=enter, __exit__=exit))
 
 
 def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int | None = None, attend=None):

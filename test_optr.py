@@ -4102,7 +4102,7 @@ cache = optr.PagedKVCache(cfg, 4, 1, kv)
 model = optr.TinyLM(optr.Config(n_layers=2, window=8))
 print(refused(lambda: optr.prefill(model, cache, [cache.add_sequence()], torch.zeros(5, dtype=torch.long))))
 rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch.long)
-print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
+print(refused(lambda: kernel.q2_store(rows, 31, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
                                       torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
 """
     r = subprocess.run([sys.executable, "-O", "-c", code], cwd=Path(__file__).parent, capture_output=True,
@@ -4243,16 +4243,22 @@ def test_beam_search_through_hf_cache_is_beam_search_through_the_simulation(monk
     assert not torch.equal(ours, theirs)
 
 
-def test_assisted_generation_through_hf_cache_is_a_value_error_naming_it():
+@pytest.mark.parametrize("mode", [dict(assistant_model="self"), dict(prompt_lookup_num_tokens=2)])
+def test_assisted_generation_through_hf_cache_is_refused_before_the_prompt_runs(mode):
     """Assisted generation rolls the cache back (crop), which the INT2 pages do not serve: a
-    ValueError naming assistant_model, and the model's own attention back after the `with`."""
+    ValueError naming the mode before any INT2 layer sees the prompt (the pool has no pages yet),
+    and the model's own attention and generation modes back after the `with`."""
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     before = model.config._attn_implementation
-    with pytest.raises(ValueError, match="assisted generation \\(assistant_model=\\)"), torch.no_grad(), \
-            optr.hf_cache(model, kv, cfg) as cache:
-        model.generate(IDX_HF[:1, :12], past_key_values=cache, assistant_model=tiny_hf("llama-GQA", seed=1),
-                       max_new_tokens=8, do_sample=False, pad_token_id=0)
-    assert model.config._attn_implementation == before
+    mode = {k: model if v == "self" else v for k, v in mode.items()}            # its own assistant
+    with pytest.raises(ValueError, match="but assisted generation \\(assistant_model=, prompt_lookup"), \
+            torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+        try:
+            model.generate(IDX_HF[:1, :12], past_key_values=cache, max_new_tokens=8, do_sample=False,
+                           pad_token_id=0, **mode)
+        finally:
+            assert all(l.pool.cache is None for l in cache.layers if isinstance(l, optr.PagedLayer))
+    assert model.config._attn_implementation == before and "_supported_generation_modes" not in vars(model)
 
 
 def test_hf_cache_refuses_specs_it_cannot_hold():
@@ -4675,7 +4681,7 @@ def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, sc
     zr = torch.zeros_like(sc)
     page = torch.randperm(8, generator=torch.Generator().manual_seed(seed))[:N]
     slot = torch.randint(0, 3, (N,), generator=torch.Generator().manual_seed(seed + 1))
-    kernel.q2_store(x, clip, G, 1e-8, codes, sc, zr, page, slot)
+    kernel.q2_store(x, optr.clip_rank(clip, G), G, 1e-8, codes, sc, zr, page, slot)
     pk, s, z = optr.q2_quantize(x, clip, G, 1e-8)
     assert torch.equal(codes[page, :, slot], pk) and torch.equal(sc[page, :, slot], s)
     assert torch.equal(zr[page, :, slot], z)
@@ -4706,7 +4712,8 @@ def q2_store_row(x, clip, G):
     """kernel.q2_store of one row x (d,) into a one-slot pool: (its codes (d,), scales, zeros (d/G,))."""
     d, at = x.shape[-1], torch.zeros(1, dtype=torch.long)
     codes, scale, zero = torch.zeros(1, 1, 1, d // 4, dtype=torch.uint8), *torch.zeros(2, 1, 1, 1, d // G)
-    kernel.q2_store(x.reshape(1, 1, d).contiguous(), clip, G, 1e-8, codes, scale, zero, at, at)
+    kernel.q2_store(x.reshape(1, 1, d).contiguous(), optr.clip_rank(clip, G), G, 1e-8, codes, scale, zero,
+                    at, at)
     return optr.unpack_int2(codes[0, 0, 0]).float(), scale[0, 0, 0], zero[0, 0, 0]
 
 
