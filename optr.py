@@ -7,8 +7,7 @@ Where it is silent (the quantizer's details, the loss normalisation, OSCAR's com
 the schedule) this file follows the authors' code; README.md lists where it does not.
 
 Reading map. Sections 0-6 are the paper's method alone, in its order; 7-8 run it in a model
-and serve it from a paged cache; the appendices are infrastructure a learner may skip, and
-ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped).
+and serve it from a paged cache; the appendices are infrastructure a learner may skip.
   0. Config                one dataclass: model, quantizer, windows, pages, calibration
   1. Attention (Eq. 1-3)   logits, softmax, readout, the post-W_O head contribution
   2. INT2 quantizer        Q2: clip, asymmetric affine, straight-through rounding
@@ -17,17 +16,17 @@ ours (beyond the paper) is appendix D alone (calibrate's one_layer: D's clipped)
   5. Windows, error split  exact sink/recent windows; Eq. 5-10: dy_K + dy_V, exactly
   6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
   7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
-  8. Serving               value-rotation folding, INT2 packing, the paged INT2 cache, its forward
-  A. Fast paths            the key loss on the INT2 columns, block-wise simulation, the compiled step
+  8. Serving               value-rotation folding, INT2 packing, the plain paged INT2 cache, its forward
+  A. Fast paths            the key loss on the INT2 columns, block-wise simulation, the growing
+                           pool, the compiled decode step
   B. Files                 checks of outside data; rotation files; Hugging Face export
-  D. Beyond the paper      ours: a clip searched per layer (optr+)
+  D. Beyond the paper      ours, and only here: a clip searched per layer (optr+)
   E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: tools/sglang.py)
-  (C. Real checkpoints, GGUF and Hugging Face, load in ladder.py: the ladder and tools/ read them.)
+  (C. Real checkpoints, GGUF and Hugging Face, load in ladder.py.)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
-n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size.
-Names: a tilde is spelled out (k_tilde, p_tilde: through the INT2 cache); `exact` is the
-(Tq, T) mask of the keys a query reads in full precision (the sink and its recent window).
+n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size. A tilde is spelled
+out (k_tilde: through the INT2 cache); `exact`: the (Tq, T) mask of the keys read in full precision.
 """
 
 from __future__ import annotations
@@ -794,23 +793,21 @@ def full_precision_captures(model, calib_idx, heldout_idx):
 # ----------------------------------------------------------------------------------------
 """
 The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
-(window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries
-are rotated by R_K: <q R_K, (k - mu) R_K> = <q, k - mu>, the same softmax. R_V folds into
-the weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
+(window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries are
+rotated by R_K (<q R_K, (k - mu) R_K> = <q, k - mu>: the same softmax); R_V folds into the
+weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
 Layout (per layer; the kernels in kernel.py read exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (pack_int2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
                block_table[seq, n // page_size], slot n % page_size; -1 = no page
-  win_k, win_v  (max_seqs, H_kv, sink + window, d): position p < sink in slot p, the `window`
-               newest in ring slot sink + (p - sink) % window (ring_slot)
-  length, n_int2  (n_layers, max_seqs) on the host: tokens held, and how many of them in INT2
+  win_k, win_v  (max_seqs, H_kv, sink + window, d): position p in window slot ring_slot(p)
+  length  (n_layers, max_seqs) on the host: tokens held; those past sink + window are INT2 (n_int2)
 Two ways in, as the authors' engine runs them (../shared/docs/METHOD.md, "Serving"):
-  append   one token (decode): it enters the window, the oldest leaves to INT2; then the
-           token's query reads every INT2 token and the windows (paged_decode_reference).
-  extend   a multi-token forward (a prompt, a chat turn): its queries read the chunk's own
-           keys exactly and what was held before it as held (chunk_attention); then the
-           chunk is stored in bulk.
+  decode  one token enters the window, the oldest leaves to INT2; then its query reads every
+          INT2 token and the windows (paged_decode_reference).
+  extend  a multi-token forward (a prompt, a chat turn): its queries read the chunk's own keys
+          exactly and what was held before it as held (chunk_attention); then the chunk is stored.
 """
 
 def pack_int2(codes: torch.Tensor) -> torch.Tensor:
@@ -822,8 +819,7 @@ def pack_int2(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
     """(..., d/4) uint8 -> (..., d) uint8 codes; inverse of pack_int2."""
-    parts = [(packed >> (2 * i)) & 3 for i in range(4)]
-    return torch.cat(parts, dim=-1)
+    return torch.cat([(packed >> (2 * i)) & 3 for i in range(4)], dim=-1)
 
 
 def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
@@ -842,8 +838,8 @@ def q2_dequantize(packed, scale, zero, G: int) -> torch.Tensor:
 
 
 def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
-    """x (n, H, T, d) @ R (H, d, d) per head, summed in float64 and rounded once to x's dtype: the
-    fp32 products are exact in float64, so T tokens at once and one at a time store the same numbers."""
+    """x (n, H, T, d) @ R (H, d, d), summed in float64 and rounded once to x's dtype (exact products:
+    T tokens at once and one at a time store the same numbers)."""
     return x if R is None else (x.double() @ R.double()).to(x.dtype)
 
 
@@ -859,8 +855,7 @@ def served_spec(spec: KVQuant) -> KVQuant:
 
 def fold_value_rotation(model, kv: list, cfg: Config | None = None):
     """A copy of TinyLM (or of a transformers model, cfg: hf_config's) with each layer's R_V folded
-    in: v_proj rows of head h R_h^T W_h (bias b_h R_h), o_proj columns of query head j W_O,j R_h.
-    Full-precision outputs are unchanged."""
+    in: v_proj rows of head h R_h^T W_h (bias b_h R_h), o_proj columns of query head j W_O,j R_h."""
     c, model = cfg or model.cfg, copy.deepcopy(model)
     for layer, spec in zip(model.model.layers, kv):
         if spec.r_v is None:
@@ -882,10 +877,6 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors
 
 
-def _on(device, idx: list) -> torch.Tensor:     # host indices on the pages' device, with no host sync
-    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
-
-
 def ring_slot(p: int, sink: int, window: int) -> int:
     """The window slot of position p: p in the sink, else ring slot sink + (p - sink) % window (-1: none)."""
     return p if p < sink else (sink + (p - sink) % window if window else -1)
@@ -896,15 +887,15 @@ class PagedKVCache:
 
     def __init__(self, cfg: Config, num_pages: int, max_seqs: int, kv: list,
                  window_dtype=torch.float32, device="cpu", grow: bool = False):
-        """num_pages: the page budget, allocated at once, or (grow) as sequences reach new pages."""
-        need(num_pages >= 1 and max_seqs >= 1, f"PagedKVCache: num_pages {num_pages}, max_seqs {max_seqs}: >= 1")
+        """num_pages: the page budget, allocated at once, or (grow: Appendix A) as sequences reach them."""
+        need(min(num_pages, max_seqs) >= 1, f"PagedKVCache: num_pages {num_pages}, max_seqs {max_seqs}: >= 1")
         check_kv("PagedKVCache", kv, cfg)
         need(all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context")
         self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         n, self.budget = (0 if grow else num_pages), num_pages            # pages allocated, allowed
-        for t in PACKED:          # codes (L, pages, H_kv, P, d/4) uint8; scale, zero (L, pages, H_kv, P, d/G) fp32
+        for t in PACKED:          # codes (L, pages, H_kv, P, d/4) uint8; scale, zero (..., d/G) fp32
             codes = t.endswith("codes")
             setattr(self, t, torch.zeros(L, n, H, P, d // 4 if codes else d // G, device=device,
                                          dtype=torch.uint8 if codes else torch.float32))
@@ -913,17 +904,14 @@ class PagedKVCache:
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
         self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens held
-        self.n_int2 = torch.zeros(L, max_seqs, dtype=torch.long)       # of them in INT2 pages
         self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
 
-    # -- sequences and pages ------------------------------------------------------------
     def add_sequence(self) -> int:
-        for s, used in enumerate(self.active):
-            if not used:
-                self.active[s] = True
-                return s
-        raise RuntimeError(f"PagedKVCache: all {len(self.active)} sequence slots are in use")
+        if all(self.active):
+            raise RuntimeError(f"PagedKVCache: all {len(self.active)} sequence slots are in use")
+        self.active[s := self.active.index(False)] = True
+        return s
 
     def free(self, seq: int):
         """Return the sequence's pages to the pool and clear its slot."""
@@ -931,21 +919,19 @@ class PagedKVCache:
         self.free_pages += self.pages[seq]
         self.block_table[seq].fill_(-1)
         self.pages[seq] = []
-        self.length[:, seq], self.n_int2[:, seq], self.active[seq] = 0, 0, False
+        self.length[:, seq], self.active[seq] = 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
     def check_seqs(self, seqs: list):
         """ValueError unless seqs are distinct ids of active sequences."""
         for s in seqs:
-            if not (0 <= s < len(self.active)) or not self.active[s]:
-                raise ValueError(f"seq: expected an active sequence id, got {s}")
-        if len(set(seqs)) != len(seqs):
-            raise ValueError(f"seqs: expected distinct sequence ids, got {list(seqs)}")
+            need(s in range(len(self.active)) and self.active[s],
+                 f"seq: expected an active sequence id, got {s}")
+        need(len(set(seqs)) == len(seqs), f"seqs: expected distinct sequence ids, got {list(seqs)}")
 
     def reserve(self, layer: int, seqs: list, n_tokens: int):
-        """Take from the pool the pages that the next n_tokens of each sequence will fill in INT2,
-        or raise before taking any. All layers share the block table: the first layer to reach a
-        page takes it, the others find it."""
+        """Take the pages the next n_tokens of each sequence fill in INT2, or raise before taking any.
+        The layers share the block table: the first layer to reach a page takes it."""
         self.check_seqs(seqs)
         c, num_pages = self.cfg, self.block_table.shape[1]
         P, held = c.page_size, c.sink + c.window                            # tokens before INT2 index 0
@@ -953,40 +939,15 @@ class PagedKVCache:
                 -(-max(0, int(self.length.numpy()[layer, s]) + n_tokens - held) // P))]
         if len(want) > len(self.free_pages) or any(blk >= num_pages for _, blk in want):
             raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, "
-                               f"{len(self.free_pages)} free) while sequences {list(seqs)} "
-                               f"needed {len(want)} more for {n_tokens} more tokens each")
+                               f"{len(self.free_pages)} free) while sequences {list(seqs)} needed "
+                               f"{len(want)} more for {n_tokens} more tokens each")
         for s, blk in want:
             self.pages[s].append(self.free_pages.pop(0))
             self.block_table[s, blk] = self.pages[s][-1]
         if want:
-            self._grow(1 + max(self.pages[s][-1] for s, _ in want))
+            grow_pages(self, 1 + max(self.pages[s][-1] for s, _ in want))     # Appendix A
 
-    def _grow(self, n: int):
-        """At least n pages allocated (1/8 more than before, within the budget), contents kept."""
-        have = self.k_codes.shape[1]
-        if n > have:
-            n = min(self.budget, max(n, have + have // 8))
-            for name in PACKED:
-                old = getattr(self, name)
-                setattr(self, name, torch.cat([old, old.new_zeros(old.shape[0], n - have, *old.shape[2:])], 1))
-
-    # -- writes: one path, extend; append is extend of one token ------------------------
-    def _write_int2(self, layer, seq, n: range, k_rows, v_rows):
-        """Q2 (storage form) of INT2 tokens n of `seq`, rows (N, H_kv, d), into slot i % page_size of
-        page block_table[seq, i // page_size]; on the CPU compiled (kernel.q2_store, bit for bit)."""
-        c, dev = self.quant[layer], self.k_codes.device
-        page = _on(dev, [self.pages[seq][i // c.page_size] for i in n])
-        slot = _on(dev, [i % c.page_size for i in n])
-        for rows, codes, scale, zero, clip in ((k_rows, self.k_codes, self.k_scale, self.k_zero, c.clip_k),
-                                               (v_rows, self.v_codes, self.v_scale, self.v_zero, c.clip_v)):
-            if dev.type == "cpu":
-                from kernel import q2_store
-                q2_store(rows.float().contiguous(), clip_rank(clip, c.group_size), c.group_size, c.scale_eps, codes[layer],
-                         scale[layer], zero[layer], page, slot)
-            else:
-                pk, sc, zr = q2_quantize(rows.float(), clip, c.group_size, c.scale_eps)
-                codes[layer][page, :, slot], scale[layer][page, :, slot], zero[layer][page, :, slot] = pk, sc, zr
-
+    # -- writes: one path, store; append and extend check and rotate ---------------------
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """extend by one token per sequence: k, v (n, H_kv, d)."""
         check_tensor("k", k, shape=(len(seqs), self.cfg.n_kv_heads, self.cfg.head_dim), dtype="float")
@@ -1003,11 +964,10 @@ class PagedKVCache:
         self.store(layer, seqs, stored_keys(self.kv[layer], k), v)
 
     def store(self, layer: int, seqs: list, kr, v):
-        """extend's write, kr (n, H_kv, T, d) the stored keys (k - mu) R_K, pages reserved. Position p
-        goes to window slot ring_slot(p) while in the sink or among the `window` newest, else to INT2
-        index p - sink; the tokens leaving the ring are quantized in one call, each through the
-        window dtype as if appended one by one."""
-        (S, W, T), length, n_int2 = (self.cfg.sink, self.cfg.window, kr.shape[2]), *self.counts(layer)
+        """kr (n, H_kv, T, d) the stored keys, v as stored, pages reserved. Position p goes to window slot
+        ring_slot(p) while in the sink or among the `window` newest, else to INT2 index p - sink; the
+        tokens leaving the ring are quantized in one call, each through the window dtype."""
+        (S, W, T), length = (self.cfg.sink, self.cfg.window, kr.shape[2]), self.length.numpy()[layer]
         for i, s in enumerate(seqs):
             n0, win_k, win_v = int(length[s]), self.win_k[layer, s], self.win_v[layer, s]
             lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
@@ -1019,18 +979,34 @@ class PagedKVCache:
                 self._write_int2(layer, s, range(lo - S, hi - S), nk.transpose(0, 1), nv.transpose(0, 1))
             pos = [*range(n0, min(S, n0 + T)), *(range(max(S, n0 + T - W, n0), n0 + T) if W else ())]
             if pos:                                                      # into the windows
-                slots, rows = (_on(kr.device, x) for x in ([ring_slot(p, S, W) for p in pos], [p - n0 for p in pos]))
-                win_k[:, slots], win_v[:, slots] = kr[i][:, rows].to(win_k.dtype), v[i][:, rows].to(win_v.dtype)
-            length[s], n_int2[s] = n0 + T, max(0, n0 + T - S - W)
+                slot = _on(kr.device, [ring_slot(p, S, W) for p in pos])
+                row = _on(kr.device, [p - n0 for p in pos])
+                win_k[:, slot], win_v[:, slot] = kr[i][:, row].to(win_k.dtype), v[i][:, row].to(win_v.dtype)
+            length[s] = n0 + T
 
-    def counts(self, layer: int) -> tuple:     # length, n_int2 of a layer as numpy views (no torch call)
-        return self.length.numpy()[layer], self.n_int2.numpy()[layer]
+    def _write_int2(self, layer, seq, n: range, k_rows, v_rows):
+        """Q2 (storage form) of INT2 tokens n of `seq`, rows (N, H_kv, d), into page
+        block_table[seq, i // page_size], slot i % page_size; on the CPU compiled, bit for bit."""
+        c, dev = self.quant[layer], self.k_codes.device
+        page = _on(dev, [self.pages[seq][i // c.page_size] for i in n])
+        slot = _on(dev, [i % c.page_size for i in n])
+        for rows, names, clip in ((k_rows, PACKED[:3], c.clip_k), (v_rows, PACKED[3:], c.clip_v)):
+            codes, scale, zero = (getattr(self, t)[layer] for t in names)
+            if dev.type == "cpu":
+                kernel.q2_store(rows.float().contiguous(), clip_rank(clip, c.group_size), c.group_size,
+                                c.scale_eps, codes, scale, zero, page, slot)
+            else:
+                codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
+                    rows.float(), clip, c.group_size, c.scale_eps)
+
+    def n_int2(self, layer: int) -> np.ndarray:     # per sequence, its tokens in INT2 (numpy: no torch call)
+        return np.maximum(self.length.numpy()[layer] - self.cfg.sink - self.cfg.window, 0)
 
     # -- reads --------------------------------------------------------------------------
     def held(self, layer: int, seq: int):
-        """Every token a sequence holds, in position order: keys, values (H_kv, n, d) fp32 in the
-        stored basis, the sink and ring as held, the INT2 tokens dequantized (Q2's dequant)."""
-        c, (n, q) = self.cfg, (int(x[seq]) for x in self.counts(layer))
+        """Every token a sequence holds, in position order: keys, values (H_kv, n, d) fp32 as stored,
+        the sink and ring as held, the INT2 tokens dequantized (Q2's dequant)."""
+        c, n, q = self.cfg, int(self.length.numpy()[layer, seq]), int(self.n_int2(layer)[seq])
         int2 = [int2_rows(*(getattr(self, t)[layer] for t in names), self.block_table[seq], q, c.group_size)
                 for names in (PACKED[:3], PACKED[3:])]
         slots = [ring_slot(p, c.sink, c.window) for p in (*range(min(c.sink, n)), *range(c.sink + q, n))]
@@ -1039,10 +1015,9 @@ class PagedKVCache:
                 for w, x in ((self.win_k, int2[0]), (self.win_v, int2[1]))]
 
     def layer_view(self, layer: int, seqs: list) -> dict:
-        """The tensors a decode kernel reads for these sequences (keyword arguments of
-        paged_decode_reference and the kernels)."""
-        dev, n, q = self.block_table.device, self.length[layer, seqs], self.n_int2[layer, seqs]
-        i, on = _on(dev, seqs), lambda x: x.to(device=dev, dtype=torch.int32, non_blocking=True)
+        """The tensors a decode reads for these sequences (paged_decode_reference's keyword arguments)."""
+        dev, n, q = self.block_table.device, self.length.numpy()[layer, seqs], self.n_int2(layer)[seqs]
+        i, on = _on(dev, seqs), lambda x: torch.from_numpy(x).to(dev, torch.int32, non_blocking=True)
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
                     block_table=self.block_table[i], n_quant=on(q), win_k=self.win_k[layer, i],
@@ -1050,38 +1025,31 @@ class PagedKVCache:
 
 
 def int2_rows(codes, scale, zero, block_row, n: int, G: int) -> torch.Tensor:
-    """INT2 tokens 0..n-1 of a sequence (its block-table row) of a layer's pages, dequantized:
-    (H_kv, n, d) fp32."""
+    """INT2 tokens 0..n-1 of a sequence (its block-table row) of a layer's pages: (H_kv, n, d) fp32."""
     rows = lambda x: x[block_row[:-(-n // codes.shape[2])].long()].transpose(0, 1).flatten(1, 2)[:, :n]
     return q2_dequantize(rows(codes), rows(scale), rows(zero), G)
 
 
 def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                            n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
-    """The decode every kernel must match, dense: q (B, H_q, d) already rotated by R_K, one token
-    per sequence -> (B, H_q, d) fp32 in the rotated value basis. Per sequence: its n_quant INT2
-    tokens dequantized and its win_len window slots, then Eq. 1-2 over them."""
+    """The decode every kernel must match: q (B, H_q, d) rotated by R_K, one token per sequence ->
+    (B, H_q, d) fp32 in the rotated value basis; Eq. 1-2 over its n_quant INT2 tokens and win_len slots."""
     (B, Hq, d), H = q.shape, k_codes.shape[1]
-    scale = d ** -0.5 if sm_scale is None else sm_scale
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
         n, w = int(n_quant[b]), int(win_len[b])
         assert n + w >= 1, "every sequence holds at least one token"
-        K = torch.cat([int2_rows(k_codes, k_scale, k_zero, block_table[b], n, group_size),
-                       win_k[b, :, :w].float()], 1)                                    # (H_kv, n + w, d)
-        V = torch.cat([int2_rows(v_codes, v_scale, v_zero, block_table[b], n, group_size),
-                       win_v[b, :, :w].float()], 1)
-        qh = q[b].float().view(H, Hq // H, d)                                          # (H_kv, n_rep, d)
-        p = torch.softmax(qh @ K.mT * scale, dim=-1)                                   # Eq. 1
-        out[b] = (p @ V).reshape(Hq, d)                                                # Eq. 2
+        K, V = (torch.cat([int2_rows(*x, block_table[b], n, group_size), win[b, :, :w].float()], 1)
+                for x, win in (((k_codes, k_scale, k_zero), win_k), ((v_codes, v_scale, v_zero), win_v)))
+        a = q[b].float().view(H, Hq // H, d) @ K.mT * (d ** -0.5 if sm_scale is None else sm_scale)  # Eq. 1
+        out[b] = (torch.softmax(a, dim=-1) @ V).reshape(Hq, d)                                       # Eq. 2
     return out
 
 
 def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_scale: float):
-    """The authors' multi-token forward (extend) for one sequence: qr (1, H_q, T, d) rotated by R_K,
-    kr (1, H_kv, T, d) the chunk's stored keys, v (1, H_kv, T, d) in R_V's basis -> (1, H_q, T, d)
-    fp32. The chunk's own keys and values exact, what the sequence held before it as held (the
-    windows exact, the pages dequantized once); the chunk causal, the held tokens seen by every query."""
+    """The authors' multi-token forward for one sequence: qr (1, H_q, T, d) rotated by R_K, kr, v
+    (1, H_kv, T, d) the chunk as stored -> (1, H_q, T, d) fp32. The chunk's own keys exact and causal,
+    what the sequence held before it as held (windows exact, pages dequantized once), seen by all."""
     K, V = cache.held(layer, seq)                                                      # (H_kv, n0, d)
     n0, T = K.shape[1], qr.shape[2]
     K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
@@ -1092,24 +1060,22 @@ def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_sca
 
 def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None, sm_scale=None,
                pad=None, r_v=None, **options):
-    """One layer's attention through the paged cache (decode_step, prefill, hf_cache): q (n, H_q, T, d),
-    k, v (n, H_kv, T, d) post-RoPE (v in R_V's basis; with r_v in the model's, rotated here and o
-    back) -> o (n, H_q, T, d) fp32. One token: append, then decode (attend: None the kernel,
-    unchecked; or paged_decode_reference), or the compiled step (Appendix A) on CPU pages, fp32
-    windows, attend None. Several: chunk_attention, then store. pad (n,): left padding, not attended
-    nor stored. Pages reserved by the caller (paged_forward, hf_cache)."""
+    """One layer's attention through the cache: q (n, H_q, T, d), k, v (n, H_kv, T, d) post-RoPE (v in
+    R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T, d) fp32. One token:
+    store, then decode (attend: None kernel.paged_decode, unchecked; or paged_decode_reference; on CPU
+    pages, fp32 windows and attend None, Appendix A's compiled step). Several: chunk_attention, then
+    store; pad (n,) left padding, neither attended nor stored. Pages reserved by the caller."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
     if T == 1 and attend is None and compiled(cache):
         return compiled_step(cache, layer, seqs, q, k, v, scale, r_v=r_v)             # Appendix A
     r_k = spec.r_k
-    qr = q.float() if r_k is None else (q.float().unflatten(1, (r_k.shape[0], -1)) @ r_k[:, None]).flatten(1, 2)
+    qr = q.float() if r_k is None else (q.float().unflatten(1, (len(r_k), -1)) @ r_k[:, None]).flatten(1, 2)
     kr, v = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V
     if T == 1:                                                                        # decode
         cache.store(layer, seqs, kr, v)
         if attend is None:
-            from kernel import paged_decode as attend
-            options = {"checked": False, **options}
+            attend, options = kernel.paged_decode, {"checked": False, **options}
         o = attend(qr[:, :, 0].contiguous(), **cache.layer_view(layer, seqs), group_size=cache.cfg.group_size,
                    sm_scale=scale, **options)[:, :, None]
     else:                                                                             # extend
@@ -1125,8 +1091,8 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
 @torch.no_grad()
 def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, attend=None,
                   **options) -> torch.Tensor:
-    """Logits (n, T, vocab) of idx (n, T) through the paged cache, after what each sequence holds;
-    `model` folded (fold_value_rotation); attend, options: paged_step's."""
+    """Logits (n, T, vocab) of idx (n, T) after what each sequence holds; `model` folded
+    (fold_value_rotation); attend, options: paged_step's."""
     cache.reserve(0, seqs, idx.shape[1])           # the forward's pages, once for every layer
     pos = cache.length[0, seqs].to(idx.device, non_blocking=True)[:, None] + torch.arange(idx.shape[1],
                                                                                          device=idx.device)
@@ -1134,19 +1100,18 @@ def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Ten
 
 
 def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor) -> torch.Tensor:
-    """A prompt idx (n, T) into empty sequences: paged_forward, each layer's queries reading the
-    prompt exactly (the authors' extend), then storing it in bulk -> logits (n, T, vocab)."""
-    need(idx.dim() == 2 and idx.shape[0] == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
+    """A prompt idx (n, T) into empty sequences, one paged_forward -> logits (n, T, vocab)."""
+    need(idx.dim() == 2 and len(idx) == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
     cache.check_seqs(seqs)
     held = {s: int(cache.length[:, s].max()) for s in seqs if cache.length[:, s].any()}
-    need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (tokens held)")
+    need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (held)")
     return paged_forward(model, cache, seqs, idx)
 
 
 def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Tensor,
                 attend=None, **options) -> torch.Tensor:
     """Logits (n, vocab) of one new token per sequence (tokens (n,)): paged_forward of one token."""
-    need(tuple(tokens.shape) == (len(seqs),), f"tokens: expected shape ({len(seqs)},), got {tuple(tokens.shape)}")
+    need(tokens.shape == (len(seqs),), f"tokens: expected shape ({len(seqs)},), got {tuple(tokens.shape)}")
     cache.check_seqs(seqs)
     return paged_forward(model, cache, seqs, tokens[:, None], attend, **options)[:, 0]
 
@@ -1171,6 +1136,7 @@ exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) lo
 The compiled decode step (paged_step's on CPU pages, fp32 windows): append and decode of a
 token in one numba call, from a plan optr makes (decode_plan: window slot, INT2 page and slot,
 counts). The lengths stay on the host (numpy views); layer_view copies counts to the device.
+The pool grows as sequences reach new pages (grow_pages); _on copies host indices to the device.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1226,6 +1192,20 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
     return out
 
 
+def _on(device, idx: list) -> torch.Tensor:     # host indices on the pages' device, with no host sync
+    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
+
+
+def grow_pages(cache: PagedKVCache, n: int):
+    """At least n pages allocated (1/8 more than before, within the budget), contents kept."""
+    have = cache.k_codes.shape[1]
+    if n > have:
+        n = min(cache.budget, max(n, have + have // 8))
+        for t in PACKED:
+            old = getattr(cache, t)
+            setattr(cache, t, torch.cat([old, old.new_zeros(old.shape[0], n - have, *old.shape[2:])], 1))
+
+
 def compiled(cache: PagedKVCache) -> bool:
     """paged_step's fast path applies: CPU pages and fp32 windows (numba has no bf16, no GPU)."""
     return cache.win_k.device.type == "cpu" and cache.win_k.dtype == torch.float32
@@ -1236,15 +1216,15 @@ def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
     per sequence the new token's window slot (ring_slot; -1: none), the page and page slot of the
     INT2 token it makes (-1: none; the ring's oldest, or with window 0 the token itself), then the
     INT2 and window token counts after it. The counts are advanced here."""
-    c, (length, n_int2) = cache.cfg, cache.counts(layer)
+    c, length = cache.cfg, cache.length.numpy()[layer]
     plan = np.full((5, len(seqs)), -1, dtype=np.int64)
     for b, s in enumerate(seqs):
         p, n = int(length[s]), int(length[s]) - c.sink - c.window       # n: the INT2 index it fills
         plan[0, b] = ring_slot(p, c.sink, c.window)
         if n >= 0:
             plan[1, b], plan[2, b] = cache.pages[s][n // c.page_size], n % c.page_size
-        length[s], n_int2[s] = p + 1, max(0, n + 1)
-        plan[3, b], plan[4, b] = n_int2[s], length[s] - n_int2[s]
+        length[s] = p + 1
+        plan[3, b], plan[4, b] = max(0, n + 1), p + 1 - max(0, n + 1)
     return plan
 
 
@@ -1558,10 +1538,19 @@ class PagedLayer:
         return self, self
 
     def reorder_cache(self, beam_idx: torch.Tensor):
-        """Beam search: row b takes what row beam_idx[b] holds (its windows, counts, INT2 tokens copied)."""
+        """Beam search: row b takes what row beam_idx[b] holds (windows, length, INT2 tokens copied into
+        its own pages)."""
+        (cache, seqs), l = (self.pool.cache, self.pool.seqs), self.index
         if self.n:
-            pool = self.pool
-            reorder_sequences(pool.cache, self.index, pool.seqs, [pool.seqs[i] for i in beam_idx.tolist()])
+            src, dev = [seqs[i] for i in beam_idx.tolist()], cache.block_table.device
+            length = cache.length.numpy()[l]
+            n = -(-int(cache.n_int2(l)[src].max()) // cache.cfg.page_size)                # pages in use
+            to, of = ([cache.pages[s][j] for s in x for j in range(n)] for x in (seqs, src))
+            for t in PACKED:
+                getattr(cache, t)[l][_on(dev, to)] = getattr(cache, t)[l][_on(dev, of)]
+            for w in (cache.win_k, cache.win_v):
+                w[l, _on(dev, seqs)] = w[l, _on(dev, src)]
+            length[seqs] = length[src]
 
     def crop(self, max_length: int):
         need(False, "hf_cache: assisted generation (assistant_model=) rolls the cache back (crop): optr's "
@@ -1577,20 +1566,6 @@ class PagedLayer:
         pad = left_pad(pos, Tq).expand(query.shape[0]) if self.n == Tq and pos is not None else None
         o = paged_step(pool.cache, self.index, pool.seqs, query, k, v, pool.attend, scaling, pad, self.spec.r_v)
         return o.transpose(1, 2).to(query.dtype)
-
-
-def reorder_sequences(cache: PagedKVCache, layer: int, seqs: list, src: list):
-    """Sequence seqs[b] of a layer takes what src[b] holds (beam search, sequences of one length):
-    windows and counts, and its INT2 tokens copied into seqs[b]'s own pages."""
-    (length, n_int2), dev, P = cache.counts(layer), cache.block_table.device, cache.cfg.page_size
-    n = -(-int(n_int2[src].max()) // P)                                       # pages in use
-    to, of = ([cache.pages[s][j] for s in x for j in range(n)] for x in (seqs, src))
-    for t in PACKED:
-        x = getattr(cache, t)[layer]
-        x[_on(dev, to)] = x[_on(dev, of)]
-    for w in (cache.win_k, cache.win_v):
-        w[layer, _on(dev, seqs)] = w[layer, _on(dev, src)]
-    length[seqs], n_int2[seqs] = length[src], n_int2[src]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -1614,19 +1589,20 @@ class _Modes(list):         # generate()'s modes hf_cache serves, read before th
 def _int2_cache_type():                   # hf_cache's Cache: the model attends through it inside `with`
     from transformers.cache_utils import Cache
     from transformers.generation.configuration_utils import GenerationMode
+    from transformers.masking_utils import sdpa_mask
 
     def enter(self):
-        m = self.model
-        self.before = m.config._attn_implementation, m.__dict__.get("_supported_generation_modes", self)
-        m.set_attn_implementation("optr-paged")
-        m._supported_generation_modes = _Modes(g for g in GenerationMode if g != GenerationMode.ASSISTED_GENERATION)
+        m, self.modes = self.model, self.model.__dict__.get("_supported_generation_modes", self)
+        self.attention = attention_interface(m, paged_attention, sdpa_mask, "optr-paged")
+        self.attention.__enter__()
+        m._supported_generation_modes = _Modes(g for g in GenerationMode if g != "assisted_generation")
         return self
 
     def exit(self, *exc):
-        self.model.set_attn_implementation(self.before[0])
         del self.model._supported_generation_modes
-        if self.before[1] is not self:
-            self.model._supported_generation_modes = self.before[1]
+        if self.modes is not self:
+            self.model._supported_generation_modes = self.modes
+        return self.attention.__exit__(*exc)
     return type("INT2Cache", (Cache,), dict(__enter__=enter, __exit__=exit))
 
 
@@ -1638,9 +1614,7 @@ def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int
     prompt and new tokens a sequence may hold (None: max_position_embeddings, else 8192), a longer
     prompt refused before any layer attends. folded: True beside export_hf's weights, False beside
     the original ones (v rotated by R_V here). attend: the decode (None: kernel.paged_decode)."""
-    from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.cache_utils import CacheLayerMixin, DynamicCache
-    from transformers.masking_utils import sdpa_mask
     check_kv("hf_cache", kv, cfg)
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
     need(not mixed, f"hf_cache: kv{mixed}: keys and values both in INT2 or both exact")
@@ -1652,8 +1626,6 @@ def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int
     need(isinstance(max_tokens, int) and max_tokens >= 1, f"hf_cache: max_tokens must be an int >= 1, got {max_tokens}")
     int2 = [l for l, s in enumerate(kv) if s.quant_k]
     pool = _Pool(model, [kv[l] for l in int2], cfg, max_tokens, attend)
-    AttentionInterface.register("optr-paged", paged_attention)
-    AttentionMaskInterface.register("optr-paged", sdpa_mask)
     CacheLayerMixin.register(PagedLayer)
     cache = _int2_cache_type()(layers=[PagedLayer(pool, int2.index(l), s, folded) if s.quant_k else t
                                        for l, (s, t) in enumerate(zip(kv, theirs))])
