@@ -1579,10 +1579,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return key.attend(query, scaling, kwargs.get("position_ids")), None
 
 
-class _Modes(list):         # generate()'s modes hf_cache serves, read before the prompt runs; its error names ours
+class _Modes(list):       # generate()'s modes inside hf_cache, checked before the prompt runs
     def __str__(self):
-        return ("every generation mode but assisted generation (assistant_model=, prompt_lookup_num_tokens=): "
-                "hf_cache cannot roll back its INT2 pages")
+        return ("every generation mode but assisted generation (assistant_model=, prompt_lookup_num_tokens="
+                "): hf_cache cannot roll back its INT2 pages")
 
 
 @functools.lru_cache(maxsize=None)
