@@ -15,8 +15,8 @@ and serve it from a paged cache; the appendices are infrastructure a learner may
   4. Key centering         k - mu after RoPE: softmax unchanged, INT2 range shrinks
   5. Windows, error split  exact sink/recent windows; Eq. 5-10: dy_K + dy_V, exactly
   6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
-  7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention
-  8. Serving               value-rotation folding, INT2 packing, the plain paged INT2 cache, its forward
+  7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention; R_V folded
+  8. Serving               INT2 packing, the plain paged INT2 cache: decode and the multi-token forward
   A. Fast paths            the key loss on the INT2 columns, block-wise simulation, the growing
                            pool, the compiled decode step
   B. Files                 checks of outside data; rotation files; Hugging Face export
@@ -620,6 +620,7 @@ T, d), o (B, H_q, T, d):
   None                     exact causal attention (full precision)
   SimulatedINT2(kv, cfg)   the INT2 cache of Section 5 simulated on every position at once
   decode_step's            the paged INT2 cache of Section 8, one token per step
+fold_value_rotation (what Section 8 serves): a copy with each layer's R_V in v_proj and o_proj.
 """
 
 class RMSNorm(nn.Module):
@@ -779,6 +780,32 @@ class TinyLM(nn.Module):
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
 
 
+def served_spec(spec: KVQuant) -> KVQuant:
+    """The spec beside weights with R_V folded in: no R_V."""
+    return replace(spec, r_v=None)
+
+
+def fold_value_rotation(model, kv: list, cfg: Config | None = None):
+    """A copy of TinyLM (or of a transformers model, cfg: hf_config's) with each layer's R_V folded
+    in: v_proj rows of head h R_h^T W_h (bias b_h R_h), o_proj columns of query head j W_O,j R_h."""
+    c, model = cfg or model.cfg, copy.deepcopy(model)
+    for layer, spec in zip(model.model.layers, kv):
+        if spec.r_v is None:
+            continue
+        R = spec.r_v.to(torch.float64)                                     # (H_kv, d, d)
+        attn = layer.self_attn
+        with torch.no_grad():
+            wv = attn.v_proj.weight.double().view(c.n_kv_heads, c.head_dim, c.d_model)
+            attn.v_proj.weight.copy_((R.transpose(-1, -2) @ wv).reshape_as(attn.v_proj.weight))
+            if attn.v_proj.bias is not None:
+                bv = attn.v_proj.bias.double().view(c.n_kv_heads, 1, c.head_dim)
+                attn.v_proj.bias.copy_((bv @ R).reshape(-1))
+            wo = attn.o_proj.weight.double().view(c.d_model, c.n_heads, c.head_dim)
+            Rq = R.repeat_interleave(c.n_rep, dim=0)                       # (H_q, d, d)
+            attn.o_proj.weight.copy_(torch.einsum("mjd,jde->mje", wo, Rq).reshape(c.d_model, -1))
+    return model
+
+
 @torch.no_grad()
 def full_precision_captures(model, calib_idx, heldout_idx):
     """Per layer, the full-precision (q, k, v) that calibration learns from: two lists."""
@@ -789,13 +816,13 @@ def full_precision_captures(model, calib_idx, heldout_idx):
 
 
 # ----------------------------------------------------------------------------------------
-# 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
+# 8. Serving: the paged INT2 KV cache, decode and the multi-token forward
 # ----------------------------------------------------------------------------------------
 """
 The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
 (window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries are
-rotated by R_K (<q R_K, (k - mu) R_K> = <q, k - mu>: the same softmax); R_V folds into the
-weights (v_proj's output by R_V, o_proj's input by R_V^T), so attention needs no extra step.
+rotated by R_K (<q R_K, (k - mu) R_K> = <q, k - mu>: the same softmax); R_V is folded into the
+weights (fold_value_rotation, Section 7), so attention needs no extra step.
 Layout (per layer; the kernels in kernel.py read exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (pack_int2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
@@ -846,32 +873,6 @@ def rotate_rows(x: torch.Tensor, R: torch.Tensor | None) -> torch.Tensor:
 def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
     """(k - mu) R_K, the keys as cached; k (n, H_kv, T, d)."""
     return rotate_rows(center_keys(k, spec.k_mean), spec.r_k)
-
-
-def served_spec(spec: KVQuant) -> KVQuant:
-    """The spec beside weights with R_V folded in: no R_V."""
-    return replace(spec, r_v=None)
-
-
-def fold_value_rotation(model, kv: list, cfg: Config | None = None):
-    """A copy of TinyLM (or of a transformers model, cfg: hf_config's) with each layer's R_V folded
-    in: v_proj rows of head h R_h^T W_h (bias b_h R_h), o_proj columns of query head j W_O,j R_h."""
-    c, model = cfg or model.cfg, copy.deepcopy(model)
-    for layer, spec in zip(model.model.layers, kv):
-        if spec.r_v is None:
-            continue
-        R = spec.r_v.to(torch.float64)                                     # (H_kv, d, d)
-        attn = layer.self_attn
-        with torch.no_grad():
-            wv = attn.v_proj.weight.double().view(c.n_kv_heads, c.head_dim, c.d_model)
-            attn.v_proj.weight.copy_((R.transpose(-1, -2) @ wv).reshape_as(attn.v_proj.weight))
-            if attn.v_proj.bias is not None:
-                bv = attn.v_proj.bias.double().view(c.n_kv_heads, 1, c.head_dim)
-                attn.v_proj.bias.copy_((bv @ R).reshape(-1))
-            wo = attn.o_proj.weight.double().view(c.d_model, c.n_heads, c.head_dim)
-            Rq = R.repeat_interleave(c.n_rep, dim=0)                       # (H_q, d, d)
-            attn.o_proj.weight.copy_(torch.einsum("mjd,jde->mje", wo, Rq).reshape(c.d_model, -1))
-    return model
 
 
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors

@@ -1982,7 +1982,7 @@ def test_the_model_refuses_token_ids_outside_the_vocabulary():
 
 
 # ----------------------------------------------------------------------------------------
-# 8. Serving: value-rotation folding, the paged INT2 KV cache, and decode
+# 8. Serving: value-rotation folding, the paged INT2 KV cache, decode and the multi-token forward
 # ----------------------------------------------------------------------------------------
 
 
