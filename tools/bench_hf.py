@@ -147,8 +147,9 @@ def next_logp(hf, cache, ids: torch.Tensor) -> torch.Tensor:
 
 
 def kl_from(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
-    """KL(ref || got) per position, nats: log-probs (P, vocab) of the reference (DynamicCache) and a row."""
-    return optr.token_kl(ref.double(), got.double())
+    """KL(ref || got) per position, nats: log-probs (P, vocab) of the reference (DynamicCache) and a row;
+    >= 0 (a row equal to the reference up to round-off gives a few ulps below 0: read as 0)."""
+    return optr.token_kl(ref.double(), got.double()).clamp_min(0)
 
 
 @contextlib.contextmanager
