@@ -4203,22 +4203,16 @@ def test_batched_left_padded_generate_is_each_sequence_alone(kind):
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     kv = quarot_specs(cfg, seed=7)
     kv = gemma_full_only(kv) if kind.startswith("gemma") else kv
-    ids = IDX_HF * PAD_HF
-    both = generate_logits(model, optr.hf_cache(model, kv, cfg), ids, 12, attention_mask=PAD_HF)
-    for row, start in ((0, 0), (1, 7)):
-        alone = generate_logits(model, optr.hf_cache(model, kv, cfg), ids[row:row + 1, start:], 12)
-        assert torch.equal(both[0][row], alone[0][0]), row
-        assert (both[1][row] - alone[1][0]).abs().max().item() <= 1e-4, row
+    check_padded_batch(model, kv, cfg, 12)
 
 
-def check_padded_mixed_batch(model, kv, cfg):
-    """generate() on two prompts in one pool, the second left-padded by 7, through a model whose
-    layer 0 is INT2 (optr's pages) and layer 1 exact full attention (transformers' own cache):
-    each row gets the tokens and logits (1e-4) of generating its prompt alone."""
+def check_padded_batch(model, kv, cfg, new=10):
+    """generate() of `new` tokens on two prompts in one pool, the second left-padded by 7: each row
+    gets the tokens and logits (1e-4) of generating its prompt alone."""
     ids = IDX_HF * PAD_HF
-    both = generate_logits(model, optr.hf_cache(model, kv, cfg), ids, 10, attention_mask=PAD_HF)
+    both = generate_logits(model, optr.hf_cache(model, kv, cfg), ids, new, attention_mask=PAD_HF)
     for row, start in ((0, 0), (1, 7)):
-        alone = generate_logits(model, optr.hf_cache(model, kv, cfg), ids[row:row + 1, start:], 10)
+        alone = generate_logits(model, optr.hf_cache(model, kv, cfg), ids[row:row + 1, start:], new)
         assert torch.equal(both[0][row], alone[0][0]), row
         assert (both[1][row] - alone[1][0]).abs().max().item() <= 1e-4, row
 
@@ -4230,10 +4224,10 @@ def test_a_padded_batch_through_int2_and_exact_full_attention_layers_is_each_seq
     model = tiny_hf("llama-GQA")
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     kv = [quarot_specs(cfg, seed=7)[0], optr.KVQuant(quant_k=False, quant_v=False)]
-    check_padded_mixed_batch(model, kv, cfg)
+    check_padded_batch(model, kv, cfg)
     monkeypatch.setattr(optr.PagedLayer, "get_mask_sizes", lambda self, query_length: (self.n, 0))
     with pytest.raises((AssertionError, RuntimeError)):             # measured: sdpa's mask 30 keys, not 31
-        check_padded_mixed_batch(model, kv, cfg)
+        check_padded_batch(model, kv, cfg)
 
 
 def beam_search_through(model, kv, cfg, P=12, n=10):
