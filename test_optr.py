@@ -164,6 +164,31 @@ def fails(check, *args, **kw):
     return False
 
 
+def with_an_upload(x):
+    """A decode-like step with a host-to-device copy (as optr._on makes, on CUDA)."""
+    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
+
+
+def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
+    """HostTransfers (the spec's counter for "moves nothing to or from the host") sees an injected
+    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
+    .to(device=...), and nothing in a step that keeps its values on the device."""
+    x, tolist = rand(3, seed=90), torch.Tensor.tolist
+    with HostTransfers() as clean:
+        (x * 2 + x.sum()).exp()
+    assert not clean.calls, clean.calls
+    with HostTransfers() as seen:
+        with_an_upload(x)
+    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
+    with HostTransfers() as seen:
+        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
+        x.to(device=x.device, dtype=F64)
+    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
+                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
+                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
+    assert torch.Tensor.tolist is tolist                                  # given back on exit
+
+
 # ========================================================================================
 # O. Oracles the properties need: written from the paper, never calling optr
 # ========================================================================================
@@ -4526,8 +4551,6 @@ def test_assert_close_report_accepts_close_values():
 
 @pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
                          ids=["off-by-0.01", "nan", "inf"])
-
-
 def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     """...and fails when a single element is off, NaN or inf, naming where."""
     expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
@@ -4535,31 +4558,6 @@ def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     actual[1, 2, 5] = expected[1, 2, 5] + bad_value
     with pytest.raises(AssertionError, match=r"\[1, 2, 5\]|NaN/inf"):
         assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
-
-
-def with_an_upload(x):
-    """A decode-like step with the host-to-device copy the previous read found in _write_int2."""
-    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
-
-
-def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
-    """HostTransfers (the spec's counter for "no host read" claims) sees an injected
-    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
-    .to(device=...), and nothing in a step that keeps its values on the device."""
-    x, tolist = rand(3, seed=90), torch.Tensor.tolist
-    with HostTransfers() as clean:
-        (x * 2 + x.sum()).exp()
-    assert not clean.calls, clean.calls
-    with HostTransfers() as seen:
-        with_an_upload(x)
-    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
-    with HostTransfers() as seen:
-        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
-        x.to(device=x.device, dtype=F64)
-    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
-                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
-                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
-    assert torch.Tensor.tolist is tolist                                  # given back on exit
 
 
 # ----------------------------------------------------------------------------
