@@ -241,7 +241,7 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
     int2 = torch.zeros(Tq, T, dtype=torch.bool)
     rep = lambda x: x.double().repeat_interleave(Hq // Hkv, dim=1)        # query head j reads j // n_rep
     k, v, k_t, v_t, W = rep(k), rep(v), rep(k_t), rep(v_t), w_o.double()  # (B, H_q, T, d), (H_q, dm, d)
-    for t in range(Tq):                                                   # one query (of every head) at a time
+    for t in range(Tq):                                         # one query (of every head) at a time
         n = int(q_pos[t]) + 1                                          # keys lo..q_pos[t]
         lo = 0 if sliding is None else max(0, n - sliding)
         s, r = torch.arange(lo, n), slice(lo, n)
@@ -356,7 +356,8 @@ def skew(A):
 def check_orthogonal(rotation, r_base, A):
     R = rotation(r_base, A)
     assert R.shape == r_base.shape and R.dtype == r_base.dtype
-    assert (R.transpose(-1, -2).double() @ R.double() - torch.eye(A.shape[-1], dtype=F64)).abs().max() <= ORTHO_TOL
+    eye = torch.eye(A.shape[-1], dtype=F64)
+    assert (R.transpose(-1, -2).double() @ R.double() - eye).abs().max() <= ORTHO_TOL
 
 
 def check_starts_at_base(rotation, r_base, A):
@@ -689,7 +690,8 @@ def value_loss_theirs(data, R_k, R_v, mu, WO, clip_k, clip_v, G, prefix, recent,
             hv = []
             for gi in range(g):
                 j = h * g + gi
-                pq = torch.softmax(((q[lo:L, j] @ keff[:, h].T) / math.sqrt(d)).masked_fill(m, float("-inf")), -1)
+                logits = (q[lo:L, j] @ keff[:, h].T) / math.sqrt(d)
+                pq = torch.softmax(logits.masked_fill(m, float("-inf")), -1)
                 hv.append(((pq @ dv) @ WO[j].T).pow(2).mean())
             vals[h].append(torch.stack(hv).mean())
     return torch.stack([torch.stack(x).mean() for x in vals])
@@ -714,7 +716,8 @@ def quant_rows(draw):
     if regime == "outlier":
         x[:, draw(st.integers(0, d - 1))] *= 1e4
     elif regime == "constant":
-        x = torch.full((rows, d), draw(st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32)))
+        value = draw(st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32))
+        x = torch.full((rows, d), value)
     elif regime == "tiny":
         x = x * 1e-6
     elif regime == "offset":
@@ -761,7 +764,8 @@ CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 def test_config_refuses_settings_that_make_no_sense(field, value):
     """A group size that does not divide head_dim, query heads that are not a multiple of
     the KV heads, a clip outside (0, 1], a head_dim that breaks INT2 packing, a negative
-    window, an unknown mode or a learning rate that is not positive is a ValueError from Config naming the field (under python -O too)."""
+    window, an unknown mode or a learning rate that is not positive is a ValueError from Config
+    naming the field (under python -O too)."""
     with pytest.raises(ValueError, match=field):
         optr.Config(**{field: value})
 
@@ -828,7 +832,8 @@ def check_q2_is_the_authors(x, G, clip):
     assert torch.equal(fake, ref), f"q2 differs from the authors' formula by {(fake - ref).abs().max()}"
     packed, sc, zr = optr.q2_quantize(x, clip, G)
     assert torch.equal(optr.unpack_int2(packed).float(), torch.from_numpy(code).float())
-    assert torch.equal(sc.reshape(-1), torch.from_numpy(scale)) and torch.equal(zr.reshape(-1), torch.from_numpy(zero))
+    assert torch.equal(sc.reshape(-1), torch.from_numpy(scale))
+    assert torch.equal(zr.reshape(-1), torch.from_numpy(zero))
 
 
 def q2_grad(fn, x, clip, G, weights):
@@ -952,7 +957,8 @@ def test_constant_group_stays_finite_and_within_one_rounding(value):
     for out in (optr.q2(x, 0.96, 16), q2_dequantize(*optr.q2_quantize(x, 0.96, 16), 16)):
         assert torch.isfinite(out).all()
         assert ((out - x).abs() <= 2 * 2.0 ** -24 * abs(value)).all()
-    assert torch.equal(optr.unpack_int2(optr.q2_quantize(x, 0.96, 16)[0]), torch.zeros(3, 32, dtype=torch.uint8))
+    codes = optr.unpack_int2(optr.q2_quantize(x, 0.96, 16)[0])
+    assert torch.equal(codes, torch.zeros(3, 32, dtype=torch.uint8))
 
 
 def test_clip_rank_follows_the_authors_rule():
@@ -1098,7 +1104,8 @@ def oscar_layer(seed, N=2, Hq=4, Hkv=2, T=20, d=16):
     """Random q, k, v of one layer with anisotropic channels (distinct eigenvalues)."""
     q = rand(N, Hq, T, d, seed=seed) * torch.linspace(0.2, 3, d)
     k = rand(N, Hkv, T, d, seed=seed + 1) * torch.linspace(3, 0.2, d) + 0.5
-    v = rand(N, Hkv, T, d, seed=seed + 2) * (0.2 + 2 * torch.rand(d, generator=torch.Generator().manual_seed(seed)))
+    spread = 0.2 + 2 * torch.rand(d, generator=torch.Generator().manual_seed(seed))
+    v = rand(N, Hkv, T, d, seed=seed + 2) * spread
     return q, k, v
 
 
@@ -1266,7 +1273,8 @@ def test_centering_must_come_after_rope():
     p = torch.softmax(optr.gqa_logits(q, optr.apply_rope(k_pre, cos, sin)), -1)
     p_pre = torch.softmax(optr.gqa_logits(q, optr.apply_rope(k_pre - mu, cos, sin)), -1)
     mu_post = optr.key_mean(optr.apply_rope(k_pre, cos, sin))
-    p_post = torch.softmax(optr.gqa_logits(q, optr.center_keys(optr.apply_rope(k_pre, cos, sin), mu_post)), -1)
+    k_post = optr.center_keys(optr.apply_rope(k_pre, cos, sin), mu_post)
+    p_post = torch.softmax(optr.gqa_logits(q, k_post), -1)
     assert (p - p_pre).abs().max() > 1e-3
     assert (p - p_post).abs().max() < 1e-6
 
@@ -1338,7 +1346,8 @@ def check_outputs(case):
 def check_logit_error(case):
     r, ref, _ = decomposition_and_loop(*case)
     q, k, k_t = case[0], case[1], case[3]
-    logits = q.abs().amax() * torch.maximum(k.abs().amax(), k_t.abs().amax()) * q.shape[-1] ** 0.5   # >= |a|, |a~|
+    # a bound on |a| and |a~|
+    logits = q.abs().amax() * torch.maximum(k.abs().amax(), k_t.abs().amax()) * q.shape[-1] ** 0.5
     expect = torch.where(ref["int2"], ref["da"], torch.zeros_like(ref["da"]))
     # optr forms a~ - a: its round-off is an ulp of the logits (up to ~1e4 with the x1e3 key channel)
     assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max()) + 1e-14 * logits
@@ -1415,7 +1424,8 @@ def test_reconstruction_error_ignores_perturbations_inside_the_windows():
 
 def test_each_error_term_vanishes_with_its_cause():
     """Exact keys give no key-induced error; exact values give no value-induced error."""
-    q, k, v = rand(1, 4, 3, 16, seed=8, dtype=F64), rand(1, 2, 9, 16, seed=9, dtype=F64), rand(1, 2, 9, 16, seed=10, dtype=F64)
+    q, k = rand(1, 4, 3, 16, seed=8, dtype=F64), rand(1, 2, 9, 16, seed=9, dtype=F64)
+    v = rand(1, 2, 9, 16, seed=10, dtype=F64)
     w_o, mask = rand(4, 8, 16, seed=11, dtype=F64), optr.causal_mask(torch.arange(6, 9), 9)
     r = optr.error_decomposition(q, k, v, k, v + 0.1, w_o, mask)
     assert r["dy_k"].abs().max() == 0 and r["dy_v"].abs().max() > 0
@@ -1464,7 +1474,8 @@ def test_error_split_checks_can_fail(monkeypatch):
 
     def logits_over_d(q, k):
         B, Hq, Tq, d = q.shape
-        return (q.view(B, k.shape[1], -1, Tq, d) @ k.unsqueeze(2).transpose(-1, -2) / d).reshape(B, Hq, Tq, -1)
+        logits = q.view(B, k.shape[1], -1, Tq, d) @ k.unsqueeze(2).transpose(-1, -2) / d
+        return logits.reshape(B, Hq, Tq, -1)
 
     real_eff, real_dec = optr.effective_logits, optr.error_decomposition
 
@@ -1486,7 +1497,8 @@ def test_error_split_checks_can_fail(monkeypatch):
 
     broken = [
         (check_probabilities, "gqa_logits", logits_over_d),
-        (check_probabilities, "effective_logits", lambda q, k, k_t, mask, exact=None: real_eff(q, k, k_t, mask, None)),
+        (check_probabilities, "effective_logits",
+         lambda q, k, k_t, mask, exact=None: real_eff(q, k, k_t, mask, None)),
         (check_outputs, "int2_mask", lambda mask, exact=None: mask),
         (check_logit_error, "error_decomposition", edit(da_everywhere)),
         (check_e_out, "error_decomposition", edit(e_out_of_dy_k)),
@@ -1654,7 +1666,8 @@ def test_loss_queries_start_at_max_1_T_minus_n_loss_queries():
 
 
 def int2_keys(T=12, sink=2, window=3, n_loss_queries=4):
-    q_pos, mask, exact = optr.loss_queries(T, small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window))
+    cfg = small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window)
+    q_pos, mask, exact = optr.loss_queries(T, cfg)
     return {int(t): torch.nonzero(r).flatten().tolist() for t, r in zip(q_pos, optr.int2_mask(mask, exact))}
 
 
@@ -1774,8 +1787,9 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
     cfg = small_cfg(steps=4, eval_every=2)
     cal, _, w_o = layer_fixture(seed=2)
     g = torch.Generator().manual_seed(3)
-    exact = lambda *shape: torch.cat([torch.arange(4.0).expand(*shape[:-1], 4),
-                                      torch.randint(0, 4, shape[:-1] + (shape[-1] - 4,), generator=g).float()], -1)
+    exact = lambda *shape: torch.cat([
+        torch.arange(4.0).expand(*shape[:-1], 4),
+        torch.randint(0, 4, shape[:-1] + (shape[-1] - 4,), generator=g).float()], -1)
     held = (cal[0], exact(6, 2, 48, 16), exact(6, 2, 48, 16))
     r0 = optr.identity_rotation(2, 16)
     r_k, r_v, rows = layer_rotations(cal, held, w_o, r0, r0, None, cfg)
@@ -1888,9 +1902,11 @@ def test_calibration_checks_can_fail(monkeypatch):
     """The authors'-loss check fails for loss queries starting at 0,
     for a KL without the 1e-12 clamp (on peaky attention) and for output errors summed
     over d_model."""
-    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24), query_positions=torch.arange(0, 20))
+    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24),
+                 query_positions=torch.arange(0, 20))
     assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, out_reduce="sum"))
-    monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
+    monkeypatch.setattr(optr, "kl_divergence",
+                        lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
     assert fails(test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors)
     monkeypatch.undo()
 
@@ -1997,7 +2013,8 @@ def test_simulated_int2_is_the_error_split_of_section_5_in_the_model():
     q, k, v = captured[1]
     k_t, v_t = optr.effective_kv(k, v, kv[1], model.cfg)
     pos = torch.arange(T)
-    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, 2, 3))
+    masks = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, 2, 3)
+    _, o = optr.effective_attention(q, k, v, k_t, v_t, *masks)
     assert torch.allclose(outs[1], o, atol=1e-6)
 
 
@@ -2586,7 +2603,8 @@ def _drop(name):
      r"tensor keys/layers\.0\.r_k: expected shape \(2, 16, 16\), got \(1, 16, 16\)"),
     (lambda t: t | {"keys/layers.0.k_mean": t["keys/layers.0.k_mean"].double()},
      r"tensor keys/layers\.0\.k_mean: expected dtype"),
-    (lambda t: t | {"keys/layers.2.r_k": t["keys/layers.0.r_k"].clone()}, r"unexpected tensors \['keys/layers\.2\.r_k'\]")])
+    (lambda t: t | {"keys/layers.2.r_k": t["keys/layers.0.r_k"].clone()},
+     r"unexpected tensors \['keys/layers\.2\.r_k'\]")])
 
 
 def test_a_corrupted_rotation_file_is_refused_naming_the_tensor(tmp_path, edit, match):
@@ -2608,7 +2626,8 @@ def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"calibrated for a model \(2 layers, 2 KV heads, head_dim 16\), "
                                          r"not for this model \(3 layers, 2 KV heads, head_dim 16\)"):
         optr.load_kv_rotations(path, replace_cfg(cfg, n_layers=3))
-    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()}, str(tmp_path / "old.safetensors"))
+    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()},
+              str(tmp_path / "old.safetensors"))
     with pytest.raises(ValueError, match="metadata format: expected 'optr-kv-rotations-1'"):
         optr.load_kv_rotations(str(tmp_path / "old.safetensors"))
 
@@ -2627,8 +2646,8 @@ def test_save_refuses_variants_it_could_not_load_back(tmp_path):
         optr.save_kv_rotations(p, {"full": full}, cfg, folded=("full",))
     with pytest.raises(ValueError, match="got 'a/b'"):
         optr.save_kv_rotations(p, {"a/b": full}, cfg)
-    with pytest.raises(ValueError, match=r"kv is 2 layers of \(n_kv_heads, head_dim\) \[\(2, 16\)\], the model 2 "
-                                         r"layers of \(1, 16\)"):
+    with pytest.raises(ValueError, match=r"kv is 2 layers of \(n_kv_heads, head_dim\) \[\(2, 16\)\], "
+                                         r"the model 2 layers of \(1, 16\)"):
         optr.save_kv_rotations(p, {"full": full}, replace_cfg(cfg, n_kv_heads=1))
 
 
@@ -2664,11 +2683,13 @@ def test_a_rotation_file_names_its_model_and_refuses_another_of_the_same_geometr
     geometry = dict(num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, hidden_size=cfg.d_model,
                     num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size)
     kv, info = optr.load_kv_rotations(path, transformers.LlamaConfig(**geometry))
-    assert (info["model_type"], info["model_name"]) == ("llama", "tiny-llama") and len(kv["q"]) == cfg.n_layers
+    assert (info["model_type"], info["model_name"]) == ("llama", "tiny-llama")
+    assert len(kv["q"]) == cfg.n_layers
     assert read                                       # the count counts
     read.clear()
-    with pytest.raises(ValueError, match=r"calibrated for llama tiny-llama \(2 layers, 2 KV heads, head_dim 16\), "
-                                         r"not for qwen2 \(2 layers, 2 KV heads, head_dim 16\)"):
+    with pytest.raises(ValueError, match=r"calibrated for llama tiny-llama \(2 layers, 2 KV heads, "
+                                         r"head_dim 16\), not for qwen2 \(2 layers, 2 KV heads, "
+                                         r"head_dim 16\)"):
         optr.load_kv_rotations(path, transformers.Qwen2Config(**geometry))
     assert read == []
 
@@ -2681,9 +2702,11 @@ def test_the_published_rotation_files_name_their_model_and_refuse_each_other():
     smol = transformers.LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                     hidden_size=576, vocab_size=49152)
     _, info = optr.load_kv_rotations("rotations/smollm2", smol)
-    assert (info["model_type"], info["n_layers"], info["n_kv_heads"], info["head_dim"]) == ("llama", 30, 3, 64)
-    with pytest.raises(ValueError, match=r"calibrated for gemma3_text Gemma-3-270M\S* \(18 layers, 1 KV heads, "
-                                         r"head_dim 256\), not for llama \(30 layers, 3 KV heads, head_dim 64\)"):
+    geometry = (info["model_type"], info["n_layers"], info["n_kv_heads"], info["head_dim"])
+    assert geometry == ("llama", 30, 3, 64)
+    with pytest.raises(ValueError, match=r"calibrated for gemma3_text Gemma-3-270M\S* \(18 layers, 1 KV "
+                                         r"heads, head_dim 256\), not for llama \(30 layers, 3 KV heads, "
+                                         r"head_dim 64\)"):
         optr.load_kv_rotations("rotations/gemma3-270m", smol)
 
 
@@ -2698,7 +2721,8 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
     assert list(variants) == ["served"] and info["r_v_folded"] == {"served": True}
     for a, b in zip(kv, variants["served"]):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) and b.r_v is None
-    assert {n: info["settings"][n] for n in ("sink", "window", "page_size")} == dict(sink=2, window=3, page_size=4)
+    held = {n: info["settings"][n] for n in ("sink", "window", "page_size")}
+    assert held == dict(sink=2, window=3, page_size=4)
     assert (tmp_path / "x" / "kv_rotations.txt").read_text().startswith("kv_rotations.safetensors")
 
 
@@ -2845,7 +2869,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     Optr against optr: the paged decode path against SimulatedINT2."""
     model, data, specs, _ = calibrated_tiny
     kv, idx = layer_clips(specs), data[1]
-    sim = model(idx, optr.SimulatedINT2(kv, model.cfg, chunks=(10,)))                  # the prompt one forward
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg, chunks=(10,)))           # the prompt one forward
     folded = optr.fold_value_rotation(model, kv)
     cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
@@ -2894,13 +2918,15 @@ def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tm
     from safetensors.torch import save_file
     cfg = random_model("llama", sink=3, window=5).cfg
     kv = layer_clips(quarot_specs(cfg, seed=3))
-    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"),
+                                  {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
     loaded, _ = optr.load_kv_rotations(path, cfg)
     assert [(s.clip_k, s.clip_v) for s in loaded["plus"]] == [(s.clip_k, s.clip_v) for s in kv]
     with safe_open(path, framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
     flags = json.loads(meta["flags"])
-    old = {**meta, "flags": json.dumps({"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}),
+    unclipped = {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}
+    old = {**meta, "flags": json.dumps({"plain": unclipped}),
            "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})}
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
     older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
@@ -3015,7 +3041,8 @@ def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, 
         ch = torch.randperm(d, generator=g)[:2]
         z[..., ch[0]], z[..., ch[1]] = 3.0, 0.0
         return z * scale
-    mu, r_k, r_v = rand(H, d, seed=seed).double(), random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
+    mu = rand(H, d, seed=seed).double()
+    r_k, r_v = random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
     k = (levels(s_k) @ r_k.double().mT + mu[None, :, None]).float()
     v = (levels(s_v) @ r_v.double().mT).float()
     held, w_o = (rand(N, Hq, T, d, seed=seed + 5), k, v), rand(Hq, 24, d, seed=seed + 6) / 4
@@ -3024,7 +3051,8 @@ def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, 
     assert (spec.clip_k, spec.clip_v) == (c_k, c_v)
 
 
-def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path, monkeypatch):
+def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path,
+                                                                        monkeypatch):
     """eval_llm.run_samples calibrates the +clip rows again on every calibration sample, also
     quarot+clip (quarot base, no mu, no OptR: only its clips learn from data): sample i's
     clips per layer are those of the least authors' held-out loss on sample i's own held-out
@@ -4424,7 +4452,8 @@ def test_compiled_cpu_decode_matches_reference_and_dense(case):
     atol, rtol = tolerance(case)
     out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
     assert out.dtype == torch.float32 and out.shape == args["q"].shape
-    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol, f"cpu vs dense [{case.id}]")
+    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol,
+                        f"cpu vs dense [{case.id}]")
     assert_close_report(out, optr.paged_decode_reference(**args), atol, rtol, f"cpu vs reference [{case.id}]")
 
 
@@ -4766,8 +4795,8 @@ def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record
     """KERNEL_LAUNCHES (what `pytest -m sass_all` compiles) must hold the
     compiled configuration of every kernel launch a test makes, so a new tested shape
     cannot escape the coverage run: each kernel test records its own launches and checks
-    them when it ends (triton_kernel_test). Here, on its own: a listed launch is recorded and passes the check,
-    and a configuration outside the list fails it."""
+    them when it ends (triton_kernel_test). Here, on its own: a listed launch is recorded and
+    passes the check, and a configuration outside the list fails it."""
     int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
     assert len(record_kernel_launches) >= 1
     check_launches_listed(record_kernel_launches)
@@ -4818,9 +4847,11 @@ def test_memoized_interpreter_scan_finds_the_same_builtins():
 def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
     """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
     ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
-    r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
-                    "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
-    assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+    r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; "
+                         "kernel.int2_paged_decode(**random_inputs(1, 8, 4, 2, 64, 64, 16, 2, "
+                         "torch.float32, 'cpu'))")
+    assert r.returncode != 0, r.stderr
+    assert "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
 
 
 class RefuseTriton(importlib.abc.MetaPathFinder):
@@ -4866,7 +4897,7 @@ def test_optr_and_kernel_import_and_decode_on_the_cpu_where_triton_cannot_be_imp
         out, ref = fresh_kernel.paged_decode(**args), fresh_optr.paged_decode_reference(**args)
         with pytest.raises(ImportError, match="triton"):
             fresh_kernel.int2_paged_decode(**args)
-        with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton"):   # top-level, refusing
+        with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton"):   # defined, refusing
             fresh_kernel._int2_decode_split_kernel[(1, 1, 1)]()
     assert (out - ref).abs().max().item() <= 1e-5
     assert sys.modules["kernel"] is kernel and sys.modules["optr"] is optr
