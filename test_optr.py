@@ -4475,7 +4475,8 @@ def paged_cases(draw):
 @given(case=paged_cases(), seed=st.integers(0, 10_000))
 def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
     """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
-    head dims 16-256, groups, page sizes, windows fp32/bf16, splits)."""
+    head dims 16-256, groups, page sizes, windows fp32/bf16, splits).
+    Optr against optr: the numba decode against paged_decode_reference."""
     args, _, _ = build(case, seed)
     out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
     assert_close_report(out, optr.paged_decode_reference(**args), *tolerance(case), case.id)
@@ -4487,7 +4488,8 @@ def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
 def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, scale, seed):
     """kernel.q2_store (the cache's write on a CPU) stores at the given pages and slots exactly
     the codes, scales and zeros of optr.q2_quantize (the storage form of Q2), constant groups
-    included, and touches no other slot."""
+    included, and touches no other slot.
+    Optr against optr: the numba write against q2_quantize."""
     G = d // G_div
     x = rand(N, H, d, seed=seed, scale=scale)
     x[0, 0, :G] = 0.25                                                  # a constant group
@@ -4561,7 +4563,8 @@ def test_the_int2_write_clamps_a_code_past_3_so_it_cannot_spill_into_another_gro
 
 def test_the_compiled_cpu_decode_uses_sm_scale_as_the_logit_scale():
     """int2_paged_decode_cpu with sm_scale 0.3 is optr.paged_decode_reference with the same scale
-    (which here differs from the default 1/sqrt(d)'s output by far more than the tolerance)."""
+    (which here differs from the default 1/sqrt(d)'s output by far more than the tolerance).
+    Optr against optr: the numba decode against paged_decode_reference, both at sm_scale."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
     assert (ref - optr.paged_decode_reference(**args)).abs().max().item() > 100 * TOLERANCES[torch.float32][0]
