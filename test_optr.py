@@ -38,6 +38,7 @@ import importlib.abc
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import dataclass

