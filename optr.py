@@ -819,18 +819,17 @@ def full_precision_captures(model, calib_idx, heldout_idx):
 # 8. Serving: the paged INT2 KV cache, decode and the multi-token forward
 # ----------------------------------------------------------------------------------------
 """
-The cache stores (k - mu) R_K and v R_V: the sink and recent windows in full precision
-(window_dtype: fp32 by default, or bf16), everything between them in INT2 pages. Queries are
-rotated by R_K (<q R_K, (k - mu) R_K> = <q, k - mu>: the same softmax); R_V is folded into the
-weights (fold_value_rotation, Section 7), so attention needs no extra step.
-Layout (per layer; the kernels in kernel.py read exactly this):
+The cache stores (k - mu) R_K and v R_V (R_V folded into the weights: fold_value_rotation): the sink
+and recent windows in full precision (window_dtype), everything between them in INT2 pages. Queries
+are rotated by R_K: <q R_K, (k - mu) R_K> = <q, k - mu>, the same softmax. Layout (per layer; the
+kernels in kernel.py read exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (pack_int2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
                block_table[seq, n // page_size], slot n % page_size; -1 = no page
   win_k, win_v  (max_seqs, H_kv, sink + window, d): position p in window slot ring_slot(p)
   length  (n_layers, max_seqs) on the host: tokens held; those past sink + window are INT2 (n_int2)
-Two ways in, as the authors' engine runs them (../shared/docs/METHOD.md, "Serving"):
+Two ways in, as the authors' SGLang engine runs them (README, "Serving"):
   decode  one token enters the window, the oldest leaves to INT2; then its query reads every
           INT2 token and the windows (paged_decode_reference).
   extend  a multi-token forward (a prompt, a chat turn): its queries read the chunk's own keys
@@ -948,7 +947,6 @@ class PagedKVCache:
         if want:
             grow_pages(self, 1 + max(self.pages[s][-1] for s, _ in want))     # Appendix A
 
-    # -- writes: one path, store; append and extend check and rotate ---------------------
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """extend by one token per sequence: k, v (n, H_kv, d)."""
         check_tensor("k", k, shape=(len(seqs), self.cfg.n_kv_heads, self.cfg.head_dim), dtype="float")
@@ -1003,7 +1001,6 @@ class PagedKVCache:
     def n_int2(self, layer: int) -> np.ndarray:     # per sequence, its tokens in INT2 (numpy: no torch call)
         return np.maximum(self.length.numpy()[layer] - self.cfg.sink - self.cfg.window, 0)
 
-    # -- reads --------------------------------------------------------------------------
     def held(self, layer: int, seq: int):
         """Every token a sequence holds, in position order: keys, values (H_kv, n, d) fp32 as stored,
         the sink and ring as held, the INT2 tokens dequantized (Q2's dequant)."""
