@@ -22,21 +22,21 @@ import json
 import os
 import re
 import time
-from dataclasses import dataclass, fields, make_dataclass
+from dataclasses import dataclass, fields, make_dataclass, replace
 
 import torch
+import torch.nn.functional as F
 
 if __name__ == "__main__" and not torch.cuda.is_available():   # a run without a GPU: the Triton
     os.environ.setdefault("TRITON_INTERPRET", "1")   # kernel in its CPU interpreter (read at triton's import, below)
 
 import optr
 from ladder import (  # the ladder harness both scripts share; real checkpoints and their text (H8)
-    DECODE_ATTENDS, VARIANTS, WHEELS, Timer, _f, block_interval, bos, calibrate_variants,
-    decode_attention, decode_check, encode, file_tokens, gap_closed, gap_closed_mean_std, key_stats,
-    key_stats_summary, ladder_bits, learns_from_data, load_ladder, load_model, mean_ci, mean_std, model_path,
-    output_errors, parse_run_config, plot_figure2, plot_gap_closed, plot_key_channels, plot_vs_context,
-    print_config, print_gap_closed, print_key_stats, print_table, pydoc_tokens, run_cli, save_ladder,
-    t_interval, wilson, write_results)
+    DECODE_ATTENDS, VARIANTS, WHEELS, Timer, _f, block_interval, bos, calibrate_variants, decode_attention,
+    decode_check, encode, figure, file_tokens, gap_closed, gap_closed_mean_std, key_stats, key_stats_summary,
+    ladder_bits, learns_from_data, load_ladder, load_model, mean_ci, mean_std, model_path, output_errors,
+    parse_run_config, plot_gap_closed, print_config, print_gap_closed, print_key_stats, print_table,
+    pydoc_tokens, run_cli, save_ladder, t_interval, token_kl, wilson, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -430,14 +430,15 @@ def token_metrics(model, lf_chunks: list, h, idx, start: int) -> dict:
     model's logprob_chunks), the variant's NLL, whether its argmax is the full model's. (B, T - 1 - start)"""
     kl, nll, top1 = [], [], []
     for (pos, lv), lf in zip(logprob_chunks(model, h, start), lf_chunks):
-        kl.append(optr.token_kl(lf, lv))                                # KL(full || variant)
+        kl.append(token_kl(lf, lv))                                # KL(full || variant)
         nll.append(-lv.gather(-1, idx[:, pos + 1, None])[..., 0])
         top1.append((lf.argmax(-1) == lv.argmax(-1)).float())
     return dict(kl=torch.cat(kl, 1), nll=torch.cat(nll, 1), top1=torch.cat(top1, 1))
 
 
 # ----------------------------------------------------------------------------------------
-# 6. Reporting: the summary table; serving elsewhere (--export-sglang, --hf-generate)
+# 6. Reporting: the summary table, the plots (Figure 2 in small, key channels, KL and passkey
+#    against context); serving elsewhere (--export-sglang, --hf-generate)
 # ----------------------------------------------------------------------------------------
 
 def print_summary(results: dict, cfg: RunConfig, log=print):
@@ -513,7 +514,7 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         P, n = c.sink + c.window + 32, cfg.hf_generate
         greedy = lambda **kw: hf.generate(text[:, :P], max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                           **kw)[0, P:].tolist()
-        with optr.simulate_hf(hf, [optr.served_spec(s) for s in kv], c):     # R_V is in the checkpoint
+        with optr.simulate_hf(hf, [replace(s, r_v=None) for s in kv], c):     # R_V is in the checkpoint
             ids = {"simulate_hf": greedy(use_cache=False)}
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
             with optr.hf_cache(hf, kv, c, folded=True) as cache:
@@ -523,6 +524,127 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[
             ids[k] == ids["simulate_hf"] for k in ("hf_token_by_token", "hf_one_prefill")])
     return out
+
+
+@torch.no_grad()
+def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
+    """For KV head `head`, the key-induced output error each cached token s contributes,
+    |dp_s| |v_s W_O,j^T| (the norm of its term in dy_K, Eq. 8), mean over the last n_queries
+    positions and the head's query heads (eval_llm's Figure 2). q (1, H_q, T, d)."""
+    c = model.cfg
+    T = k.shape[2]
+    pos = torch.arange(T - n_queries, T)
+    mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
+    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, spec.layer_cfg(c))      # Eq. 4
+    qs = q[:, :, pos]
+    p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
+    p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
+    js = torch.arange(head * c.n_rep, (head + 1) * c.n_rep)
+    vo = torch.einsum("sd,jmd->jsm", v[0, head], w_o[js]).norm(dim=-1)             # (n_rep, T)
+    return ((p_tilde - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
+
+
+def plot_figure2(model, layer: int, head: int, qkv: tuple, mu, specs: dict, cal_qkv: tuple, n_queries: int,
+                 name: str, paths: dict) -> dict:
+    """Key norms before and after centering, and key_error_per_token with plain INT2, OSCAR,
+    centering, both, and full OptR (specs' oscar+optr, else quarot+optr), for KV head `head` of
+    `layer` on its captured qkv (q, k, v (1, H, T, d): the first T evaluation tokens); each one's
+    sum. mu (H_kv, d): the layer's calibration key mean; OSCAR's R_K: specs' oscar, else
+    optr.base_rotations of cal_qkv (the layer's calibration capture). Grey: model.cfg's exact sink
+    and recent window; name: the model's, in the title. paths {path: dpi}."""
+    c, n_q, w_o = model.cfg, n_queries, model.o_proj_heads(layer)
+    q, k, v = qkv
+    T = k.shape[2]
+    r_osc = (specs["oscar"][layer].r_k if specs.get("oscar")
+             else optr.base_rotations("oscar", *cal_qkv, c)[0])
+    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)), ("centering only",
+                optr.KVQuant(k_mean=mu)), ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
+    settings += [(f"full OptR ({n})", specs[n][layer]) for n in ("oscar+optr", "quarot+optr") if specs.get(n)][:1]
+    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
+    s, totals = list(range(T)), {}
+    title = (f"Figure 2 in small: layer {layer}, KV head {head} of {name}; key-induced output error "
+             f"by cached token (grey: exact sink and recent window)")
+    with figure(paths, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
+        top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
+        top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
+                 label="‖k_s − μ‖ (centered)")
+        top.set_ylabel("key magnitude")
+        top.legend(loc="upper right", fontsize=8)
+        colors = ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")
+        for (label, spec), color in zip(settings, colors):
+            e = key_error_per_token(model, q, k, v, w_o, spec, head, n_q)
+            totals[label] = e.sum().item()
+            bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
+                     label=f"{label}  (sum {totals[label]:.3g})")
+        bot.set(yscale="log", ylabel="‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)",
+                xlabel=f"cached token s (context {T}; queries: the last {n_q} positions)")
+        for ax in (top, bot):
+            ax.axvspan(0, c.sink, color="0.9", lw=0)
+            ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
+        bot.legend(loc="lower left", fontsize=8, ncol=2)
+    return totals
+
+
+def plot_key_channels(k, mu, layer: int, head: int, name: str, paths: dict):
+    """Per channel of KV head `head`'s keys in k (1, H_kv, T, d: `layer`'s, on the first T
+    evaluation tokens), post-RoPE and centered by mu (H_kv, d: the calibration key mean): mean,
+    std, max |k|. name: the model's, in the title. paths {path: dpi}."""
+    T = k.shape[2]
+    k = k[0, head].double()                                                # (T, d)
+    ch = list(range(k.shape[-1]))
+    title = (f"{name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
+             f"(μ from calibration text)")
+    with figure(paths, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
+        for ax, x, label in ((axes[0], k, "post-RoPE keys"),
+                             (axes[1], k - mu[head].double(), "centered: k − μ")):
+            mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
+            ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
+            ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
+            ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
+            ax.plot(ch, -mx, "_", color="tab:red", ms=6)
+            n_off = int((abs(mean) > std).sum())
+            ax.set_title(f"{label}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
+            ax.axhline(0, color="0.5", lw=0.5)
+        axes[0].legend(fontsize=8, ncol=3, loc="upper right")
+        axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
+
+
+def errorbar(ax, xs, mean, ci, **kw):
+    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
+    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
+    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
+    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
+
+
+def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, title: str, path: str):
+    """KL against context (rough block intervals; variants: eval_llm's rows, kl_by_ctx and kl_ci_by_ctx),
+    and for the variants that ran the passkey stage (n_prompts per length) its accuracy (Wilson) and
+    mean answer log-prob (t over prompts) against context; x ticks at contexts, passkey_contexts."""
+    with figure({path: 110}, (15, 4.2), title, 1, 3) as (a, b, c):
+        for i, (name, v) in enumerate(variants.items()):
+            kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
+            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
+            if name != "full":                                      # log axis: bars cut at m / 2
+                kl = list(v["kl_by_ctx"].values())
+                ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
+                errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)
+            if v.get("passkey"):
+                xp = [int(L) * shift for L in v["passkey"]]
+                for ax, key in ((b, "passkey"), (c, "passkey_logprob")):
+                    errorbar(ax, xp, list(v[key].values()), list(v[key + "_ci"].values()), **kw)
+        a.set(yscale="log", ylabel="KL(full ‖ variant), nats per token")
+        a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)",
+                    fontsize=9)
+        b.set(ylim=(-0.05, 1.05), ylabel="passkey accuracy (Wilson 95%)")
+        b.set_title(f"passkey retrieval, the same {n_prompts} prompts per length", fontsize=9)
+        c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
+        c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
+        for ax, xs in ((a, contexts), (b, passkey_contexts), (c, passkey_contexts)):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(xs, [str(x) for x in xs])
+            ax.set_xlabel("context (tokens)")
+            if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
+                ax.legend(fontsize=7)
 
 
 # ----------------------------------------------------------------------------------------
@@ -611,7 +733,7 @@ def check_simulation(run: Run, idx) -> dict:
     kv = [optr.KVQuant(r_k=r, r_v=r)] * c.n_layers
     out = {n: [m(x).float(), m(x, optr.SimulatedINT2(kv, c, block=BLOCK)).float()]
            for n, m in (("transformers", run.model), ("tinylm", run.twin))}
-    kl = lambda f, q: optr.token_kl(f.log_softmax(-1), q.log_softmax(-1))[:, c.sink + c.window:].mean().item()
+    kl = lambda f, q: token_kl(f.log_softmax(-1), q.log_softmax(-1))[:, c.sink + c.window:].mean().item()
     diff = lambda i: (out["transformers"][i] - out["tinylm"][i]).abs().max().item()
     res = dict(tokens=x.shape[1], exact_max_abs_logit_diff=diff(0), int2_max_abs_logit_diff=diff(1),
                **{f"kl_quarot_{n}": kl(*o) for n, o in out.items()})

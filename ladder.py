@@ -28,7 +28,6 @@ from dataclasses import field, fields, replace
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 import optr
 
@@ -147,7 +146,7 @@ class Timer:
 
 
 # ----------------------------------------------------------------------------------------
-# H2. The variants, and calibration of every one through optr.calibrate
+# H2. The variants, and calibration of every one (optr.calibrate; a transformers model: calibrate_hf)
 # ----------------------------------------------------------------------------------------
 
 class Variant(NamedTuple):
@@ -201,7 +200,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
             continue
         t0 = time.perf_counter()
         if not captured:             # one full-precision forward, shared by every variant
-            captured.extend(optr.hf_captures(hf, model.cfg, cal, held) if hf is not None
+            captured.extend(hf_captures(hf, model.cfg, cal, held) if hf is not None
                             else optr.full_precision_captures(model, cal, held))
         progress = layer_progress(name, L, model.cfg.steps, progress_every, log) if progress_every else None
         specs[name], reports[name] = calibrate_one(model, name, cal, held, captured, query_positions, workers,
@@ -213,7 +212,7 @@ def calibrate_variants(model, cal, held, names, query_positions=None, per_head=F
 def calibrate_one(model, name, cal, held, captured, query_positions=None, workers=1, sliding=False,
                   log=None) -> tuple[list, list]:
     """One per-layer variant through optr.calibrate on the full-precision `captured` (a model with
-    an `hf` attribute, eval_llm.HFModel: optr.calibrate_hf, `sliding` its sliding-window layers in
+    an `hf` attribute, eval_llm.HFModel: calibrate_hf, `sliding` its sliding-window layers in
     INT2 too). workers > 1: that many layers at once, in threads with one torch thread each (the
     same numbers; log lines interleave). Returns ([KVQuant per layer], report rows)."""
     base, center, learn, clip = VARIANTS[name]
@@ -224,7 +223,7 @@ def calibrate_one(model, name, cal, held, captured, query_positions=None, worker
 
     def run(layer_map=map):
         if hf is not None:           # a transformers model: its captures through its attention
-            return optr.calibrate_hf(hf, cal, held, model.cfg, layer_map=layer_map, sliding=sliding, **args)
+            return calibrate_hf(hf, cal, held, model.cfg, layer_map=layer_map, sliding=sliding, **args)
         return optr.calibrate(model, cal, held, cfg=model.cfg, layer_map=layer_map, **args)
     if workers <= 1 or not learn:
         return run()
@@ -235,6 +234,35 @@ def calibrate_one(model, name, cal, held, captured, query_positions=None, worker
             return run(pool.map)
     finally:
         torch.set_num_threads(threads)
+
+
+def hf_captures(model, cfg: optr.Config, *ids) -> list:
+    """Per token batch (N, T), optr.simulate_hf's capture in exact mode: {layer: ((q, k, v), module, window)}."""
+    out = [{} for _ in ids]
+    for x, cap in zip(ids, out):
+        with torch.no_grad(), optr.simulate_hf(model, None, cfg, capture=cap):
+            model.base_model(x.to(model.device), use_cache=False)
+    return out
+
+
+def calibrate_hf(model, calib_ids, heldout_ids, cfg: optr.Config, base="quarot", center=True, learn=True,
+                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None,
+                 one_layer=optr.calibrate_one_layer):
+    """optr.calibrate for a transformers model: per layer, the q, k, v optr.simulate_hf captures in exact mode
+    (or `captured`, hf_captures') and W_O (o_proj) into one_layer. Sliding layers (Gemma 3's) stay
+    exact unless sliding=True, which needs sequences within the window. Returns calibrate's."""
+    data = captured or hf_captures(model, cfg, calib_ids, heldout_ids)
+
+    def one(l):
+        (cal, module, window), held = data[0][l], data[1][l][0]
+        if window is not None and not sliding:
+            return optr.KVQuant(quant_k=False, quant_v=False), []
+        optr.need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
+                  f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
+        return one_layer(optr.split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
+                         base, center, learn, query_positions, log)
+    done = list(layer_map(one, range(cfg.n_layers)))
+    return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
 
 def layer_progress(name: str, L: int, steps: int, every: int, log):
@@ -394,24 +422,6 @@ def output_errors(model, captured: list, kv, positions: torch.Tensor) -> dict:
     return {name: s / len(captured) for name, s in sums.items()}
 
 
-@torch.no_grad()
-def key_error_per_token(model, q, k, v, w_o, spec, head: int, n_queries: int):
-    """For KV head `head`, the key-induced output error each cached token s contributes,
-    |dp_s| |v_s W_O,j^T| (the norm of its term in dy_K, Eq. 8), mean over the last n_queries
-    positions and the head's query heads (eval_llm's Figure 2). q (1, H_q, T, d)."""
-    c = model.cfg
-    T = k.shape[2]
-    pos = torch.arange(T - n_queries, T)
-    mask, exact = optr.causal_mask(pos, T), optr.exact_window_mask(pos, T, c.sink, c.window)
-    k_tilde = optr.dequant_keys(k, spec.k_mean, spec.r_k, spec.layer_cfg(c))      # Eq. 4
-    qs = q[:, :, pos]
-    p = optr.exact_attention_probs(qs, k, mask)                                    # Eq. 1
-    p_tilde = torch.softmax(optr.effective_logits(qs, k, k_tilde, mask, exact), -1)  # Eq. 5
-    js = torch.arange(head * c.n_rep, (head + 1) * c.n_rep)
-    vo = torch.einsum("sd,jmd->jsm", v[0, head], w_o[js]).norm(dim=-1)             # (n_rep, T)
-    return ((p_tilde - p)[0, js].abs() * vo[:, None, :]).mean(dim=(0, 1))               # (T,)
-
-
 # ----------------------------------------------------------------------------------------
 # H5. Serving: bits as stored, and the decode check through the paged INT2 cache
 # ----------------------------------------------------------------------------------------
@@ -543,8 +553,14 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
 
 
 # ----------------------------------------------------------------------------------------
-# H6. Gap closed, means and 95% intervals, the table, results.json (the plots: H7)
+# H6. Next-token KL, the gap closed, means and 95% intervals, the table, results.json
 # ----------------------------------------------------------------------------------------
+
+def token_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last dim from log-probabilities, sum p (log p - log q), no clamp:
+    the next-token KL the ladders report. (..., vocab) -> (...)."""
+    return (logp.exp() * (logp - logq)).sum(-1)
+
 
 def gap_suffix(base: str, name: str) -> str:
     """The key suffix of variant `name`'s gap closed over `base`: "" for base+optr (the
@@ -703,7 +719,7 @@ def write_results(out_dir: str, cfg, timing: dict, key_stats: dict, variants: di
 
 
 # ----------------------------------------------------------------------------------------
-# H7. Plots (PNG): the gap closed per run; eval_llm's Figure 2 in small, key channels, KL and passkey
+# H7. Plots (PNG): a figure, and the gap closed per run (eval_llm's own plots: its section 6)
 # ----------------------------------------------------------------------------------------
 
 @contextlib.contextmanager
@@ -745,109 +761,6 @@ def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], pa
                       "base, quarot or oscar; 100: full)", fontsize=8)
         ax.legend(fontsize=7, ncol=len(runs) + 1, loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     return path
-
-
-def plot_figure2(model, layer: int, head: int, qkv: tuple, mu, specs: dict, cal_qkv: tuple, n_queries: int,
-                 name: str, paths: dict) -> dict:
-    """Key norms before and after centering, and key_error_per_token with plain INT2, OSCAR,
-    centering, both, and full OptR (specs' oscar+optr, else quarot+optr), for KV head `head` of
-    `layer` on its captured qkv (q, k, v (1, H, T, d): the first T evaluation tokens); each one's
-    sum. mu (H_kv, d): the layer's calibration key mean; OSCAR's R_K: specs' oscar, else
-    optr.base_rotations of cal_qkv (the layer's calibration capture). Grey: model.cfg's exact sink
-    and recent window; name: the model's, in the title. paths {path: dpi}."""
-    c, n_q, w_o = model.cfg, n_queries, model.o_proj_heads(layer)
-    q, k, v = qkv
-    T = k.shape[2]
-    r_osc = (specs["oscar"][layer].r_k if specs.get("oscar")
-             else optr.base_rotations("oscar", *cal_qkv, c)[0])
-    settings = [("plain INT2", optr.KVQuant()), ("OSCAR only", optr.KVQuant(r_k=r_osc)), ("centering only",
-                optr.KVQuant(k_mean=mu)), ("centering + OSCAR", optr.KVQuant(k_mean=mu, r_k=r_osc))]
-    settings += [(f"full OptR ({n})", specs[n][layer]) for n in ("oscar+optr", "quarot+optr") if specs.get(n)][:1]
-    smooth = lambda x: F.avg_pool1d(x[None, None], 9, 1, 4, count_include_pad=False)[0, 0]
-    s, totals = list(range(T)), {}
-    title = (f"Figure 2 in small: layer {layer}, KV head {head} of {name}; key-induced output error "
-             f"by cached token (grey: exact sink and recent window)")
-    with figure(paths, (10, 6.5), title, 2, 1, sharex=True, height_ratios=(1, 1.6)) as (top, bot):
-        top.plot(s, k[0, head].norm(dim=-1).numpy(), lw=0.6, color="0.3", label="‖k_s‖ (post-RoPE)")
-        top.plot(s, (k[0, head] - mu[head]).norm(dim=-1).numpy(), lw=0.6, color="tab:orange", alpha=0.8,
-                 label="‖k_s − μ‖ (centered)")
-        top.set_ylabel("key magnitude")
-        top.legend(loc="upper right", fontsize=8)
-        colors = ("tab:red", "tab:purple", "tab:orange", "tab:blue", "tab:green")
-        for (label, spec), color in zip(settings, colors):
-            e = key_error_per_token(model, q, k, v, w_o, spec, head, n_q)
-            totals[label] = e.sum().item()
-            bot.plot(s, smooth(e).clamp_min(1e-9).numpy(), lw=0.8, color=color,
-                     label=f"{label}  (sum {totals[label]:.3g})")
-        bot.set(yscale="log", ylabel="‖Δp_s v_s W_Oᵀ‖ per token\n(9-token moving mean)",
-                xlabel=f"cached token s (context {T}; queries: the last {n_q} positions)")
-        for ax in (top, bot):
-            ax.axvspan(0, c.sink, color="0.9", lw=0)
-            ax.axvspan(T - n_q - c.window, T, color="0.9", lw=0)
-        bot.legend(loc="lower left", fontsize=8, ncol=2)
-    return totals
-
-
-def plot_key_channels(k, mu, layer: int, head: int, name: str, paths: dict):
-    """Per channel of KV head `head`'s keys in k (1, H_kv, T, d: `layer`'s, on the first T
-    evaluation tokens), post-RoPE and centered by mu (H_kv, d: the calibration key mean): mean,
-    std, max |k|. name: the model's, in the title. paths {path: dpi}."""
-    T = k.shape[2]
-    k = k[0, head].double()                                                # (T, d)
-    ch = list(range(k.shape[-1]))
-    title = (f"{name}: key channels of layer {layer}, KV head {head}, on {T} evaluation tokens "
-             f"(μ from calibration text)")
-    with figure(paths, (10, 5.5), title, 2, 1, sharex=True, sharey=True) as axes:
-        for ax, x, label in ((axes[0], k, "post-RoPE keys"),
-                             (axes[1], k - mu[head].double(), "centered: k − μ")):
-            mean, std, mx = (t.numpy() for t in (x.mean(0), x.std(0), x.abs().amax(0)))
-            ax.bar(ch, mean, color="tab:blue", width=0.8, label="mean")
-            ax.errorbar(ch, mean, yerr=std, fmt="none", ecolor="k", lw=0.8, label="± std")
-            ax.plot(ch, mx, "_", color="tab:red", ms=6, label="max |k|")
-            ax.plot(ch, -mx, "_", color="tab:red", ms=6)
-            n_off = int((abs(mean) > std).sum())
-            ax.set_title(f"{label}: {n_off} of {len(ch)} channels with |mean| > std", fontsize=9)
-            ax.axhline(0, color="0.5", lw=0.5)
-        axes[0].legend(fontsize=8, ncol=3, loc="upper right")
-        axes[1].set_xlabel("channel (rotate-half layout: i and i + d/2 form a rotary pair)")
-
-
-def errorbar(ax, xs, mean, ci, **kw):
-    """Points at xs with mean and 95% interval ci (pairs, or None: no bar)."""
-    lo = [m - c[0] if c else 0 for m, c in zip(mean, ci)]
-    hi = [c[1] - m if c else 0 for m, c in zip(mean, ci)]
-    ax.errorbar(xs, mean, yerr=[lo, hi], fmt="o-", capsize=3, alpha=0.85, **kw)
-
-
-def plot_vs_context(variants: dict, contexts, passkey_contexts, n_prompts: int, title: str, path: str):
-    """KL against context (rough block intervals; variants: eval_llm's rows, kl_by_ctx and kl_ci_by_ctx),
-    and for the variants that ran the passkey stage (n_prompts per length) its accuracy (Wilson) and
-    mean answer log-prob (t over prompts) against context; x ticks at contexts, passkey_contexts."""
-    with figure({path: 110}, (15, 4.2), title, 1, 3) as (a, b, c):
-        for i, (name, v) in enumerate(variants.items()):
-            kw = dict(color=f"C{i % 10}", label=name)                 # one colour per variant
-            shift = 1 + 0.025 * (i - (len(variants) - 1) / 2)        # side by side, not on top
-            if name != "full":                                      # log axis: bars cut at m / 2
-                kl = list(v["kl_by_ctx"].values())
-                ci = [(max(lo, 0.5 * m), hi) for m, (lo, hi) in zip(kl, v["kl_ci_by_ctx"].values())]
-                errorbar(a, [int(L) * shift for L in v["kl_by_ctx"]], kl, ci, **kw)
-            if v.get("passkey"):
-                xp = [int(L) * shift for L in v["passkey"]]
-                for ax, key in ((b, "passkey"), (c, "passkey_logprob")):
-                    errorbar(ax, xp, list(v[key].values()), list(v[key + "_ci"].values()), **kw)
-        a.set(yscale="log", ylabel="KL(full ‖ variant), nats per token")
-        a.set_title("next-token KL past sink + recent window\n(rough 95%: t over 16 blocks of positions)",
-                    fontsize=9)
-        b.set(ylim=(-0.05, 1.05), ylabel="passkey accuracy (Wilson 95%)")
-        b.set_title(f"passkey retrieval, the same {n_prompts} prompts per length", fontsize=9)
-        c.set_ylabel("mean log-prob of the answer tokens (t 95%)")
-        c.set_title("passkey answer log-prob, teacher-forced", fontsize=9)
-        for ax, xs in ((a, contexts), (b, passkey_contexts), (c, passkey_contexts)):
-            ax.set_xscale("log", base=2)
-            ax.set_xticks(xs, [str(x) for x in xs])
-            ax.set_xlabel("context (tokens)")
-            if ax.get_legend_handles_labels()[0]:           # a length not reported draws nothing
-                ax.legend(fontsize=7)
 
 
 # ----------------------------------------------------------------------------------------

@@ -612,15 +612,12 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
 # 7. The model: a Llama/Qwen3-style decoder with Hugging Face parameter names
 # ----------------------------------------------------------------------------------------
 """
-RMSNorm, RoPE (rotate-half), GQA attention, SwiGLU MLP; optional Qwen3 q/k-norm and Qwen2
-q/k/v bias. Parameter names are Hugging Face's (model.layers.N.self_attn.q_proj.weight, ...),
-so a real checkpoint maps one to one. There is one forward; what attention reads is
-pluggable, `attention(layer, q, k, v) -> o` with post-RoPE q (B, H_q, T, d), k, v (B, H_kv,
-T, d), o (B, H_q, T, d):
-  None                     exact causal attention (full precision)
-  SimulatedINT2(kv, cfg)   the INT2 cache of Section 5 simulated on every position at once
-  decode_step's            the paged INT2 cache of Section 8, one token per step
-fold_value_rotation (what Section 8 serves): a copy with each layer's R_V in v_proj and o_proj.
+RMSNorm, RoPE (rotate-half), GQA attention, SwiGLU MLP; optional Qwen3 q/k-norm and Qwen2 q/k/v
+bias; Hugging Face's parameter names (model.layers.N.self_attn.q_proj.weight, ...). One forward;
+what attention reads is pluggable, `attention(layer, q, k, v) -> o`, post-RoPE q, o (B, H_q, T, d),
+k, v (B, H_kv, T, d): None, exact causal attention; SimulatedINT2(kv, cfg), Section 5's INT2 cache
+on every position at once; paged_forward's, Section 8's paged cache. fold_value_rotation (what
+Section 8 serves): a copy with each layer's R_V in v_proj and o_proj.
 """
 
 class RMSNorm(nn.Module):
@@ -780,11 +777,6 @@ class TinyLM(nn.Module):
         return split_o_proj(self.model.layers[layer].self_attn.o_proj.weight, self.cfg.n_heads)
 
 
-def served_spec(spec: KVQuant) -> KVQuant:
-    """The spec beside weights with R_V folded in: no R_V."""
-    return replace(spec, r_v=None)
-
-
 def fold_value_rotation(model, kv: list, cfg: Config | None = None):
     """A copy of TinyLM (or of a transformers model, cfg: hf_config's) with each layer's R_V folded
     in: v_proj rows of head h R_h^T W_h (bias b_h R_h), o_proj columns of query head j W_O,j R_h."""
@@ -891,7 +883,7 @@ class PagedKVCache:
         need(min(num_pages, max_seqs) >= 1, f"PagedKVCache: num_pages {num_pages}, max_seqs {max_seqs}: >= 1")
         check_kv("PagedKVCache", kv, cfg)
         need(all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context")
-        self.cfg, self.kv = cfg, [served_spec(s).to(device) for s in kv]   # R_V is in the weights
+        self.cfg, self.kv = cfg, [replace(s, r_v=None).to(device) for s in kv]   # R_V: in the weights
         self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         n, self.budget = (0 if grow else num_pages), num_pages            # pages allocated, allowed
@@ -948,12 +940,6 @@ class PagedKVCache:
             grow_pages(self, 1 + max(self.pages[s][-1] for s, _ in want))     # Appendix A
 
     def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-        """extend by one token per sequence: k, v (n, H_kv, d)."""
-        check_tensor("k", k, shape=(len(seqs), self.cfg.n_kv_heads, self.cfg.head_dim), dtype="float")
-        check_tensor("v", v, shape=tuple(k.shape), dtype="float")
-        self.extend(layer, seqs, k[:, :, None], v[:, :, None])
-
-    def extend(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
         """Append T tokens per sequence: k (n, H_kv, T, d) post-RoPE keys, v (n, H_kv, T, d) in R_V's
         basis; pages reserved first (a full pool writes nothing)."""
         c = self.cfg
@@ -1001,17 +987,6 @@ class PagedKVCache:
     def n_int2(self, layer: int) -> np.ndarray:     # per sequence, its tokens in INT2 (numpy: no torch call)
         return np.maximum(self.length.numpy()[layer] - self.cfg.sink - self.cfg.window, 0)
 
-    def held(self, layer: int, seq: int):
-        """Every token a sequence holds, in position order: keys, values (H_kv, n, d) fp32 as stored,
-        the sink and ring as held, the INT2 tokens dequantized (Q2's dequant)."""
-        c, n, q = self.cfg, int(self.length.numpy()[layer, seq]), int(self.n_int2(layer)[seq])
-        int2 = [int2_rows(*(getattr(self, t)[layer] for t in names), self.block_table[seq], q, c.group_size)
-                for names in (PACKED[:3], PACKED[3:])]
-        slots = [ring_slot(p, c.sink, c.window) for p in (*range(min(c.sink, n)), *range(c.sink + q, n))]
-        ns = min(c.sink, n)
-        return [torch.cat([w[layer, seq][:, slots[:ns]].float(), x, w[layer, seq][:, slots[ns:]].float()], 1)
-                for w, x in ((self.win_k, int2[0]), (self.win_v, int2[1]))]
-
     def layer_view(self, layer: int, seqs: list) -> dict:
         """The tensors a decode reads for these sequences (paged_decode_reference's keyword arguments)."""
         dev, n, q = self.block_table.device, self.length.numpy()[layer, seqs], self.n_int2(layer)[seqs]
@@ -1022,23 +997,24 @@ class PagedKVCache:
                     win_v=self.win_v[layer, i], win_len=on(n - q))
 
 
-def int2_rows(codes, scale, zero, block_row, n: int, G: int) -> torch.Tensor:
-    """INT2 tokens 0..n-1 of a sequence (its block-table row) of a layer's pages: (H_kv, n, d) fp32."""
-    rows = lambda x: x[block_row[:-(-n // codes.shape[2])].long()].transpose(0, 1).flatten(1, 2)[:, :n]
-    return q2_dequantize(rows(codes), rows(scale), rows(zero), G)
+def held_kv(view: dict, b: int, G: int) -> list:
+    """Sequence b of a layer_view: its keys, values (H_kv, n, d) fp32 as stored, the n_quant INT2 tokens
+    dequantized (Q2's dequant, page block_table[b, i // P], slot i % P), then the win_len window slots."""
+    n, w, P = int(view["n_quant"][b]), int(view["win_len"][b]), view["k_codes"].shape[2]
+    rows = lambda x: x[view["block_table"][b, :-(-n // P)].long()].transpose(0, 1).flatten(1, 2)[:, :n]
+    return [torch.cat([q2_dequantize(*(rows(view[t]) for t in names), G), view[win][b, :, :w].float()], 1)
+            for names, win in ((PACKED[:3], "win_k"), (PACKED[3:], "win_v"))]
 
 
-def paged_decode_reference(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                           n_quant, win_k, win_v, win_len, group_size, sm_scale=None):
-    """The decode every kernel must match: q (B, H_q, d) rotated by R_K, one token per sequence ->
-    (B, H_q, d) fp32 in the rotated value basis; Eq. 1-2 over its n_quant INT2 tokens and win_len slots."""
-    (B, Hq, d), H = q.shape, k_codes.shape[1]
+def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
+    """The decode every kernel must match: q (B, H_q, d) rotated by R_K, one token per sequence, over a
+    layer_view (the layout above) -> (B, H_q, d) fp32 in the rotated value basis; Eq. 1-2 over each
+    sequence's n_quant INT2 tokens and win_len window slots."""
+    (B, Hq, d), H = q.shape, view["k_codes"].shape[1]
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
-        n, w = int(n_quant[b]), int(win_len[b])
-        assert n + w >= 1, "every sequence holds at least one token"
-        K, V = (torch.cat([int2_rows(*x, block_table[b], n, group_size), win[b, :, :w].float()], 1)
-                for x, win in (((k_codes, k_scale, k_zero), win_k), ((v_codes, v_scale, v_zero), win_v)))
+        K, V = held_kv(view, b, group_size)
+        assert K.shape[1] >= 1, "every sequence holds at least one token"
         a = q[b].float().view(H, Hq // H, d) @ K.mT * (d ** -0.5 if sm_scale is None else sm_scale)  # Eq. 1
         out[b] = (torch.softmax(a, dim=-1) @ V).reshape(Hq, d)                                       # Eq. 2
     return out
@@ -1048,7 +1024,7 @@ def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_sca
     """The authors' multi-token forward for one sequence: qr (1, H_q, T, d) rotated by R_K, kr, v
     (1, H_kv, T, d) the chunk as stored -> (1, H_q, T, d) fp32. The chunk's own keys exact and causal,
     what the sequence held before it as held (windows exact, pages dequantized once), seen by all."""
-    K, V = cache.held(layer, seq)                                                      # (H_kv, n0, d)
+    K, V = held_kv(cache.layer_view(layer, [seq]), 0, cache.cfg.group_size)            # (H_kv, n0, d)
     n0, T = K.shape[1], qr.shape[2]
     K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
     mask = None if n0 == 0 else torch.ones(T, n0 + T, dtype=torch.bool, device=qr.device).tril(n0)
@@ -1122,19 +1098,12 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, the decode step
 # ----------------------------------------------------------------------------------------
 """
-The numbers of Sections 6-8, faster.
-fast_key_loss (what calibrate_layer uses): keys split into S, read in INT2 by some loss
-query, and C, read exactly by every query. On C, p~ = c p with one factor per query,
-c = exp(lse - lse~), so there KL adds (sum_C p) log(1/c) and dy_K adds (c - 1) o_C W_O^T
-(o_C = sum_C p v): only the |S| columns move with R_K, the rest is computed once per
-split; the 1e-12 clamp applies on S. Tested: optr_key_loss's value and gradient.
-Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
-[sink, t1 - window) and the exact keys of [t0 - window + 1, t1), masked as
-exact_window_mask says, through scaled_dot_product_attention: no dense (T, T) logits.
-The compiled decode step (paged_step's on CPU pages, fp32 windows): append and decode of a
-token in one numba call, from a plan optr makes (decode_plan: window slot, INT2 page and slot,
-counts). The lengths stay on the host (numpy views); layer_view copies counts to the device.
-The pool grows as sequences reach new pages (grow_pages); _on copies host indices to the device.
+The numbers of Sections 6-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read
+in INT2 by some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per
+query: KL adds (sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves
+with R_K. Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
+[sink, t1 - window), the exact keys of [t0 - window + 1, t1): no dense (T, T) logits. The
+compiled decode step: store and decode a token in one numba call, from decode_plan's plan.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1261,18 +1230,15 @@ def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale
 # B. Files: checks of what comes from outside, rotation files, export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
 """
-What enters from outside raises a ValueError naming it (need, check_tensor): the rotation
-files read here, the tokens and sequence ids handed to the paged cache; inside, only asserts.
-One format for every set of rotations (both scripts write all their variants into one
-file, export_hf the one it serves): a safetensors file holding, per variant NAME, layer N,
+What enters from outside raises a ValueError naming it (need, check_tensor); inside, asserts.
+One format for every set of rotations (the scripts write all their variants into one file,
+export_hf the one it serves): safetensors, per variant NAME and layer N,
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
   NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
   NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
-and as metadata the format, geometry (n_layers, n_kv_heads, head_dim; model_type and model_name
-where known), quantizer settings and per variant its parts, its quant_k / quant_v flags,
-per-layer clips (appendix D; absent or null: the settings') and whether R_V is folded. A part a
-variant lacks is None; loading checks every tensor (name, shape, dtype, finite values,
-max |R^T R - I| <= ORTHO_TOL). SGLang's files: tools/sglang.py.
+and as metadata the format, geometry, model type and name, quantizer settings, and per variant
+its parts, quant_k / quant_v flags, per-layer clips (appendix D; null: the settings') and whether
+R_V is folded. Loading checks each tensor (name, shape, dtype, finite, max |R^T R - I| <= ORTHO_TOL).
 """
 
 ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the authors' artifact check)
@@ -1411,7 +1377,7 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
         folded.hf_quantizer = None
         del folded.config.quantization_config
     folded.save_pretrained(out_dir)
-    served = [served_spec(s) for s in kv]
+    served = [replace(s, r_v=None) for s in kv]                  # R_V: in the weights
     save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,),
                       model_type=model.config.get_text_config().model_type)
     with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
@@ -1456,23 +1422,16 @@ def clipped(grid):
     return one_layer
 
 
-def token_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
-    """KL(p || q) over the last dim from log-probabilities, sum p (log p - log q), no clamp:
-    the next-token KL the ladders report. (..., vocab) -> (...)."""
-    return (logp.exp() * (logp - logq)).sum(-1)
-
-
 # ----------------------------------------------------------------------------------------
 # E. Serving elsewhere: transformers' generate() and models (SGLang's files: tools/sglang.py)
 # ----------------------------------------------------------------------------------------
 """
-Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3,
-Gemma 3, ...): hf_config reads its geometry, simulate_hf puts Section 5 in its attention,
-calibrate_hf runs Section 6 on what that attention reads. hf_cache serves INT2 layers from
-Section 8's pages: PagedLayer.update(k, v) keeps k, v and returns (layer, layer) as keys and
-values, which transformers hands untouched (no repeat_kv, no cast) to "optr-paged"
-(paged_attention); that calls the layer's attend: Section 8's paged_step. Served is simulated:
-hf_cache's logits are simulate_hf's with chunks, the lengths of the forwards it ran.
+Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3):
+hf_config reads its geometry; simulate_hf puts Section 5 in its attention (and captures what
+Section 6 calibrates on: ladder.calibrate_hf); hf_cache serves INT2 layers from Section 8's pages.
+PagedLayer.update keeps k, v and returns itself as keys and values, which transformers hands
+untouched to "optr-paged" (paged_attention), then to the layer's attend: paged_step. Served is
+simulated: hf_cache's logits are simulate_hf's with chunks, the lengths of the forwards it ran.
 """
 
 @dataclass
@@ -1511,14 +1470,13 @@ def left_pad(pos, T: int):
 class PagedLayer:
     """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
     pool's PagedKVCache (as layer `index`)."""
-    # Duck-typed: hf_cache registers it as a virtual subclass of transformers' CacheLayerMixin (an
-    # ABC), so `import optr` needs no transformers. What generate() calls is here: greedy, sampling,
-    # beam search (reorder_cache); assisted generation's rollback (crop) a ValueError.
+    # A virtual subclass of transformers' CacheLayerMixin (hf_cache registers it: `import optr` needs no
+    # transformers): greedy, sampling, beam search (reorder_cache); assisted generation's crop refused.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
         self.pool, self.index, self.n, self.new = pool, index, 0, None
-        self.spec = served_spec(spec) if folded else spec
+        self.spec = replace(spec, r_v=None) if folded else spec
 
     def get_seq_length(self) -> int:
         return self.n
@@ -1605,13 +1563,11 @@ def _int2_cache_type():                   # hf_cache's Cache: the model attends 
 
 
 def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int | None = None, attend=None):
-    """A transformers Cache for model.generate(past_key_values=...), used as `with optr.hf_cache(model,
-    kv, cfg) as cache:`: inside it the model attends through "optr-paged" (INT2 layers from one
-    PagedKVCache, Section 8's semantics; the others sdpa over transformers' own layers, sliding ones
-    sliding), after it through its own attention again; constructing it changes nothing. max_tokens:
-    prompt and new tokens a sequence may hold (None: max_position_embeddings, else 8192), a longer
-    prompt refused before any layer attends. folded: True beside export_hf's weights, False beside
-    the original ones (v rotated by R_V here). attend: the decode (None: kernel.paged_decode)."""
+    """A transformers Cache for model.generate(past_key_values=...), as `with optr.hf_cache(model, kv,
+    cfg) as cache:`: inside, the model attends through "optr-paged" (INT2 layers from one PagedKVCache,
+    the others sdpa over transformers' own layers); constructing it changes nothing. max_tokens: what a
+    sequence may hold (None: max_position_embeddings, else 8192; a longer prompt refused before any
+    layer attends). folded: beside export_hf's weights, else v rotated by R_V here. attend: the decode."""
     from transformers.cache_utils import CacheLayerMixin, DynamicCache
     check_kv("hf_cache", kv, cfg)
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
@@ -1715,32 +1671,3 @@ def attention_interface(model, attention, mask=None, name: str = "optr"):
         yield model
     finally:
         model.set_attn_implementation(before)
-
-
-def hf_captures(model, cfg: Config, *ids) -> list:
-    """Per token batch (N, T), simulate_hf's capture in exact mode: {layer: ((q, k, v), module, window)}."""
-    out = [{} for _ in ids]
-    for x, cap in zip(ids, out):
-        with torch.no_grad(), simulate_hf(model, None, cfg, capture=cap):
-            model.base_model(x.to(model.device), use_cache=False)
-    return out
-
-
-def calibrate_hf(model, calib_ids, heldout_ids, cfg: Config, base="quarot", center=True, learn=True,
-                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None,
-                 one_layer=calibrate_one_layer):
-    """calibrate for a transformers model: per layer, the q, k, v simulate_hf captures in exact mode
-    (or `captured`, hf_captures') and W_O (o_proj) into one_layer. Sliding layers (Gemma 3's) stay
-    exact unless sliding=True, which needs sequences within the window. Returns calibrate's."""
-    data = captured or hf_captures(model, cfg, calib_ids, heldout_ids)
-
-    def one(l):
-        (cal, module, window), held = data[0][l], data[1][l][0]
-        if window is not None and not sliding:
-            return KVQuant(quant_k=False, quant_v=False), []
-        need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
-             f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
-        return one_layer(split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
-                         base, center, learn, query_positions, log)
-    done = list(layer_map(one, range(cfg.n_layers)))
-    return [spec for spec, _ in done], [r for _, rows in done for r in rows]

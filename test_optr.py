@@ -2093,7 +2093,7 @@ def test_paged_cache_matches_contiguous_reference(T, ratio):
     seqs = [cache.add_sequence() for _ in range(B)]
     vr = v @ spec.r_v.unsqueeze(0)                                    # the folded v_proj's output
     for t in range(T):
-        cache.append(0, seqs, k[:, :, t], vr[:, :, t])
+        cache.append(0, seqs, k[:, :, t:t + 1], vr[:, :, t:t + 1])
     view = cache.layer_view(0, seqs)
     assert view["n_quant"].tolist() == [max(0, T - 5)] * B
     qr = (q[:, :, 0].view(B, H, ratio, d) @ spec.r_k.unsqueeze(0)).reshape(B, -1, d)
@@ -2157,7 +2157,7 @@ def test_page_pool_exhaustion_raises_and_free_returns_pages():
     cfg = optr.Config(sink=0, window=0, page_size=4, n_layers=1)
     cache = optr.PagedKVCache(cfg, 2, 2, [optr.KVQuant()])
     s = cache.add_sequence()
-    tok = rand(1, 2, 32)
+    tok = rand(1, 2, 1, 32)
     for _ in range(8):                                                # 2 pages x 4 slots
         cache.append(0, [s], tok, tok)
     with pytest.raises(RuntimeError, match="page pool exhausted"):
@@ -2177,7 +2177,7 @@ def test_bits_per_element_measured_from_the_tensors():
         cache = optr.PagedKVCache(cfg, 4, 1, [optr.KVQuant()], window_dtype=torch.bfloat16)
         s = cache.add_sequence()
         for _ in range(13):
-            cache.append(0, [s], rand(1, 2, 32), rand(1, 2, 32))
+            cache.append(0, [s], rand(1, 2, 1, 32), rand(1, 2, 1, 32))
         assert ladder.bits_per_element(cache, s, int2_only=True) == 2 + 64 / G
         assert ladder.bits_per_element(cache, s) == pytest.approx((10 * (2 + 64 / G) + 3 * 16) / 13)
 
@@ -2189,12 +2189,12 @@ def test_the_paged_cache_refuses_bad_tokens_and_sequences():
     model = optr.TinyLM(optr.Config(n_layers=1))
     cache = optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant()])
     s = cache.add_sequence()
-    with pytest.raises(ValueError, match=r"k: expected shape \(1, 2, 32\), got \(1, 2, 16\)"):
-        cache.append(0, [s], torch.zeros(1, 2, 16), torch.zeros(1, 2, 32))
+    with pytest.raises(ValueError, match=r"k: expected shape \(1, 2, \*, 32\), got \(1, 2, 1, 16\)"):
+        cache.append(0, [s], torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 32))
     with pytest.raises(ValueError, match="v: expected finite"):
-        cache.append(0, [s], torch.zeros(1, 2, 32), torch.full((1, 2, 32), float("inf")))
+        cache.append(0, [s], torch.zeros(1, 2, 1, 32), torch.full((1, 2, 1, 32), float("inf")))
     with pytest.raises(ValueError, match="seq: expected an active sequence"):
-        cache.append(0, [5], torch.zeros(1, 2, 32), torch.zeros(1, 2, 32))
+        cache.append(0, [5], torch.zeros(1, 2, 1, 32), torch.zeros(1, 2, 1, 32))
     with pytest.raises(ValueError, match="full precision: make sink \\+ window cover the context"):
         optr.PagedKVCache(model.cfg, 2, 1, [optr.KVQuant(quant_v=False)])
 
@@ -2267,12 +2267,12 @@ def assert_same_state(a, b):
 @given(sink=st.integers(0, 5), window=st.integers(0, 7), page_size=st.sampled_from([1, 3, 4, 8]),
        chunks=st.lists(st.integers(1, 30), min_size=1, max_size=3), n_seqs=st.integers(1, 3),
        bf16=st.booleans(), seed=st.integers(0, 10_000))
-def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunks, n_seqs, bf16, seed):
-    """Appending T tokens at once (cache.extend: one quantizer call per sequence, scattered
+def test_appending_tokens_at_once_equals_appending_them_one_at_a_time(sink, window, page_size, chunks, n_seqs, bf16, seed):
+    """Appending T tokens at once (one quantizer call per sequence, scattered
     into pages) leaves the cache bit for bit as appending them one at a time: each sequence's
     INT2 codes, scales, zeros in order, sink and ring windows, lengths, pages used; for lengths
     below the sink, inside the windows, and past a ring wrap.
-    Optr against optr: cache.extend against cache.append."""
+    Optr against optr: cache.append of T tokens against T appends of one."""
     cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink,
                       window=window, page_size=page_size, n_layers=2)
     H, d = 2, 16
@@ -2286,23 +2286,23 @@ def test_bulk_extend_equals_token_by_token_append(sink, window, page_size, chunk
         v = rand(n_seqs, H, T, d, seed=seed + 100 * c + 1)
         for l in range(2):
             for t in range(T):
-                one.append(l, seqs, k[:, :, t], v[:, :, t])
-            bulk.extend(l, seqs, k, v)
+                one.append(l, seqs, k[:, :, t:t + 1], v[:, :, t:t + 1])
+            bulk.append(l, seqs, k, v)
     assert_same_state(cache_state(one), cache_state(bulk))
     assert int(bulk.length[0, seqs[0]]) == sum(chunks)
 
 
-def test_bulk_extend_on_an_exhausted_pool_raises_and_writes_nothing():
-    """An extend that needs more pages than are free raises before touching the cache."""
+def test_a_bulk_append_on_an_exhausted_pool_raises_and_writes_nothing():
+    """An append that needs more pages than are free raises before touching the cache."""
     cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
     cache = optr.PagedKVCache(cfg, 2, 1, [optr.KVQuant()])
     s = cache.add_sequence()
-    cache.extend(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
+    cache.append(0, [s], rand(1, 2, 5, 32), rand(1, 2, 5, 32))     # 2 INT2 tokens: 1 page
     before = cache_state(cache)
     with pytest.raises(RuntimeError, match="page pool exhausted"):
-        cache.extend(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
+        cache.append(0, [s], rand(1, 2, 7, 32), rand(1, 2, 7, 32))  # 9 INT2 tokens: 3 pages
     assert_same_state(before, cache_state(cache))
-    cache.extend(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
+    cache.append(0, [s], rand(1, 2, 6, 32), rand(1, 2, 6, 32))     # 8 INT2 tokens: fits
 
 
 def prefill_and_appended(calibrated_tiny, n_prompt=13):
@@ -2324,7 +2324,7 @@ def prefill_and_appended(calibrated_tiny, n_prompt=13):
         optr.paged_step = step
     for l, (k, v) in enumerate(captured):
         for t in range(n_prompt):
-            one.append(l, seqs, k[:, :, t], v[:, :, t])
+            one.append(l, seqs, k[:, :, t:t + 1], v[:, :, t:t + 1])
     return bulk, one, logits, folded, seqs, idx
 
 
@@ -2458,14 +2458,14 @@ def test_a_multi_token_forward_reads_its_chunk_exactly_and_what_was_held_as_held
     prefill) attends as the authors' engine does: each query t reads the chunk's keys up to itself
     exactly and the n0 held ones as held (the sink and recent window exact, the rest INT2), the
     float64 softmax of the test's own numbers (numpy Q2) within 2e-5; the cache it leaves is that
-    of extending by the chunk (optr against optr: paged_step against extend)."""
+    of appending the chunk (optr against optr: paged_step against append)."""
     cache, ext = (step_cache(seed, sink, window, page_size, 8, True, True) for _ in range(2))
     c, spec = cache.cfg, cache.kv[0]
     k0, v0 = rand(1, 2, n0, 16, seed=seed) * 3 + 1, rand(1, 2, n0, 16, seed=seed + 1)
     q, k = rand(1, 4, T, 16, seed=seed + 2), rand(1, 2, T, 16, seed=seed + 3) * 3 + 1
     v = rand(1, 2, T, 16, seed=seed + 4)
     for x in (cache, ext):
-        x.extend(0, [seq], k0, v0)
+        x.append(0, [seq], k0, v0)
         x.reserve(0, [seq], T)
     got = optr.paged_step(cache, 0, [seq], q, k, v, sm_scale=0.3)
     K0, V0 = held_reference(k0[0], v0[0], spec.k_mean, spec.r_k, c)
@@ -2475,7 +2475,7 @@ def test_a_multi_token_forward_reads_its_chunk_exactly_and_what_was_held_as_held
     for t in range(T):
         p = torch.softmax(0.3 * qr[:, :, t] @ K[:, :n0 + t + 1].mT, -1)             # (H_kv, 2, n0 + t + 1)
         assert torch.allclose(got[0, :, t], (p @ V[:, :n0 + t + 1]).view(4, 16).float(), atol=2e-5), t
-    ext.extend(0, [seq], k, v)
+    ext.append(0, [seq], k, v)
     assert_same_state(cache_state(ext), cache_state(cache))
 
 
@@ -3358,7 +3358,7 @@ def test_serving_checks_can_fail(exported_to_hf, monkeypatch, tmp_path):
     check_hf_cache_generate_is_simulate_hf_decoding(model, quarot_specs(cfg, seed=7), cfg)   # holds
 
     def not_causal(cache, layer, seq, qr, kr, v, sm_scale):
-        K, V = cache.held(layer, seq)
+        K, V = optr.held_kv(cache.layer_view(layer, [seq]), 0, cache.cfg.group_size)
         K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
         return F.scaled_dot_product_attention(qr.float(), K, V, scale=sm_scale, enable_gqa=True)
     monkeypatch.setattr(optr, "chunk_attention", not_causal)
@@ -3665,7 +3665,7 @@ def test_calibrate_hf_is_calibrate_on_tinylm_with_the_same_weights(kind):
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
     cal, held = IDX_HF[:, :24], HELD_HF
-    ours, rows = optr.calibrate_hf(model, cal, held, cfg, base="oscar")
+    ours, rows = ladder.calibrate_hf(model, cal, held, cfg, base="oscar")
     theirs, rows_t = optr.calibrate(tinylm_of(model, cfg), cal, held, base="oscar", cfg=cfg)
     for a, b in zip(ours, theirs):
         for part in ("k_mean", "r_k", "r_v"):
@@ -3683,17 +3683,17 @@ def test_calibrate_hf_keeps_gemma3s_sliding_layers_exact_unless_asked():
     model = tiny_hf("gemma3-MQA")
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4, steps=2, eval_every=1))
     cal, held = IDX_HF[:, :GEMMA_SLIDING], IDX_HF[:, GEMMA_SLIDING:2 * GEMMA_SLIDING]
-    kv, rows = optr.calibrate_hf(model, cal, held, cfg)
+    kv, rows = ladder.calibrate_hf(model, cal, held, cfg)
     mine = projections(model, cal)
     for l, (spec, t) in enumerate(zip(kv, GEMMA_LAYERS)):
         assert spec.quant_k == spec.quant_v == (t == "full_attention"), l
         if t == "full_attention":
             assert (spec.k_mean.double() - mine[l][1].mean(dim=(0, 2))).abs().max() <= 1e-5
     assert {r["layer"] for r in rows} == {1, 3}
-    kv, rows = optr.calibrate_hf(model, cal, held, cfg, sliding=True)
+    kv, rows = ladder.calibrate_hf(model, cal, held, cfg, sliding=True)
     assert all(s.quant_k and s.quant_v for s in kv) and {r["layer"] for r in rows} == {0, 1, 2, 3}
     with pytest.raises(ValueError, match="layer 0 slides over 12 tokens"):
-        optr.calibrate_hf(model, IDX_HF[:, :20], held, cfg, sliding=True, learn=False)
+        ladder.calibrate_hf(model, IDX_HF[:, :20], held, cfg, sliding=True, learn=False)
 
 
 def greedy_through_simulate_hf(model, kv, cfg, prompt, n):
@@ -4198,7 +4198,7 @@ def test_a_model_that_bypasses_the_attention_interface_is_refused():
         with torch.no_grad(), optr.simulate_hf(neo, None, cfg):
             neo(IDX_HF)
     with pytest.raises(ValueError, match="gpt_neo"):
-        optr.calibrate_hf(neo, IDX_HF[:, :24], HELD_HF, cfg, learn=False)
+        ladder.calibrate_hf(neo, IDX_HF[:, :24], HELD_HF, cfg, learn=False)
 
 
 def test_hf_config_and_simulate_hf_refuse_what_they_cannot_honour():

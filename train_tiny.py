@@ -67,7 +67,7 @@ from ladder import (  # the ladder harness both scripts share
     DECODE_ATTENDS, VARIANTS, Timer, _f, calibrate_variants, config_dict, decode_attention,
     decode_check, gap_closed, gap_closed_mean_std, key_stats, ladder_bits, mean_std, output_errors,
     parse_run_config, plot_gap_closed, print_config, print_gap_closed, print_key_stats, print_table, run_cli,
-    save_ladder, write_results)
+    save_ladder, token_kl, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -359,7 +359,7 @@ def evaluate(model, specs: dict, cfg: RunConfig, data: dict, captured: list, log
             acc[str(T)] = (logits.argmax(-1) == ans).float().mean().item()
             if T == T_max:
                 logp_full, logp = full_logits.log_softmax(-1), logits.log_softmax(-1)
-                kl = optr.token_kl(logp_full, logp).mean().item()
+                kl = token_kl(logp_full, logp).mean().item()
         results[name] = dict(accuracy=acc, kl=kl, **output_errors(model, captured, kv, pos))
         log(f"evaluated {name:<21} in {time.perf_counter() - t0:5.1f} s | accuracy "
             + " ".join(f"{a:.4f}@{T}" for T, a in acc.items()))

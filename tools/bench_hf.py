@@ -38,7 +38,7 @@ import torch
 
 import optr
 from ladder import (_f, bos, config_dict, figure, file_tokens, load_model, model_path, parse_run_config,
-                    print_config, pydoc_tokens, run_cli)
+                    print_config, pydoc_tokens, run_cli, token_kl)
 
 ROWS = ("DynamicCache", "hf_cache", "QuantizedCache")   # the caches (DynamicCache always, the reference)
 RECIPE = "quarot+center+clip"                            # hf_cache's rotations: the README's recipe
@@ -149,7 +149,7 @@ def next_logp(hf, cache, ids: torch.Tensor) -> torch.Tensor:
 def kl_from(ref: torch.Tensor, got: torch.Tensor) -> torch.Tensor:
     """KL(ref || got) per position, nats: log-probs (P, vocab) of the reference (DynamicCache) and a row;
     >= 0 (a row equal to the reference up to round-off gives a few ulps below 0: read as 0)."""
-    return optr.token_kl(ref.double(), got.double()).clamp_min(0)
+    return token_kl(ref.double(), got.double()).clamp_min(0)
 
 
 @contextlib.contextmanager

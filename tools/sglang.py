@@ -29,8 +29,8 @@ def export_sglang(kv: list, cfg: optr.Config, out_dir: str, folded: bool = False
                     (d & (d - 1) == 0, f"head_dim {d}: expected a power of two"),
                     (cfg.scale_eps == 1e-8, f"scale_eps {cfg.scale_eps}: the engine's is 1e-8"),
                     (len(kv) == L, f"kv: expected {L} layers, got {len(kv)}")] + [
-            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every "
-             "layer in INT2: give every layer INT2 specs (sliding layers: calibrate_hf(..., sliding=True))")
+            (s.quant_k and s.quant_v, f"kv[{l}]: keys or values kept exact, but the engine stores every layer "
+             "in INT2: give every layer INT2 specs (sliding layers: ladder.calibrate_hf(..., sliding=True))")
             for l, s in enumerate(kv)] + [
             (s.clip_k in (None, cfg.clip_k) and s.clip_v in (None, cfg.clip_v), f"kv[{l}]: clips of its own "
              f"(c_K {s.clip_k}, c_V {s.clip_v}; appendix D), but the engine clips every layer at cfg's: use a "
