@@ -1133,29 +1133,21 @@ def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
     return loss
 
 
-@functools.lru_cache(maxsize=2)
-def _block_masks(q0: int, Tq: int, sink: int, window: int, block: int, device) -> tuple:
-    """block_simulated_attention's (mask, key bounds) per block, the same for every layer of a forward."""
-    out = []
-    for t0 in range(q0, q0 + Tq, block):
-        t1 = min(q0 + Tq, t0 + block)                       # the block's query positions
-        ns, hi, lo = min(sink, t1), max(sink, t1 - window), max(sink, t0 - window + 1)   # sink, INT2, exact
-        s = torch.cat([torch.arange(ns), torch.arange(sink, hi), torch.arange(lo, max(lo, t1))]).to(device)
-        t, int2 = torch.arange(t0, t1, device=device)[:, None], torch.arange(len(s), device=device) >= ns
-        int2 &= torch.arange(len(s), device=device) < ns + hi - sink
-        out.append((torch.where(int2, s <= t - window, (s <= t) & ((s > t - window) | (s < sink))), ns, hi, lo))
-    return tuple(out)
-
-
 def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int, block: int, q0: int = 0):
     """effective_attention's o (B, H_q, Tq, d) block by block (above), up to round-off: queries at
     positions q0 .. q0 + Tq - 1 over keys 0 .. q0 + Tq - 1 (k~, v~ read on [sink, q0 + Tq - window))."""
-    out, Tq = torch.empty_like(q), q.shape[2]
-    for a, (mask, ns, hi, lo) in zip(range(0, Tq, block), _block_masks(q0, Tq, sink, window, block, q.device)):
-        b = min(Tq, a + block)
-        K = torch.cat([k[:, :, :ns], k_tilde[:, :, sink:hi], k[:, :, lo:q0 + b]], 2)
-        V = torch.cat([v[:, :, :ns], v_tilde[:, :, sink:hi], v[:, :, lo:q0 + b]], 2)
-        out[:, :, a:b] = F.scaled_dot_product_attention(q[:, :, a:b], K, V, attn_mask=mask, enable_gqa=True)  # Eq. 2
+    out, Tq, dev = torch.empty_like(q), q.shape[2], q.device
+    for a in range(0, Tq, block):
+        t0, t1 = q0 + a, q0 + min(Tq, a + block)            # the block's query positions
+        ns, hi, lo = min(sink, t1), max(sink, t1 - window), max(sink, t0 - window + 1)   # sink, INT2, exact
+        s = torch.cat([torch.arange(ns), torch.arange(sink, hi), torch.arange(lo, max(lo, t1))]).to(dev)
+        t, i = torch.arange(t0, t1, device=dev)[:, None], torch.arange(len(s), device=dev)
+        int2 = (i >= ns) & (i < ns + hi - sink)
+        mask = torch.where(int2, s <= t - window, (s <= t) & ((s > t - window) | (s < sink)))
+        K = torch.cat([k[:, :, :ns], k_tilde[:, :, sink:hi], k[:, :, lo:t1]], 2)
+        V = torch.cat([v[:, :, :ns], v_tilde[:, :, sink:hi], v[:, :, lo:t1]], 2)
+        out[:, :, a:t1 - q0] = F.scaled_dot_product_attention(q[:, :, a:t1 - q0], K, V, attn_mask=mask,
+                                                              enable_gqa=True)             # Eq. 2
     return out
 
 
