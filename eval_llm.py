@@ -36,7 +36,7 @@ from ladder import (  # the ladder harness both scripts share; real checkpoints 
     decode_check, encode, figure, file_tokens, gap_closed, gap_closed_mean_std, key_stats, key_stats_summary,
     ladder_bits, learns_from_data, load_ladder, load_model, mean_ci, mean_std, model_path, output_errors,
     parse_run_config, plot_gap_closed, print_config, print_gap_closed, print_key_stats, print_table,
-    pydoc_tokens, run_cli, save_ladder, t_interval, token_kl, wilson, write_results)
+    pydoc_tokens, run_cli, save_ladder, simulate_hf, t_interval, token_kl, wilson, write_results)
 
 
 # ----------------------------------------------------------------------------------------
@@ -155,7 +155,7 @@ def parse_config(argv=None) -> RunConfig:
 
 class HFModel:
     """A transformers causal LM behind optr.TinyLM's interface, for ladder.py: attention None (exact) or
-    optr.SimulatedINT2, through optr.simulate_hf, block by block."""
+    optr.SimulatedINT2, through ladder's simulate_hf, block by block."""
 
     def __init__(self, hf, cfg: optr.Config, block: int | None = BLOCK):
         text = hf.config.get_text_config()
@@ -173,7 +173,7 @@ class HFModel:
         assert attention is None or isinstance(attention, optr.SimulatedINT2), "HFModel: exact or SimulatedINT2"
         got = None if capture is None else {}
         kv, block = (None, self.block) if attention is None else (attention.kv, attention.block)
-        with optr.simulate_hf(self.hf, kv, self.cfg, capture=got, block=block):
+        with simulate_hf(self.hf, kv, self.cfg, capture=got, block=block):
             h = self.hf.base_model(idx.to(self.hf.device), use_cache=False).last_hidden_state
         if capture is not None:
             capture.extend(got[l][0] for l in range(self.cfg.n_layers))
@@ -514,7 +514,7 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         P, n = c.sink + c.window + 32, cfg.hf_generate
         greedy = lambda **kw: hf.generate(text[:, :P], max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                           **kw)[0, P:].tolist()
-        with optr.simulate_hf(hf, [replace(s, r_v=None) for s in kv], c):     # R_V is in the checkpoint
+        with simulate_hf(hf, [replace(s, r_v=None) for s in kv], c):     # R_V is in the checkpoint
             ids = {"simulate_hf": greedy(use_cache=False)}
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
             with optr.hf_cache(hf, kv, c, folded=True) as cache:

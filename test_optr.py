@@ -3443,7 +3443,7 @@ def check_exact_mode_is_transformers(model, idx, pad):
     cfg = optr.hf_config(model.config, **hf_settings())
     with torch.no_grad():
         theirs = model(idx, attention_mask=pad).logits
-        with optr.simulate_hf(model, None, cfg):
+        with ladder.simulate_hf(model, None, cfg):
             ours = model(idx, attention_mask=pad).logits
     err = (ours - theirs)[pad.bool()].abs().max().item()       # measured: <= 5.4e-6 (|logits| <= 7)
     assert err <= 1e-5, err
@@ -3497,7 +3497,7 @@ def test_captured_q_k_v_are_rope_of_the_projections(kind):
     head, not repeated for GQA. Each layer's sliding window is recorded."""
     model = tiny_hf(kind)
     cap = {}
-    with torch.no_grad(), optr.simulate_hf(model, None, optr.hf_config(model.config, **hf_settings()), cap):
+    with torch.no_grad(), ladder.simulate_hf(model, None, optr.hf_config(model.config, **hf_settings()), cap):
         model(IDX_HF)
     for l, mine in enumerate(projections(model, IDX_HF)):
         (q, k, v), module, window = cap[l]
@@ -3525,7 +3525,7 @@ def test_simulate_hf_is_tinylm_with_simulated_int2(kind):
     cfg = optr.hf_config(model.config, **hf_settings())
     kv, tiny = quarot_specs(cfg, seed=5), tinylm_of(model, cfg)
     with torch.no_grad():
-        with optr.simulate_hf(model, kv, cfg):
+        with ladder.simulate_hf(model, kv, cfg):
             ours = model(IDX_HF).logits
         tinys = tiny(IDX_HF, optr.SimulatedINT2(kv, cfg))
         assert (ours - tinys).abs().max().item() <= 1e-4                   # measured: <= 6.6e-6
@@ -3533,7 +3533,7 @@ def test_simulate_hf_is_tinylm_with_simulated_int2(kind):
 
 
 def check_padded_sequence_reads_its_own_windows(model, kv, cfg):
-    with torch.no_grad(), optr.simulate_hf(model, kv, cfg):
+    with torch.no_grad(), ladder.simulate_hf(model, kv, cfg):
         pos = (PAD_HF.cumsum(-1) - 1).clamp_min(0)
         padded = model(IDX_HF, attention_mask=PAD_HF, position_ids=pos).logits[1, 7:]
         alone = model(IDX_HF[1:, 7:]).logits[0]
@@ -3562,7 +3562,7 @@ def test_decoding_through_transformers_cache_reads_what_the_full_forward_reads(k
     from transformers import DynamicCache
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings())
-    with torch.no_grad(), optr.simulate_hf(model, quarot_specs(cfg, seed=5), cfg):
+    with torch.no_grad(), ladder.simulate_hf(model, quarot_specs(cfg, seed=5), cfg):
         full = model(IDX_HF).logits
         cache = DynamicCache(config=model.config)
         steps = [model(IDX_HF[:, :5], past_key_values=cache).logits]
@@ -3607,7 +3607,7 @@ def check_gemma_simulation(model, kv, cfg, idx=IDX_HF):
             theirs = model(idx).logits
         finally:
             model.set_attn_implementation("sdpa")
-        with optr.simulate_hf(model, kv, cfg):
+        with ladder.simulate_hf(model, kv, cfg):
             ours = model(idx).logits
     assert (ours - theirs).abs().max().item() <= 1e-4                       # measured: <= 3.1e-6
 
@@ -3649,7 +3649,7 @@ def test_simulate_hf_block_by_block_gives_the_dense_logits(kind, monkeypatch):
             got = []
             for block in (None, 7):
                 blocks.clear()
-                with torch.no_grad(), optr.simulate_hf(model, kv, cfg, block=block):
+                with torch.no_grad(), ladder.simulate_hf(model, kv, cfg, block=block):
                     got.append(model(IDX_HF, attention_mask=mask, position_ids=None if mask is None else pos).logits)
                 assert len(blocks) == (2 if block and mask is None and kv else 0)   # 2 causal layers
             assert (got[0] - got[1]).abs().max().item() <= 1e-5                     # measured: <= 2e-6
@@ -3701,7 +3701,7 @@ def greedy_through_simulate_hf(model, kv, cfg, prompt, n):
     sequence so far, the prompt as one forward (chunks), argmax at its last position -> tokens
     (B, n), logits per step."""
     seq, logits = prompt, []
-    with torch.no_grad(), optr.simulate_hf(model, kv, cfg, chunks=(prompt.shape[1],)):
+    with torch.no_grad(), ladder.simulate_hf(model, kv, cfg, chunks=(prompt.shape[1],)):
         for _ in range(n):
             logits.append(model(seq).logits[:, -1])
             seq = torch.cat([seq, logits[-1].argmax(-1, keepdim=True)], 1)
@@ -3774,9 +3774,9 @@ def test_hf_cache_continuation_of_several_tokens_reads_all_the_sequence_holds():
     with optr.hf_cache(model, kv, cfg) as cache:
         ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits
                           for a, b in ((0, 12), (12, 20), *((t, t + 1) for t in range(20, 26)))], 1)
-    with optr.simulate_hf(model, kv, cfg, chunks=(12, 8)):
+    with ladder.simulate_hf(model, kv, cfg, chunks=(12, 8)):
         theirs = model(IDX_HF[:, :26]).logits
-    with optr.simulate_hf(model, kv, cfg):
+    with ladder.simulate_hf(model, kv, cfg):
         ladders = model(IDX_HF[:, :26]).logits
     assert (ours - theirs).abs().max().item() <= 1e-4
     assert (ours - ladders).abs().max().item() > 1e-2
@@ -4071,7 +4071,7 @@ def beam_search_through(model, kv, cfg, P=12, n=10):
     args = dict(num_beams=3, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0, early_stopping=False)
     with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
         ours = model.generate(IDX_HF[:, :P], past_key_values=cache, **args)
-    with torch.no_grad(), optr.simulate_hf(model, kv, cfg, chunks=(P,)):
+    with torch.no_grad(), ladder.simulate_hf(model, kv, cfg, chunks=(P,)):
         theirs = model.generate(IDX_HF[:, :P], use_cache=False, **args)
     return ours, theirs
 
@@ -4127,9 +4127,9 @@ def check_export_hf_folds_r_v(model, kv, cfg, out):
     folded, specs = hf_load(optr.export_hf(model, kv, out, cfg=cfg)), optr.load_kv_rotations(out, cfg)[0]["optr"]
     assert all(s.r_v is None and s.quant_v for s in specs)
     with torch.no_grad():
-        with optr.simulate_hf(model, kv, cfg):
+        with ladder.simulate_hf(model, kv, cfg):
             theirs = model(IDX_HF).logits
-        with optr.simulate_hf(folded, specs, cfg):
+        with ladder.simulate_hf(folded, specs, cfg):
             ours = folded(IDX_HF).logits
     err = (ours - theirs).abs().max().item()
     assert err <= 1e-4, err                                                 # measured: <= 7.2e-6
@@ -4195,7 +4195,7 @@ def test_a_model_that_bypasses_the_attention_interface_is_refused():
                                          bos_token_id=0, eos_token_id=0)).eval()
     cfg = optr.hf_config(neo.config, **hf_settings())
     with pytest.raises(ValueError, match="gpt_neo: 2 of 2 layers never called transformers' attention"):
-        with torch.no_grad(), optr.simulate_hf(neo, None, cfg):
+        with torch.no_grad(), ladder.simulate_hf(neo, None, cfg):
             neo(IDX_HF)
     with pytest.raises(ValueError, match="gpt_neo"):
         ladder.calibrate_hf(neo, IDX_HF[:, :24], HELD_HF, cfg, learn=False)
@@ -4213,7 +4213,7 @@ def test_hf_config_and_simulate_hf_refuse_what_they_cannot_honour():
     g2 = Gemma2ForCausalLM(Gemma2Config(vocab_size=300, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16)).eval()
     with pytest.raises(ValueError, match="gemma2: attention logit soft-capping"):
-        with torch.no_grad(), optr.simulate_hf(g2, None, optr.hf_config(g2.config)):
+        with torch.no_grad(), ladder.simulate_hf(g2, None, optr.hf_config(g2.config)):
             g2(IDX_HF)
 
 
