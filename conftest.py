@@ -106,8 +106,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and why:
             item.add_marker(pytest.mark.skip(reason=why))
-        elif "needs_triton" in item.keywords and kernel.triton is None:
-            item.add_marker(pytest.mark.skip(reason=NO_TRITON))
+        elif "needs_triton" in item.keywords and kernel.triton is None:   # first, before its other skipifs
+            item.add_marker(pytest.mark.skipif(True, reason=NO_TRITON), append=False)
     if config.getoption("--full") or config.option.markexpr:
         if not config.option.markexpr:
             skip = [i for i in items if "sass_all" in i.keywords]
