@@ -3335,7 +3335,7 @@ def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(
 # ----------------------------------------------------------------------------------------
 # E, continued: transformers' models through their attention interface
 # ----------------------------------------------------------------------------------------
-# Tiny random transformers models built here from their configs (no download): Llama (GQA and
+# Tiny random transformers models built from their configs (no download; conftest.tiny_hf): Llama (GQA and
 # MQA), Qwen2 (q/k/v bias), Qwen3 (q/k norm), Gemma 3 (q/k norm, its own `scaling`, sliding
 # layers with a window shorter than the sequence, MQA and GQA). The references are
 # transformers' own attention, the test's RoPE of the test's projections, optr's TinyLM on the
