@@ -220,6 +220,22 @@ def tiny_hf(kind, seed=0):
     return model.eval()
 
 
+def transformers_twin(model):
+    """TinyLM as the transformers Llama, Qwen2 or Qwen3 it is (the same parameter names), for export_hf."""
+    import transformers
+    c = model.cfg
+    assert not (c.qk_norm and c.attention_bias), "q/k norm with q/k/v bias: no Hugging Face model_type"
+    hf = transformers.AutoConfig.for_model(
+        "qwen3" if c.qk_norm else "qwen2" if c.attention_bias else "llama", vocab_size=c.vocab_size,
+        hidden_size=c.d_model, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
+        num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_dim,
+        rope_theta=c.rope_theta, rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
+        bos_token_id=None, eos_token_id=None)                # TinyLM has no special tokens
+    twin = transformers.AutoModelForCausalLM.from_config(hf, dtype=model.lm_head.weight.dtype)
+    twin.load_state_dict(model.state_dict())
+    return twin.eval()
+
+
 def hf_settings(**kw):
     """optr's settings for the tiny models: windows of 4 and 8, a short calibration."""
     return dict(dict(sink=4, window=8, steps=6, eval_every=2, n_loss_queries=16), **kw)
@@ -389,4 +405,5 @@ run_python_fixture = _shared("run_python", run_python)
 shuffled_fixture = _shared("shuffled", shuffled)
 tiny_hf_fixture = _shared("tiny_hf", tiny_hf)
 tinylm_of_fixture = _shared("tinylm_of", tinylm_of)
+transformers_twin_fixture = _shared("transformers_twin", transformers_twin)
 tiny_kernel_error_fixture = _shared("tiny_kernel_error", tiny_kernel_error)

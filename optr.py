@@ -1341,21 +1341,11 @@ per-layer clips: metadata). Load: from_pretrained(dir), optr.load_kv_rotations(d
 
 
 def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr", cfg: Config | None = None) -> str:
-    """The model with R_V folded in, by transformers' save_pretrained (TinyLM: as the Llama, Qwen2 or
-    Qwen3 it is), beside kv_rotations.safetensors (`name`: R_K, mu) and .txt; the tokenizer if given."""
-    import transformers
-    need(cfg is not None or isinstance(model, TinyLM), "export_hf: a transformers model needs cfg (optr.hf_config)")
-    c = cfg or model.cfg
-    if isinstance(model, TinyLM):                          # the same parameter names
-        assert not (c.qk_norm and c.attention_bias), "q/k norm with q/k/v bias: no Hugging Face model_type"
-        hf = transformers.AutoConfig.for_model(
-            "qwen3" if c.qk_norm else "qwen2" if c.attention_bias else "llama", vocab_size=c.vocab_size,
-            hidden_size=c.d_model, num_hidden_layers=c.n_layers, num_attention_heads=c.n_heads,
-            num_key_value_heads=c.n_kv_heads, head_dim=c.head_dim, intermediate_size=c.ffn_dim,
-            rope_theta=c.rope_theta, rms_norm_eps=c.rms_eps, tie_word_embeddings=c.tie_embeddings,
-            bos_token_id=None, eos_token_id=None)                # TinyLM has no special tokens
-        tiny, model = model, transformers.AutoModelForCausalLM.from_config(hf, dtype=model.lm_head.weight.dtype)
-        model.load_state_dict(tiny.state_dict())
+    """A transformers model (cfg: its hf_config) with R_V folded in, by its save_pretrained, beside
+    kv_rotations.safetensors (`name`: R_K, mu) and .txt; the tokenizer if given."""
+    need(cfg is not None and not isinstance(model, TinyLM), "export_hf: a transformers model and its cfg "
+         "(optr.hf_config); TinyLM's weights load by name into the Llama, Qwen2 or Qwen3 it is")
+    c = cfg
     folded = fold_value_rotation(model, kv, c)
     quant = getattr(folded, "hf_quantizer", None)       # a GGUF is dequantized on load: saved as the floats held
     if quant is not None and getattr(quant.quantization_config.quant_method, "value", None) == "gguf":

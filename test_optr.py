@@ -59,7 +59,7 @@ from conftest import (CASES, DEVICE, EXTRA, GEMMA_LAYERS, GEMMA_SLIDING, HELD_HF
                       KERNEL_LAUNCHES, SPLIT_CASE, SPLIT_CASE_SPLITS, TINY_LAUNCH, UNCHECKED_CASE,
                       UNCHECKED_SPLITS, VALID_CASE, Case, hf_settings, launch_shape, needs_triton,
                       quarot_specs, rand, random_model, random_rotations, run_python, shuffled,
-                      tiny_hf, tiny_kernel_error, tinylm_of)
+                      tiny_hf, tiny_kernel_error, tinylm_of, transformers_twin)
 from kernel import int2_paged_decode
 from tools import bench
 
@@ -2680,7 +2680,8 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
     (None), and its settings reconfigure the loaded model."""
     model = random_model("qwen2", sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=20)
-    out = optr.export_hf(model, kv, str(tmp_path / "x"), name="served")
+    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), name="served",
+                         cfg=model.cfg)
     variants, info = optr.load_kv_rotations(out, model.cfg)
     assert list(variants) == ["served"] and info["r_v_folded"] == {"served": True}
     for a, b in zip(kv, variants["served"]):
@@ -2700,7 +2701,7 @@ def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     from transformers import AutoModelForCausalLM
     model = random_model(kind, tie=tie, sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=10)
-    out = optr.export_hf(model, kv, tmp_path / "x")
+    out = optr.export_hf(transformers_twin(model), kv, tmp_path / "x", cfg=model.cfg)
     variants, info = optr.load_kv_rotations(out)
     specs = variants["optr"]
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
@@ -2854,7 +2855,7 @@ def test_hf_cache_from_export_hf_quantizes_each_layer_at_its_own_clips(tmp_path)
     Optr against optr: generate() with hf_cache against the paged decode loop."""
     model, kv = engine_ready_tinylm("qwen2")
     kv = layer_clips(kv)
-    out = optr.export_hf(model, kv, str(tmp_path / "x"))
+    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), cfg=model.cfg)
     hf, folded = hf_load(out), optr.fold_value_rotation(model, kv)
     served, _ = optr.load_kv_rotations(out, model.cfg)
 
@@ -3106,7 +3107,7 @@ def test_export_hf_loads_in_transformers_with_optrs_logits(tmp_path, kind, tie):
     """optr.export_hf's checkpoint (R_V folded in) loads in transformers'
     AutoModelForCausalLM, offline, and gives optr's full-precision logits."""
     model, kv = engine_ready_tinylm(kind, tie=tie)
-    hf = hf_load(optr.export_hf(model, kv, str(tmp_path / "hf")))
+    hf = hf_load(optr.export_hf(transformers_twin(model), kv, str(tmp_path / "hf"), cfg=model.cfg))
     with torch.no_grad():
         assert torch.allclose(hf(IDX).logits, model(IDX), atol=1e-4)
 
@@ -3115,7 +3116,8 @@ def test_export_hf_loads_in_transformers_with_optrs_logits(tmp_path, kind, tie):
 def exported_to_hf(tmp_path_factory):
     """A model, its specs, its folded copy and export_hf's checkpoint in transformers."""
     model, kv = engine_ready_tinylm("qwen2")
-    out = optr.export_hf(model, kv, str(tmp_path_factory.mktemp("hf") / "x"))
+    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path_factory.mktemp("hf") / "x"),
+                         cfg=model.cfg)
     return model, kv, optr.fold_value_rotation(model, kv), hf_load(out)
 
 
@@ -3210,7 +3212,8 @@ def test_hf_cache_with_the_original_weights_rotates_values_itself(exported_to_hf
 def check_hf_cache_unfolded_is_decode_step(exported_to_hf, out):
     """hf_cache with folded=False beside the original weights (exported to `out`) is decode_step."""
     model, kv, folded, _ = exported_to_hf
-    hf = hf_load(optr.export_hf(model, [replace_cfg(s, r_v=None) for s in kv], out))
+    unfolded = [replace_cfg(s, r_v=None) for s in kv]
+    hf = hf_load(optr.export_hf(transformers_twin(model), unfolded, out, cfg=model.cfg))
     cache, seqs = ours_paged(folded, kv, 2)
     with optr.hf_cache(hf, kv, model.cfg, folded=False) as mine:
         for t in range(26):
@@ -3322,7 +3325,7 @@ def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
     import eval_llm
     model, kv = engine_ready_tinylm("llama")
-    optr.export_hf(model, kv, str(tmp_path / "x"))
+    optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), cfg=model.cfg)
     cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), hf_generate=6)
     text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
     lines = []
@@ -4052,7 +4055,7 @@ def test_export_hf_of_a_transformers_model_folds_r_v_into_v_proj_and_o_proj(kind
 
 def test_export_hf_refuses_a_transformers_model_without_cfg(tmp_path):
     """A transformers model has no optr Config: export_hf without cfg is a ValueError naming it."""
-    with pytest.raises(ValueError, match=r"export_hf: a transformers model needs cfg \(optr.hf_config\)"):
+    with pytest.raises(ValueError, match=r"export_hf: a transformers model and its cfg \(optr.hf_config\)"):
         optr.export_hf(tiny_hf("llama-GQA"), [], str(tmp_path / "x"))
 
 

@@ -9,10 +9,12 @@ compiles. The builders they share with the spec (device, tiny_hf, hf_settings, .
 conftest.py's fixtures.
 """
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
 
+import ladder
 import optr
 from kernel import int2_paged_decode
 from tools import bench
@@ -122,12 +124,12 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus(devic
         return cfg, folded, kv, cache, seqs, optr.prefill(folded, cache, seqs, prompt[:, :T].to(dev))
     cfg, folded, kv, cache, seqs, logits = prefilled(device)
     one, _ = shuffled_cache(cfg, kv, B, T + 1, device)
-    captured, specs = [], [optr.served_spec(s) for s in kv]                 # R_V is folded
+    captured, specs = [], [replace(s, r_v=None) for s in kv]               # R_V is folded
     with torch.no_grad():
         sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
     for l, (_, k, v) in enumerate(captured):
         for t in range(T):
-            one.append(l, seqs, k[:, :, t], v[:, :, t])
+            one.append(l, seqs, k[:, :, t:t + 1], v[:, :, t:t + 1])
     names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
              "block_table", "length")
     assert [n for n in names if not torch.equal(getattr(cache, n), getattr(one, n))] == []
@@ -175,11 +177,11 @@ def _appendix_e_run(make_model, settings, kind, device, ids, kv=None):
     model = make_model(kind).to(device)
     cfg = optr.hf_config(model.config, **settings)
     x = ids.to(device)
-    learned, _ = optr.calibrate_hf(model, x[:2], x[2:4], cfg)
+    learned, _ = ladder.calibrate_hf(model, x[:2], x[2:4], cfg)
     with torch.no_grad():
-        with optr.simulate_hf(model, None, cfg):
+        with ladder.simulate_hf(model, None, cfg):
             exact = model(x[4:]).logits
-        with optr.simulate_hf(model, learned if kv is None else [s.to(device) for s in kv], cfg):
+        with ladder.simulate_hf(model, learned if kv is None else [s.to(device) for s in kv], cfg):
             int2 = model(x[4:]).logits
     return model, cfg, learned, exact, int2
 
@@ -204,7 +206,7 @@ def check_transformers(device, make_model, settings):
     cpu, failed, details = torch.device("cpu"), [], []
     ids = torch.randint(0, 300, (6, 30), generator=torch.Generator().manual_seed(2))
     rel = lambda a, b: ((a.cpu() - b).abs().max() / b.abs().max()).item()
-    kl = lambda p, q: optr.token_kl(p, q).mean().item()                # KL(p || q) of log-probs
+    kl = lambda p, q: ladder.token_kl(p, q).mean().item()                # KL(p || q) of log-probs
     tf32, torch.backends.cuda.matmul.allow_tf32 = torch.backends.cuda.matmul.allow_tf32, False
     try:
         for kind in ("llama-GQA", "gemma3-GQA"):
@@ -212,7 +214,7 @@ def check_transformers(device, make_model, settings):
             _, _, got, dev_exact, dev_int2 = _appendix_e_run(make_model, settings, kind, device, ids, ref)
             pairs = [(a, b) for a, b in zip(got, ref) if a.r_k is not None]
             eye = torch.eye(cfg.head_dim, device=device)
-            with torch.no_grad(), optr.simulate_hf(model, [s.to(cpu) for s in got], cfg):
+            with torch.no_grad(), ladder.simulate_hf(model, [s.to(cpu) for s in got], cfg):
                 kl_dev = kl(exact.log_softmax(-1), model(ids[4:]).logits.log_softmax(-1))
             measured = {                                   # name: (value, largest that passes)
                 "logits exact": (rel(dev_exact, exact), 1e-4),

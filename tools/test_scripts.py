@@ -163,7 +163,7 @@ def test_hugging_face_directories_load_through_transformers(tmp_path, kind, tie,
                                                             random_model):
     """Random Llama, Qwen2 (q/k/v bias) and Qwen3 (q/k norm) models written as config.json +
     safetensors (sharded with an index, tied lm_head left out) + tokenizer.json load through
-    eval_llm.load_model; behind TinyLM's interface (HFModel, optr.simulate_hf in exact mode)
+    eval_llm.load_model; behind TinyLM's interface (HFModel, ladder.simulate_hf in exact mode)
     they give the logits of the model written, and so does their TinyLM twin; the tokenizer
     is tokenizer.json as written."""
     model = random_model(kind, tie=tie)
@@ -219,7 +219,7 @@ def test_what_transformers_cannot_load_is_refused(tmp_path, eval_llm, random_mod
 def test_the_ladder_on_a_transformers_model_is_the_ladder_on_tinylm(eval_llm, held_hf, hf_settings, idx_hf,
                                                                    quarot_specs, tiny_hf, tinylm_of):
     """ladder.calibrate_variants on eval_llm.HFModel (a transformers Llama behind TinyLM's
-    interface: optr.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
+    interface: ladder.calibrate_hf) learns the rotations it learns on optr's TinyLM holding the
     same weights, within 1e-4; HFModel's logits, exact and INT2, and its captures are TinyLM's.
     Optr against optr: HFModel through transformers against TinyLM."""
     hf = tiny_hf("llama-GQA")
@@ -380,7 +380,7 @@ def test_checkpoint_with_wrong_shapes_refuses_to_load(tmp_path, train_tiny):
 def test_eval_llm_smoke(tmp_path, eval_llm):
     """eval_llm.py runs every stage on a tiny random Llama checkpoint (Hugging Face layout,
     through transformers), writes results.json in train_tiny's schema, its numbers (through
-    optr.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
+    ladder.simulate_hf) are those of optr's TinyLM on the same weights, the paged decode on that
     TinyLM reproduces the simulated passkey answers, and it writes
     orthogonal rotations (one file, read by optr.load_kv_rotations) and the plots. --resume
     reads that file back (and refuses other calibration settings), also with the Triton

@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import ladder
 import optr
 from tools import sglang
 from tools.sglang import export_sglang
@@ -317,16 +318,16 @@ def test_export_sglang_refuses_gemma3s_exact_sliding_layers_and_names_the_fix(tm
     cfg = optr.hf_config(model.config, sink=0, window=8, steps=6, eval_every=2, n_loss_queries=16)
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(11))
     cal, held = ids[:, :GEMMA_SLIDING], ids[:, GEMMA_SLIDING:]
-    kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False)
+    kv, _ = ladder.calibrate_hf(model, cal, held, cfg, learn=False)
     with pytest.raises(ValueError, match=r"kv\[0\]: keys or values kept exact.*calibrate_hf\(\.\.\., sliding=True\)"):
         export_sglang(kv, cfg, str(tmp_path / "default"))
-    kv, _ = optr.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
+    kv, _ = ladder.calibrate_hf(model, cal, held, cfg, learn=False, sliding=True)
     k_path, v_path, mu_path = exported(tmp_path, kv, cfg)
     for a, b in zip(kv, sglang_specs(k_path, v_path, cfg, mu_path)):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
 
 
-def test_the_command_line_exports_a_rotation_files_variant_as_its_specs(tmp_path):
+def test_the_command_line_exports_a_rotation_files_variant_as_its_specs(tmp_path, transformers_twin):
     """python -m tools.sglang FILE OUT writes the file's quarot+optr (the paper's; --variant NAME another),
     which their loaders read back as its specs; from export_hf's directory (R_V folded into the
     weights) the V file is the identity."""
@@ -339,7 +340,7 @@ def test_the_command_line_exports_a_rotation_files_variant_as_its_specs(tmp_path
                         os.path.join(d, "k_mean.pt"))
     for a, b in zip(kv, back):
         assert torch.equal(a.r_k, b.r_k) and torch.equal(a.r_v, b.r_v) and torch.equal(a.k_mean, b.k_mean)
-    optr.export_hf(model, kv, str(tmp_path / "hf"))
+    optr.export_hf(transformers_twin(model), kv, str(tmp_path / "hf"), cfg=model.cfg)
     d = sglang.main([str(tmp_path / "hf"), str(tmp_path / "b"), "--variant", "optr"])
     v_file = sglang_rotations(os.path.join(d, "v_rotation.pt"), 2, 16, 2)
     assert torch.equal(v_file, torch.eye(16).expand(2, 2, 16, 16))
@@ -371,7 +372,7 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
     exec(code.replace('"rotations/', f'"{ROOT}/rotations/'), env)
     hf, x, spec, cfg = env["hf"], prompt, env["spec"], env["cfg"]
     for _ in range(8):
-        with torch.no_grad(), optr.simulate_hf(hf, spec, cfg, chunks=(prompt.shape[1],)):
+        with torch.no_grad(), ladder.simulate_hf(hf, spec, cfg, chunks=(prompt.shape[1],)):
             x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
     assert env["ids"].tolist() == x.tolist()
     with torch.no_grad():                                  # the compiled decode's tokens are the reference's
