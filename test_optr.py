@@ -2386,7 +2386,7 @@ def test_the_compiled_decode_step_can_fail(monkeypatch):
 
 def held_reference(k0, v0, mu, R, cfg):
     """Keys and values (H_kv, n0, d) float64 that a sequence of n0 tokens k0, v0 (H_kv, n0, d) holds
-    after extend, in the stored basis, by the test's own numbers: (k - mu) R and v, the positions
+    after append, in the stored basis, by the test's own numbers: (k - mu) R and v, the positions
     in [sink, n0 - window) through the numpy Q2 (authors_q2), the others exact."""
     kr, v0 = ((k0.double() - mu.double()[:, None]) @ R.double()).float(), v0.float()
     n0 = k0.shape[1]
