@@ -1020,7 +1020,8 @@ def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
 def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_scale: float):
     """The authors' multi-token forward for one sequence: qr (1, H_q, T, d) rotated by R_K, kr, v (1, H_kv,
     T, d) the chunk as stored -> (1, H_q, T, d) fp32: the chunk exact and causal, what was held as held."""
-    K, V = held_kv(cache.layer_view(layer, [seq]), 0, cache.cfg.group_size)            # (H_kv, n0, d)
+    n, q = cache.length.numpy()[layer, [seq]], cache.n_int2(layer)[[seq]]   # counts on the host: no device read
+    K, V = held_kv({**cache.layer_view(layer, [seq]), "n_quant": q, "win_len": n - q}, 0, cache.cfg.group_size)
     n0, T = K.shape[1], qr.shape[2]
     K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
     mask = None if n0 == 0 else torch.ones(T, n0 + T, dtype=torch.bool, device=qr.device).tril(n0)
