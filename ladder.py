@@ -745,8 +745,8 @@ def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], pa
 def simulate_hf(model, kv, cfg: optr.Config, capture: dict | None = None, block: int | None = None, chunks=None):
     """`with simulate_hf(model, kv, cfg):` the model's attention reads Section 5's INT2 cache of kv (None:
     exact), windows in the model's positions, sdpa's masks (padding, sliding); layers that bypass the
-    interface (gpt_neo, falcon): a ValueError. capture: {layer: ((q, k, v), module, window)}; block:
-    causal layers block by block (Appendix A); chunks: hf_cache's forwards (optr.int2_frontier)."""
+    interface (gpt_neo, falcon): a ValueError. capture: {layer: ((q, k, v), module, window)}; block: causal
+    layers block by block (optr.block_simulated_attention); chunks: hf_cache's forwards (optr.int2_frontier)."""
     from transformers.masking_utils import sdpa_mask
     if kv is not None:
         optr.check_kv("simulate_hf", kv, cfg)

@@ -1095,7 +1095,7 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, the decode step
 # ----------------------------------------------------------------------------------------
 """
-The numbers of Sections 6-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read
+The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read
 in INT2 by some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per
 query: KL adds (sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves
 with R_K. Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
@@ -1403,8 +1403,8 @@ def clipped(grid):
 # ----------------------------------------------------------------------------------------
 """
 Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3):
-hf_config reads its geometry; hf_cache serves INT2 layers from Section 8's pages (the ladders'
-simulation in its attention, ladder.simulate_hf, is what it serves: Section 5 with chunks).
+hf_config reads its geometry; hf_cache serves INT2 layers from Section 8's pages, and what it serves
+is ladder.simulate_hf's numbers (Section 5 in the model's attention) with chunks.
 PagedLayer.update keeps k, v and returns itself as keys and values, which transformers hands
 untouched to "optr-paged" (paged_attention), then to the layer's attend: paged_step.
 """
