@@ -347,7 +347,8 @@ def launch_shape(case, num_splits, checked=True):
 KERNEL_LAUNCHES = ([launch_shape(c, c.num_splits) for c in CASES]
                    + [launch_shape(SPLIT_CASE, s) for s in SPLIT_CASE_SPLITS]
                    + [launch_shape(VALID_CASE, VALID_CASE.num_splits)]
-                   + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS])
+                   + [launch_shape(UNCHECKED_CASE, s, checked=False) for s in UNCHECKED_SPLITS]
+                   + [dict(launch_shape(c, c.num_splits), kernel="plain") for c in CASES + [SPLIT_CASE]])
 
 
 # A small ragged launch (3 sequences: 40, 0 and 17 INT2 tokens; windows 5, 2, 0), bf16.

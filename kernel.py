@@ -54,6 +54,85 @@ _INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # wh
 _LOG2E, _MAX_SPLITS = 1.4426950408889634, 1024
 
 
+# ==== Version 1: the plain Triton kernel (read it beside optr.paged_decode_reference) ====
+@triton_jit
+def _q2_rows(codes_ptr, scale_ptr, zero_ptr,  # one page's K or V: uint8 codes, fp32 scales, zeros
+             code_rows, param_rows,   # (BLOCK_P,) int64 offset of each slot's code row, scale row
+             valid,                   # (BLOCK_P,) slots that hold a token
+             HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr):
+    """(BLOCK_P, d) fp32 rows: dim i is bits 2f..2f+1 of byte i % (d/4), f = i // (d/4) (the packing
+    in the module docstring), dequantized as Q2 stores it: x_i = (code_i - zero[i // G]) * scale[i // G]."""
+    dims = tl.arange(0, HEAD_DIM)
+    byte = tl.load(codes_ptr + code_rows[:, None] + (dims % (HEAD_DIM // 4))[None, :],
+                   mask=valid[:, None], other=0)
+    code = (byte.to(tl.int32) >> (2 * (dims // (HEAD_DIM // 4)))[None, :]) & 3
+    params = param_rows[:, None] + (dims // GROUP_SIZE)[None, :]
+    scale = tl.load(scale_ptr + params, mask=valid[:, None], other=0.0)
+    zero = tl.load(zero_ptr + params, mask=valid[:, None], other=0.0)
+    return (code.to(tl.float32) - zero) * scale
+
+@triton_jit
+def _int2_decode_plain_kernel(
+        q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+        block_table_ptr, n_quant_ptr, win_k_ptr, win_v_ptr, win_len_ptr,  # as the fast kernel's
+        out_ptr,               # (B, H_q, d) fp32 out: the attention output
+        qk_scale,              # sm_scale * log2(e): logits in base 2, softmax by exp2
+        stride_qb, stride_qh, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh, stride_sn,
+        stride_btb, stride_wb, stride_wh, stride_wn,   # as the fast kernel's
+        stride_yb, stride_yh,  # output strides (batch, head)
+        HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
+        QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
+        BLOCK_H: tl.constexpr,  # power of two >= QUERIES_PER_KV
+        BLOCK_P: tl.constexpr,  # power of two >= PAGE_SIZE, >= 16 (tl.dot's K)
+        BLOCK_W: tl.constexpr,  # window tokens per step, power of two >= 16
+        DOT_PRECISION: tl.constexpr):
+    """Program (b, h): every query head of KV head h of sequence b, over its INT2 pages, then its
+    window; one online softmax (running max m, sum l, output acc rescaled as the max grows)."""
+    b, h = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    heads = h * QUERIES_PER_KV + tl.arange(0, BLOCK_H)             # GQA: query heads of KV head h
+    head_ok = tl.arange(0, BLOCK_H) < QUERIES_PER_KV
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
+                mask=head_ok[:, None], other=0.0).to(tl.float32)   # fp32 right after the load
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    slots = tl.arange(0, BLOCK_P)
+    n_quant = tl.load(n_quant_ptr + b)
+    for blk in range(0, tl.cdiv(n_quant, PAGE_SIZE)):              # the sequence's INT2 pages
+        page = tl.load(block_table_ptr + b * stride_btb + blk).to(tl.int64)
+        valid = (slots < PAGE_SIZE) & (blk * PAGE_SIZE + slots < n_quant)
+        code_rows = page * stride_cp + h * stride_ch + slots * stride_cn
+        param_rows = page * stride_sp + h * stride_sh + slots * stride_sn
+        k = _q2_rows(k_codes_ptr, k_scale_ptr, k_zero_ptr, code_rows, param_rows, valid, HEAD_DIM, GROUP_SIZE)
+        v = _q2_rows(v_codes_ptr, v_scale_ptr, v_zero_ptr, code_rows, param_rows, valid, HEAD_DIM, GROUP_SIZE)
+        a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale          # Eq. 1
+        a = tl.where(valid[None, :], a, float("-inf"))
+        m_new = tl.maximum(m, tl.max(a, axis=1))                   # finite: a page holds a token
+        p = tl.exp2(a - m_new[:, None])                            # Eq. 1's softmax, unnormalised
+        alpha = tl.exp2(m - m_new)                                 # 0 on the first page
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)       # Eq. 2
+        m = m_new
+    win_len = tl.load(win_len_ptr + b)
+    for first in range(0, win_len, BLOCK_W):                       # the exact sink + recent tokens
+        slot = first + tl.arange(0, BLOCK_W)
+        valid = slot < win_len
+        rows = b * stride_wb + h * stride_wh + slot[:, None] * stride_wn + dims[None, :]
+        k = tl.load(win_k_ptr + rows, mask=valid[:, None], other=0.0).to(tl.float32)
+        v = tl.load(win_v_ptr + rows, mask=valid[:, None], other=0.0).to(tl.float32)
+        a = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale          # Eq. 1
+        a = tl.where(valid[None, :], a, float("-inf"))
+        m_new = tl.maximum(m, tl.max(a, axis=1))
+        p = tl.exp2(a - m_new[:, None])
+        alpha = tl.exp2(m - m_new)
+        l = l * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=DOT_PRECISION)       # Eq. 2
+        m = m_new
+    tl.store(out_ptr + b * stride_yb + heads[:, None] * stride_yh + dims[None, :], acc / l[:, None],
+             mask=head_ok[:, None])
+
+
 # ==== Triton kernels (launched where triton is installed) ====
 @triton_jit
 def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
@@ -478,7 +557,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
 
 
-_KERNEL_NAMES = ("_int2_decode_split_kernel", "_merge_splits_kernel")
+_KERNEL_NAMES = ("_int2_decode_plain_kernel", "_int2_decode_split_kernel", "_merge_splits_kernel")
 
 
 # ==== Input checks: the project's one set (optr's files, flags and cache use them too) ====
@@ -614,12 +693,10 @@ def _block_sizes(d, G, ratio, P):
 
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
-            win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes):
-    """Launch both stages on already validated inputs; no host synchronisation."""
+            win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes, kernel="fast"):
+    """Launch the plain kernel, or both stages of the fast one, on already validated inputs; no
+    host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
-    cfg = _block_sizes(d, group_size, H_q // H_kv, P)
-    max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
-    num_splits = num_splits or _default_num_splits(B, H_kv, max_tiles, q.device)
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if NW == 0:  # give the kernel a readable (never read) pointer
         win_k = win_v = q.new_zeros(B, H_kv, 1, d)
@@ -628,6 +705,19 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
         k_scale = k_zero = v_scale = v_zero = k_scale.new_zeros(1, *k_scale.shape[1:])
     if block_table.shape[1] == 0:
         block_table = block_table.new_zeros(B, 1)
+    if kernel == "plain":
+        out = torch.empty(B, H_q, d, dtype=torch.float32, device=q.device)
+        _int2_decode_plain_kernel[(B, H_kv)](
+            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k, win_v,
+            win_len, out, sm_scale * _LOG2E, *q.stride()[:2], *k_codes.stride()[:3], *k_scale.stride()[:3],
+            block_table.stride(0), *win_k.stride()[:3], *out.stride()[:2], HEAD_DIM=d, GROUP_SIZE=group_size,
+            PAGE_SIZE=P, QUERIES_PER_KV=H_q // H_kv, BLOCK_H=triton.next_power_of_2(H_q // H_kv),
+            BLOCK_P=max(16, triton.next_power_of_2(P)), BLOCK_W=16, DOT_PRECISION=_dot_precision(q.device),
+            num_warps=8 if P * d >= 8192 else 4)   # 4 spill at d = 128, P = 64 (sm_90a)
+        return out
+    cfg = _block_sizes(d, group_size, H_q // H_kv, P)
+    max_tiles = triton.cdiv(sizes["max_tokens"], cfg["BLOCK_N"])
+    num_splits = num_splits or _default_num_splits(B, H_kv, max_tiles, q.device)
     part_out = torch.empty(B, H_q, num_splits, d, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(B, H_q, num_splits, dtype=torch.float32, device=q.device)
     out = torch.empty(B, H_q, d, dtype=torch.float32, device=q.device)
@@ -645,8 +735,10 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
 
 
 def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k,
-                      win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True):
+                      win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True,
+                      kernel="fast"):
     """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d) fp32.
+    kernel: "fast" (split-K) or "plain" (one program per sequence and KV head, num_splits unused);
     num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale: logit scale (None:
     1/sqrt(d)).  A ValueError names any malformed argument.  checked=True also checks n_quant, win_len
     and the used block-table entries on the host (a sync); checked=False never syncs (CUDA-graph
@@ -655,6 +747,8 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     if triton is None:
         raise ImportError("int2_paged_decode needs triton, which is not installed (its wheels are for "
                           "Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
+    if kernel not in ("fast", "plain"):
+        fail("kernel", '"fast" or "plain"', repr(kernel))
     sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
                           n_quant, win_k, win_v, win_len, group_size, num_splits, sm_scale)
     if checked:
@@ -665,7 +759,7 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     if type(tl.zeros) is not type(_codes_fp16):
         raise RuntimeError("TRITON_INTERPRET=1 was set after triton was imported: set it before")
     return _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
-                   win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes)
+                   win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes, kernel)
 
 
 # ==== CPU kernels (numba): the same algorithm without a GPU, and the INT2 write ====

@@ -4261,16 +4261,18 @@ CASE_PARAMS = [pytest.param(c, id=c.id, marks=[] if i >= len(CASES) - len(EXTRA)
 
 @triton_kernel_test
 @pytest.mark.parametrize("case", CASE_PARAMS)
-def test_kernel_matches_reference_and_dense(case):
-    """The Triton kernel, reading packed INT2 pages through a shuffled block table plus
-    the full-precision windows, equals optr's torch paged reference and a float64 dense
-    attention over the logical (never paged) tokens: ragged lengths (0, < 1 page, 63, 64,
-    65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32, 1-16 splits.
+@pytest.mark.parametrize("which", ["fast", "plain"])
+def test_kernel_matches_reference_and_dense(which, case):
+    """Each Triton kernel (the fast one, the plain one), reading packed INT2 pages through a
+    shuffled block table plus the full-precision windows, equals optr's torch paged reference
+    and a float64 dense attention over the logical (never paged) tokens: ragged lengths (0,
+    < 1 page, 63, 64, 65, several pages), GQA 1/2/4/8, head_dim 16-256, windows none/bf16/fp32,
+    1-16 splits (the fast kernel's).
     Optr against optr: the Triton kernel against paged_decode_reference (and both against the test's
     dense float64 attention)."""
     args, dense_k, dense_v = build(case)
     atol, rtol = tolerance(case)
-    out = int2_paged_decode(**on_device(args), num_splits=case.num_splits)
+    out = int2_paged_decode(**on_device(args), num_splits=case.num_splits, kernel=which)
     ref = optr.paged_decode_reference(**args)
     dense = dense_attention(args["q"], dense_k, dense_v)
     assert out.dtype == torch.float32 and out.shape == args["q"].shape
@@ -4293,12 +4295,14 @@ def test_the_result_does_not_depend_on_how_the_context_is_split(splits):
 
 
 @triton_kernel_test
-def test_a_custom_sm_scale_is_the_logit_scale():
-    """sm_scale replaces 1/sqrt(d) as the scale of the logits.
+@pytest.mark.parametrize("which", ["fast", "plain"])
+def test_a_custom_sm_scale_is_the_logit_scale(which):
+    """sm_scale replaces 1/sqrt(d) as the scale of the logits, in either kernel.
     Optr against optr: the Triton kernel against paged_decode_reference, both at sm_scale."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
-    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3)
+    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3,
+                            kernel=which)
     assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
 
 

@@ -42,7 +42,7 @@ def _record_launch(case):
     q_dtype / win_dtype ("fp32" or "bf16", default bf16), num_splits (default None),
     num_pages and max_blocks (default: just enough pages for n_quant tokens), and
     max_tokens (what sizes the default splits: n_quant, or the block-table capacity on
-    the unchecked path)."""
+    the unchecked path), kernel ("fast", default, or "plain")."""
     c = case
     meta = torch.device("meta")
     blocks = c.get("max_blocks", triton.cdiv(c["n_quant"], c["P"]))
@@ -69,7 +69,7 @@ def _record_launch(case):
     saved = {name: getattr(kernel, name) for name in recorders}
     vars(kernel).update(recorders)
     try:
-        kernel._launch(*args.values(), c["G"], c.get("num_splits"), None, sizes)
+        kernel._launch(*args.values(), c["G"], c.get("num_splits"), None, sizes, c.get("kernel", "fast"))
     finally:
         vars(kernel).update(saved)
     return {name: rec.calls[0] for name, rec in recorders.items() if rec.calls}
