@@ -13,12 +13,25 @@ heads, head dim d, page size P):
     q                   fp32/bf16 (B, H_q, d), already rotated; query head j reads KV head j // (H_q // H_kv)
     output              fp32 (B, H_q, d), still in the rotated value basis
 
-Flash-decoding (split-K).  Stage 1, grid (B, H_kv, num_splits): a program owns one KV head with all
-its query heads (every page read once per KV head) and a contiguous range of BLOCK_N-token tiles
-(independent of P) of 16-token sub-tiles.  The query is split into four quarter-rows, one per bit
-field, so the codes are never reordered.  Scale and zero stay out of the fp16 MMA when a quarter lies
-in one group (FACTORED: G a multiple of d/4, d >= 64); other group sizes dequantize in fp32.  Each
-program writes a partial output and base-2 lse (-inf: no tokens); stage 2, grid (B, H_q), merges them.
+Two Triton kernels, read in this order (`int2_paged_decode(..., kernel=)`: one launcher, one set of checks).
+Version 1, "plain": a program per (sequence, KV head) walks the sequence's pages, unpacks each code with a
+shift and a mask, dequantizes in fp32 and keeps Eq. 1-2's online softmax (~80 lines; read it beside
+optr.paged_decode_reference).  Version 2, "fast" (the default), is version 1 refined in four steps, each
+one a section below, each with what it buys in `python -m tools.sass`' issue/HBM figure (sm_90a, bench
+case d = G = 128, page 64: the INT2 loop's issue cycles per 64-token tile over the H200's HBM cycles for
+its 5,120 bytes; 1.0 would be memory-bound; triton 3.7.1).  Version 1: 12.8 (shared memory binds: 15.5).
+  1. Split-K: grid (B, H_kv, num_splits), each program a contiguous range of tiles, writing a partial
+     output and its base-2 lse; stage 2 (grid (B, H_q)) merges them.  The same work per tile, but at
+     batch 1 the bench case's 8 programs become hundreds, for 132 SMs.
+  2. The factored dot: the query split into four quarter-rows, one per bit field (codes never
+     reordered); tokens on the fp16 MMA's rows, the query heads' fp16 hi / lo halves on its columns;
+     scale and zero outside the MMA (s * (q.c - z * sum(q)); P.V likewise).  FACTORED needs G a multiple
+     of d/4 and d >= 64; other G dequantize in fp32 (16-token tiles: 34.7 at d = G = 128, 362 spills).
+  3. Sub-tiles: 128-token tiles of 16-token sub-tiles, each with its own softmax state, merged once after
+     the loop: 1.96 (one 128-token sub-tile: 4.61; 64-token tiles of 4: 2.24).
+  4. Codes to fp16 with no conversion instruction (_codes_fp16, the hardest, last): fp16 0x6400 | c is
+     1024 + c, so a mask, an OR and one HADD2 per pair unpack them (version 1: 32 I2F per warp per page).
+Each program writes -inf as the lse of a split with no tokens; stage 2 weighs it 0.
 
 Order: the Triton kernels (without triton: defined, refusing to launch), input checks, the launcher
 int2_paged_decode, the numba CPU kernels (compiled by _nb(), by name), int2_paged_decode_cpu,
@@ -133,287 +146,8 @@ def _int2_decode_plain_kernel(
              mask=head_ok[:, None])
 
 
-# ==== Triton kernels (launched where triton is installed) ====
-@triton_jit
-def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
-                SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
-                S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte times 2^SHIFT
-    (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m (m < 1024): masking a word with
-    0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0 and 2 in its halves (shifted right by 8: bytes 1 and
-    3), OR 0x64006400 makes both fp16 1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller
-    folds 2^SHIFT into the other operand."""
-    mask: tl.constexpr = 0x00030003 << SHIFT
-    even = (words & mask) | 0x64006400                 # bytes 0 and 2
-    odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
-    b0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-    b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
-    b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
-    # (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA operand wants.
-    bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
-    return bits - 1024.0
-
-@triton_jit
-def _quarter_dims(W: tl.constexpr):
-    """(W,) int32: the dim (within its quarter) at each position of _codes_fp16's output:
-    positions 4i .. 4i+3 hold dims 4i, 4i+2, 4i+1, 4i+3 (bits 0 and 1 swapped)."""
-    pos = tl.arange(0, W)
-    return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
-
-@triton_jit
-def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
-                   S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """x = hi + lo + r (hi, lo fp16, |r| <= 2^-22 |x| + 2^-25) as one (S, R, 2 * BLOCK_H) dot
-    operand, column 2h hi of head h, 2h + 1 its lo: the heads fill the MMA's 8-wide side."""
-    hi = x.to(tl.float16)
-    lo = (x - hi.to(tl.float32)).to(tl.float16)
-    return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
-
-@triton_jit
-def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
-                   SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
-                   S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns."""
-    unit: tl.constexpr = 1.0 / (1 << SHIFT)
-    q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
-    return _hi_lo_columns(q_t, S, W, BLOCK_H)
-
-@triton_jit
-def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
-               S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
-    """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
-    hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
-    return hi + lo
-
-@triton_jit
-def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
-                 q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
-                 acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
-                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
-                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
-    """acc + codes @ q_cols in every sub-tile (one quarter's exact fp16 codes, fp32 sums)."""
-    return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
-
-@triton_jit
-def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
-                    packed,         # (S, T, W // 4) uint32 code words of the tile
-                    scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
-                    SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-                    BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """General path: one quarter-row's share of q.k, (S, T, BLOCK_H), dequantized in fp32."""
-    unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
-    k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
-    if USE_DOT:
-        q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
-        return tl.dot(k, q_t, input_precision=DOT_PRECISION)
-    else:
-        return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
-
-@triton_jit
-def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
-                alpha,              # (S, BLOCK_H) rescale of the running output
-                p,                  # (S, T, BLOCK_H) fp32 softmax numerators
-                packed,             # (S, T, W // 4) uint32 code words of the tile
-                scale, zero,        # factored: (S, T) group params; general: (S, T, W)
-                SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
-                BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) = c^T (p s) -
-    sum(p s z), p s scaled into [0, 2^14] (by the sub-tile's largest scale), hi / lo columns, one dot."""
-    codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
-    unit: tl.constexpr = 1.0 / (1 << SHIFT)
-    if FACTORED:
-        s_max = tl.max(scale, axis=1)
-        s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
-        ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
-        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
-                    out_dtype=tl.float32)
-        pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
-        psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
-        pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
-        return acc * alpha[:, None, :] + pv                              # two FFMA each
-    else:
-        v = (codes.to(tl.float32) * unit - zero) * scale
-        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p, input_precision=DOT_PRECISION)
-
-@triton_jit
-def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
-                    m_i, l_i,       # running max, sum of 2^(logit - m_i): (S, BLOCK_H) / (BLOCK_H,)
-                    SUB_TILED: tl.constexpr):
-    """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
-    rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
-    m_new = tl.maximum(m_i, tl.max(logits, axis=1))      # -inf until a real token: shift by 0 then
-    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
-    if SUB_TILED:
-        p = tl.exp2(logits - m_ref[:, None, :])  # 0 for masked tokens
-    else:
-        p = tl.exp2(logits - m_ref[:, None])
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
-
-@triton_jit
-def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
-                head_mask,          # (BLOCK_H,) query heads that exist
-                qk_scale,           # sm_scale * log2(e)
-                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, FACTORED: tl.constexpr):
-    """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
-    into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
-    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
-    if FACTORED:
-        row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
-        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]), tl.maximum(row_max[2], row_max[3]))
-        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
-        q = [x * q_mul[:, None] for x in q]
-        row_scale = qk_scale / q_mul
-    else:
-        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
-    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
-    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
-    return q, q_cols, q_sum, row_scale
-
-@triton_jit
-def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
-                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
-                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """(block-table column, slot in the page) of every token of a tile; a scalar block within a page."""
-    if PAGE_SIZE % BLOCK_N == 0:
-        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
-    elif BLOCK_N % PAGE_SIZE == 0:
-        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
-    else:
-        tok = tile * BLOCK_N + offs_n
-        return tok // PAGE_SIZE, tok % PAGE_SIZE
-
-@triton_jit
-def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
-                    rows,           # (S, T) int64 element offset of each token's row
-                    valid,          # (S, T) tokens that exist
-                    offs_w,         # (W,) dims of a quarter, in the order of the codes
-                    C: tl.constexpr,  # the quarter, 0 .. 3
-                    W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
-    """(scale, zero) of quarter C: (S, T) each if FACTORED, else (S, T, W); 0 if missing."""
-    if FACTORED:
-        group: tl.constexpr = C * W // GROUP_SIZE
-        return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
-                tl.load(zero_ptr + rows + group, mask=valid, other=0.0))
-    else:
-        cols = rows[:, :, None] + ((C * W + offs_w) // GROUP_SIZE)[None, None, :]
-        return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
-                tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
-
-@triton_jit
-def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
-                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                 FACTORED: tl.constexpr):
-    """The four quarters' (scale, zero) (one load when a row is one group)."""
-    if FACTORED and NUM_GROUPS == 1:
-        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
-                                 FACTORED)
-        return params, params, params, params
-    else:
-        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
-                                FACTORED) for c in (0, 1, 2, 3)]
-
-@triton_jit
-def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
-                 q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
-                 q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
-                 packed,            # (S, T, W // 4) uint32 key code words of the tile
-                 params,            # tuple of 4 (scale, zero), as _tile_params
-                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """(S, T, BLOCK_H) logits before row_scale, summed over the quarters.  Factored:
-    s * (q.c - z * sum(q)), tokens on the MMA's 16 rows, heads' hi / lo on its 8 columns."""
-    if FACTORED:
-        no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
-        if NUM_GROUPS == 1:
-            t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
-            for c in tl.static_range(1, 4):
-                t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
-            scale, zero = params[0]
-            q_total = q_sum[0] + q_sum[1] + q_sum[2] + q_sum[3]
-            return scale[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - zero[:, :, None] * q_total)
-        else:
-            logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
-            for c in tl.static_range(4):
-                scale, zero = params[c]
-                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
-                               S, T, BLOCK_H)
-                logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
-            return logits
-    else:
-        logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
-        for c in tl.static_range(4):
-            scale, zero = params[c]
-            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
-        return logits
-
-@triton_jit
-def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
-               m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
-               q, q_cols, q_sum,    # the query, as _tile_logits takes it
-               row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
-               k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
-               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
-               code_rows,           # (S, T) int64 offset of each token's code row, in words
-               param_rows,          # (S, T) int64 element offset of its scale / zero row
-               valid,               # (S, T) tokens that exist (the rest read nothing)
-               offs_w,              # (W,) dims of a quarter, in the order of the codes
-               S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-               GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
-               USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One tile of S x T INT2 tokens (K and V rows loaded once, as 32-bit words): logits,
-    each sub-tile's online softmax, P.V into each quarter.  Returns (acc, m_i, l_i)."""
-    words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
-    k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
-    v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
-    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
-                            GROUP_SIZE, NUM_GROUPS, FACTORED)
-    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
-                            GROUP_SIZE, NUM_GROUPS, FACTORED)
-    logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
-                          NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
-    logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
-    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
-    acc = [_quarter_pv(acc[c], alpha, p, v_packed, v_params[c][0], v_params[c][1], 2 * c,
-                       S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
-    return acc, m_i, l_i
-
-@triton_jit
-def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
-                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
-    """Sub-tile states rescaled to the largest max and summed: m, l (BLOCK_H,), acc 4 (BLOCK_H, W)."""
-    m = tl.max(m_i, axis=0)
-    m_ref = tl.where(m == float("-inf"), 0.0, m)
-    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
-    l = tl.sum(l_i * w, axis=0)
-    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
-
-@triton_jit
-def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
-                 m_i, l_i,          # (BLOCK_H,) softmax state
-                 q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
-                 win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
-                 rows,              # (BLOCK_W, 1) element offset of each window token's row
-                 valid,             # (BLOCK_W,) window slots that hold a token
-                 offs_w,            # (W,) dims of a quarter, in the order of the codes
-                 qk_scale,          # sm_scale * log2(e)
-                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One tile of window tokens, fp32 dots, output per quarter.  Returns (acc, m_i, l_i)."""
-    W: tl.constexpr = HEAD_DIM // 4
-    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
-                other=0.0).to(tl.float32)
-    logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-    logits = tl.where(valid[None, :], logits, float("-inf"))
-    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
-    v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
-                 other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
-    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
-           for c in (0, 1, 2, 3)]
-    return acc, m_i, l_i
-
+# ==== Version 2, the fast kernel: version 1 refined in four steps (the module docstring) ====
+# ---- Step 1: split-K, and the merge of the splits ----
 @triton_jit
 def _int2_decode_split_kernel(
         q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
@@ -555,6 +289,289 @@ def _merge_splits_kernel(
         m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)
     tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
+
+@triton_jit
+def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
+                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
+                 BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """(block-table column, slot in the page) of every token of a tile; a scalar block within a page."""
+    if PAGE_SIZE % BLOCK_N == 0:
+        return (tile * BLOCK_N) // PAGE_SIZE, (tile * BLOCK_N) % PAGE_SIZE + offs_n
+    elif BLOCK_N % PAGE_SIZE == 0:
+        return tile * (BLOCK_N // PAGE_SIZE) + offs_n // PAGE_SIZE, offs_n % PAGE_SIZE
+    else:
+        tok = tile * BLOCK_N + offs_n
+        return tok // PAGE_SIZE, tok % PAGE_SIZE
+
+@triton_jit
+def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
+                 m_i, l_i,          # (BLOCK_H,) softmax state
+                 q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
+                 win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
+                 rows,              # (BLOCK_W, 1) element offset of each window token's row
+                 valid,             # (BLOCK_W,) window slots that hold a token
+                 offs_w,            # (W,) dims of a quarter, in the order of the codes
+                 qk_scale,          # sm_scale * log2(e)
+                 HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of window tokens, fp32 dots, output per quarter.  Returns (acc, m_i, l_i)."""
+    W: tl.constexpr = HEAD_DIM // 4
+    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
+                other=0.0).to(tl.float32)
+    logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    logits = tl.where(valid[None, :], logits, float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
+    v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
+                 other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
+    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
+           for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+@triton_jit
+def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
+                    m_i, l_i,       # running max, sum of 2^(logit - m_i): (S, BLOCK_H) / (BLOCK_H,)
+                    SUB_TILED: tl.constexpr):
+    """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
+    rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
+    m_new = tl.maximum(m_i, tl.max(logits, axis=1))      # -inf until a real token: shift by 0 then
+    m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
+    if SUB_TILED:
+        p = tl.exp2(logits - m_ref[:, None, :])  # 0 for masked tokens
+    else:
+        p = tl.exp2(logits - m_ref[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, axis=1)
+
+# ---- Step 2: the factored dot (quarter-rows on the fp16 MMA, scale and zero outside it) ----
+@triton_jit
+def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
+                head_mask,          # (BLOCK_H,) query heads that exist
+                qk_scale,           # sm_scale * log2(e)
+                S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, FACTORED: tl.constexpr):
+    """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
+    into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
+    q = [tl.load(q_rows + c * W, mask=head_mask[:, None], other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
+    if FACTORED:
+        row_max = [tl.max(tl.abs(x), axis=1) for x in q]               # (BLOCK_H,) each
+        q_max = tl.maximum(tl.maximum(row_max[0], row_max[1]), tl.maximum(row_max[2], row_max[3]))
+        q_mul = 16384.0 / tl.where(q_max > 0, q_max, 1.0)
+        q = [x * q_mul[:, None] for x in q]
+        row_scale = qk_scale / q_mul
+    else:
+        row_scale = tl.full([BLOCK_H], 1.0, tl.float32) * qk_scale
+    q_cols = [_query_columns(q[c], 2 * c, S, W, BLOCK_H) for c in (0, 1, 2, 3)]
+    q_sum = [tl.sum(x, axis=1)[None, None, :] for x in q]
+    return q, q_cols, q_sum, row_scale
+
+@triton_jit
+def _query_columns(q,               # (BLOCK_H, W) fp32 scaled query quarter
+                   SHIFT: tl.constexpr,  # 2 * quarter: the quarter meets codes times 2^SHIFT
+                   S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, W, 2 * BLOCK_H) fp16: q * 2^-SHIFT (exact) transposed, as hi / lo columns."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
+    q_t = tl.broadcast_to(tl.trans(q * unit)[None, :, :], (S, W, BLOCK_H))
+    return _hi_lo_columns(q_t, S, W, BLOCK_H)
+
+@triton_jit
+def _hi_lo_columns(x,               # (S, R, BLOCK_H) fp32, |x| <= 2^14
+                   S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """x = hi + lo + r (hi, lo fp16, |r| <= 2^-22 |x| + 2^-25) as one (S, R, 2 * BLOCK_H) dot
+    operand, column 2h hi of head h, 2h + 1 its lo: the heads fill the MMA's 8-wide side."""
+    hi = x.to(tl.float16)
+    lo = (x - hi.to(tl.float32)).to(tl.float16)
+    return tl.reshape(tl.join(hi, lo), (S, R, 2 * BLOCK_H))
+
+@triton_jit
+def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_lo_columns
+               S: tl.constexpr, R: tl.constexpr, BLOCK_H: tl.constexpr):
+    """(S, R, BLOCK_H): the hi and lo columns of each head added (in fp32)."""
+    hi, lo = tl.split(tl.reshape(t, (S, R, BLOCK_H, 2)))
+    return hi + lo
+
+@triton_jit
+def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
+               m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
+               q, q_cols, q_sum,    # the query, as _tile_logits takes it
+               row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
+               k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
+               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
+               code_rows,           # (S, T) int64 offset of each token's code row, in words
+               param_rows,          # (S, T) int64 element offset of its scale / zero row
+               valid,               # (S, T) tokens that exist (the rest read nothing)
+               offs_w,              # (W,) dims of a quarter, in the order of the codes
+               S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+               GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
+               USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One tile of S x T INT2 tokens (K and V rows loaded once, as 32-bit words): logits,
+    each sub-tile's online softmax, P.V into each quarter.  Returns (acc, m_i, l_i)."""
+    words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
+    k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
+    v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
+    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
+                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
+                          NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
+    logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
+    m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, True)
+    acc = [_quarter_pv(acc[c], alpha, p, v_packed, v_params[c][0], v_params[c][1], 2 * c,
+                       S, T, W, BLOCK_H, FACTORED, DOT_PRECISION) for c in (0, 1, 2, 3)]
+    return acc, m_i, l_i
+
+@triton_jit
+def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
+                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 FACTORED: tl.constexpr):
+    """The four quarters' (scale, zero) (one load when a row is one group)."""
+    if FACTORED and NUM_GROUPS == 1:
+        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
+                                 FACTORED)
+        return params, params, params, params
+    else:
+        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
+                                FACTORED) for c in (0, 1, 2, 3)]
+
+@triton_jit
+def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
+                    rows,           # (S, T) int64 element offset of each token's row
+                    valid,          # (S, T) tokens that exist
+                    offs_w,         # (W,) dims of a quarter, in the order of the codes
+                    C: tl.constexpr,  # the quarter, 0 .. 3
+                    W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
+    """(scale, zero) of quarter C: (S, T) each if FACTORED, else (S, T, W); 0 if missing."""
+    if FACTORED:
+        group: tl.constexpr = C * W // GROUP_SIZE
+        return (tl.load(scale_ptr + rows + group, mask=valid, other=0.0),
+                tl.load(zero_ptr + rows + group, mask=valid, other=0.0))
+    else:
+        cols = rows[:, :, None] + ((C * W + offs_w) // GROUP_SIZE)[None, None, :]
+        return (tl.load(scale_ptr + cols, mask=valid[:, :, None], other=0.0),
+                tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
+
+@triton_jit
+def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
+                 q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
+                 q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
+                 packed,            # (S, T, W // 4) uint32 key code words of the tile
+                 params,            # tuple of 4 (scale, zero), as _tile_params
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
+                 NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """(S, T, BLOCK_H) logits before row_scale, summed over the quarters.  Factored:
+    s * (q.c - z * sum(q)), tokens on the MMA's 16 rows, heads' hi / lo on its 8 columns."""
+    if FACTORED:
+        no_acc = tl.zeros([S, T, 2 * BLOCK_H], dtype=tl.float32)
+        if NUM_GROUPS == 1:
+            t = _quarter_dot(packed, q_cols[0], no_acc, 0, S, T, W)
+            for c in tl.static_range(1, 4):
+                t = _quarter_dot(packed, q_cols[c], t, 2 * c, S, T, W)
+            scale, zero = params[0]
+            q_total = q_sum[0] + q_sum[1] + q_sum[2] + q_sum[3]
+            return scale[:, :, None] * (_add_hi_lo(t, S, T, BLOCK_H) - zero[:, :, None] * q_total)
+        else:
+            logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
+            for c in tl.static_range(4):
+                scale, zero = params[c]
+                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
+                               S, T, BLOCK_H)
+                logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
+            return logits
+    else:
+        logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
+        for c in tl.static_range(4):
+            scale, zero = params[c]
+            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
+                                      USE_DOT, DOT_PRECISION)
+        return logits
+
+@triton_jit
+def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
+                 q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
+                 acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
+                 SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """acc + codes @ q_cols in every sub-tile (one quarter's exact fp16 codes, fp32 sums)."""
+    return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
+
+@triton_jit
+def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
+                    packed,         # (S, T, W // 4) uint32 code words of the tile
+                    scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
+                    SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+                    BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """General path: one quarter-row's share of q.k, (S, T, BLOCK_H), dequantized in fp32."""
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)          # _codes_fp16 gives c * 2^SHIFT
+    k = (_codes_fp16(packed, SHIFT, S, T, W).to(tl.float32) * unit - zero) * scale
+    if USE_DOT:
+        q_t = tl.broadcast_to(tl.trans(q)[None, :, :], (S, W, BLOCK_H))
+        return tl.dot(k, q_t, input_precision=DOT_PRECISION)
+    else:
+        return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
+
+@triton_jit
+def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
+                alpha,              # (S, BLOCK_H) rescale of the running output
+                p,                  # (S, T, BLOCK_H) fp32 softmax numerators
+                packed,             # (S, T, W // 4) uint32 code words of the tile
+                scale, zero,        # factored: (S, T) group params; general: (S, T, W)
+                SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
+                BLOCK_H: tl.constexpr, FACTORED: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc * alpha + (p^T v_quarter)^T in every sub-tile.  Factored: p^T ((c - z) s) = c^T (p s) -
+    sum(p s z), p s scaled into [0, 2^14] (by the sub-tile's largest scale), hi / lo columns, one dot."""
+    codes = _codes_fp16(packed, SHIFT, S, T, W)          # c * 2^SHIFT
+    unit: tl.constexpr = 1.0 / (1 << SHIFT)
+    if FACTORED:
+        s_max = tl.max(scale, axis=1)
+        s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
+        ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
+        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
+                    out_dtype=tl.float32)
+        pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
+        psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
+        pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
+        return acc * alpha[:, None, :] + pv                              # two FFMA each
+    else:
+        v = (codes.to(tl.float32) * unit - zero) * scale
+        return acc * alpha[:, None, :] + tl.dot(tl.permute(v, (0, 2, 1)), p, input_precision=DOT_PRECISION)
+
+# ---- Step 3: sub-tiles (16-token sub-tiles, each its own softmax state, merged after the loop) ----
+@triton_jit
+def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
+                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
+    """Sub-tile states rescaled to the largest max and summed: m, l (BLOCK_H,), acc 4 (BLOCK_H, W)."""
+    m = tl.max(m_i, axis=0)
+    m_ref = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.exp2(m_i - m_ref[None, :])            # 0 for sub-tiles that saw no token
+    l = tl.sum(l_i * w, axis=0)
+    return m, l, [tl.trans(tl.sum(a * w[:, None, :], axis=0)) for a in acc]
+
+# ---- Step 4, the hardest: INT2 codes to fp16 without a conversion instruction ----
+@triton_jit
+def _quarter_dims(W: tl.constexpr):
+    """(W,) int32: the dim (within its quarter) at each position of _codes_fp16's output:
+    positions 4i .. 4i+3 hold dims 4i, 4i+2, 4i+1, 4i+3 (bits 0 and 1 swapped)."""
+    pos = tl.arange(0, W)
+    return (pos & ~3) | ((pos & 1) << 1) | ((pos >> 1) & 1)
+
+@triton_jit
+def _codes_fp16(words,              # (S, T, W // 4) uint32: bytes 4i .. 4i+3 of each code row
+                SHIFT: tl.constexpr,  # 2 * quarter: the bit field to extract
+                S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
+    """(S, T, W) fp16 in the order of _quarter_dims: the 2-bit code at SHIFT of every byte times 2^SHIFT
+    (exact), with no int-to-float instruction.  fp16 0x6400 | m is 1024 + m (m < 1024): masking a word with
+    0x00030003 << SHIFT leaves m = c * 2^SHIFT of bytes 0 and 2 in its halves (shifted right by 8: bytes 1 and
+    3), OR 0x64006400 makes both fp16 1024 + m, minus 1024 (two per HADD2) leaves c * 2^SHIFT; the caller
+    folds 2^SHIFT into the other operand."""
+    mask: tl.constexpr = 0x00030003 << SHIFT
+    even = (words & mask) | 0x64006400                 # bytes 0 and 2
+    odd = ((words >> 8) & mask) | 0x64006400           # bytes 1 and 3
+    b0 = (even & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b1 = (odd & 0xFFFF).to(tl.uint16).to(tl.float16, bitcast=True)
+    b2 = (even >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    b3 = (odd >> 16).to(tl.uint16).to(tl.float16, bitcast=True)
+    # (b0, b2, b1, b3): each half-word pair stays in its register, as the MMA operand wants.
+    bits = tl.reshape(tl.join(tl.join(b0, b1), tl.join(b2, b3)), (S, T, W))
+    return bits - 1024.0
 
 
 _KERNEL_NAMES = ("_int2_decode_plain_kernel", "_int2_decode_split_kernel", "_merge_splits_kernel")

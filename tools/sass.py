@@ -4,7 +4,8 @@ Compiles stage 1 of kernel.py's Triton kernel for sm_90a and sm_80 at the bench 
 (d = G = 128, page 64, 4 query heads per KV head, 32k tokens) with Triton's own compiler,
 reads the SASS (cuobjdump, nvdisasm from Triton's wheel) and prints registers, spills, the
 INT2 loop's instruction mix and a pipe model of its cycles against the H200's HBM time per
-tile.  sass_coverage compiles every configuration a list of launch shapes makes (the spec's
+tile; then the plain kernel's (version 1) for sm_90a, and both kernels' summary lines.
+sass_coverage compiles every configuration a list of launch shapes makes (the spec's
 `pytest -m sass_all` runs it on every launch the kernel tests make).  No GPU, no project
 import but kernel.py; run it with the interpreter off (no TRITON_INTERPRET=1).
 """
@@ -282,22 +283,28 @@ def _hbm_cycles(tile_bytes, clock_ghz):
     return tile_bytes / (_H200["hbm_gbs"] / _H200["sms"] / clock_ghz)
 
 
+_LOOP_KERNELS = {"fast": "_int2_decode_split_kernel", "plain": "_int2_decode_plain_kernel"}
+_UNPACKING = {"fast": "_codes_fp16", "plain": "_q2_rows"}     # what finds the INT2 loop
+
+
 def _compile_stage1(arch, case, config):
-    """Record stage 1's launch at `case`, compile it for sm_<arch>, return (kw, SASS)."""
-    calls = _record_launch(case)
-    grid, args, kw = calls["_int2_decode_split_kernel"]
+    """Record the INT2 loop's kernel (stage 1, or the plain kernel if case says kernel="plain")
+    at `case`, compile it for sm_<arch>, return (kw, SASS)."""
+    name = _LOOP_KERNELS[case.get("kernel", "fast")]
+    grid, args, kw = _record_launch(case)[name]
     kw = dict(kw)
     if "DOT_PRECISION" in kw:
         kw["DOT_PRECISION"] = "tf32x3"     # what the launcher picks on sm80+
     kw.update(config or {})
-    return kw, _sass_of(_compile_recorded(kernel._int2_decode_split_kernel, args, kw, arch))
+    return kw, _sass_of(_compile_recorded(getattr(kernel, name), args, kw, arch))
 
 
 def sass_report(arch=90, case=None, verbose=True, config=None):
-    """Compile stage 1 for sm_<arch> at the bench case and analyse its INT2 loop.
+    """Compile stage 1 (case kernel="plain": the plain kernel) for sm_<arch> at the bench case
+    and analyse its INT2 loop.
 
     The INT2 loop is the innermost backward-branch loop holding the most instructions
-    of _codes_fp16 (the unpacking of the code bytes, found by the SASS line info).
+    of _codes_fp16 (plain: _q2_rows), the unpacking of the codes, found by the SASS line info.
     config overrides launch meta-parameters (BLOCK_N, num_warps, ...).  Returns a dict
     of the figures, the issue/HBM ratio at the base clock; prints a table if verbose."""
     case = dict(_SASS_CASE, **(case or {}))
@@ -306,14 +313,14 @@ def sass_report(arch=90, case=None, verbose=True, config=None):
     inner = [lp for lp in loops if not any(o != lp and lp[0] <= o[0] and o[1] <= lp[1]
                                            for o in loops)]
     import inspect
-    src, first = inspect.getsourcelines(kernel._codes_fp16.fn)
+    src, first = inspect.getsourcelines(getattr(kernel, _UNPACKING[case.get("kernel", "fast")]).fn)
     unpack = range(first, first + len(src))
     start, end = max(inner, key=lambda lp: sum(1 for off, _, _, ln in lines
                                                if lp[0] <= off <= lp[1] and ln in unpack))
     body = [op for off, op, _, _ in lines if start <= off <= end]
     counts = _classify(body)
     warps = kw.get("num_warps", 4)
-    tokens = kw["BLOCK_N"]                  # tokens of one KV head per loop iteration
+    tokens = kw.get("BLOCK_N", kw["PAGE_SIZE"])   # tokens of one KV head per loop iteration
     per_tile = 64 / tokens
     d, G = case["d"], case["G"]
     tile_bytes = 64 * 2 * (d // 4 + 2 * 4 * (d // G))
@@ -365,9 +372,11 @@ def main():
           f"{bpc}; {_H200['schedulers']} schedulers per SM issuing 1 instruction per cycle "
           f"each; all loads full-width with no cache reuse; pipe rates in tools/sass.py's _pipe_cycles")
     results = {arch: sass_report(arch) for arch in (80, 90)}
-    r = results[90]
-    print(f"SASS sm_90a: regs {r['regs']} | spills {r['spills']} | "
-          f"issue/HBM cycles per tile {r['ratio']:.2f}")
+    print("The plain kernel (kernel.py's version 1: one program per sequence and KV head, a page per step):")
+    plain = sass_report(90, dict(kernel="plain"))
+    for name, r in (("fast", results[90]), ("plain", plain)):
+        print(f"SASS sm_90a {name:>5}: regs {r['regs']} | spills {r['spills']} | "
+              f"issue/HBM cycles per tile {r['ratio']:.2f}")
 
 
 def _compile_job(job):
