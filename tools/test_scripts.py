@@ -488,6 +488,35 @@ def _check_calibration_samples(res: dict, out):
     assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
 
 
+def test_the_recommended_recipe_is_one_of_the_exports_candidates(eval_llm):
+    """quarot+center+clip, the recipe the README recommends, is one of --export's candidates (its
+    SGLang files are refused: tools/test_sglang.py)."""
+    argv = ["--variants", "full,quarot,quarot+center+clip", "--export", "/nonexistent/never-written"]
+    assert eval_llm.parse_config(argv).export_candidates() == ["quarot+center+clip"]
+
+
+@given(data=st.data())
+def test_export_picks_the_candidate_of_the_lowest_kl(data, eval_llm):
+    """--export (eval_llm.export_best) exports, of its candidates, the variant whose KL at
+    gap_ctx is the lowest (the test's own sort of the drawn KLs), and that variant's specs."""
+    n = len(eval_llm.EXPORTABLE)
+    kl = data.draw(st.lists(st.floats(0.0, 10.0, allow_nan=False), min_size=n, max_size=n, unique=True))
+    rc = eval_llm.RunConfig(variants=("full", *eval_llm.EXPORTABLE), export="/nonexistent/never-written")
+    names = rc.export_candidates()
+    assert sorted(names) == sorted(eval_llm.EXPORTABLE)
+    kls = dict(zip(names, kl))
+    best = sorted(names, key=kls.get)[0]
+    exported = []
+    run = eval_llm.Run(model=SimpleNamespace(hf=None, cfg=None), twin=None, tok=None, name="x", about={},
+                       cfg=rc, timer=ladder.Timer(), log=lambda *_: None)
+    samples = [dict(specs={n: f"specs of {n}" for n in names}, variants={n: dict(kl=kls[n]) for n in names})]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(optr, "export_hf", lambda model, kv, out, **kw: exported.append(kv))
+        mp.setattr(eval_llm, "serve_elsewhere", lambda *a: {})
+        out = eval_llm.export_best(run, samples, SimpleNamespace(eval_idx=torch.zeros(1, 1)))
+    assert out["export"]["variant"] == best and exported == [f"specs of {best}"]
+
+
 def test_eval_llm_writes_calibration_text_through_transformers_generate(tmp_path, eval_llm, random_model):
     """eval_llm.model_written (a batch of left-padded prompts through transformers' generate())
     samples, at top_k = 1, exactly the tokens that greedy decoding of each prompt alone gives
