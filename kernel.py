@@ -15,8 +15,8 @@ heads, head dim d, page size P):
 
 Two Triton kernels, read in this order (`int2_paged_decode(..., kernel=)`: one launcher, one set of checks).
 Version 1, "plain": a program per (sequence, KV head) walks the sequence's pages, unpacks each code with a
-shift and a mask, dequantizes in fp32 and keeps Eq. 1-2's online softmax (~80 lines; read it beside
-optr.paged_decode_reference).  Version 2, "fast" (the default), is version 1 refined in four steps, each
+shift and a mask, dequantizes in fp32 and keeps Eq. 1-2's online softmax (~70 lines and a 15-line
+helper; read it beside optr.paged_decode_reference).  Version 2, "fast" (the default), is version 1 refined in four steps, each
 one a section below, each with what it buys in `python -m tools.sass`' issue/HBM figure (sm_90a, bench
 case d = G = 128, page 64: the INT2 loop's issue cycles per 64-token tile over the H200's HBM cycles for
 its 5,120 bytes; 1.0 would be memory-bound; triton 3.7.1).  Version 1: 12.8 (shared memory binds: 15.5).
@@ -35,10 +35,9 @@ Each program writes -inf as the lse of a split with no tokens; stage 2 weighs it
 
 Order: the Triton kernels (without triton: defined, refusing to launch), input checks, the launcher
 int2_paged_decode, the numba CPU kernels (compiled by _nb(), by name), int2_paged_decode_cpu,
-cpu_decode_step, paged_decode, q2_store; `python -m tools.bench` times them.  Where each has run: the
-Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1 before triton is imported: exact fp16
-dots, so the CPU tests run the GPU's algorithm) and ptxas (`tools.sass`), never on a GPU (none was
-lent); numba's on x86_64 Linux CPUs (AVX2, AVX-512).
+cpu_decode_step, paged_decode, q2_store; `python -m tools.bench` times them.  The Triton kernels ran
+in Triton's CPU interpreter (TRITON_INTERPRET=1 before triton is imported: exact fp16 dots) and ptxas
+(`tools.sass`), never on a GPU (none was lent); numba's on x86_64 Linux CPUs (AVX2, AVX-512).
 Shape letters: S sub-tiles per tile, T tokens per sub-tile, W = d/4 dims per quarter-row.
 """
 import functools
@@ -86,13 +85,22 @@ def _q2_rows(codes_ptr, scale_ptr, zero_ptr,  # one page's K or V: uint8 codes, 
 
 @triton_jit
 def _int2_decode_plain_kernel(
-        q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
-        block_table_ptr, n_quant_ptr, win_k_ptr, win_v_ptr, win_len_ptr,  # as the fast kernel's
+        q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
+        k_codes_ptr,           # (num_pages, H_kv, P, d/4) uint8 packed key codes
+        k_scale_ptr, k_zero_ptr,  # (num_pages, H_kv, P, d/G) fp32 key scales, zeros
+        v_codes_ptr, v_scale_ptr, v_zero_ptr,  # same layouts for the values
+        block_table_ptr,       # (B, max_blocks) int32 logical block -> page
+        n_quant_ptr,           # (B,) int32 INT2 tokens per sequence
+        win_k_ptr, win_v_ptr,  # (B, H_kv, NW, d) fp32/bf16 window keys, values
+        win_len_ptr,           # (B,) int32 valid window slots per sequence
         out_ptr,               # (B, H_q, d) fp32 out: the attention output
         qk_scale,              # sm_scale * log2(e): logits in base 2, softmax by exp2
-        stride_qb, stride_qh, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh, stride_sn,
-        stride_btb, stride_wb, stride_wh, stride_wn,   # as the fast kernel's
-        stride_yb, stride_yh,  # output strides (batch, head)
+        stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
+        stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
+        stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
+        stride_btb,                            # block-table row stride
+        stride_wb, stride_wh, stride_wn,       # window strides (batch, head, slot)
+        stride_yb, stride_yh,                  # output strides (batch, head)
         HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, PAGE_SIZE: tl.constexpr,
         QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
         BLOCK_H: tl.constexpr,  # power of two >= QUERIES_PER_KV
@@ -150,23 +158,14 @@ def _int2_decode_plain_kernel(
 # ---- Step 1: split-K, and the merge of the splits ----
 @triton_jit
 def _int2_decode_split_kernel(
-        q_ptr,                 # (B, H_q, d) fp32/bf16 rotated queries
-        k_codes_ptr,           # (num_pages, H_kv, P, d/4) uint8 packed key codes
-        k_scale_ptr, k_zero_ptr,  # (num_pages, H_kv, P, d/G) fp32 key scales, zeros
-        v_codes_ptr, v_scale_ptr, v_zero_ptr,  # same layouts for the values
-        block_table_ptr,       # (B, max_blocks) int32 logical block -> page
-        n_quant_ptr,           # (B,) int32 INT2 tokens per sequence
-        win_k_ptr, win_v_ptr,  # (B, H_kv, NW, d) fp32/bf16 window keys, values
-        win_len_ptr,           # (B,) int32 valid window slots per sequence
+        q_ptr, k_codes_ptr, k_scale_ptr, k_zero_ptr, v_codes_ptr, v_scale_ptr, v_zero_ptr,
+        block_table_ptr, n_quant_ptr, win_k_ptr, win_v_ptr, win_len_ptr,   # as the plain kernel's
         part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
         part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
         qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
         num_splits,            # NUM_SPLITS, programs per (sequence, KV head)
-        stride_qb, stride_qh,                  # q strides (batch, head); dim stride is 1
-        stride_cp, stride_ch, stride_cn,       # code strides (page, head, slot)
-        stride_sp, stride_sh, stride_sn,       # scale / zero strides (page, head, slot)
-        stride_btb,                            # block-table row stride
-        stride_wb, stride_wh, stride_wn,       # window strides (batch, head, slot)
+        stride_qb, stride_qh, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh, stride_sn,
+        stride_btb, stride_wb, stride_wh, stride_wn,   # as the plain kernel's
         stride_ob, stride_oh, stride_os,       # partial-output strides (batch, head, split)
         stride_lb, stride_lh,                  # partial-lse strides (batch, head)
         HEAD_DIM: tl.constexpr,       # d, a power of two
