@@ -4456,8 +4456,8 @@ def no_launch(monkeypatch):
     class _NoLaunch:
         def __getitem__(self, grid):
             raise AssertionError("kernel launched despite invalid inputs")
-    monkeypatch.setattr(kernel, "_int2_decode_split_kernel", _NoLaunch())
-    monkeypatch.setattr(kernel, "_merge_splits_kernel", _NoLaunch())
+    for name in kernel._KERNEL_NAMES:
+        monkeypatch.setattr(kernel, name, _NoLaunch())
 
 
 def _valid_args():
@@ -4510,6 +4510,14 @@ def test_invalid_num_splits(no_launch, num_splits):
     """num_splits must be None or an int in [1, 1024]."""
     with pytest.raises(ValueError, match="^num_splits: expected"):
         int2_paged_decode(**_valid_args(), num_splits=num_splits)
+
+
+@triton_kernel_test
+@pytest.mark.parametrize("which", ["naive", None, 1])
+def test_invalid_kernel_choice(no_launch, which):
+    """kernel must be "fast" or "plain"."""
+    with pytest.raises(ValueError, match="^kernel: expected"):
+        int2_paged_decode(**_valid_args(), kernel=which)
 
 
 @triton_kernel_test
