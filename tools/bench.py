@@ -95,9 +95,10 @@ def cpu_table(lengths=CPU_LENGTHS, reps=21, shape=SMOLLM2_SHAPE, log=print):
     """One decode call per INT2 length at SmolLM2's shape, batch 1: the numba decode as
     int2_paged_decode_cpu (unchecked) and as _nb().decode (what cpu_decode_step calls, numpy in),
     interleaved in one process in a seeded random order each round, with a memory bandwidth read each
-    round (torch.sum over 256 MiB fp32); medians [min-max].  ns per INT2 token and KV head:
-    (t(n) - t(0)) / (H_kv n), against the bytes a token-head reads (K and V codes, scale and zero) at
-    that bandwidth; t(0) is the window's and the fixed cost.  Returns {(path, n): median us}."""
+    round (torch.sum over 256 MiB fp32); medians [min-max].  ns per INT2 token and KV head (a pair):
+    (t(n) - t(0)) / (H_kv n), at t(n)'s median [quartiles]; the GB/s its bytes (K and V codes, scale and
+    zero) make at that rate, and the time against theirs at the read bandwidth; t(0) is the window's and
+    the fixed cost; ctx counts the window's tokens.  Returns {(path, n): median us}."""
     import time
     import numpy as np
     H_q, H_kv, d, G, P, NW = (shape[k] for k in ("H_q", "H_kv", "d", "G", "P", "NW"))
@@ -123,19 +124,21 @@ def cpu_table(lengths=CPU_LENGTHS, reps=21, shape=SMOLLM2_SHAPE, log=print):
             paths[p](n)
             times[p, n].append((time.perf_counter() - t0) * 1e6)
     med = lambda x: sorted(x[1:])[len(x[1:]) // 2]
+    quartiles = lambda x: [sorted(x)[len(x) // 2], sorted(x)[len(x) // 4], sorted(x)[(3 * len(x)) // 4]]
     bw, per_tok = med(gbs), 2 * (d // 4) + 2 * 8 * (d // G)                 # bytes per INT2 token and KV head
     log(f"{_machine()}; torch {torch.__version__}; H_q {H_q}, H_kv {H_kv}, d {d}, G {G}, page {P}, "
         f"fp32 windows {NW}; batch 1; {reps} interleaved rounds, median [min-max]")
     log(f"read bandwidth (torch.sum, 256 MiB): {bw:.1f} GB/s [{min(gbs[1:]):.1f}-{max(gbs[1:]):.1f}]; "
         f"a token-head reads {per_tok} B: {per_tok / bw:.2f} ns")
-    log(f"{'path':>22} {'INT2':>5} {'us/call':>22} {'ns/tok-head':>11} {'x bytes':>8}")
+    log(f"{'path':>22} {'INT2':>5} {'ctx':>5} {'us/call':>22} {'ns/pair [quartiles]':>22} {'GB/s':>5} {'x bytes':>8}")
     for p in paths:
         for n in lengths:
             t, t_0 = times[p, n], med(times[p, lengths[0]])
-            row = f"{p:>22} {n:>5} {med(t):>9.1f} [{min(t[1:]):.1f}-{max(t[1:]):.1f}]".ljust(52)
+            row = f"{p:>22} {n:>5} {n + NW:>5} {med(t):>9.1f} [{min(t[1:]):.1f}-{max(t[1:]):.1f}]".ljust(58)
             if n > lengths[0] and n >= 256:
-                ns = (med(t) - t_0) * 1e3 / (H_kv * (n - lengths[0]))
-                row += f" {ns:>11.1f} {ns / (per_tok / bw):>7.1f}x"
+                ns, q1, q3 = ((x - t_0) * 1e3 / (H_kv * (n - lengths[0])) for x in quartiles(t[1:]))
+                gb = f"{per_tok / ns:>5.1f}" if ns > 0 else f"{'-':>5}"     # the bytes' GB/s at this rate
+                row += f" {ns:>9.1f} [{q1:.1f}-{q3:.1f}]".ljust(23) + f" {gb} {ns / (per_tok / bw):>7.1f}x"
             log(row)
     return {key: med(t) for key, t in times.items()}
 

@@ -23,12 +23,14 @@ def test_the_bench_refuses_a_batch_list_with_a_zero_as_a_usage_error(capsys):
 
 def test_the_cpu_table_prints_each_path_and_length_and_the_bytes_bound_past_the_fixed_cost():
     """`python -m tools.bench --cpu-table` (here 2 rounds, INT2 0 and 300) prints the bandwidth, a
-    row per path and length, and ns per token-head against the bytes' time only past t(0)."""
+    row per path and length (its context with the window's 320), and ns per token-head [quartiles], its
+    GB/s and its time against the bytes' only past t(0)."""
     lines = []
     times = bench.cpu_table(lengths=(0, 300), reps=2, log=lines.append)
     assert set(times) == {(p, n) for p in ("int2_paged_decode_cpu", "_nb().decode") for n in (0, 300)}
     assert "GB/s" in lines[1] and "48 B" in lines[1]
     rows = [l.split() for l in lines[3:]]
-    assert [(r[0], r[1]) for r in rows] == [(p, n) for p in ("int2_paged_decode_cpu", "_nb().decode")
-                                            for n in ("0", "300")]
-    assert [len(r) for r in rows] == [4, 6, 4, 6] and all(r[-1].endswith("x") for r in rows[1::2])
+    assert [(r[0], r[1], r[2]) for r in rows] == [(p, n, c) for p in ("int2_paged_decode_cpu", "_nb().decode")
+                                                  for n, c in (("0", "320"), ("300", "620"))]
+    assert [len(r) for r in rows] == [5, 9, 5, 9] and all(r[-1].endswith("x") for r in rows[1::2])
+    assert all(r[6].startswith("[") and r[6].endswith("]") for r in rows[1::2]), rows
