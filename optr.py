@@ -1445,8 +1445,7 @@ class _Pool:
     def regroup(self, rows: list):
         """Row b takes what row rows[b] held (beam search, batch_select_indices, batch_repeat_interleave):
         a new cache, each row its source's windows and lengths, and its INT2 tokens copied into its own pages."""
-        old, seqs = self.cache, self.seqs
-        src = [seqs[i] for i in rows]
+        old, src = self.cache, [self.seqs[i] for i in rows]
         self.open(len(src), old.win_k.dtype, old.win_k.device)
         new, dev = self.cache, old.block_table.device
         new.length[:, self.seqs] = old.length[:, src]
@@ -1457,11 +1456,6 @@ class _Pool:
             used = _on(dev, old.pages[of][:len(new.pages[to])])
             for t in PACKED:
                 getattr(new, t)[:, _on(dev, new.pages[to])] = getattr(old, t)[:, used]
-
-
-def left_pad(pos, T: int):
-    """(B,) tokens before position 0 of each row of a T-token batch, from position_ids (B, T) (None: none)."""
-    return None if pos is None else (T - 1 - pos[:, -1]).long()
 
 
 class PagedLayer:
@@ -1500,8 +1494,7 @@ class PagedLayer:
         if self.index == 0 and self.pool.cache is not None:
             self.pool.regroup(rows(len(self.pool.seqs)))
 
-    def reorder_cache(self, beam_idx: torch.Tensor):
-        """Beam search: row b takes what row beam_idx[b] holds (_Pool.regroup)."""
+    def reorder_cache(self, beam_idx: torch.Tensor):     # beam search: row b takes what row beam_idx[b] holds
         self._rows(lambda B: beam_idx.tolist())
 
     def batch_select_indices(self, indices: torch.Tensor):
@@ -1514,14 +1507,10 @@ class PagedLayer:
         need(tokens_to_remove == 0, "hf_cache: crop: the tokens that left the exact recent window for INT2 "
              "cannot be un-quantized, so a shorter cache is not what a fresh one holds; refused (crop(0): served)")
 
-    def _refused(name, why):
-        def method(self, *args, **kwargs):
-            raise NotImplementedError(f"hf_cache: {name}: {why}")
-        return method
-    why = "the pages stay on their device (offloading an hf_cache is not served)"
-    offload, prefetch = _refused("offload", why), _refused("prefetch", why)
-    lazy_initialization = _refused("lazy_initialization", "the pages open at the first INT2 layer's update")
-    del _refused, why
+    def offload(self, *args, **kwargs):
+        raise NotImplementedError("hf_cache: offload, prefetch, lazy_initialization: not served (the pages stay "
+                                  "on their device and open at the first INT2 layer's update)")
+    prefetch = lazy_initialization = offload
 
     def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)
         return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
