@@ -4118,13 +4118,16 @@ def test_every_cache_layer_method_of_transformers_is_served_or_refused_by_name()
 def test_int2_sliding_layers_are_refused_naming_the_window_before_the_prompt_runs(kind):
     """Gemma 3 with every layer in INT2 (eval_llm --int2-sliding): its sliding layers (window 12) would
     attend over everything the pages hold, past their window; hf_cache refuses them with a ValueError
-    naming the layers and the window, when it is made (before any forward); full layers only: served."""
+    naming the layers and the window, when it is made (before any forward); full layers only: served.
+    eval_llm refuses --hf-generate with --int2-sliding at its flags."""
     model = tiny_hf(kind)
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     kv = quarot_specs(cfg, seed=7)
     with pytest.raises(ValueError, match=r"hf_cache: kv\[0, 2\]: sliding-window layers \(sliding_window 12\)"):
         optr.hf_cache(model, kv, cfg)
     optr.hf_cache(model, gemma_full_only(kv), cfg)
+    with pytest.raises(ValueError, match="hf_generate: hf_cache refuses sliding-window layers in INT2"):
+        eval_llm.RunConfig(export="x", hf_generate=2, int2_sliding=True)
 
 
 @torch.no_grad()
