@@ -4071,7 +4071,7 @@ def test_a_row_moved_by_a_cache_method_decodes_as_the_row_alone(method, arg, row
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     ours, alone = rows_after(model, kv, cfg, method, arg, rows)
     err = (ours - alone).abs().max().item()
-    assert err <= 1e-4, err                                                 # measured: <= 5e-6
+    assert err <= 1e-4, err                                                 # measured: <= 6.1e-6
 
 
 @torch.no_grad()
@@ -4248,7 +4248,7 @@ def test_a_second_generate_on_the_same_cache_continues_as_one_generate():
 def test_the_decode_check_runs_the_route_hf_cache_serves_beside_the_kernel(monkeypatch):
     """ladder.decode_check decodes with the attend it is given and again through paged_step's own route
     (what hf_cache serves: compiled_step on a CPU, once per layer and token), and that route's logits are
-    the chunk-aware simulation's within 1e-4 (fp32 round-off; measured below 1e-5)."""
+    the chunk-aware simulation's within 1e-4 (fp32 round-off; measured 1.5e-5, the reference's 1.4e-5)."""
     model, kv = engine_ready_tinylm("llama")
     calls, step = [], optr.compiled_step
     monkeypatch.setattr(optr, "compiled_step", lambda *a, **k: calls.append(1) or step(*a, **k))
