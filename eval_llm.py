@@ -132,6 +132,8 @@ class RunConfig(PaperConfig):
         need(self.gen_temperature > 0, f"gen_temperature must be > 0, got {self.gen_temperature}")
         need(not self.export or self.export_candidates(), f"export: expected one of {EXPORTABLE} in variants, "
              f"got {self.variants}")
+        need(not (self.hf_generate and self.int2_sliding), "hf_generate: hf_cache refuses sliding-window layers "
+             "in INT2 (its pages do not slide); run it without --int2-sliding")
 
     def export_candidates(self) -> list:
         """EXPORTABLE's in the run."""
@@ -505,8 +507,9 @@ def print_summary(results: dict, cfg: RunConfig, log=print):
 
 @torch.no_grad()
 def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> dict:
-    """--hf-generate N: greedy generate() from the export with optr.hf_cache (prompt at once, token by token)
-    and simulate_hf (whole sequence each token). (The authors' SGLang files: python -m tools.sglang EXPORT.)"""
+    """--hf-generate N: greedy generate() from the export with optr.hf_cache (token by token, prompt at once)
+    and simulate_hf (whole sequence each token), its reference for each: the ladders' simulation, and with
+    chunks=(P,) the prompt read exactly as one forward. (The authors' SGLang files: python -m tools.sglang EXPORT.)"""
     out, c = {}, model.cfg
     if cfg.hf_generate:
         from transformers import AutoModelForCausalLM
@@ -514,15 +517,17 @@ def serve_elsewhere(model, kv, cfg: RunConfig, text: torch.Tensor, tok, log) -> 
         P, n = c.sink + c.window + 32, cfg.hf_generate
         greedy = lambda **kw: hf.generate(text[:, :P], max_new_tokens=n, min_new_tokens=n, do_sample=False,
                                           **kw)[0, P:].tolist()
-        with simulate_hf(hf, [replace(s, r_v=None) for s in kv], c):     # R_V is in the checkpoint
-            ids = {"simulate_hf": greedy(use_cache=False)}
+        ids = {}
+        for name, chunks in (("simulate_hf", None), ("simulate_hf_prompt", (P,))):      # R_V: in the checkpoint
+            with simulate_hf(hf, [replace(s, r_v=None) for s in kv], c, chunks=chunks):
+                ids[name] = greedy(use_cache=False)
         for name, chunk in (("hf_token_by_token", 1), ("hf_one_prefill", None)):
             with optr.hf_cache(hf, kv, c, folded=True) as cache:
                 ids[name] = greedy(past_key_values=cache, prefill_chunk_size=chunk)
         for name, x in ids.items():
             log(f"generate | {name:17s} | {tok.decode(x)!r}")
-        out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[
-            ids[k] == ids["simulate_hf"] for k in ("hf_token_by_token", "hf_one_prefill")])
+        out["hf_generate"] = dict(prompt_tokens=P, **ids, same=[ids["hf_token_by_token"] == ids["simulate_hf"],
+                                                                  ids["hf_one_prefill"] == ids["simulate_hf_prompt"]])
     return out
 
 

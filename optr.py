@@ -1038,7 +1038,7 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
     stored. Pages reserved by the caller."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
-    if T == 1 and attend is None and compiled(cache):
+    if T == 1 and attend is None and compiled(cache, q, k, v):
         return compiled_step(cache, layer, seqs, q, k, v, scale, r_v=r_v)             # Appendix A
     r_k = spec.r_k
     qr = q.float() if r_k is None else (q.float().unflatten(1, (len(r_k), -1)) @ r_k[:, None]).flatten(1, 2)
@@ -1162,9 +1162,9 @@ def grow_pages(cache: PagedKVCache, n: int):
             setattr(cache, t, torch.cat([old, old.new_zeros(old.shape[0], n - have, *old.shape[2:])], 1))
 
 
-def compiled(cache: PagedKVCache) -> bool:
-    """paged_step's fast path applies: CPU pages and fp32 windows (numba has no bf16, no GPU)."""
-    return cache.win_k.device.type == "cpu" and cache.win_k.dtype == torch.float32
+def compiled(cache: PagedKVCache, *qkv) -> bool:
+    """paged_step's fast path applies: CPU pages, fp32 windows, q, k, v (numba has no bf16, no GPU)."""
+    return cache.win_k.device.type == "cpu" and {cache.win_k.dtype, *(x.dtype for x in qkv)} == {torch.float32}
 
 
 def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
@@ -1285,28 +1285,31 @@ def load_kv_rotations(path: str, cfg=None):
     """A rotation file (or a directory holding kv_rotations.safetensors) -> (variants {name: [KVQuant per
     layer]}, info {settings, r_v_folded: {name: bool}, meta, geometry}). cfg: the model's Config or
     transformers config; another model's file is a ValueError naming both, before a tensor is read."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
     path = os.fspath(path)
     path = os.path.join(path, "kv_rotations.safetensors") if os.path.isdir(path) else path
     kind = cfg.get_text_config().model_type if hasattr(cfg, "get_text_config") else None   # transformers'
     cfg = cfg if kind is None else hf_config(cfg)
-    with safe_open(path, framework="pt") as f:
-        try:
-            info = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
-        need(info.get("format") == ROTATION_FORMAT,
-             f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
-        missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
-                               "flags") if k not in info]
-        need(not missing, f"{path}: metadata is missing {missing}")
-        L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
-        mine, want = info.get("model_type"), cfg and (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)  # older: None
-        about = lambda what, L, H, d: f"{what} ({L} layers, {H} KV heads, head_dim {d})"
-        need(cfg is None or want == (L, H, d) and (kind == mine or None in (kind, mine)), f"{path}: calibrated for "
-             f"{about(' '.join(filter(None, (mine, info.get('model_name')))) or 'a model', L, H, d)}, not for "
-             f"{about(kind or 'this model', *(want or (0, 0, 0)))}")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    try:                                     # a truncated or garbage file: a ValueError naming it
+        with safe_open(path, framework="pt") as f:
+            try:
+                info = {k: json.loads(v) for k, v in (f.metadata() or {}).items()}
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
+            need(info.get("format") == ROTATION_FORMAT,
+                 f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
+            missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
+                                   "flags") if k not in info]
+            need(not missing, f"{path}: metadata is missing {missing}")
+            L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
+            mine, want = info.get("model_type"), cfg and (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)  # older: None
+            about = lambda what, L, H, d: f"{what} ({L} layers, {H} KV heads, head_dim {d})"
+            need(cfg is None or want == (L, H, d) and (kind == mine or None in (kind, mine)), f"{path}: calibrated for "
+                 f"{about(' '.join(filter(None, (mine, info.get('model_name')))) or 'a model', L, H, d)}, not for "
+                 f"{about(kind or 'this model', *(want or (0, 0, 0)))}")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except SafetensorError as e:
+        raise ValueError(f"{path}: not a readable safetensors file ({e})") from None
     flags = {name: info["flags"][name] for name in info["variants"]}
     for name, fl in flags.items():
         fl.setdefault("clip_k", [None] * L), fl.setdefault("clip_v", [None] * L)      # older files
@@ -1423,29 +1426,42 @@ class _Pool:
     def begin(self, k, held: int):
         """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens: max_tokens
         checked, the forward's pages taken for every layer; the first opens the cache, a sequence a row."""
-        (B, _, T, _), c = k.shape, self.cfg
+        B, _, T, _ = k.shape
         need(self.model.config._attn_implementation == "optr-paged",
              "hf_cache: the model attends through it inside `with optr.hf_cache(model, kv, cfg) as cache:`")
         need(held or T <= self.max_tokens, f"hf_cache: a prompt of {T} tokens passes max_tokens={self.max_tokens}")
         need(held + T <= self.max_tokens, f"hf_cache: a sequence passes max_tokens={self.max_tokens}")
         if self.cache is None:
-            n = max(1, self.max_tokens - c.sink - c.window)             # INT2 tokens per sequence
-            self.cache = PagedKVCache(replace(c, n_layers=len(self.specs)), B * -(-n // c.page_size), B,
-                                      self.specs, window_dtype=k.dtype, device=k.device, grow=True)
-            self.seqs = [self.cache.add_sequence() for _ in range(B)]
+            self.open(B, k.dtype, k.device)
         self.cache.reserve(0, self.seqs, T)
 
+    def open(self, B: int, dtype, device):
+        """A PagedKVCache of B sequences, pages for max_tokens each (allocated as they fill)."""
+        c, n = self.cfg, max(1, self.max_tokens - self.cfg.sink - self.cfg.window)      # INT2 tokens per sequence
+        self.cache = PagedKVCache(replace(c, n_layers=len(self.specs)), B * -(-n // c.page_size), B, self.specs,
+                                  window_dtype=dtype, device=device, grow=True)
+        self.seqs = [self.cache.add_sequence() for _ in range(B)]
 
-def left_pad(pos, T: int):
-    """(B,) tokens before position 0 of each row of a T-token batch, from position_ids (B, T) (None: none)."""
-    return None if pos is None else (T - 1 - pos[:, -1]).long()
+    def regroup(self, rows: list):
+        """Row b takes what row rows[b] held (beam search, batch_select_indices, batch_repeat_interleave):
+        a new cache, each row its source's windows and lengths, and its INT2 tokens copied into its own pages."""
+        old, src = self.cache, [self.seqs[i] for i in rows]
+        self.open(len(src), old.win_k.dtype, old.win_k.device)
+        new, dev = self.cache, old.block_table.device
+        new.length[:, self.seqs] = old.length[:, src]
+        new.reserve(0, self.seqs, 0)                     # pages for what each row holds (all layers hold as many)
+        for w in ("win_k", "win_v"):
+            getattr(new, w)[:, _on(dev, self.seqs)] = getattr(old, w)[:, _on(dev, src)]
+        for to, of in zip(self.seqs, src):
+            used = _on(dev, old.pages[of][:len(new.pages[to])])
+            for t in PACKED:
+                getattr(new, t)[:, _on(dev, new.pages[to])] = getattr(old, t)[:, used]
 
 
 class PagedLayer:
     """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
-    pool's PagedKVCache (as layer `index`)."""
-    # A virtual subclass of transformers' CacheLayerMixin (hf_cache registers it: `import optr` needs no
-    # transformers): greedy, sampling, beam search (reorder_cache); assisted generation (crop) refused.
+    pool's PagedKVCache (as layer `index`). A virtual subclass of transformers' CacheLayerMixin (hf_cache
+    registers it: `import optr` needs no transformers): every method of it served or refused by name."""
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
@@ -1458,6 +1474,9 @@ class PagedLayer:
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:     # keys update returns, offset
         return self.n + query_length, 0
 
+    def get_max_length(self) -> int:
+        return self.pool.max_tokens
+
     def update(self, key_states, value_states, *args, **kwargs):
         """key_states, value_states (B, H_kv, T, d) post-RoPE: kept for paged_attention."""
         if self.index == 0:                                   # the forward's first INT2 layer
@@ -1467,29 +1486,43 @@ class PagedLayer:
         self.n, self.new = self.n + key_states.shape[-2], (key_states, value_states)
         return self, self
 
-    def reorder_cache(self, beam_idx: torch.Tensor):
-        """Beam search: row b takes what row beam_idx[b] holds (windows, length, INT2 tokens copied into
-        its own pages)."""
-        (cache, seqs), l = (self.pool.cache, self.pool.seqs), self.index
-        if self.n:
-            src, dev = [seqs[i] for i in beam_idx.tolist()], cache.block_table.device
-            length = cache.length.numpy()[l]
-            n = -(-int(cache.n_int2(l)[src].max()) // cache.cfg.page_size)                # pages in use
-            to, of = ([cache.pages[s][j] for s in x for j in range(n)] for x in (seqs, src))
-            for t in PACKED:
-                getattr(cache, t)[l][_on(dev, to)] = getattr(cache, t)[l][_on(dev, of)]
-            for w in (cache.win_k, cache.win_v):
-                w[l, _on(dev, seqs)] = w[l, _on(dev, src)]
-            length[seqs] = length[src]
+    def reset(self):
+        """Hold nothing, as a fresh hf_cache: the pool's pages dropped (a new prompt opens new ones)."""
+        self.n, self.new, self.pool.cache, self.pool.seqs = 0, None, None, None
+
+    def _rows(self, rows):      # rows(B): the source of each new row; every INT2 layer at once, by the first
+        if self.index == 0 and self.pool.cache is not None:
+            self.pool.regroup(rows(len(self.pool.seqs)))
+
+    def reorder_cache(self, beam_idx: torch.Tensor):     # beam search: row b takes what row beam_idx[b] holds
+        self._rows(lambda B: beam_idx.tolist())
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        self._rows(lambda B: torch.arange(B)[indices.cpu()].tolist())
+
+    def batch_repeat_interleave(self, repeats: int):
+        self._rows(lambda B: [b for b in range(B) for _ in range(repeats)])
+
+    def crop(self, tokens_to_remove: int):
+        need(tokens_to_remove == 0, "hf_cache: crop: the tokens that left the exact recent window for INT2 "
+             "cannot be un-quantized, so a shorter cache is not what a fresh one holds; refused (crop(0): served)")
+
+    def offload(self, *args, **kwargs):
+        raise NotImplementedError("hf_cache: offload, prefetch, lazy_initialization: not served (the pages stay "
+                                  "on their device and open at the first INT2 layer's update)")
+    prefetch = lazy_initialization = offload
 
     def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)
         return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
 
-    def attend(self, query, scaling, pos):
-        """query (B, H_q, Tq, d) of the tokens update brought -> (B, Tq, H_q, d), via paged_step."""
+    def attend(self, query, scaling, mask):
+        """query (B, H_q, Tq, d) of the tokens update brought, mask transformers' (B, 1, Tq, keys) or None ->
+        (B, Tq, H_q, d), via paged_step; the left padding among them (every chunk's): keys the last query
+        does not read."""
         pool, (k, v) = self.pool, self.new
         self.new, Tq = None, query.shape[2]                   # the pages hold them from here
-        pad = left_pad(pos, Tq).expand(query.shape[0]) if self.n == Tq and pos is not None else None
+        seen = None if mask is None or Tq == 1 else mask[:, 0, -1, -Tq:]
+        pad = None if seen is None else Tq - (seen if seen.dtype == torch.bool else seen == 0).sum(-1)
         o = paged_step(pool.cache, self.index, pool.seqs, query, k, v, pool.attend, scaling, pad, self.spec.r_v)
         return o.transpose(1, 2).to(query.dtype)
 
@@ -1502,7 +1535,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     need(kwargs.get("softcap") is None, "hf_cache: attention logit soft-capping is not Eq. 1")
-    return key.attend(query, scaling, kwargs.get("position_ids")), None
+    return key.attend(query, scaling, attention_mask), None
 
 
 class _Modes(list):       # generate()'s modes inside hf_cache, checked before the prompt runs
@@ -1543,8 +1576,10 @@ def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
     need(not mixed, f"hf_cache: kv{mixed}: keys and values both in INT2 or both exact")
     theirs = DynamicCache(config=model.config).layers
-    need(len({s.quant_k for s, t in zip(kv, theirs) if t.is_sliding}) <= 1,
-         "hf_cache: sliding layers both in INT2 and exact (their lengths differ; masks need one)")
+    slides = [l for l, (s, t) in enumerate(zip(kv, theirs)) if s.quant_k and t.is_sliding]
+    need(not slides, f"hf_cache: kv{slides}: sliding-window layers (sliding_window "
+         f"{getattr(model.config.get_text_config(), 'sliding_window', None)}) in INT2: the pages attend over all "
+         "they hold, not the window; keep them exact (calibrate_hf's default, eval_llm without --int2-sliding)")
     if max_tokens is None:
         max_tokens = getattr(model.config.get_text_config(), "max_position_embeddings", None) or 8192
     need(isinstance(max_tokens, int) and max_tokens >= 1, f"hf_cache: max_tokens must be an int >= 1, got {max_tokens}")

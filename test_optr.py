@@ -3296,8 +3296,9 @@ def test_serving_checks_can_fail(exported_to_hf, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(tmp_path, eval_llm):
     """eval_llm's --hf-generate N prints transformers' greedy tokens from the exported checkpoint (hf_cache,
-    the prompt token by token) beside greedy decoding through simulate_hf on the same checkpoint
-    (the whole sequence each token), and they are the same.
+    the prompt token by token, and the prompt at once) beside greedy decoding through simulate_hf on the
+    same checkpoint (the whole sequence each token; with chunks=(P,), the prompt one forward), each the same
+    as its reference.
     Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
     model, kv = engine_ready_tinylm("llama")
     optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), cfg=model.cfg)
@@ -3306,8 +3307,9 @@ def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(
     lines = []
     out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
     gen = out["hf_generate"]
-    assert len(gen["simulate_hf"]) == 6 and gen["same"][0] and gen["hf_token_by_token"] == gen["simulate_hf"]
-    assert sum(line.startswith("generate |") for line in lines) == 3
+    assert len(gen["simulate_hf"]) == 6 and gen["same"] == [True, True]
+    assert gen["hf_token_by_token"] == gen["simulate_hf"] and gen["hf_one_prefill"] == gen["simulate_hf_prompt"]
+    assert sum(line.startswith("generate |") for line in lines) == 4
 
 
 # ----------------------------------------------------------------------------------------
@@ -3729,7 +3731,7 @@ def plain_step_transfers():
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model.to(torch.bfloat16), kv, cfg) as cache:
         ours = one_step_calls(model, cache, IDX_HF[:, :12], counter=HostTransfers)
-        assert not optr.compiled(pages(cache)), "a bf16 window: the plain step"
+        assert pages(cache).win_k.dtype == torch.bfloat16, "a bf16 window and query: the plain step"
     return ours, one_step_calls(model, DynamicCache(), IDX_HF[:, :12], counter=HostTransfers)
 
 
@@ -3874,7 +3876,7 @@ def test_hf_cache_refuses_a_soft_capped_model():
     import transformers
     config = transformers.Gemma2Config(vocab_size=300, hidden_size=48, intermediate_size=80, head_dim=16,
                                        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-                                       attn_logit_softcapping=50.0, sliding_window=64)
+                                       attn_logit_softcapping=50.0, layer_types=["full_attention"] * 2)
     model = transformers.Gemma2ForCausalLM(config).eval()
     cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
     with pytest.raises(ValueError, match="soft-capping is not Eq. 1"), \
@@ -3992,15 +3994,246 @@ def test_assisted_generation_through_hf_cache_is_refused_before_the_prompt_runs(
 
 
 def test_hf_cache_refuses_specs_it_cannot_hold():
-    """Keys in INT2 with exact values (or the reverse), and Gemma 3's sliding layers partly in
-    INT2 (their caches would report different lengths to one mask), are ValueErrors."""
+    """Keys in INT2 with exact values (or the reverse), and a Gemma 3 sliding layer in INT2 (the
+    pages do not slide), are ValueErrors."""
     model = tiny_hf("gemma3-MQA")
     cfg = optr.hf_config(model.config, **hf_settings())
     kv = quarot_specs(cfg, seed=7)
     with pytest.raises(ValueError, match=r"hf_cache: kv\[1\]: keys and values both in INT2 or both exact"):
         optr.hf_cache(model, [replace_cfg(s, quant_v=l != 1) for l, s in enumerate(kv)], cfg)
-    with pytest.raises(ValueError, match="hf_cache: sliding layers both in INT2 and exact"):
+    with pytest.raises(ValueError, match=r"hf_cache: kv\[2\]: sliding-window layers"):
         optr.hf_cache(model, [optr.KVQuant(quant_k=False, quant_v=False)] + kv[1:], cfg)
+
+
+# -- every transformers Cache method on hf_cache: served (as a fresh cache or the row alone) or refused by name
+
+def padded_forward(model, cache, ids, mask):
+    """model(ids) through cache after what it holds, mask (B, held + T) the batch's padding (generate()'s
+    positions: real tokens counted from 0) -> the last position's logits (B, vocab)."""
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+    return model(ids, attention_mask=mask, position_ids=pos, past_key_values=cache).logits[:, -1]
+
+
+@torch.no_grad()
+def rows_after(model, kv, cfg, method, arg, rows, steps=4, P=20):
+    """A 20-token prompt on a batch of two (row 1 left-padded by 7; INT2 from token 7), then cache.method(arg)
+    and `steps` tokens per row -> the logits (rows, steps, vocab), and each row's alone: its prompt's real
+    tokens in a fresh hf_cache, then the same tokens."""
+    ids, mask = IDX_HF[:, :P] * PAD_HF[:, :P], PAD_HF[:, :P]
+    tokens = IDX_HF[rows, P:P + steps]
+    with optr.hf_cache(model, kv, cfg) as cache:
+        padded_forward(model, cache, ids, mask)
+        getattr(cache, method)(arg)
+        mask = mask[rows]
+        ours = []
+        for t in range(steps):
+            mask = torch.cat([mask, torch.ones(len(rows), 1, dtype=torch.long)], 1)
+            ours.append(padded_forward(model, cache, tokens[:, t:t + 1], mask))
+    alone = []
+    for b, r in enumerate(rows):
+        with optr.hf_cache(model, kv, cfg) as cache:
+            model(ids[r:r + 1, 7 * r:], past_key_values=cache)
+            alone.append(torch.cat([model(tokens[b:b + 1, t:t + 1], past_key_values=cache).logits[:, -1]
+                                    for t in range(steps)]))
+    return torch.stack(ours, 1), torch.stack(alone)
+
+
+@pytest.mark.parametrize("method, arg, rows", [
+    ("reorder_cache", torch.tensor([1, 1]), [1, 1]), ("reorder_cache", torch.tensor([1, 0]), [1, 0]),
+    ("batch_select_indices", torch.tensor([1]), [1]), ("batch_select_indices", torch.tensor([False, True]), [1]),
+    ("batch_repeat_interleave", 2, [0, 0, 1, 1])])
+def test_a_row_moved_by_a_cache_method_decodes_as_the_row_alone(method, arg, rows):
+    """After a left-padded prompt of two rows (13 and 20 tokens: different lengths, INT2 held), reorder_cache,
+    batch_select_indices and batch_repeat_interleave give each new row the logits (1e-4) of the row it took
+    decoding alone: its windows, length and INT2 tokens moved, not another row's."""
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+    ours, alone = rows_after(model, kv, cfg, method, arg, rows)
+    err = (ours - alone).abs().max().item()
+    assert err <= 1e-4, err                                                 # measured: <= 6.1e-6
+
+
+@torch.no_grad()
+def test_reset_serves_a_new_prompt_as_a_fresh_cache_does():
+    """After two rows of 14 tokens and 3 decoded, reset(), then a prompt of one row (another batch size) and
+    3 decoded tokens: the logits of a fresh hf_cache given that prompt, bit for bit."""
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+
+    def run(cache, ids):
+        return torch.cat([model(ids[:, :14], past_key_values=cache).logits]
+                         + [model(ids[:, t:t + 1], past_key_values=cache).logits for t in range(14, 17)], 1)
+    with optr.hf_cache(model, kv, cfg) as cache:
+        run(cache, IDX_HF)
+        cache.reset()
+        ours = run(cache, IDX_HF[1:, 5:])
+    with optr.hf_cache(model, kv, cfg) as cache:
+        fresh = run(cache, IDX_HF[1:, 5:])
+    assert torch.equal(ours, fresh)
+
+
+def test_every_cache_layer_method_of_transformers_is_served_or_refused_by_name():
+    """Every method of transformers' CacheLayerMixin and DynamicLayer exists on PagedLayer (no AttributeError
+    from transformers or a user); crop of tokens (INT2 cannot be un-quantized), offload, prefetch and
+    lazy_initialization raise errors naming the method; crop(0) and get_max_length are served."""
+    from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+    names = {n for c in (CacheLayerMixin, DynamicLayer) for n, f in vars(c).items()
+             if callable(f) and not n.startswith("_")}
+    assert {"reset", "crop", "batch_select_indices", "batch_repeat_interleave", "offload"} <= names
+    assert not [n for n in names if not hasattr(optr.PagedLayer, n)]
+    with torch.no_grad(), optr.hf_cache(model, kv, cfg, max_tokens=40) as cache:
+        model(IDX_HF[:, :10], past_key_values=cache)
+        layer = cache.layers[0]
+        cache.crop(0)
+        assert cache.get_seq_length() == 10 and cache.get_max_length() == 40
+        with pytest.raises(ValueError, match="hf_cache: crop: the tokens that left the exact recent window"):
+            cache.crop(-2)
+        for name in ("offload", "prefetch", "lazy_initialization"):
+            with pytest.raises(NotImplementedError, match=f"hf_cache: .*{name}"):
+                getattr(layer, name)(*([IDX_HF] * 2 if name == "lazy_initialization" else []))
+
+
+@pytest.mark.parametrize("kind", ["gemma3-MQA", "gemma3-GQA"])
+def test_int2_sliding_layers_are_refused_naming_the_window_before_the_prompt_runs(kind):
+    """Gemma 3 with every layer in INT2 (eval_llm --int2-sliding): its sliding layers (window 12) would
+    attend over everything the pages hold, past their window; hf_cache refuses them with a ValueError
+    naming the layers and the window, when it is made (before any forward); full layers only: served.
+    eval_llm refuses --hf-generate with --int2-sliding at its flags."""
+    model = tiny_hf(kind)
+    cfg = optr.hf_config(model.config, **hf_settings(sink=2, window=4))
+    kv = quarot_specs(cfg, seed=7)
+    with pytest.raises(ValueError, match=r"hf_cache: kv\[0, 2\]: sliding-window layers \(sliding_window 12\)"):
+        optr.hf_cache(model, kv, cfg)
+    optr.hf_cache(model, gemma_full_only(kv), cfg)
+    with pytest.raises(ValueError, match="hf_generate: hf_cache refuses sliding-window layers in INT2"):
+        eval_llm.RunConfig(export="x", hf_generate=2, int2_sliding=True)
+
+
+@torch.no_grad()
+def test_a_bf16_model_over_fp32_windows_decodes_what_it_decodes_over_bf16_windows():
+    """A bf16 TinyLM (R_V folded) prefilled with 12 tokens and decoding 10 (INT2 from token 16) through
+    PagedKVCache with fp32 windows (the default; before, a bf16 query went to numba: TypeError) gives the
+    logits it gives over bf16 windows within bf16 round-off: closer than the bf16 model is to the fp32 one
+    (measured: 0.17 apart, 0.78 from fp32)."""
+    model, kv = engine_ready_tinylm("llama")
+
+    def logits(model, dtype):
+        cache = optr.PagedKVCache(model.cfg, 16, 2, [replace_cfg(s, r_v=None) for s in kv], window_dtype=dtype)
+        seqs = [cache.add_sequence() for _ in range(2)]
+        return torch.cat([optr.prefill(model, cache, seqs, IDX[:, :12])[:, -1:]]
+                         + [optr.decode_step(model, cache, seqs, IDX[:, t])[:, None] for t in range(12, 22)], 1)
+    folded = optr.fold_value_rotation(model, kv)
+    fp32 = logits(folded, torch.float32)
+    ours, theirs = (logits(folded.to(torch.bfloat16), dtype).float() for dtype in (torch.float32, torch.bfloat16))
+    assert (ours - theirs).abs().max() < (theirs - fp32).abs().max()
+
+
+@pytest.mark.parametrize("how", ["truncated", "garbage", "a rotation not orthogonal", "a NaN key mean"])
+def test_an_unreadable_rotation_file_is_a_value_error_naming_it(tmp_path, how):
+    """A rotation file cut in half, one of random bytes, one whose R_K is not orthogonal and one with a NaN in
+    a key mean: load_kv_rotations raises a ValueError naming the file (not safetensors' bare error)."""
+    cfg = random_model("llama").cfg
+    good = optr.save_kv_rotations(str(tmp_path / "good.safetensors"), rotation_variants(cfg), cfg)
+    bad = tmp_path / "bad.safetensors"
+    data = open(good, "rb").read()
+    if how.startswith("a "):
+        corrupt(good, bad, _times("keys/layers.1.r_k", 3.0) if "rotation" in how else _nan("center/layers.1.k_mean"))
+    else:
+        bad.write_bytes(data[:len(data) // 2] if how == "truncated"
+                        else np.random.default_rng(0).bytes(len(data)))
+    with pytest.raises(ValueError, match=re.escape(str(bad))):
+        optr.load_kv_rotations(str(bad))
+
+
+# -- generation modes through hf_cache: each row as the row alone
+
+def test_beam_search_on_a_left_padded_batch_is_each_row_alone():
+    """generate(num_beams=3) on two prompts, the second left-padded by 7 (its beams hold 7 tokens less:
+    reorder_cache moves rows of another length), gives each row the tokens of beam search on its prompt alone."""
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+    args = dict(num_beams=3, max_new_tokens=8, min_new_tokens=8, do_sample=False, pad_token_id=0,
+                early_stopping=False)
+    ids, mask = IDX_HF[:, :20] * PAD_HF[:, :20], PAD_HF[:, :20]
+    with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+        both = model.generate(ids, attention_mask=mask, past_key_values=cache, **args)[:, 20:]
+    for row, start in ((0, 0), (1, 7)):
+        with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+            assert torch.equal(both[row], model.generate(ids[row:row + 1, start:], past_key_values=cache,
+                                                         **args)[0, 20 - start:]), row
+
+
+@torch.no_grad()
+def greedy_in_pieces(model, kv, cfg, ids, pieces, n):
+    """Greedy decoding through a fresh hf_cache, the prompt ids (1, T) fed in forwards of `pieces` tokens:
+    (tokens (1, n), logits (1, n, vocab))."""
+    with optr.hf_cache(model, kv, cfg) as cache:
+        for a, b in zip(np.cumsum([0, *pieces[:-1]]), np.cumsum(pieces)):
+            out = model(ids[:, a:b], past_key_values=cache).logits[:, -1]
+        tokens, logits = [], []
+        for _ in range(n):
+            logits.append(out), tokens.append(out.argmax(-1))
+            out = model(tokens[-1][:, None], past_key_values=cache).logits[:, -1]
+    return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_chunked_prefill_on_a_left_padded_batch_is_each_row_alone(chunk):
+    """generate(prefill_chunk_size=5 or 16) on two prompts of 30, the second left-padded by 7 (with 5 its
+    first chunk is all padding, its second part padding): each row gets the tokens and logits (1e-4) of its
+    prompt alone fed in the same forwards (the padded row's chunks less their padding), then decoded."""
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+    ids = IDX_HF * PAD_HF
+    both = generate_logits(model, optr.hf_cache(model, kv, cfg), ids, 6, attention_mask=PAD_HF,
+                           prefill_chunk_size=chunk)
+    for row, start in ((0, 0), (1, 7)):
+        ends = sorted({min(max(b - start, 0), 30 - start) for b in range(0, 30 + chunk, chunk)})
+        tokens, logits = greedy_in_pieces(model, kv, cfg, ids[row:row + 1, start:],
+                                          [b - a for a, b in zip(ends, ends[1:]) if b > a], 6)
+        assert torch.equal(both[0][row], tokens[0]), row
+        assert (both[1][row] - logits[0]).abs().max().item() <= 1e-4, row          # measured: <= 8e-6
+
+
+def test_sampling_two_sequences_per_prompt_gives_each_the_logits_of_the_sequence_alone():
+    """generate(do_sample=True, num_return_sequences=2) through hf_cache: each sampled sequence's logits are,
+    step by step, those of its prompt and tokens fed alone through a fresh hf_cache (1e-4)."""
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+    torch.manual_seed(0)
+    with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+        out = model.generate(IDX_HF[:1, :12], past_key_values=cache, do_sample=True, num_return_sequences=2,
+                             max_new_tokens=8, min_new_tokens=8, output_logits=True, return_dict_in_generate=True,
+                             pad_token_id=0)
+    logits = torch.stack(out.logits, 1)
+    assert not torch.equal(out.sequences[0], out.sequences[1])
+    for row in range(2):
+        with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
+            alone = torch.cat([model(out.sequences[row:row + 1, :12], past_key_values=cache).logits[:, -1:]]
+                              + [model(out.sequences[row:row + 1, t:t + 1], past_key_values=cache).logits
+                                 for t in range(12, 19)], 1)
+        assert (logits[row] - alone[0]).abs().max().item() <= 1e-4, row
+
+
+def test_a_second_generate_on_the_same_cache_continues_as_one_generate():
+    """generate() of 6 tokens, then generate() of 6 more on the same hf_cache from the sequence it returned,
+    gives the tokens and logits (1e-4) of one generate() of 12."""
+    model, cfg, kv = tiny_hf_with_specs("llama-GQA")
+    cache = optr.hf_cache(model, kv, cfg)                                   # generate_logits enters it
+    first = generate_logits(model, cache, IDX_HF[:, :12], 6)
+    second = generate_logits(model, cache, torch.cat([IDX_HF[:, :12], first[0]], 1), 6)
+    once = generate_logits(model, optr.hf_cache(model, kv, cfg), IDX_HF[:, :12], 12)
+    assert torch.equal(torch.cat([first[0], second[0]], 1), once[0])
+    assert (torch.cat([first[1], second[1]], 1) - once[1]).abs().max().item() <= 1e-4
+
+
+def test_the_decode_check_runs_the_route_hf_cache_serves_beside_the_kernel(monkeypatch):
+    """ladder.decode_check decodes with the attend it is given and again through paged_step's own route
+    (what hf_cache serves: compiled_step on a CPU, once per layer and token), and that route's logits are
+    the chunk-aware simulation's within 1e-4 (fp32 round-off; measured 1.5e-5, the reference's 1.4e-5)."""
+    model, kv = engine_ready_tinylm("llama")
+    calls, step = [], optr.compiled_step
+    monkeypatch.setattr(optr, "compiled_step", lambda *a, **k: calls.append(1) or step(*a, **k))
+    res = ladder.decode_check(model, {"q": kv}, ["q"], IDX[:, :22], 12, torch.arange(12, 21),
+                              optr.paged_decode_reference, log=lambda *_: None)["q"]
+    assert len(calls) == 9 * model.cfg.n_layers
+    assert res["served_same_argmax"] == res["answer_tokens"] and res["served_max_abs_logit_diff"] <= 1e-4
 
 
 def check_export_hf_folds_r_v(model, kv, cfg, out):
