@@ -874,34 +874,31 @@ def ring_slot(p, sink: int, window: int):
 
 
 class Step:
-    """A forward's plan: made once (PagedKVCache.reserve), read by every layer, which then reads no length
-    and uploads no index. Sequence b (id seqs[b]) held start[b] tokens; its chunk rows pad[b]..T-1 come next.
-    On the host: seqs, pad, `held` (the counts before: chunk_attention's), and for one token `plan` (5, n),
-    kernel.cpu_decode_step's: its window slot (-1: none), the page and slot of the INT2 token it makes (-1:
-    none; the ring's oldest, or with window 0 itself), the INT2 and window counts after. On the pages'
-    device, one upload (`on`): seq, start, the counts after (n_quant, win_len), block_table (their rows);
-    the tokens going INT2, the ring's (old_seq, old_slot) then the chunk rows (new_b, new_t), into (page,
-    slot); the chunk rows (win_b, win_t) entering window slots (win_seq, win_slot)."""
+    """A forward's plan, made once (PagedKVCache.reserve), read by every layer: sequence b (id seqs[b]) held
+    start[b] tokens, its chunk rows pad[b]..T-1 come next. Host: seqs, pad, `held` (counts before); for one
+    token `plan` (5, n), kernel.cpu_decode_step's (window slot; page, slot of the INT2 token made: the ring's
+    oldest, or with window 0 itself; -1: none; INT2 and window counts after). Device, one upload, `on`: seq,
+    start, n_quant, win_len after, block_table rows; the tokens going INT2, the ring's (old_seq, old_slot) then
+    chunk rows (new_b, new_t), into (page, slot); chunk rows (win_b, win_t) into the windows (win_seq, win_slot)."""
 
     def __init__(self, cache, seqs: list, start: np.ndarray, T: int, pad: np.ndarray):
-        (S, W, P), end = (cache.cfg.sink, cache.cfg.window, cache.cfg.page_size), start + T - pad
-        self.seqs, self.pad, q0, q1 = np.asarray(seqs, dtype=np.int64), pad, *(np.maximum(n - S - W, 0)
-                                                                              for n in (start, end))
-        each = lambda f: [f(n0, n1) for n0, n1 in zip(start, end)]                  # positions, per sequence:
-        old = each(lambda n0, n1: np.arange(max(S, n0 - W), min(n1 - W, n0)))       # leaving the ring for INT2,
-        new = each(lambda n0, n1: np.arange(max(S, n0), n1 - W))                     # the chunk's for INT2,
-        win = each(lambda n0, n1: np.r_[n0:min(S, n1), max(S, n1 - W, n0) if W else n1:n1])   # for the windows
-        b_of = lambda ps: np.repeat(np.arange(len(seqs)), [len(p) for p in ps])
-        row, cat = lambda ps: np.concatenate(ps) - (start - pad)[b_of(ps)], np.concatenate   # a chunk row
+        (S, W, P), end, cat = (cache.cfg.sink, cache.cfg.window, cache.cfg.page_size), start + T - pad, np.concatenate
+        self.seqs, self.pad = np.asarray(seqs, dtype=np.int64), pad
+        q0, q1 = (np.maximum(n - S - W, 0) for n in (start, end))                     # INT2 counts before, after
+        each = lambda f: [f(n0, n1) for n0, n1 in zip(start, end)]                   # positions, per sequence:
+        old = each(lambda n0, n1: np.arange(max(S, n0 - W), min(n1 - W, n0)))       # leaving the ring for INT2
+        new = each(lambda n0, n1: np.arange(max(S, n0), n1 - W))                     # the chunk's for INT2
+        win = each(lambda n0, n1: np.r_[n0:min(S, n1), max(S, n1 - W, n0) if W else n1:n1])   # ... for the windows
+        b_of = lambda ps: np.repeat(np.arange(len(seqs)), [len(p) for p in ps])      # their sequence
+        row = lambda ps: cat(ps) - (start - pad)[b_of(ps)]                             # their chunk row
         page = lambda ps: cat([np.asarray(cache.pages[s], dtype=np.int64)[(p - S) // P] for s, p in zip(seqs, ps)])
         on = dict(seq=self.seqs, start=start, n_quant=q1, win_len=end - q1, old_seq=self.seqs[b_of(old)],
                   old_slot=ring_slot(cat(old), S, W), new_b=b_of(new), new_t=row(new),
                   page=cat([page(old), page(new)]), slot=(cat(old + new) - S) % P, win_b=b_of(win), win_t=row(win),
                   win_seq=self.seqs[b_of(win)], win_slot=ring_slot(cat(win), S, W))
-        self.sizes, dev = {k: len(x) for k, x in on.items()}, cache.block_table.device
-        host = torch.from_numpy(cat(list(on.values())).astype(np.int32))
-        self.on = dict(zip(on, (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
-                           .split(list(self.sizes.values()))))                                   # the upload
+        dev, host = cache.block_table.device, torch.from_numpy(cat(list(on.values())).astype(np.int32))
+        host = host.pin_memory() if dev.type == "cuda" else host                      # then copied asynchronously
+        self.on = dict(zip(on, host.to(dev, non_blocking=True).split([len(x) for x in on.values()])))  # the upload
         self.on["block_table"], self.held = cache.block_table[self.on["seq"]], dict(n_quant=q0, win_len=start - q0)
         if T == 1:
             n = start - S - W                                                       # the INT2 index made
@@ -982,45 +979,38 @@ class PagedKVCache:
         """Append T tokens per sequence to every layer: k (L, n, H_kv, T, d) post-RoPE keys, v (L, n, H_kv,
         T, d) in R_V's basis; pages reserved first (a full pool writes nothing)."""
         c = self.cfg
-        check_tensor("k", k, shape=(c.n_layers, len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float",
-                     finite=True)
-        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
+        check_tensor("k", k, (c.n_layers, len(seqs), c.n_kv_heads, None, c.head_dim), "float", finite=True)
+        check_tensor("v", v, tuple(k.shape), "float", finite=True)
         step = self.reserve(seqs, k.shape[3])
         for layer in range(c.n_layers):
             self.store(layer, step, stored_keys(self.kv[layer], k[layer]), v[layer])
 
     def store(self, layer: int, step: Step, kr, v):
-        """kr (n, H_kv, T, d) the stored keys, v as stored, where `step` says: position p in window slot
-        ring_slot(p) while in the sink or among the `window` newest, else INT2 index p - sink. The tokens
-        leaving the ring, then the chunk's past it, are quantized in one call, each through the window dtype."""
-        i, wk, wv = step.on, self.win_k[layer], self.win_v[layer]
-        if step.sizes["page"]:
-            new = lambda x, w: x[i["new_b"], :, i["new_t"]].to(w.dtype if self.cfg.window else x.dtype)
-            self._write_int2(layer, step, *(torch.cat([w[i["old_seq"], :, i["old_slot"]], new(x, w)])
-                                            for w, x in ((wk, kr), (wv, v))))
-        if step.sizes["win_slot"]:                                           # into the windows
-            wk[i["win_seq"], :, i["win_slot"]] = kr[i["win_b"], :, i["win_t"]].to(wk.dtype)
-            wv[i["win_seq"], :, i["win_slot"]] = v[i["win_b"], :, i["win_t"]].to(wv.dtype)
-
-    def _write_int2(self, layer, step: Step, k_rows, v_rows):
-        """Q2 (storage form) of the step's INT2 tokens, rows (N, H_kv, d), into their pages and slots
-        (Step.on's page, slot); on the CPU compiled, bit for bit."""
-        c, page, slot = self.quant[layer], step.on["page"], step.on["slot"]
-        for rows, names, clip in ((k_rows, PACKED[:3], c.clip_k), (v_rows, PACKED[3:], c.clip_v)):
-            codes, scale, zero = (getattr(self, t)[layer] for t in names)
-            if page.device.type == "cpu":
-                kernel.q2_store(rows.float().contiguous(), clip_rank(clip, c.group_size), c.group_size,
-                                c.scale_eps, codes, scale, zero, page, slot)
-            else:
-                codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
-                    rows.float(), clip, c.group_size, c.scale_eps)
+        """kr (n, H_kv, T, d) the stored keys, v as stored, where `step` puts them: position p in window slot
+        ring_slot(p) in the sink or among the `window` newest, else INT2 index p - sink. Those leaving the ring,
+        then the chunk's past it, through the window dtype, go INT2 in one Q2 call (storage form; on the CPU
+        compiled, bit for bit); then the chunk's rows enter the windows."""
+        i, c, page, slot = step.on, self.quant[layer], step.on["page"], step.on["slot"]
+        for x, w, names, clip in ((kr, self.win_k[layer], PACKED[:3], c.clip_k),
+                                  (v, self.win_v[layer], PACKED[3:], c.clip_v)):
+            if len(page):
+                new = x[i["new_b"], :, i["new_t"]]
+                rows = (torch.cat([w[i["old_seq"], :, i["old_slot"]], new.to(w.dtype)]) if c.window else new).float()
+                codes, scale, zero = (getattr(self, t)[layer] for t in names)
+                if page.device.type == "cpu":
+                    kernel.q2_store(rows.contiguous(), clip_rank(clip, c.group_size), c.group_size, c.scale_eps,
+                                    codes, scale, zero, page, slot)
+                else:
+                    codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
+                        rows, clip, c.group_size, c.scale_eps)
+            if len(i["win_slot"]):
+                w[i["win_seq"], :, i["win_slot"]] = x[i["win_b"], :, i["win_t"]].to(w.dtype)
 
     def n_int2(self) -> np.ndarray:     # per sequence, its tokens in INT2 (numpy: no torch call)
         return np.maximum(self.length.numpy() - self.cfg.sink - self.cfg.window, 0)
 
     def layer_view(self, layer: int, step: Step) -> dict:
-        """The tensors a decode reads for the step's sequences after it (paged_decode_reference's keyword
-        arguments)."""
+        """What a decode reads of the step's sequences after it (paged_decode_reference's keyword arguments)."""
         i = step.on
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
@@ -1482,10 +1472,9 @@ class PagedLayer:
         its own pages)."""
         (cache, seqs), l = (self.pool.cache, self.pool.seqs), self.index
         if self.n:
-            src, dev = [seqs[i] for i in beam_idx.tolist()], cache.block_table.device
+            src = [seqs[i] for i in beam_idx.tolist()]
             n = -(-int(cache.n_int2()[src].max()) // cache.cfg.page_size)                 # pages in use
-            to, of = (torch.tensor([cache.pages[s][j] for s in x for j in range(n)], device=dev)
-                      for x in (seqs, src))
+            to, of = (torch.tensor([cache.pages[s][j] for s in x for j in range(n)]) for x in (seqs, src))
             for t in PACKED:
                 getattr(cache, t)[l][to] = getattr(cache, t)[l][of]
             for w in (cache.win_k, cache.win_v):
