@@ -3728,8 +3728,8 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
     """One decode step of generate() through hf_cache (past the windows: a token leaves the ring
     for its INT2 page) makes at most 10 aten calls per INT2 layer more than the same step through
     DynamicCache (measured: 7 more), no host read among them (aten._local_scalar_dense: int(t),
-    t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: the pages were taken
-    once, at the forward's first INT2 layer, and each layer's plan (decode_plan) is host arithmetic."""
+    t.item()), and one compiled call (kernel.cpu_decode_step) per INT2 layer: the pages and the plan
+    (optr.Step) were made once, at the forward's first INT2 layer, by host arithmetic."""
     from transformers import DynamicCache
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     compiled = []
