@@ -2237,6 +2237,30 @@ def test_appending_tokens_at_once_equals_appending_them_one_at_a_time(sink, wind
     assert int(bulk.length[seqs[0]]) == sum(chunks)
 
 
+@given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 3, 4]),
+       held=st.lists(st.integers(0, 20), min_size=2, max_size=3), T=st.integers(1, 12), seed=st.integers(0, 10_000))
+def test_one_forward_into_sequences_of_ragged_lengths_stores_what_each_alone_stores(sink, window, page_size, held,
+                                                                                   T, seed):
+    """One forward of T tokens into sequences that hold different counts (one Step: each sequence's
+    positions, ring slots and pages, concatenated) leaves the cache bit for bit as the same tokens
+    appended to each sequence alone. Optr against optr: a batch's Step against one sequence's."""
+    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=8, sink=sink, window=window,
+                      page_size=page_size, n_layers=1)
+    spec = [optr.KVQuant(k_mean=rand(2, 16, seed=seed), r_k=random_rotations(2, 16, seed))]
+    together, alone = (shuffled(optr.PagedKVCache(cfg, 120, 3, spec), seed) for _ in range(2))
+    seqs = [together.add_sequence() for _ in held]
+    assert [alone.add_sequence() for _ in held] == seqs
+    for s, n in zip(seqs, held):                                   # ragged lengths, the same in both
+        k0, v0 = rand(1, 1, 2, n, 16, seed=seed + s) * 3 + 1, rand(1, 1, 2, n, 16, seed=seed + s + 7)
+        for c in (together, alone):
+            c.append([s], k0, v0)
+    k, v = rand(1, len(seqs), 2, T, 16, seed=seed + 20) * 3 + 1, rand(1, len(seqs), 2, T, 16, seed=seed + 21)
+    together.append(seqs, k, v)
+    for b, s in enumerate(seqs):
+        alone.append([s], k[:, b:b + 1], v[:, b:b + 1])
+    assert_same_state(cache_state(alone), cache_state(together))
+
+
 def test_a_bulk_append_on_an_exhausted_pool_raises_and_writes_nothing():
     """An append that needs more pages than are free raises before touching the cache."""
     cfg = optr.Config(sink=1, window=2, page_size=4, n_layers=1)
