@@ -962,7 +962,7 @@ def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
 
 def _cpu_step(qr, kr, vr, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps, scale,
               n_split):
-    """One INT2 layer's decode step as optr's plan (optr.decode_plan) says, one token per sequence b
+    """One INT2 layer's decode step as optr's plan (optr.Step.plan) says, one token per sequence b
     (cache row seqs[b]): if plan[1, b] >= 0, Q2 of the token leaving for INT2 (window slot plan[0, b],
     or the new token itself when that is -1) into page plan[1, b], slot plan[2, b]; the stored key
     and value kr, vr (B, H_kv, d) into window slot plan[0, b]. Then qr (B, H_q, d) over plan[3, b]
@@ -1037,7 +1037,7 @@ def cpu_decode_step(qr, kr, vr, pages: tuple, seqs, plan, rank_k: int, rank_v: i
                     eps: float, sm_scale: float, out):
     """_cpu_step in one call, unchecked (optr's cache vouches), as numpy arrays: qr (B, H_q, d), kr, vr
     (B, H_kv, d) fp32 contiguous; `pages` (k_codes .. v_zero, block_table, win_k, win_v) of a layer;
-    seqs (B,) and plan (5, B) int64 (optr.decode_plan); the clip ranks; out (B, H_q, d) fp32."""
+    seqs (B,) and plan (5, B) int64 (optr.Step.plan); the clip ranks; out (B, H_q, d) fp32."""
     splits = _cpu_splits(qr.shape[0], pages[0].shape[1], int((plan[3] + plan[4]).max()))
     out[:] = _nb().step(qr, kr, vr, *pages, seqs, plan, rank_k, rank_v, group_size, np.float32(eps),
                          np.float32(sm_scale), splits)

@@ -447,10 +447,9 @@ def bits_per_element(cache: optr.PagedKVCache, seq: int, int2_only: bool = False
     elems_per_tok = 2 * c.n_kv_heads * c.head_dim
     if int2_only:
         return 8.0 * per_tok_int2 / elems_per_tok
-    n = cache.length[:, seq]
-    n_int2, n_w = (n - c.sink - c.window).clamp_min(0), n.clamp_max(c.sink + c.window)
-    total_bytes = (n_int2 * per_tok_int2 + n_w * per_tok_win).sum().item()
-    return 8.0 * total_bytes / max(1, int(n.sum()) * elems_per_tok)
+    n = int(cache.length[seq])                                   # every layer holds the same
+    n_int2, n_w = max(0, n - c.sink - c.window), min(n, c.sink + c.window)
+    return 8.0 * (n_int2 * per_tok_int2 + n_w * per_tok_win) / max(1, n * elems_per_tok)
 
 
 def measured_bits(model, kv, idx: torch.Tensor) -> tuple[float, float | None]:

@@ -818,8 +818,9 @@ kernels in kernel.py read exactly this):
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
                block_table[seq, n // page_size], slot n % page_size; -1 = no page
   win_k, win_v  (max_seqs, H_kv, sink + window, d): position p in window slot ring_slot(p)
-  length  (n_layers, max_seqs) on the host: tokens held; those past sink + window are INT2 (n_int2)
-Two ways in, as the authors' SGLang engine runs them (README, "Serving"):
+  length  (max_seqs,) on the host: tokens held, the same in every layer; past sink + window, INT2
+Plan once, then per layer: write, read. reserve takes a forward's pages and makes its Step (every
+index a layer needs, uploaded at once); each layer then, as the authors' SGLang engine (README, "Serving"):
   decode  one token enters the window, the oldest leaves to INT2; then its query reads every
           INT2 token and the windows (paged_decode_reference).
   extend  a multi-token forward (a prompt, a chat turn): its queries read the chunk's own keys
@@ -867,9 +868,42 @@ def stored_keys(spec: KVQuant, k: torch.Tensor) -> torch.Tensor:
 PACKED = ("k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero")   # a layer's INT2 tensors
 
 
-def ring_slot(p: int, sink: int, window: int) -> int:
-    """The window slot of position p: p in the sink, else ring slot sink + (p - sink) % window (-1: none)."""
-    return p if p < sink else (sink + (p - sink) % window if window else -1)
+def ring_slot(p, sink: int, window: int):
+    """The window slot of position p (int or array): p in the sink, else sink + (p - sink) % window (-1: none)."""
+    return np.where(p < sink, p, sink + (p - sink) % window if window else -1)
+
+
+class Step:
+    """A forward's plan, made once (PagedKVCache.reserve), read by every layer: sequence b (id seqs[b]) held
+    start[b] tokens, its chunk rows pad[b]..T-1 come next. Host: seqs, pad, `held` (counts before); for one
+    token `plan` (5, n), kernel.cpu_decode_step's (window slot; page, slot of the INT2 token made: the ring's
+    oldest, or with window 0 itself; -1: none; INT2 and window counts after). Device, one upload, `on`: seq,
+    start, n_quant, win_len after, block_table rows; the tokens going INT2, the ring's (old_seq, old_slot) then
+    chunk rows (new_b, new_t), into (page, slot); chunk rows (win_b, win_t) into the windows (win_seq, win_slot)."""
+
+    def __init__(self, cache, seqs: list, start: np.ndarray, T: int, pad: np.ndarray):
+        (S, W, P), end, cat = (cache.cfg.sink, cache.cfg.window, cache.cfg.page_size), start + T - pad, np.concatenate
+        self.seqs, self.pad = np.asarray(seqs, dtype=np.int64), pad
+        q0, q1 = (np.maximum(n - S - W, 0) for n in (start, end))                     # INT2 counts before, after
+        each = lambda f: [f(n0, n1) for n0, n1 in zip(start, end)]                   # positions, per sequence:
+        old = each(lambda n0, n1: np.arange(max(S, n0 - W), min(n1 - W, n0)))       # leaving the ring for INT2
+        new = each(lambda n0, n1: np.arange(max(S, n0), n1 - W))                     # the chunk's for INT2
+        win = each(lambda n0, n1: np.r_[n0:min(S, n1), max(S, n1 - W, n0) if W else n1:n1])   # ... for the windows
+        b_of = lambda ps: np.repeat(np.arange(len(seqs)), [len(p) for p in ps])      # their sequence
+        row = lambda ps: cat(ps) - (start - pad)[b_of(ps)]                             # their chunk row
+        page = lambda ps: cat([np.asarray(cache.pages[s], dtype=np.int64)[(p - S) // P] for s, p in zip(seqs, ps)])
+        on = dict(seq=self.seqs, start=start, n_quant=q1, win_len=end - q1, old_seq=self.seqs[b_of(old)],
+                  old_slot=ring_slot(cat(old), S, W), new_b=b_of(new), new_t=row(new),
+                  page=cat([page(old), page(new)]), slot=(cat(old + new) - S) % P, win_b=b_of(win), win_t=row(win),
+                  win_seq=self.seqs[b_of(win)], win_slot=ring_slot(cat(win), S, W))
+        dev, host = cache.block_table.device, torch.from_numpy(cat(list(on.values())).astype(np.int32))
+        host = host.pin_memory() if dev.type == "cuda" else host                      # then copied asynchronously
+        self.on = dict(zip(on, host.to(dev, non_blocking=True).split([len(x) for x in on.values()])))  # the upload
+        self.on["block_table"], self.held = cache.block_table[self.on["seq"]], dict(n_quant=q0, win_len=start - q0)
+        if T == 1:
+            n = start - S - W                                                       # the INT2 index made
+            made = [cache.pages[s][i // P] if i >= 0 else -1 for s, i in zip(seqs, n)]
+            self.plan = np.stack([ring_slot(start, S, W), made, np.where(n >= 0, n % P, -1), q1, end - q1])
 
 
 class PagedKVCache:
@@ -893,7 +927,7 @@ class PagedKVCache:
                                               device=device) for _ in range(2))
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
-        self.length = torch.zeros(L, max_seqs, dtype=torch.long)       # tokens held
+        self.length = torch.zeros(max_seqs, dtype=torch.long)          # tokens held, by every layer
         self.free_pages = list(range(num_pages))                       # allocated from the front
         self.active = [False] * max_seqs
 
@@ -909,7 +943,7 @@ class PagedKVCache:
         self.free_pages += self.pages[seq]
         self.block_table[seq].fill_(-1)
         self.pages[seq] = []
-        self.length[:, seq], self.active[seq] = 0, False
+        self.length[seq], self.active[seq] = 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
     def check_seqs(self, seqs: list):
@@ -919,80 +953,69 @@ class PagedKVCache:
                  f"seq: expected an active sequence id, got {s}")
         need(len(set(seqs)) == len(seqs), f"seqs: expected distinct sequence ids, got {list(seqs)}")
 
-    def reserve(self, layer: int, seqs: list, n_tokens: int):
-        """Take the pages the next n_tokens of each sequence fill in INT2, or raise before taking any.
-        The layers share the block table: the first layer to reach a page takes it."""
+    def reserve(self, seqs: list, T: int, pad=None) -> Step:
+        """A forward of T tokens per sequence (pad (n,): left padding, neither attended nor stored): take
+        the pages its tokens fill in INT2, or raise before taking any; then advance the lengths and
+        return its Step, for every layer (T = 0: a view of what is held)."""
         self.check_seqs(seqs)
-        c, num_pages = self.cfg, self.block_table.shape[1]
-        P, held = c.page_size, c.sink + c.window                            # tokens before INT2 index 0
-        want = [(s, blk) for s in seqs for blk in range(len(self.pages[s]),
-                -(-max(0, int(self.length.numpy()[layer, s]) + n_tokens - held) // P))]
+        c, num_pages, length = self.cfg, self.block_table.shape[1], self.length.numpy()
+        pad = np.zeros(len(seqs), np.int64) if pad is None else torch.as_tensor(pad).cpu().numpy()
+        start, P, held = length[seqs], c.page_size, c.sink + c.window          # held: before INT2 index 0
+        want = [(s, blk) for s, n in zip(seqs, start + T - pad)
+                for blk in range(len(self.pages[s]), -(-max(0, n - held) // P))]
         if len(want) > len(self.free_pages) or any(blk >= num_pages for _, blk in want):
             raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, "
                                f"{len(self.free_pages)} free) while sequences {list(seqs)} needed "
-                               f"{len(want)} more for {n_tokens} more tokens each")
+                               f"{len(want)} more for {T} more tokens each")
         for s, blk in want:
             self.pages[s].append(self.free_pages.pop(0))
             self.block_table[s, blk] = self.pages[s][-1]
         if want:
             grow_pages(self, 1 + max(self.pages[s][-1] for s, _ in want))     # Appendix A
+        length[seqs] = start + T - pad
+        return Step(self, seqs, start, T, pad)
 
-    def append(self, layer: int, seqs: list, k: torch.Tensor, v: torch.Tensor):
-        """Append T tokens per sequence: k (n, H_kv, T, d) post-RoPE keys, v (n, H_kv, T, d) in R_V's
-        basis; pages reserved first (a full pool writes nothing)."""
+    def append(self, seqs: list, k: torch.Tensor, v: torch.Tensor):
+        """Append T tokens per sequence to every layer: k (L, n, H_kv, T, d) post-RoPE keys, v (L, n, H_kv,
+        T, d) in R_V's basis; pages reserved first (a full pool writes nothing)."""
         c = self.cfg
-        check_tensor("k", k, shape=(len(seqs), c.n_kv_heads, None, c.head_dim), dtype="float", finite=True)
-        check_tensor("v", v, shape=tuple(k.shape), dtype="float", finite=True)
-        self.reserve(layer, seqs, k.shape[2])
-        self.store(layer, seqs, stored_keys(self.kv[layer], k), v)
+        check_tensor("k", k, (c.n_layers, len(seqs), c.n_kv_heads, None, c.head_dim), "float", finite=True)
+        check_tensor("v", v, tuple(k.shape), "float", finite=True)
+        step = self.reserve(seqs, k.shape[3])
+        for layer in range(c.n_layers):
+            self.store(layer, step, stored_keys(self.kv[layer], k[layer]), v[layer])
 
-    def store(self, layer: int, seqs: list, kr, v):
-        """kr (n, H_kv, T, d) the stored keys, v as stored, pages reserved. Position p goes to window slot
-        ring_slot(p) while in the sink or among the `window` newest, else to INT2 index p - sink; the
-        tokens leaving the ring are quantized in one call, each through the window dtype."""
-        (S, W, T), length = (self.cfg.sink, self.cfg.window, kr.shape[2]), self.length.numpy()[layer]
-        for i, s in enumerate(seqs):
-            n0, win_k, win_v = int(length[s]), self.win_k[layer, s], self.win_v[layer, s]
-            lo, hi = max(S, n0 - W), n0 + T - W                          # positions going INT2
-            if hi > lo:
-                old = _on(kr.device, [ring_slot(p, S, W) for p in range(lo, min(hi, n0))])   # the ring's,
-                new = slice(max(lo, n0) - n0, max(hi, n0) - n0)                       # then the chunk
-                nk, nv = (torch.cat([w[:, old], x[i, :, new].to(w.dtype)], 1) if W else x[i, :, new]
-                          for w, x in ((win_k, kr), (win_v, v)))
-                self._write_int2(layer, s, range(lo - S, hi - S), nk.transpose(0, 1), nv.transpose(0, 1))
-            pos = [*range(n0, min(S, n0 + T)), *(range(max(S, n0 + T - W, n0), n0 + T) if W else ())]
-            if pos:                                                      # into the windows
-                slot = _on(kr.device, [ring_slot(p, S, W) for p in pos])
-                row = _on(kr.device, [p - n0 for p in pos])
-                win_k[:, slot], win_v[:, slot] = kr[i][:, row].to(win_k.dtype), v[i][:, row].to(win_v.dtype)
-            length[s] = n0 + T
+    def store(self, layer: int, step: Step, kr, v):
+        """kr (n, H_kv, T, d) the stored keys, v as stored, where `step` puts them: position p in window slot
+        ring_slot(p) in the sink or among the `window` newest, else INT2 index p - sink. Those leaving the ring,
+        then the chunk's past it, through the window dtype, go INT2 in one Q2 call (storage form; on the CPU
+        compiled, bit for bit); then the chunk's rows enter the windows."""
+        i, c, page, slot = step.on, self.quant[layer], step.on["page"], step.on["slot"]
+        for x, w, names, clip in ((kr, self.win_k[layer], PACKED[:3], c.clip_k),
+                                  (v, self.win_v[layer], PACKED[3:], c.clip_v)):
+            if len(page):
+                new = x[i["new_b"], :, i["new_t"]]
+                rows = (torch.cat([w[i["old_seq"], :, i["old_slot"]], new.to(w.dtype)]) if c.window else new).float()
+                codes, scale, zero = (getattr(self, t)[layer] for t in names)
+                if page.device.type == "cpu":
+                    kernel.q2_store(rows.contiguous(), clip_rank(clip, c.group_size), c.group_size, c.scale_eps,
+                                    codes, scale, zero, page, slot)
+                else:
+                    codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
+                        rows, clip, c.group_size, c.scale_eps)
+            if len(i["win_slot"]):
+                w[i["win_seq"], :, i["win_slot"]] = x[i["win_b"], :, i["win_t"]].to(w.dtype)
 
-    def _write_int2(self, layer, seq, n: range, k_rows, v_rows):
-        """Q2 (storage form) of INT2 tokens n of `seq`, rows (N, H_kv, d), into page
-        block_table[seq, i // page_size], slot i % page_size; on the CPU compiled, bit for bit."""
-        c, dev = self.quant[layer], self.k_codes.device
-        page = _on(dev, [self.pages[seq][i // c.page_size] for i in n])
-        slot = _on(dev, [i % c.page_size for i in n])
-        for rows, names, clip in ((k_rows, PACKED[:3], c.clip_k), (v_rows, PACKED[3:], c.clip_v)):
-            codes, scale, zero = (getattr(self, t)[layer] for t in names)
-            if dev.type == "cpu":
-                kernel.q2_store(rows.float().contiguous(), clip_rank(clip, c.group_size), c.group_size,
-                                c.scale_eps, codes, scale, zero, page, slot)
-            else:
-                codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
-                    rows.float(), clip, c.group_size, c.scale_eps)
+    def n_int2(self) -> np.ndarray:     # per sequence, its tokens in INT2 (numpy: no torch call)
+        return np.maximum(self.length.numpy() - self.cfg.sink - self.cfg.window, 0)
 
-    def n_int2(self, layer: int) -> np.ndarray:     # per sequence, its tokens in INT2 (numpy: no torch call)
-        return np.maximum(self.length.numpy()[layer] - self.cfg.sink - self.cfg.window, 0)
-
-    def layer_view(self, layer: int, seqs: list) -> dict:
-        """The tensors a decode reads for these sequences (paged_decode_reference's keyword arguments)."""
-        dev, n, q = self.block_table.device, self.length.numpy()[layer, seqs], self.n_int2(layer)[seqs]
-        i, on = _on(dev, seqs), lambda x: torch.from_numpy(x).to(dev, torch.int32, non_blocking=True)
+    def layer_view(self, layer: int, step: Step) -> dict:
+        """What a decode reads of the step's sequences after it (paged_decode_reference's keyword arguments)."""
+        i = step.on
         return dict(k_codes=self.k_codes[layer], k_scale=self.k_scale[layer], k_zero=self.k_zero[layer],
                     v_codes=self.v_codes[layer], v_scale=self.v_scale[layer], v_zero=self.v_zero[layer],
-                    block_table=self.block_table[i], n_quant=on(q), win_k=self.win_k[layer, i],
-                    win_v=self.win_v[layer, i], win_len=on(n - q))
+                    block_table=i["block_table"], n_quant=i["n_quant"], win_k=self.win_k[layer, i["seq"]],
+                    win_v=self.win_v[layer, i["seq"]], win_len=i["win_len"])
 
 
 def held_kv(view: dict, b: int, G: int) -> list:
@@ -1017,11 +1040,10 @@ def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
     return out
 
 
-def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_scale: float):
-    """The authors' multi-token forward for one sequence: qr (1, H_q, T, d) rotated by R_K, kr, v (1, H_kv,
-    T, d) the chunk as stored -> (1, H_q, T, d) fp32: the chunk exact and causal, what was held as held."""
-    n, q = cache.length.numpy()[layer, [seq]], cache.n_int2(layer)[[seq]]   # counts on the host: no device read
-    K, V = held_kv({**cache.layer_view(layer, [seq]), "n_quant": q, "win_len": n - q}, 0, cache.cfg.group_size)
+def chunk_attention(cache: PagedKVCache, layer: int, step: Step, b: int, qr, kr, v, sm_scale: float):
+    """The authors' multi-token forward for the step's sequence b: qr (1, H_q, T, d) rotated by R_K, kr, v (1,
+    H_kv, T, d) the chunk as stored -> (1, H_q, T, d) fp32: the chunk exact and causal, what was held as held."""
+    K, V = held_kv({**cache.layer_view(layer, step), **step.held}, b, cache.cfg.group_size)  # counts: host
     n0, T = K.shape[1], qr.shape[2]
     K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
     mask = None if n0 == 0 else torch.ones(T, n0 + T, dtype=torch.bool, device=qr.device).tril(n0)
@@ -1029,33 +1051,32 @@ def chunk_attention(cache: PagedKVCache, layer: int, seq: int, qr, kr, v, sm_sca
                                           scale=sm_scale, enable_gqa=True)            # Eq. 1-2
 
 
-def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None, sm_scale=None,
-               pad=None, r_v=None, **options):
-    """One layer's attention through the cache: q (n, H_q, T, d), k, v (n, H_kv, T, d) post-RoPE (v in
-    R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T, d) fp32. One token:
-    store, then decode (attend None: kernel.paged_decode, or on CPU pages with fp32 windows Appendix A's
-    compiled step). Several: chunk_attention, then store; pad (n,) left padding, neither attended nor
-    stored. Pages reserved by the caller."""
+def paged_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, attend=None, sm_scale=None, r_v=None,
+               **options):
+    """One layer's attention through the cache, as `step` (reserve's) plans: q (n, H_q, T, d), k, v (n, H_kv,
+    T, d) post-RoPE (v in R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T,
+    d) fp32. One token: store, then decode (attend None: kernel.paged_decode, or on CPU pages with fp32
+    windows Appendix A's compiled step). Several: chunk_attention, then store (rows before step.pad:
+    neither attended nor stored)."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
     if T == 1 and attend is None and compiled(cache, q, k, v):
-        return compiled_step(cache, layer, seqs, q, k, v, scale, r_v=r_v)             # Appendix A
+        return compiled_step(cache, layer, step, q, k, v, scale, r_v=r_v)             # Appendix A
     r_k = spec.r_k
     qr = q.float() if r_k is None else (q.float().unflatten(1, (len(r_k), -1)) @ r_k[:, None]).flatten(1, 2)
     kr, v = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V
     if T == 1:                                                                        # decode
-        cache.store(layer, seqs, kr, v)
+        cache.store(layer, step, kr, v)
         if attend is None:
             attend, options = kernel.paged_decode, {"checked": False, **options}
-        o = attend(qr[:, :, 0].contiguous(), **cache.layer_view(layer, seqs), group_size=cache.cfg.group_size,
+        o = attend(qr[:, :, 0].contiguous(), **cache.layer_view(layer, step), group_size=cache.cfg.group_size,
                    sm_scale=scale, **options)[:, :, None]
     else:                                                                             # extend
         o = torch.zeros(n, Hq, T, d, device=q.device)
-        for b, s in enumerate(seqs):
-            t = slice(0 if pad is None else int(pad[b]), T)
-            o[b:b + 1, :, t] = chunk_attention(cache, layer, s, qr[b:b + 1, :, t], kr[b:b + 1, :, t],
-                                               v[b:b + 1, :, t], scale)
-            cache.store(layer, [s], kr[b:b + 1, :, t], v[b:b + 1, :, t])
+        for b, t in enumerate(step.pad):
+            o[b:b + 1, :, t:] = chunk_attention(cache, layer, step, b, qr[b:b + 1, :, t:], kr[b:b + 1, :, t:],
+                                                v[b:b + 1, :, t:], scale)
+        cache.store(layer, step, kr, v)
     return o if r_v is None else (o.view(n, -1, cache.cfg.n_rep * T, d) @ r_v.mT.float()).view(n, Hq, T, d)
 
 
@@ -1063,18 +1084,17 @@ def paged_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, attend=None
 def paged_forward(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor, attend=None,
                   **options) -> torch.Tensor:
     """Logits (n, T, vocab) of idx (n, T) after what each sequence holds; `model` folded
-    (fold_value_rotation); attend, options: paged_step's."""
-    cache.reserve(0, seqs, idx.shape[1])           # the forward's pages, once for every layer
-    pos = cache.length[0, seqs].to(idx.device, non_blocking=True)[:, None] + torch.arange(idx.shape[1],
-                                                                                         device=idx.device)
-    return model(idx, lambda l, q, k, v: paged_step(cache, l, seqs, q, k, v, attend, **options), pos)
+    (fold_value_rotation); attend, options: paged_step's. The plan once, then per layer: write, read."""
+    step = cache.reserve(seqs, idx.shape[1])           # the forward's pages and plan, for every layer
+    pos = step.on["start"][:, None] + torch.arange(idx.shape[1], device=idx.device)
+    return model(idx, lambda l, q, k, v: paged_step(cache, l, step, q, k, v, attend, **options), pos)
 
 
 def prefill(model: TinyLM, cache: PagedKVCache, seqs: list, idx: torch.Tensor) -> torch.Tensor:
     """A prompt idx (n, T) into empty sequences, one paged_forward -> logits (n, T, vocab)."""
     need(idx.dim() == 2 and len(idx) == len(seqs), f"idx: expected a prompt per sequence ({len(seqs)}, T)")
     cache.check_seqs(seqs)
-    held = {s: int(cache.length[:, s].max()) for s in seqs if cache.length[:, s].any()}
+    held = {s: int(cache.length[s]) for s in seqs if cache.length[s]}
     need(not held, f"seqs: prefill writes positions 0..T-1, expected empty sequences, got {held} (held)")
     return paged_forward(model, cache, seqs, idx)
 
@@ -1100,7 +1120,7 @@ in INT2 by some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(
 query: KL adds (sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves
 with R_K. Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
 [sink, t1 - window), the exact keys of [t0 - window + 1, t1): no dense (T, T) logits. The
-compiled decode step: store and decode a token in one numba call, from decode_plan's plan.
+compiled decode step: store and decode a token in one numba call, as its Step's plan says.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1148,10 +1168,6 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
     return out
 
 
-def _on(device, idx: list) -> torch.Tensor:     # host indices on the pages' device, with no host sync
-    return torch.tensor(idx, dtype=torch.long).to(device, non_blocking=True)
-
-
 def grow_pages(cache: PagedKVCache, n: int):
     """At least n pages allocated (1/8 more than before, within the budget), contents kept."""
     have = cache.k_codes.shape[1]
@@ -1167,23 +1183,7 @@ def compiled(cache: PagedKVCache, *qkv) -> bool:
     return cache.win_k.device.type == "cpu" and {cache.win_k.dtype, *(x.dtype for x in qkv)} == {torch.float32}
 
 
-def decode_plan(cache: PagedKVCache, layer: int, seqs: list) -> np.ndarray:
-    """What a token per sequence does to the cache, as the compiled step reads it (the lengths advanced
-    here): (5, n) int64, its window slot (ring_slot; -1: none), the page and slot of the INT2 token it
-    makes (-1: none; the ring's oldest, or with window 0 itself), the INT2 and window counts after it."""
-    c, length = cache.cfg, cache.length.numpy()[layer]
-    plan = np.full((5, len(seqs)), -1, dtype=np.int64)
-    for b, s in enumerate(seqs):
-        p, n = int(length[s]), int(length[s]) - c.sink - c.window       # n: the INT2 index it fills
-        plan[0, b] = ring_slot(p, c.sink, c.window)
-        if n >= 0:
-            plan[1, b], plan[2, b] = cache.pages[s][n // c.page_size], n % c.page_size
-        length[s] = p + 1
-        plan[3, b], plan[4, b] = max(0, n + 1), p + 1 - max(0, n + 1)
-    return plan
-
-
-def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale: float, r_v=None):
+def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale: float, r_v=None):
     """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call
     -> (n, H_q, 1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off.
     The rotations in numpy (a torch call costs microseconds): rotate_rows' float64 products."""
@@ -1202,15 +1202,15 @@ def compiled_step(cache: PagedKVCache, layer: int, seqs: list, q, k, v, sm_scale
     rows = lambda x: x.detach().numpy()[:, :, 0].astype(np.float32)                    # (n, H, d)
     mu = 0 if spec.k_mean is None else array(spec.k_mean)
     kr, vr = rot(rows(k) - mu, array(spec.r_k, np.float64)), rot(rows(v), array(r_v, np.float64))  # as stored
-    q = rows(q).reshape(len(seqs), c.n_kv_heads, c.n_rep, c.head_dim)
+    q = rows(q).reshape(len(step.seqs), c.n_kv_heads, c.n_rep, c.head_dim)
     qr = q if spec.r_k is None else q @ array(spec.r_k)                                  # q R_K, fp32
-    out = np.empty((len(seqs), c.n_heads, c.head_dim), dtype=np.float32)
-    kernel.cpu_decode_step(qr.reshape(out.shape), kr, vr, views[1][layer], np.asarray(seqs, dtype=np.int64),
-                           decode_plan(cache, layer, seqs), clip_rank(c.clip_k, c.group_size),
-                           clip_rank(c.clip_v, c.group_size), c.group_size, c.scale_eps, sm_scale, out)
+    out = torch.empty(len(step.seqs), c.n_heads, c.head_dim)                # torch's: no host data made a tensor
+    kernel.cpu_decode_step(qr.reshape(out.shape), kr, vr, views[1][layer], step.seqs, step.plan,
+                           clip_rank(c.clip_k, c.group_size), clip_rank(c.clip_v, c.group_size), c.group_size,
+                           c.scale_eps, sm_scale, o := out.numpy())
     if r_v is not None:                                                                  # o R_V^T
-        out = (out.reshape(q.shape) @ array(r_v).swapaxes(-1, -2)).reshape(out.shape)
-    return torch.from_numpy(np.ascontiguousarray(out))[:, :, None]
+        np.matmul(o.reshape(q.shape), array(r_v).swapaxes(-1, -2), out=o.reshape(q.shape))
+    return out[:, :, None]
 
 
 # ----------------------------------------------------------------------------------------
@@ -1422,10 +1422,11 @@ class _Pool:
     attend: object = None                  # the decode (None: kernel.paged_decode)
     cache: PagedKVCache | None = None
     seqs: list | None = None
+    step: Step | None = None               # the forward's plan (PagedLayer.attend, at the first INT2 layer)
 
     def begin(self, k, held: int):
         """The first INT2 layer's update of a forward, k (B, H_kv, T, d), after `held` tokens: max_tokens
-        checked, the forward's pages taken for every layer; the first opens the cache, a sequence a row."""
+        checked; the first opens the cache, a sequence a row (attend reserves: the padding is known there)."""
         B, _, T, _ = k.shape
         need(self.model.config._attn_implementation == "optr-paged",
              "hf_cache: the model attends through it inside `with optr.hf_cache(model, kv, cfg) as cache:`")
@@ -1433,7 +1434,6 @@ class _Pool:
         need(held + T <= self.max_tokens, f"hf_cache: a sequence passes max_tokens={self.max_tokens}")
         if self.cache is None:
             self.open(B, k.dtype, k.device)
-        self.cache.reserve(0, self.seqs, T)
 
     def open(self, B: int, dtype, device):
         """A PagedKVCache of B sequences, pages for max_tokens each (allocated as they fill)."""
@@ -1447,15 +1447,15 @@ class _Pool:
         a new cache, each row its source's windows and lengths, and its INT2 tokens copied into its own pages."""
         old, src = self.cache, [self.seqs[i] for i in rows]
         self.open(len(src), old.win_k.dtype, old.win_k.device)
-        new, dev = self.cache, old.block_table.device
-        new.length[:, self.seqs] = old.length[:, src]
-        new.reserve(0, self.seqs, 0)                     # pages for what each row holds (all layers hold as many)
+        new, ix = self.cache, lambda x: torch.tensor(x, dtype=torch.long, device=old.block_table.device)
+        new.length[self.seqs] = old.length[src]
+        new.reserve(self.seqs, 0)                       # pages for what each row holds (all layers hold as many)
         for w in ("win_k", "win_v"):
-            getattr(new, w)[:, _on(dev, self.seqs)] = getattr(old, w)[:, _on(dev, src)]
+            getattr(new, w)[:, ix(self.seqs)] = getattr(old, w)[:, ix(src)]
         for to, of in zip(self.seqs, src):
-            used = _on(dev, old.pages[of][:len(new.pages[to])])
+            used = ix(old.pages[of][:len(new.pages[to])])
             for t in PACKED:
-                getattr(new, t)[:, _on(dev, new.pages[to])] = getattr(old, t)[:, used]
+                getattr(new, t)[:, ix(new.pages[to])] = getattr(old, t)[:, used]
 
 
 class PagedLayer:
@@ -1523,7 +1523,9 @@ class PagedLayer:
         self.new, Tq = None, query.shape[2]                   # the pages hold them from here
         seen = None if mask is None or Tq == 1 else mask[:, 0, -1, -Tq:]
         pad = None if seen is None else Tq - (seen if seen.dtype == torch.bool else seen == 0).sum(-1)
-        o = paged_step(pool.cache, self.index, pool.seqs, query, k, v, pool.attend, scaling, pad, self.spec.r_v)
+        if self.index == 0:                                   # the forward's pages and plan, for every layer
+            pool.step = pool.cache.reserve(pool.seqs, Tq, pad)
+        o = paged_step(pool.cache, self.index, pool.step, query, k, v, pool.attend, scaling, self.spec.r_v)
         return o.transpose(1, 2).to(query.dtype)
 
 

@@ -80,7 +80,7 @@ def test_gpu_decode_step_through_the_paged_cache_uses_the_kernel_as_the_referenc
     tokens = torch.randint(0, cfg.vocab_size, (steps, B), generator=torch.Generator().manual_seed(0)).to(device)
     for t in range(steps):
         logits = optr.decode_step(folded, cache, seqs, tokens[t], attend=kernel_and_reference(worst))
-    assert int(cache.layer_view(0, seqs)["n_quant"][0]) > cfg.page_size
+    assert int(cache.n_int2()[seqs[0]]) > cfg.page_size
     assert worst[0] <= 1.0 and bool(torch.isfinite(logits).all()), worst
 
 
@@ -103,7 +103,7 @@ def test_gpu_a_decode_step_makes_no_host_sync(device, shuffled_cache):
             optr.decode_step(folded, cache, seqs, tokens[t])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    assert int(cache.layer_view(0, seqs)["n_quant"][0]) == 40 - cfg.sink - cfg.window
+    assert int(cache.n_int2()[seqs[0]]) == 40 - cfg.sink - cfg.window
 
 
 @pytest.mark.gpu
@@ -127,9 +127,9 @@ def test_gpu_prefill_stores_what_appends_store_and_its_logits_are_the_cpus(devic
     captured, specs = [], [replace(s, r_v=None) for s in kv]               # R_V is folded
     with torch.no_grad():
         sim = folded(prompt[:, :T].to(device), optr.SimulatedINT2(specs, cfg, block=256), capture=captured)
-    for l, (_, k, v) in enumerate(captured):
-        for t in range(T):
-            one.append(l, seqs, k[:, :, t:t + 1], v[:, :, t:t + 1])
+    k, v = (torch.stack(x) for x in list(zip(*captured))[1:])                 # (L, n, H_kv, T, d)
+    for t in range(T):
+        one.append(seqs, k[:, :, :, t:t + 1], v[:, :, :, t:t + 1])
     names = ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero", "win_k", "win_v",
              "block_table", "length")
     assert [n for n in names if not torch.equal(getattr(cache, n), getattr(one, n))] == []

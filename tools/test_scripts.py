@@ -488,6 +488,14 @@ def _check_calibration_samples(res: dict, out):
     assert info["meta"]["calibration"]["seed"] == per[1]["seed"]
 
 
+def test_eval_llm_refuses_hf_generate_with_int2_sliding_layers_at_its_flags(eval_llm):
+    """--hf-generate serves through hf_cache, which refuses sliding-window layers in INT2: eval_llm says so
+    at its flags, before any model loads."""
+    with pytest.raises(ValueError, match="hf_generate: hf_cache refuses sliding-window layers in INT2"):
+        eval_llm.RunConfig(export="x", hf_generate=2, int2_sliding=True)
+    eval_llm.RunConfig(export="x", hf_generate=2)
+
+
 def test_the_recommended_recipe_is_one_of_the_exports_candidates(eval_llm):
     """quarot+center+clip, the recipe the README recommends, is one of --export's candidates (its
     SGLang files are refused: tools/test_sglang.py)."""
