@@ -23,6 +23,7 @@ only when a test asks for them.
 """
 import math
 import os
+import random
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 def pytest_addoption(parser):
     parser.addoption("--full", action="store_true",
                      help="the whole spec: also the tests marked slow (what CI runs)")
+    parser.addoption("--shuffle", type=int, metavar="SEED", default=None,
+                     help="run the selected tests in an order shuffled by random.Random(SEED): "
+                          "a test that needs another to run first fails")
 
 
 def memoize_interpreter_scan():
@@ -100,7 +104,7 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     """The tests marked needs_triton skip without triton, and the device checks (marked gpu)
     without CUDA or triton, saying so. Without --full or -m, leave out the slow tests (and
-    sass_all, which only -m runs)."""
+    sass_all, which only -m runs). --shuffle SEED: the kept tests in a shuffled order."""
     why = ("no CUDA device: a device check would compare the CPU with itself"
            if not torch.cuda.is_available() else None if triton else "triton is not installed")
     for item in items:
@@ -113,10 +117,12 @@ def pytest_collection_modifyitems(config, items):
             skip = [i for i in items if "sass_all" in i.keywords]
             items[:] = [i for i in items if "sass_all" not in i.keywords]
             config.hook.pytest_deselected(items=skip)
-        return
-    kept = [i for i in items if "slow" not in i.keywords and "sass_all" not in i.keywords]
-    config.hook.pytest_deselected(items=[i for i in items if i not in kept])
-    items[:] = kept
+    else:
+        kept = [i for i in items if "slow" not in i.keywords and "sass_all" not in i.keywords]
+        config.hook.pytest_deselected(items=[i for i in items if i not in kept])
+        items[:] = kept
+    if config.getoption("--shuffle") is not None:
+        random.Random(config.getoption("--shuffle")).shuffle(items)
 
 
 # ----------------------------------------------------------------------------------------

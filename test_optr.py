@@ -1020,16 +1020,58 @@ def test_oscar_rotation_is_the_authors_composition(seed, d):
 
 
 @given(st.integers(0, 10_000), st.sampled_from([(4, 2), (4, 1), (2, 2)]))
-def test_oscar_bases_equal_the_authors_on_random_data(seed, heads):
-    """OSCAR's key and value bases of a layer, from its q, k, v, equal the authors'
-    (their covariances, their composition) to 1e-5, and every KV head shares them."""
+def test_oscar_covariances_equal_the_authors_on_random_data(seed, heads):
+    """OSCAR's Sigma_Q and Sigma_V of a layer equal the authors' (their loops over heads,
+    another summation order) to float64 round-off."""
+    Hq, Hkv = heads
+    q, k, v = oscar_layer(seed, Hq=Hq, Hkv=Hkv)
+    sq, sv = optr.oscar_covariances(q, k, v)
+    tq = key_covariance_theirs(tokens_first(q), Hkv)
+    tv = value_covariance_theirs(tokens_first(q), tokens_first(k), tokens_first(v))
+    assert (sq - tq).abs().max() <= 1e-12 * tq.abs().max()
+    assert (sv - tv).abs().max() <= 1e-12 * tv.abs().max()
+
+
+@given(st.integers(0, 10_000), st.sampled_from([(4, 2), (4, 1), (2, 2)]))
+def test_oscar_bases_are_the_authors_composition_of_the_layers_covariances(seed, heads):
+    """oscar_bases is the authors' compose_rotation of the layer's two covariances (one
+    covariance in, so eigh's signs are the same on both sides), shared by every KV head;
+    to 1e-6, as their H (/ sqrt(2) at each doubling) rounds apart from ours by an fp32 ulp."""
     Hq, Hkv = heads
     q, k, v = oscar_layer(seed, Hq=Hq, Hkv=Hkv)
     rk, rv = optr.oscar_bases(q, k, v, Hkv)
-    tk = oscar_rotation_theirs(key_covariance_theirs(tokens_first(q), Hkv))
-    tv = oscar_rotation_theirs(value_covariance_theirs(tokens_first(q), tokens_first(k), tokens_first(v)))
+    sq, sv = optr.oscar_covariances(q, k, v)
     assert rk.shape == rv.shape == (Hkv, 16, 16)
-    assert (rk - tk).abs().max() <= 1e-5 and (rv - tv).abs().max() <= 1e-5
+    assert (rk - oscar_rotation_theirs(sq)).abs().max() <= 1e-6
+    assert (rv - oscar_rotation_theirs(sv)).abs().max() <= 1e-6
+
+
+def eigenspaces_of_a_base(R, cov, gap=1e-6):
+    """The eigenspaces R = U H P spans, as projectors U_c U_c^T, one per cluster of cov's
+    eigenvalues (neighbours closer than gap * lambda_max share a cluster): sign-free, and
+    free of the order eigh gives nearly equal eigenvalues. U = R P^T H^T, P from cov."""
+    lam = torch.linalg.eigvalsh(cov.double())
+    U = R.double() @ permutation_matrix_theirs(lam).T @ build_hadamard_theirs(len(lam)).T
+    cuts = [0] + [i + 1 for i in range(len(lam) - 1) if lam[i + 1] - lam[i] > gap * lam[-1]] + [len(lam)]
+    return [U[:, a:b] @ U[:, a:b].T for a, b in zip(cuts, cuts[1:])]
+
+
+@given(st.integers(0, 10_000), st.sampled_from([(4, 2), (4, 1), (2, 2)]))
+def test_oscar_bases_span_the_authors_eigenvectors_on_random_data(seed, heads):
+    """OSCAR's bases from a layer's q, k, v and the authors' (their covariances, their
+    composition) hold the same eigenvectors up to each one's sign: the same projector
+    u u^T per eigenvalue to 1e-5 (per cluster where eigenvalues nearly tie). The signs
+    themselves are eigh's arbitrary choice: two covariances equal to round-off may flip one."""
+    Hq, Hkv = heads
+    q, k, v = oscar_layer(seed, Hq=Hq, Hkv=Hkv)
+    rk, rv = optr.oscar_bases(q, k, v, Hkv)
+    tq = key_covariance_theirs(tokens_first(q), Hkv)
+    tv = value_covariance_theirs(tokens_first(q), tokens_first(k), tokens_first(v))
+    for ours, cov in ((rk, tq), (rv, tv)):
+        for h in range(Hkv):
+            for mine, theirs in zip(eigenspaces_of_a_base(ours[h], cov),
+                                    eigenspaces_of_a_base(oscar_rotation_theirs(cov), cov)):
+                assert (mine - theirs).abs().max() <= 1e-5
 
 
 def test_oscar_U_diagonalizes_the_covariance():

@@ -29,12 +29,18 @@ What it shows, on a model small enough to train on a laptop CPU:
      token, with serving's compiled decode (kernel.paged_decode: numba on a CPU; or the Triton
      kernel, --decode-attend triton), against the simulated path.
 Training, calibration, held-out and evaluation data come from separate random streams of
-the seed; the same seed and thread count give the same numbers, but another CPU or thread
-count rounds differently, trains another model and moves single runs by several points: so
-the default run repeats everything for seeds 0, 1, 2 (each its own model, data and
-calibration, each a process of its own with one torch thread) and prints mean +- std over
-them. Where things go: one seed (--seed N, --quick) writes OUT/results.json, the model to
-OUT/model.safetensors and every variant's rotations and key means to
+the seed. Round-off moves single runs by several points (it trains another model), and the
+instruction set picks torch's and MKL's round-off: so run as a script this file pins both
+before torch loads (ATEN_CPU_CAPABILITY=default: torch's plain kernels; MKL_CBWR=COMPATIBLE:
+MKL's portable path; set either yourself to override). On 2 AMD EPYC cores that costs about
+twice the time (the default run: 443 s, against 231 s unpinned, with AVX-512) and prints the
+same digits with AVX2 and AVX-512 (--quick --seeds 0: QuaRot's KL 0.0476, OptR closing 61.0%
+on both; unpinned 0.0336 / -21.6% on AVX2, 0.0605 / 48.4% on AVX-512, and the default run's
+OptR 67.0% +- 6.3% / 73.7% +- 6.9% of QuaRot's KL gap). And the default run repeats everything
+for seeds 0, 1, 2 (each its own model, data and calibration, each a process of its own with
+one torch thread) and prints mean +- std over them. Where things go: one seed (--seed N,
+--quick) writes OUT/results.json, the model to OUT/model.safetensors and every variant's
+rotations and key means to
 OUT/kv_rotations.safetensors (optr.save_kv_rotations; read back with optr.load_kv_rotations);
 several seeds write those per seed in OUT/seedN/ (with its log, log.txt) and the mean +- std
 with the per-seed tables to OUT/results.json.
@@ -54,6 +60,10 @@ import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+
+if __name__ == "__main__":     # the same arithmetic on any x86-64 CPU: read once, when torch loads (the
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "default")   # seeds' processes inherit it); see above
+    os.environ.setdefault("MKL_CBWR", "COMPATIBLE")
 
 import torch
 import torch.nn.functional as F
@@ -511,6 +521,8 @@ def main(argv=None) -> dict:
     t_start = time.perf_counter()
     cfg = parse_config(argv)
     print_config(cfg)
+    print(f"arithmetic: torch's {torch.backends.cpu.get_cpu_capability()} kernels, MKL_CBWR="
+          f"{os.environ.get('MKL_CBWR', 'unset')} (pinned to default, COMPATIBLE when run as a script)")
     if not cfg.seeds:
         attend = decode_attention(cfg.decode_attend)
         threads = torch.get_num_threads()

@@ -131,6 +131,46 @@ def test_a_rows_peak_counts_the_runtime_its_warm_up_left_resident():
     assert runs["runtime"].peak_mib >= 0.9 * 128 > runs["DynamicCache"].peak_mib + 64
 
 
+def test_each_rows_runtime_is_measured_from_the_resident_set_just_before_its_first_use():
+    """warm_up's baseline is taken anew before each row's first use, after the model's own first
+    generate(): a model that loads 128 MiB at its first forward (as weights mapped lazily do) gives
+    the first row no runtime, and a row after one that left 128 MiB resident gets none of them (one
+    baseline for every row would hand both to the rows' peaks)."""
+    hf, loaded = tiny_llama(), []
+
+    def load_once(module, args):
+        if not loaded:
+            loaded.append(torch.ones(128 * MIB // 4))                   # resident from the first forward
+    hf.register_forward_pre_hook(load_once)
+
+    def with_runtime():
+        loaded.append(torch.ones(128 * MIB // 4))
+        return DynamicCache(config=hf.config)
+    make = dict(DynamicCache=lambda: DynamicCache(config=hf.config), runtime=with_runtime,
+                after=lambda: DynamicCache(config=hf.config))
+    runtime = bench_hf.warm_up(hf, make, IDS, 20)
+    assert len(loaded) == 2 and runtime["runtime"] >= 0.9 * 128, runtime
+    assert runtime["DynamicCache"] < 16 and runtime["after"] < 16, runtime
+
+
+def test_the_chat_turns_kl_is_kl_from_dynamic_cache_to_the_row_after_the_follow_up():
+    """bench_chat's KL is KL(p_DynamicCache || p_row) at the follow-up's last position, float64
+    numpy on the logits of each cache's own two forwards here (the prompt, then the follow-up);
+    the reverse KL differs, so the direction is what the number says. DynamicCache's is 0."""
+    hf = tiny_llama()
+    rows = bench_hf.bench_chat(hf, makers(hf, noisy=Noisy), IDS, bench_hf.BenchConfig(chat_turn=(30, 10)))
+    logits = {}
+    with torch.no_grad():
+        for name, cls in (("DynamicCache", DynamicCache), ("noisy", Noisy)):
+            cache = cls(config=hf.config)
+            hf(IDS[:, :30], past_key_values=cache)
+            logits[name] = hf(IDS[:, 30:40], past_key_values=cache).logits[0, -1:]
+    kl, reverse = numpy_kl(logits["DynamicCache"], logits["noisy"]), numpy_kl(logits["noisy"], logits["DynamicCache"])
+    assert [(r["cache"], r["P"], r["F"]) for r in rows] == [("DynamicCache", 30, 10), ("noisy", 30, 10)]
+    assert rows[0]["kl"] == 0 and rows[1]["kl"] == pytest.approx(kl[0], rel=1e-6)
+    assert abs(reverse[0] - kl[0]) > 1e-3 * kl[0]                          # a thousand times the tolerance
+
+
 def test_the_timed_steps_interleave_the_caches():
     """After each cache's prefill and first step (one cache after the other: the prefill is timed
     alone), every round of timed steps takes one step of each cache, their order rotating."""

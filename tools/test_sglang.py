@@ -358,7 +358,8 @@ def test_the_command_line_refuses_the_recommended_recipe_naming_its_clips(tmp_pa
 
 @pytest.mark.slow
 def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp_path):
-    """The README's "Serving elsewhere" code runs as written (SmolLM2 from its wheel through
+    """The README's "Serving elsewhere" code runs as written, its paths made absolute and its export
+    in a temporary folder (SmolLM2 from its wheel through
     transformers alone, its published rotations, the recommended quarot+center+clip): greedy generate()
     through hf_cache, the prompt past the sink and recent window, gives the tokens of greedy decoding
     through simulate_hf (the whole sequence each token, the prompt one forward), and its
@@ -367,10 +368,13 @@ def test_the_readmes_serving_elsewhere_snippet_runs_and_generates_our_tokens(tmp
     Optr against optr: hf_cache against simulate_hf."""
     text = (ROOT / "README.md").read_text()
     code = re.search(r"## Serving elsewhere.*?```python\n(.*?)```", text, re.S).group(1)
-    prompt = torch.randint(0, 49152, (1, 330), generator=torch.Generator().manual_seed(0))   # 330 > 64 + 256
-    env = dict(prompt=prompt, out=str(tmp_path / "x"))
-    exec(code.replace('"rotations/', f'"{ROOT}/rotations/'), env)
-    hf, x, spec, cfg = env["hf"], prompt, env["spec"], env["cfg"]
+    assert code.count('"runs/served') == 2 and code.count('"README.md"') == 1
+    env = {}
+    exec(code.replace('"rotations/', f'"{ROOT}/rotations/').replace('"README.md"', f'"{ROOT}/README.md"')
+         .replace('"runs/served', f'"{tmp_path / "x"}'), env)
+    hf, prompt, spec, cfg = env["hf"], env["prompt"], env["spec"], env["cfg"]
+    assert prompt.shape[1] > cfg.sink + cfg.window, prompt.shape                # the prompt reaches INT2
+    x = prompt
     for _ in range(8):
         with torch.no_grad(), ladder.simulate_hf(hf, spec, cfg, chunks=(prompt.shape[1],)):
             x = torch.cat([x, hf(x, use_cache=False).logits[:, -1:].argmax(-1)], 1)
