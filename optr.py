@@ -610,19 +610,17 @@ def calibrate(model, calib_idx, heldout_idx, base="quarot", center=True, learn=T
 # 7. The model: a Llama/Qwen3-style decoder with Hugging Face parameter names
 # ----------------------------------------------------------------------------------------
 """
-RMSNorm, RoPE (rotate-half), GQA attention, SwiGLU MLP; optional Qwen3 q/k-norm and Qwen2 q/k/v
-bias; Hugging Face's parameter names (model.layers.N.self_attn.q_proj.weight, ...). One forward;
-what attention reads is pluggable, `attention(layer, q, k, v) -> o`, post-RoPE q, o (B, H_q, T, d),
-k, v (B, H_kv, T, d): None, exact causal attention; SimulatedINT2(kv, cfg), Section 5's INT2 cache
-on every position at once; paged_forward's, Section 8's paged cache. fold_value_rotation (what
-Section 8 serves): a copy with each layer's R_V in v_proj and o_proj.
+RMSNorm, RoPE (rotate-half), GQA attention, SwiGLU MLP; optional Qwen3 q/k-norm and Qwen2 q/k/v bias;
+names as model.layers.N.self_attn.q_proj.weight. One forward; what attention reads is pluggable,
+`attention(layer, q, k, v) -> o`, post-RoPE q, o (B, H_q, T, d), k, v (B, H_kv, T, d): None, exact causal
+attention; SimulatedINT2(kv, cfg), Section 5's INT2 cache on every position at once; paged_forward's,
+Section 8's paged cache. fold_value_rotation (what Section 8 serves): a copy, each layer's R_V in v_proj, o_proj.
 """
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
         xf = x.float()                                 # normalised in fp32, scaled in x's dtype
@@ -682,8 +680,7 @@ class SimulatedINT2:
 class Attention(nn.Module):
     def __init__(self, cfg: Config):
         super().__init__()
-        self.cfg = cfg
-        hd, b = cfg.head_dim, cfg.attention_bias
+        self.cfg, hd, b = cfg, cfg.head_dim, cfg.attention_bias
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * hd, bias=b)
         self.k_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=b)
         self.v_proj = nn.Linear(cfg.d_model, cfg.n_kv_heads * hd, bias=b)
@@ -692,13 +689,10 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(hd, cfg.rms_eps), RMSNorm(hd, cfg.rms_eps)
 
     def forward(self, x, pos, layer: int, attention):
-        """x (B, T, d_model), pos (B or 1, T) positions -> (B, T, d_model), and the
-        post-RoPE (q, k, v) that attention read."""
-        c = self.cfg
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)    # (B, H_q, T, d)
-        k = self.k_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, H_kv, T, d)
-        v = self.v_proj(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+        """x (B, T, d_model), pos (B or 1, T) positions -> (B, T, d_model), and the post-RoPE (q, k, v) read."""
+        c, (B, T, _) = self.cfg, x.shape
+        q = self.q_proj(x).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)    # (B, H_q, T, d); k, v (B, H_kv, T, d)
+        k, v = (p(x).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2) for p in (self.k_proj, self.v_proj))
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = rope_cos_sin(pos, c.head_dim, c.rope_theta)
@@ -738,11 +732,9 @@ class TinyLM(nn.Module):
     def __init__(self, cfg: Config, init: bool = True):
         super().__init__()
         self.cfg = cfg
-        self.model = nn.ModuleDict(dict(
-            embed_tokens=nn.Embedding(cfg.vocab_size, cfg.d_model),
-            layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers)),
-            norm=RMSNorm(cfg.d_model, cfg.rms_eps),
-        ))
+        self.model = nn.ModuleDict(dict(embed_tokens=nn.Embedding(cfg.vocab_size, cfg.d_model),
+                                        layers=nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.n_layers)),
+                                        norm=RMSNorm(cfg.d_model, cfg.rms_eps)))
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -782,8 +774,7 @@ def fold_value_rotation(model, kv: list, cfg: Config | None = None):
     for layer, spec in zip(model.model.layers, kv):
         if spec.r_v is None:
             continue
-        R = spec.r_v.to(torch.float64)                                     # (H_kv, d, d)
-        attn = layer.self_attn
+        R, attn = spec.r_v.to(torch.float64), layer.self_attn              # R (H_kv, d, d)
         with torch.no_grad():
             wv = attn.v_proj.weight.double().view(c.n_kv_heads, c.head_dim, c.d_model)
             attn.v_proj.weight.copy_((R.transpose(-1, -2) @ wv).reshape_as(attn.v_proj.weight))
@@ -809,10 +800,9 @@ def full_precision_captures(model, calib_idx, heldout_idx):
 # 8. Serving: the paged INT2 KV cache, decode and the multi-token forward
 # ----------------------------------------------------------------------------------------
 """
-The cache stores (k - mu) R_K and v R_V (R_V folded into the weights: fold_value_rotation): the sink
-and recent windows in full precision (window_dtype), everything between them in INT2 pages. Queries
-are rotated by R_K: <q R_K, (k - mu) R_K> = <q, k - mu>, the same softmax. Layout (per layer; the
-kernels in kernel.py read exactly this):
+The cache stores (k - mu) R_K and v R_V (R_V folded into the weights: fold_value_rotation): the sink and
+recent windows in full precision (window_dtype), everything between them in INT2 pages. Queries are rotated
+by R_K: <q R_K, (k - mu) R_K> = <q, k - mu>, the same softmax. Layout (per layer; kernel.py reads exactly this):
   k_codes, v_codes  uint8 (num_pages, H_kv, page_size, d/4)   4 codes per byte (pack_int2)
   k_scale, k_zero, v_scale, v_zero  fp32 (num_pages, H_kv, page_size, d/G)
   block_table  int32 (max_seqs, num_pages): INT2 token n of a sequence lives in page
@@ -821,8 +811,7 @@ kernels in kernel.py read exactly this):
   length  (max_seqs,) on the host: tokens held, the same in every layer; past sink + window, INT2
 Plan once, then per layer: write, read. reserve takes a forward's pages and makes its Step (every
 index a layer needs, uploaded at once); each layer then, as the authors' SGLang engine (README, "Serving"):
-  decode  one token enters the window, the oldest leaves to INT2; then its query reads every
-          INT2 token and the windows (paged_decode_reference).
+  decode  one token enters the window, the oldest leaves to INT2; its query reads all held (paged_decode_reference).
   extend  a multi-token forward (a prompt, a chat turn): its queries read the chunk's own keys
           exactly and what was held before it as held (chunk_attention); then the chunk is stored.
 """
@@ -840,8 +829,7 @@ def unpack_int2(packed: torch.Tensor) -> torch.Tensor:
 
 
 def q2_quantize(x: torch.Tensor, clip: float, G: int, eps: float = 1e-8):
-    """Storage form of Q2. x (..., d) float, d a multiple of 4 -> (packed (..., d/4) uint8,
-    scale (..., d/G) fp32, zero (..., d/G) fp32)."""
+    """Storage form of Q2: x (..., d) float, 4 | d -> (packed (..., d/4) uint8, scale, zero (..., d/G) fp32)."""
     assert x.shape[-1] % 4 == 0, "4 codes per byte: d must be a multiple of 4"
     xg, scale, zero = _q2_params(x.float(), clip, G, eps)
     code = torch.clamp(torch.floor(xg / scale + zero + 0.5), 0, 3)
@@ -928,8 +916,7 @@ class PagedKVCache:
         self.block_table = torch.full((max_seqs, num_pages), -1, dtype=torch.int32, device=device)
         self.pages = [[] for _ in range(max_seqs)]                    # the block table on the host
         self.length = torch.zeros(max_seqs, dtype=torch.long)          # tokens held, by every layer
-        self.free_pages = list(range(num_pages))                       # allocated from the front
-        self.active = [False] * max_seqs
+        self.free_pages, self.active = list(range(num_pages)), [False] * max_seqs   # pages from the front
 
     def add_sequence(self) -> int:
         if all(self.active):
@@ -942,21 +929,18 @@ class PagedKVCache:
         self.check_seqs([seq])
         self.free_pages += self.pages[seq]
         self.block_table[seq].fill_(-1)
-        self.pages[seq] = []
-        self.length[seq], self.active[seq] = 0, False
+        self.pages[seq], self.length[seq], self.active[seq] = [], 0, False
         self.win_k[:, seq], self.win_v[:, seq] = 0, 0
 
     def check_seqs(self, seqs: list):
         """ValueError unless seqs are distinct ids of active sequences."""
         for s in seqs:
-            need(s in range(len(self.active)) and self.active[s],
-                 f"seq: expected an active sequence id, got {s}")
+            need(s in range(len(self.active)) and self.active[s], f"seq: expected an active sequence id, got {s}")
         need(len(set(seqs)) == len(seqs), f"seqs: expected distinct sequence ids, got {list(seqs)}")
 
     def reserve(self, seqs: list, T: int, pad=None) -> Step:
-        """A forward of T tokens per sequence (pad (n,): left padding, neither attended nor stored): take
-        the pages its tokens fill in INT2, or raise before taking any; then advance the lengths and
-        return its Step, for every layer (T = 0: a view of what is held)."""
+        """A forward of T tokens per sequence (pad (n,): left padding, neither attended nor stored): take the pages
+        its INT2 tokens fill, or raise before taking any; advance the lengths; return its Step (T = 0: what is held)."""
         self.check_seqs(seqs)
         c, num_pages, length = self.cfg, self.block_table.shape[1], self.length.numpy()
         pad = np.zeros(len(seqs), np.int64) if pad is None else torch.as_tensor(pad).cpu().numpy()
@@ -964,9 +948,8 @@ class PagedKVCache:
         want = [(s, blk) for s, n in zip(seqs, start + T - pad)
                 for blk in range(len(self.pages[s]), -(-max(0, n - held) // P))]
         if len(want) > len(self.free_pages) or any(blk >= num_pages for _, blk in want):
-            raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, "
-                               f"{len(self.free_pages)} free) while sequences {list(seqs)} needed "
-                               f"{len(want)} more for {T} more tokens each")
+            raise RuntimeError(f"PagedKVCache: page pool exhausted ({num_pages} pages, {len(self.free_pages)} free) "
+                               f"while sequences {list(seqs)} needed {len(want)} more for {T} more tokens each")
         for s, blk in want:
             self.pages[s].append(self.free_pages.pop(0))
             self.block_table[s, blk] = self.pages[s][-1]
@@ -1051,13 +1034,11 @@ def chunk_attention(cache: PagedKVCache, layer: int, step: Step, b: int, qr, kr,
                                           scale=sm_scale, enable_gqa=True)            # Eq. 1-2
 
 
-def paged_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, attend=None, sm_scale=None, r_v=None,
-               **options):
-    """One layer's attention through the cache, as `step` (reserve's) plans: q (n, H_q, T, d), k, v (n, H_kv,
-    T, d) post-RoPE (v in R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T,
-    d) fp32. One token: store, then decode (attend None: kernel.paged_decode, or on CPU pages with fp32
-    windows Appendix A's compiled step). Several: chunk_attention, then store (rows before step.pad:
-    neither attended nor stored)."""
+def paged_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, attend=None, sm_scale=None, r_v=None, **options):
+    """One layer's attention through the cache, as `step` (reserve's) plans: q (n, H_q, T, d), k, v (n, H_kv, T, d)
+    post-RoPE (v in R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T, d) fp32. One
+    token: store, then decode (attend None: kernel.paged_decode, or on CPU pages with fp32 windows Appendix A's
+    compiled step). Several: chunk_attention, then store (rows before step.pad: neither attended nor stored)."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
     if T == 1 and attend is None and compiled(cache, q, k, v):
@@ -1115,12 +1096,11 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, the decode step
 # ----------------------------------------------------------------------------------------
 """
-The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read
-in INT2 by some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per
-query: KL adds (sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves
-with R_K. Block-wise simulation: queries [t0, t1) read the exact sink, the INT2 copies of
-[sink, t1 - window), the exact keys of [t0 - window + 1, t1): no dense (T, T) logits. The
-compiled decode step: store and decode a token in one numba call, as its Step's plan says.
+The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read in INT2 by
+some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per query: KL adds
+(sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves with R_K. Block-wise
+simulation: queries [t0, t1) read the exact sink, the INT2 copies of [sink, t1 - window), the exact keys of
+[t0 - window + 1, t1): no dense (T, T) logits. The compiled decode step: store and decode in one numba call.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1161,8 +1141,8 @@ def block_simulated_attention(q, k, v, k_tilde, v_tilde, sink: int, window: int,
         t, i = torch.arange(t0, t1, device=dev)[:, None], torch.arange(len(s), device=dev)
         int2 = (i >= ns) & (i < ns + hi - sink)
         mask = torch.where(int2, s <= t - window, (s <= t) & ((s > t - window) | (s < sink)))
-        K = torch.cat([k[:, :, :ns], k_tilde[:, :, sink:hi], k[:, :, lo:t1]], 2)
-        V = torch.cat([v[:, :, :ns], v_tilde[:, :, sink:hi], v[:, :, lo:t1]], 2)
+        K, V = (torch.cat([x[:, :, :ns], x_tilde[:, :, sink:hi], x[:, :, lo:t1]], 2)
+                for x, x_tilde in ((k, k_tilde), (v, v_tilde)))
         out[:, :, a:t1 - q0] = F.scaled_dot_product_attention(q[:, :, a:t1 - q0], K, V, attn_mask=mask,
                                                               enable_gqa=True)             # Eq. 2
     return out
@@ -1217,9 +1197,8 @@ def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale
 # B. Files: checks of what comes from outside, rotation files, export as a Hugging Face checkpoint
 # ----------------------------------------------------------------------------------------
 """
-What enters from outside raises a ValueError naming it (need, check_tensor); inside, asserts.
-One format for every set of rotations (the scripts write all their variants into one file,
-export_hf the one it serves): safetensors, per variant NAME and layer N,
+What enters from outside raises a ValueError naming it (need, check_tensor); inside, asserts. One format for
+all rotations (the scripts' variants in one file, export_hf's served one): safetensors, per variant NAME, layer N,
   NAME/layers.N.r_k     float32 (H_kv, d, d)  key rotation R_K
   NAME/layers.N.r_v     float32 (H_kv, d, d)  value rotation R_V (absent when folded)
   NAME/layers.N.k_mean  float32 (H_kv, d)     key mean mu after RoPE
@@ -1232,8 +1211,7 @@ ORTHO_TOL = 5e-3   # max |R^T R - I| a rotation read from a file may have (the a
 
 
 def check_rotation(name: str, R, n_heads: int, d: int):
-    """ValueError naming `name` unless R is a finite (n_heads, d, d) float tensor with
-    max |R^T R - I| <= ORTHO_TOL."""
+    """ValueError naming `name` unless R is a finite (n_heads, d, d) float tensor, max |R^T R - I| <= ORTHO_TOL."""
     check_tensor(name, R, shape=(n_heads, d, d), dtype="float", finite=True)
     Rd = R.detach().double()
     err = (Rd.transpose(-1, -2) @ Rd - torch.eye(d, dtype=torch.float64, device=R.device)).abs().max()
@@ -1269,10 +1247,9 @@ def save_kv_rotations(path: str, variants: dict, cfg: Config, folded=(), meta: d
         for l, s in enumerate(kv):
             for p in have if s.quant_k or s.quant_v else ():
                 tensors[f"{name}/layers.{l}.{p}"] = getattr(s, p).detach().float().contiguous().clone()
-        parts[name] = have
-        flags[name] = dict(quant_k=[bool(s.quant_k) for s in kv], quant_v=[bool(s.quant_v) for s in kv],
-                           r_v_folded=name in folded, clip_k=[s.clip_k for s in kv],
-                           clip_v=[s.clip_v for s in kv])
+        parts[name], flags[name] = have, dict(quant_k=[bool(s.quant_k) for s in kv],
+                                              quant_v=[bool(s.quant_v) for s in kv], r_v_folded=name in folded,
+                                              clip_k=[s.clip_k for s in kv], clip_v=[s.clip_v for s in kv])
     info = dict(format=ROTATION_FORMAT, n_layers=cfg.n_layers, n_kv_heads=cfg.n_kv_heads,
                 head_dim=cfg.head_dim, model_type=model_type, model_name=model_name,
                 settings={n: getattr(cfg, n) for n in KV_SETTINGS},
@@ -1298,8 +1275,7 @@ def load_kv_rotations(path: str, cfg=None):
                 raise ValueError(f"{path}: metadata: expected JSON values ({e})") from None
             need(info.get("format") == ROTATION_FORMAT,
                  f"{path}: metadata format: expected {ROTATION_FORMAT!r}, got {info.get('format')!r}")
-            missing = [k for k in ("n_layers", "n_kv_heads", "head_dim", "settings", "variants", "parts",
-                                   "flags") if k not in info]
+            missing = [k for k in "n_layers n_kv_heads head_dim settings variants parts flags".split() if k not in info]
             need(not missing, f"{path}: metadata is missing {missing}")
             L, H, d = (int(info[k]) for k in ("n_layers", "n_kv_heads", "head_dim"))
             mine, want = info.get("model_type"), cfg and (cfg.n_layers, cfg.n_kv_heads, cfg.head_dim)  # older: None
@@ -1349,15 +1325,14 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
     kv_rotations.safetensors (`name`: R_K, mu) and .txt; the tokenizer if given."""
     need(cfg is not None and not isinstance(model, TinyLM), "export_hf: a transformers model and its cfg "
          "(optr.hf_config); TinyLM's weights load by name into the Llama, Qwen2 or Qwen3 it is")
-    c = cfg
-    folded = fold_value_rotation(model, kv, c)
+    folded = fold_value_rotation(model, kv, cfg)
     quant = getattr(folded, "hf_quantizer", None)       # a GGUF is dequantized on load: saved as the floats held
     if quant is not None and getattr(quant.quantization_config.quant_method, "value", None) == "gguf":
         folded.hf_quantizer = None
         del folded.config.quantization_config
     folded.save_pretrained(out_dir)
     served = [replace(s, r_v=None) for s in kv]                  # R_V: in the weights
-    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, c, folded=(name,),
+    save_kv_rotations(os.path.join(out_dir, "kv_rotations.safetensors"), {name: served}, cfg, folded=(name,),
                       model_type=model.config.get_text_config().model_type)
     with open(os.path.join(out_dir, "kv_rotations.txt"), "w") as f:
         f.write(KV_LAYOUT)
@@ -1371,10 +1346,9 @@ def export_hf(model, kv: list, out_dir: str, tokenizer=None, name: str = "optr",
 # D. Beyond the paper (ours): a clip searched per layer (OptR+)
 # ----------------------------------------------------------------------------------------
 """
-Clip search (calibrate(one_layer=clipped(grid)): the +clip rows, optr+): per layer, c_K of {c_K}
-+ grid with the least held-out L_K at the base, then c_V of {c_V} + grid by L_V at that c_K;
-the base, or OptR learned there, is then served at these clips (KVQuant.clip_k, clip_v).
-(End-to-end refinement of every layer at once lost: NOTES.md, with the commit that runs it.)
+Clip search (calibrate(one_layer=clipped(grid)): the +clip rows, optr+): per layer, c_K of {c_K} + grid with
+the least held-out L_K at the base, then c_V of {c_V} + grid by L_V at that c_K; the base, or OptR learned
+there, is served at these clips (KVQuant.clip_k, clip_v). End-to-end refinement of all layers lost: NOTES.md.
 """
 
 @torch.no_grad()
@@ -1405,11 +1379,10 @@ def clipped(grid):
 # E. Serving elsewhere: transformers' generate() and models (SGLang's files: tools/sglang.py)
 # ----------------------------------------------------------------------------------------
 """
-Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3):
-hf_config reads its geometry; hf_cache serves INT2 layers from Section 8's pages, and what it serves
-is ladder.simulate_hf's numbers (Section 5 in the model's attention) with chunks.
-PagedLayer.update keeps k, v and returns itself as keys and values, which transformers hands
-untouched to "optr-paged" (paged_attention), then to the layer's attend: paged_step.
+Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3): hf_config
+reads its geometry; hf_cache serves INT2 layers from Section 8's pages: the numbers of ladder.simulate_hf with
+chunks (Section 5 in the model's attention). PagedLayer.update keeps k, v and returns itself as keys and
+values, which transformers hands untouched to "optr-paged" (paged_attention), then to its attend: paged_step.
 """
 
 @dataclass
@@ -1459,9 +1432,8 @@ class _Pool:
 
 
 class PagedLayer:
-    """An INT2 layer of hf_cache in transformers' cache-layer interface; its tokens live in the
-    pool's PagedKVCache (as layer `index`). A virtual subclass of transformers' CacheLayerMixin (hf_cache
-    registers it: `import optr` needs no transformers): every method of it served or refused by name."""
+    """An INT2 layer of hf_cache, its tokens in the pool's PagedKVCache (as layer `index`): a virtual subclass of
+    CacheLayerMixin (hf_cache registers it: `import optr` needs no transformers); methods served or refused by name."""
     is_sliding = is_compileable = is_croppable = supports_early_init = False
 
     def __init__(self, pool: _Pool, index: int, spec: KVQuant, folded: bool):
@@ -1516,9 +1488,8 @@ class PagedLayer:
         return sum(getattr(self.pool.cache, t)[self.index].nbytes for t in PACKED + ("win_k", "win_v"))
 
     def attend(self, query, scaling, mask):
-        """query (B, H_q, Tq, d) of the tokens update brought, mask transformers' (B, 1, Tq, keys) or None ->
-        (B, Tq, H_q, d), via paged_step; the left padding among them (every chunk's): keys the last query
-        does not read."""
+        """query (B, H_q, Tq, d) of the tokens update brought, mask transformers' (B, 1, Tq, keys) or None -> (B, Tq,
+        H_q, d), via paged_step; the left padding among them (every chunk's): keys the last query does not read."""
         pool, (k, v) = self.pool, self.new
         self.new, Tq = None, query.shape[2]                   # the pages hold them from here
         seen = None if mask is None or Tq == 1 else mask[:, 0, -1, -Tq:]
@@ -1568,11 +1539,10 @@ def _int2_cache_type():                   # hf_cache's Cache: the model attends 
 
 
 def hf_cache(model, kv: list, cfg: Config, folded: bool = False, max_tokens: int | None = None, attend=None):
-    """A transformers Cache for model.generate(past_key_values=...), as `with optr.hf_cache(model, kv,
-    cfg) as cache:`: inside, the model attends through "optr-paged" (INT2 layers from one PagedKVCache,
-    the others sdpa over transformers' own layers); constructing it changes nothing. max_tokens: what a
-    sequence may hold (None: max_position_embeddings, else 8192; a longer prompt refused before any
-    layer attends). folded: beside export_hf's weights, else v rotated by R_V here. attend: the decode."""
+    """A transformers Cache for generate(past_key_values=...): inside `with optr.hf_cache(model, kv, cfg) as cache:`
+    the model attends through "optr-paged" (INT2 layers from one PagedKVCache, the others sdpa); constructing it
+    changes nothing. max_tokens: what a sequence may hold (None: max_position_embeddings or 8192; a longer prompt
+    refused before any layer attends). folded: with export_hf's weights, else v R_V here. attend: the decode."""
     from transformers.cache_utils import CacheLayerMixin, DynamicCache
     check_kv("hf_cache", kv, cfg)
     mixed = [l for l, s in enumerate(kv) if s.quant_k != s.quant_v]
