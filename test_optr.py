@@ -542,8 +542,7 @@ def _seqs(data):
 
 def _int2_theirs(x, R, clip, G, prefix, recent):
     """calibrate_optr.py L28-39: rotate, quantize, rotate back, restore the static windows."""
-    return restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(x, R), clip, G), R),
-                                       x, prefix, recent)
+    return restore_exact_window_theirs(_derot(quant_int2_ste_theirs(_rot(x, R), clip, G), R), x, prefix, recent)
 
 
 def _queries_theirs(L, qwin):
@@ -1847,8 +1846,7 @@ def test_calibration_checks_can_fail(monkeypatch):
     assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=24),
                  query_positions=torch.arange(0, 20))
     assert fails(check_losses_are_the_authors, small_cfg(n_loss_queries=8, out_reduce="sum"))
-    monkeypatch.setattr(optr, "kl_divergence",
-                        lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
+    monkeypatch.setattr(optr, "kl_divergence", lambda p, p_t: (p * (p.log() - p_t.log())).nan_to_num().sum(-1))
     assert fails(test_kl_divergence_clamps_probabilities_at_1e_12_as_the_authors)
     monkeypatch.undo()
 
@@ -2235,8 +2233,7 @@ def cache_state(cache):
     order (codes, scales, zeros, wherever their pages are), its windows, lengths and INT2 counts,
     and the number of free pages (page ids may differ)."""
     P, out = cache.cfg.page_size, dict(free=len(cache.free_pages), length=cache.length.clone(),
-                                       win_k=cache.win_k.clone(),
-                                       win_v=cache.win_v.clone())
+                                       win_k=cache.win_k.clone(), win_v=cache.win_v.clone())
     for n in ("k_codes", "v_codes", "k_scale", "k_zero", "v_scale", "v_zero"):
         for l in range(cache.cfg.n_layers):
             for s in range(len(cache.active)):
@@ -2657,8 +2654,7 @@ def test_a_rotation_file_for_another_geometry_or_format_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"calibrated for a model \(2 layers, 2 KV heads, head_dim 16\), "
                                          r"not for this model \(3 layers, 2 KV heads, head_dim 16\)"):
         optr.load_kv_rotations(path, replace_cfg(cfg, n_layers=3))
-    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()},
-              str(tmp_path / "old.safetensors"))
+    save_file({"quarot/1/r_k": torch.eye(16).expand(2, 16, 16).contiguous()}, str(tmp_path / "old.safetensors"))
     with pytest.raises(ValueError, match="metadata format: expected 'optr-kv-rotations-1'"):
         optr.load_kv_rotations(str(tmp_path / "old.safetensors"))
 
@@ -2747,8 +2743,7 @@ def test_export_hf_writes_a_rotation_file_that_loads(tmp_path):
     (None), and its settings reconfigure the loaded model."""
     model = random_model("qwen2", sink=2, window=3, page_size=4)
     kv = quarot_specs(model.cfg, seed=20)
-    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), name="served",
-                         cfg=model.cfg)
+    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), name="served", cfg=model.cfg)
     variants, info = optr.load_kv_rotations(out, model.cfg)
     assert list(variants) == ["served"] and info["r_v_folded"] == {"served": True}
     for a, b in zip(kv, variants["served"]):
@@ -2989,9 +2984,8 @@ def test_the_clip_rows_search_a_clip_per_layer_and_only_they(calibrated_tiny):
     assert all(s.k_mean is None for n in ("quarot+clip", "quarot+optr-nocenter") for s in got[n])
 
 
-# -- the clip search where the spec is silent: which c_K the value search reads, which keys the
-# key search scores, which candidates, which data each calibration sample searches on, which
-# variant --export picks
+# -- the clip search where the spec is silent: which c_K the value search reads, which keys the key search scores,
+# which candidates, which data each calibration sample searches on, which variant --export picks
 
 
 def key_clip_losses(held, w_o, r_k, mu, cfg, cands) -> dict:
@@ -3136,8 +3130,7 @@ def engine_ready_tinylm(kind="qwen2", seed=3, **kw):
 
 def hf_load(path):
     from transformers import AutoModelForCausalLM
-    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True,
-                                                dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(path), local_files_only=True, dtype=torch.float32).eval()
 
 
 @pytest.mark.parametrize("kind,tie", [("llama", True), ("qwen2", False), ("qwen3", True)])
@@ -3154,8 +3147,7 @@ def test_export_hf_loads_in_transformers_with_optrs_logits(tmp_path, kind, tie):
 def exported_to_hf(tmp_path_factory):
     """A model, its specs, its folded copy and export_hf's checkpoint in transformers."""
     model, kv = engine_ready_tinylm("qwen2")
-    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path_factory.mktemp("hf") / "x"),
-                         cfg=model.cfg)
+    out = optr.export_hf(transformers_twin(model), kv, str(tmp_path_factory.mktemp("hf") / "x"), cfg=model.cfg)
     return model, kv, optr.fold_value_rotation(model, kv), hf_load(out)
 
 
@@ -3355,25 +3347,6 @@ def test_serving_checks_can_fail(exported_to_hf, monkeypatch, tmp_path):
     step = optr.compiled_step                                   # the compiled step, told no R_V
     monkeypatch.setattr(optr, "compiled_step", lambda *a, r_v=None: step(*a))
     assert fails(check_hf_cache_unfolded_is_decode_step, exported_to_hf, str(tmp_path / "o"))
-
-
-@pytest.mark.slow
-def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(tmp_path, eval_llm):
-    """eval_llm's --hf-generate N prints transformers' greedy tokens from the exported checkpoint (hf_cache,
-    the prompt token by token, and the prompt at once) beside greedy decoding through simulate_hf on the
-    same checkpoint (the whole sequence each token; with chunks=(P,), the prompt one forward), each the same
-    as its reference.
-    Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
-    model, kv = engine_ready_tinylm("llama")
-    optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), cfg=model.cfg)
-    cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), hf_generate=6)
-    text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
-    lines = []
-    out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
-    gen = out["hf_generate"]
-    assert len(gen["simulate_hf"]) == 6 and gen["same"] == [True, True]
-    assert gen["hf_token_by_token"] == gen["simulate_hf"] and gen["hf_one_prefill"] == gen["simulate_hf_prompt"]
-    assert sum(line.startswith("generate |") for line in lines) == 4
 
 
 # ----------------------------------------------------------------------------------------
@@ -3659,8 +3632,7 @@ def check_hf_cache_generate_is_simulate_hf_decoding(model, kv, cfg, P=12, n=18):
     logits within 1e-4 (transformers' sdpa against simulate_hf: round-off); returns the cache."""
     with torch.no_grad(), optr.hf_cache(model, kv, cfg) as cache:
         out = model.generate(IDX_HF[:, :P], past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-                             do_sample=False, output_logits=True,
-                             return_dict_in_generate=True, pad_token_id=0)
+                             do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     tokens, logits = greedy_through_simulate_hf(model, kv, cfg, IDX_HF[:, :P], n)
     assert torch.equal(out.sequences[:, P:], tokens)
     err = max((a - b).abs().max().item() for a, b in zip(out.logits, logits))
@@ -4410,7 +4382,6 @@ def test_hf_config_and_simulate_hf_refuse_what_they_cannot_honour():
 # shows up as NaN or a wrong result.
 
 
-
 def triton_kernel_test(test):
     """A test of the Triton kernel: marked `kernel` (`pytest -m "kernel or gpu"` runs it on a
     GPU), skipped without triton, and its launches recorded and checked against
@@ -4503,8 +4474,7 @@ def build(case, seed=0):
         win_v[b, :, win_len[b]:] = float("nan")
 
     q = torch.randn(B, case.H_q, d, generator=g).to(case.q_dtype)
-    args.update(q=q, block_table=block_table,
-                n_quant=torch.tensor(case.n_quant, dtype=torch.int32),
+    args.update(q=q, block_table=block_table, n_quant=torch.tensor(case.n_quant, dtype=torch.int32),
                 win_k=win_k, win_v=win_v, win_len=torch.tensor(win_len, dtype=torch.int32),
                 group_size=G)
     return args, dense["k"], dense["v"]
@@ -4576,8 +4546,7 @@ def test_a_custom_sm_scale_is_the_logit_scale(which):
     Optr against optr: the Triton kernel against paged_decode_reference, both at sm_scale."""
     args, _, _ = build(SPLIT_CASE, seed=1)
     ref = optr.paged_decode_reference(**args, sm_scale=0.3)
-    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3,
-                            kernel=which)
+    out = int2_paged_decode(**on_device(args), num_splits=SPLIT_CASE_SPLITS[-1], sm_scale=0.3, kernel=which)
     assert_close_report(out, ref, *TOLERANCES[torch.float32], "sm_scale=0.3")
 
 
@@ -4733,8 +4702,7 @@ def test_assert_close_report_accepts_close_values():
     assert_close_report(expected * (1 + 1e-6), expected, 1e-5, 1e-4, "close")
 
 
-@pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")],
-                         ids=["off-by-0.01", "nan", "inf"])
+@pytest.mark.parametrize("bad_value", [0.01, float("nan"), float("inf")], ids=["off-by-0.01", "nan", "inf"])
 def test_assert_close_report_fails_on_one_wrong_element(bad_value):
     """...and fails when a single element is off, NaN or inf, naming where."""
     expected = torch.randn(3, 4, 8, generator=torch.Generator().manual_seed(0))

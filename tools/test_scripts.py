@@ -496,6 +496,27 @@ def test_eval_llm_refuses_hf_generate_with_int2_sliding_layers_at_its_flags(eval
     eval_llm.RunConfig(export="x", hf_generate=2)
 
 
+@pytest.mark.slow
+def test_eval_llm_generates_from_the_export_in_transformers_as_simulate_hf_does(tmp_path, eval_llm, random_model,
+                                                                                 quarot_specs, transformers_twin):
+    """eval_llm's --hf-generate N prints transformers' greedy tokens from the exported checkpoint (hf_cache,
+    the prompt token by token, and the prompt at once) beside greedy decoding through simulate_hf on the
+    same checkpoint (the whole sequence each token; with chunks=(P,), the prompt one forward), each the same
+    as its reference.
+    Optr against optr: eval_llm's generate() with hf_cache against simulate_hf."""
+    model = random_model("llama", seed=3, sink=8, window=8, page_size=8)    # G = d = 16, windows of 8
+    kv = quarot_specs(model.cfg, seed=3)
+    optr.export_hf(transformers_twin(model), kv, str(tmp_path / "x"), cfg=model.cfg)
+    cfg = eval_llm.RunConfig(export=str(tmp_path / "x"), hf_generate=6)
+    text = torch.randint(0, 300, (1, 64), generator=torch.Generator().manual_seed(2))
+    lines = []
+    out = eval_llm.serve_elsewhere(model, kv, cfg, text, type("Tok", (), {"decode": staticmethod(str)}), lines.append)
+    gen = out["hf_generate"]
+    assert len(gen["simulate_hf"]) == 6 and gen["same"] == [True, True]
+    assert gen["hf_token_by_token"] == gen["simulate_hf"] and gen["hf_one_prefill"] == gen["simulate_hf_prompt"]
+    assert sum(line.startswith("generate |") for line in lines) == 4
+
+
 def test_the_recommended_recipe_is_one_of_the_exports_candidates(eval_llm):
     """quarot+center+clip, the recipe the README recommends, is one of --export's candidates (its
     SGLang files are refused: tools/test_sglang.py)."""
