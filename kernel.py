@@ -15,11 +15,11 @@ heads, head dim d, page size P):
 
 Two Triton kernels, read in this order (`int2_paged_decode(..., kernel=)`: one launcher, one set of checks).
 Version 1, "plain": a program per (sequence, KV head) walks the sequence's pages, unpacks each code with a
-shift and a mask, dequantizes in fp32 and keeps Eq. 1-2's online softmax (~70 lines and a 15-line
-helper; read it beside optr.paged_decode_reference).  Version 2, "fast" (the default), is version 1 refined in four steps, each
-one a section below, each with what it buys in `python -m tools.sass`' issue/HBM figure (sm_90a, bench
-case d = G = 128, page 64: the INT2 loop's issue cycles per 64-token tile over the H200's HBM cycles for
-its 5,120 bytes; 1.0 would be memory-bound; triton 3.7.1).  Version 1: 12.8 (shared memory binds: 15.5).
+shift and a mask, dequantizes in fp32 and keeps Eq. 1-2's online softmax (~70 lines and a 15-line helper; read
+it beside optr.paged_decode_reference).  Version 2, "fast" (the default), is version 1 refined in four steps,
+each one a section below, each with what it buys in `python -m tools.sass`' issue/HBM figure (sm_90a, bench
+case d = G = 128, page 64: the INT2 loop's issue cycles per 64-token tile over the H200's HBM cycles for its
+5,120 bytes; 1.0 would be memory-bound; triton 3.7.1).  Version 1: 12.8 (shared memory binds: 15.5).
   1. Split-K: grid (B, H_kv, num_splits), each program a contiguous range of tiles, writing a partial
      output and its base-2 lse; stage 2 (grid (B, H_q)) merges them.  The same work per tile, but at
      batch 1 the bench case's 8 programs become hundreds, for 132 SMs.
@@ -47,6 +47,8 @@ import types
 import numpy as np
 import torch
 
+_NO_TRITON = "needs triton, which is not installed (its wheels are for Linux); on a CPU, int2_paged_decode_cpu " \
+             "(numba) needs none"
 try:                  # only the Triton kernel needs it; triton ships wheels for Linux alone
     import triton
     import triton.language as tl
@@ -59,8 +61,7 @@ except ImportError:   # macOS, Windows: the checks, the numba CPU decode and q2_
             self.fn = fn
 
         def __getitem__(self, grid):
-            raise ImportError(f"{self.fn.__name__} needs triton, which is not installed (its wheels are "
-                              "for Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
+            raise ImportError(f"{self.fn.__name__} {_NO_TRITON}", name="triton")
 
 _INTERPRETED = triton is not None and bool(triton.knobs.runtime.interpret)  # what @triton.jit uses
 _LOG2E, _MAX_SPLITS = 1.4426950408889634, 1024
@@ -115,8 +116,7 @@ def _int2_decode_plain_kernel(
     dims = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :],
                 mask=head_ok[:, None], other=0.0).to(tl.float32)   # fp32 right after the load
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    l = tl.zeros([BLOCK_H], tl.float32)
+    m, l = tl.full([BLOCK_H], float("-inf"), tl.float32), tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
     slots = tl.arange(0, BLOCK_P)
     n_quant = tl.load(n_quant_ptr + b)
@@ -162,24 +162,17 @@ def _int2_decode_split_kernel(
         block_table_ptr, n_quant_ptr, win_k_ptr, win_v_ptr, win_len_ptr,   # as the plain kernel's
         part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 out: normalized partial outputs
         part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 out: partial log2-sum-exp2 of logits
-        qk_scale,              # sm_scale * log2(e): logits are kept in base-2 units
-        num_splits,            # NUM_SPLITS, programs per (sequence, KV head)
+        qk_scale, num_splits,  # as the plain kernel's; NUM_SPLITS programs per (sequence, KV head)
         stride_qb, stride_qh, stride_cp, stride_ch, stride_cn, stride_sp, stride_sh, stride_sn,
         stride_btb, stride_wb, stride_wh, stride_wn,   # as the plain kernel's
-        stride_ob, stride_oh, stride_os,       # partial-output strides (batch, head, split)
-        stride_lb, stride_lh,                  # partial-lse strides (batch, head)
-        HEAD_DIM: tl.constexpr,       # d, a power of two
-        GROUP_SIZE: tl.constexpr,     # G, dims per scale / zero
-        NUM_GROUPS: tl.constexpr,     # d // G
-        PAGE_SIZE: tl.constexpr,      # P, tokens per page
-        QUERIES_PER_KV: tl.constexpr,  # H_q // H_kv
-        BLOCK_H: tl.constexpr,        # query-head tile, power of two >= QUERIES_PER_KV
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh,  # partial out (batch, head, split), lse
+        HEAD_DIM: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,   # NUM_GROUPS = d // G
+        PAGE_SIZE: tl.constexpr, QUERIES_PER_KV: tl.constexpr, BLOCK_H: tl.constexpr,  # as the plain's
         BLOCK_N: tl.constexpr,        # INT2 tokens per tile (any page size), power of two >= 16
         SUB_TILES: tl.constexpr,      # token sub-tiles per tile, each with its own softmax state
-        BLOCK_W: tl.constexpr,        # window tokens per tile, power of two >= 16
+        BLOCK_W: tl.constexpr,        # as the plain kernel's
         FACTORED: tl.constexpr,       # scale / zero outside fp16 dots (G % (d/4) == 0, d >= 64)
-        DOT_PRECISION: tl.constexpr,  # tl.dot input precision for fp32 operands
-):
+        DOT_PRECISION: tl.constexpr):
     pid_b, pid_kv, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     batch = pid_b.to(tl.int64)
     W: tl.constexpr = HEAD_DIM // 4         # dims per quarter-row
@@ -196,8 +189,7 @@ def _int2_decode_split_kernel(
                                               S, W, BLOCK_H, FACTORED)
 
     # Per sub-tile (a warp's share) softmax state and outputs: merged once, after the loop.
-    m_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([S, BLOCK_H], dtype=tl.float32)
+    m_i, l_i = tl.full([S, BLOCK_H], float("-inf"), dtype=tl.float32), tl.zeros([S, BLOCK_H], dtype=tl.float32)
     acc = [tl.zeros([S, W, BLOCK_H], dtype=tl.float32) for _ in (0, 1, 2, 3)]  # transposed
 
     # ---- INT2 tokens: this split's range of BLOCK_N-token tiles -------------
@@ -217,8 +209,7 @@ def _int2_decode_split_kernel(
     for tile in range(first_tile, last_tile):
         page = page_next.to(tl.int64)
         blk_next = _tile_blocks(tile + 1, offs_n, BLOCK_N, PAGE_SIZE)[0]
-        page_next = tl.load(bt_row + blk_next, mask=(tile + 1 < last_tile) & (blk_next < n_blocks),
-                            other=0)
+        page_next = tl.load(bt_row + blk_next, mask=(tile + 1 < last_tile) & (blk_next < n_blocks), other=0)
         slot = _tile_blocks(tile, offs_n, BLOCK_N, PAGE_SIZE)[1]
         acc, m_i, l_i = _int2_tile(
             acc, m_i, l_i, q, q_cols, q_sum, row_scale, k_words_ptr, v_words_ptr,
@@ -233,8 +224,7 @@ def _int2_decode_split_kernel(
 
     # ---- Full-precision window tokens: window tile t goes to split t % num_splits ----
     win_len = tl.load(win_len_ptr + pid_b)
-    q_full = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None],
-                     other=0.0).to(tl.float32)
+    q_full = tl.load(q_rows + tl.arange(0, HEAD_DIM)[None, :], mask=head_mask[:, None], other=0.0).to(tl.float32)
     for w_tile in range(split, tl.cdiv(win_len, BLOCK_W), num_splits):
         slot = w_tile * BLOCK_W + tl.arange(0, BLOCK_W)
         rows = batch * stride_wb + pid_kv * stride_wh + slot[:, None] * stride_wn
@@ -244,8 +234,7 @@ def _int2_decode_split_kernel(
     # ---- Partial result; an empty split gives out = 0 and lse = -inf -------
     has_tokens = l_i > 0
     l_safe = tl.where(has_tokens, l_i, 1.0)
-    out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh \
-        + split * stride_os + offs_w[None, :]
+    out_rows = part_out_ptr + batch * stride_ob + q_heads[:, None] * stride_oh + split * stride_os + offs_w[None, :]
     for c in tl.static_range(4):
         tl.store(out_rows + c * W, acc[c] / l_safe[:, None], mask=head_mask[:, None])
     tl.store(part_lse_ptr + batch * stride_lb + q_heads * stride_lh + split,
@@ -253,26 +242,19 @@ def _int2_decode_split_kernel(
 
 @triton_jit
 def _merge_splits_kernel(
-        part_out_ptr,          # (B, H_q, NUM_SPLITS, d) fp32 normalized partial outputs
-        part_lse_ptr,          # (B, H_q, NUM_SPLITS) fp32 partial log2-sum-exp2 (-inf: empty)
-        out_ptr,               # (B, H_q, d) fp32 out: final attention output
-        num_splits,            # NUM_SPLITS, partials per (sequence, head)
-        stride_ob, stride_oh, stride_os,   # partial-output strides (batch, head, split)
-        stride_lb, stride_lh,              # partial-lse strides (batch, head)
-        stride_yb, stride_yh,              # output strides (batch, head)
-        HEAD_DIM: tl.constexpr,  # d
-        BLOCK_SPLITS: tl.constexpr,  # partials merged per step (a (BLOCK_SPLITS, d) block)
-):
+        part_out_ptr, part_lse_ptr,        # stage 1's (lse -inf: an empty split)
+        out_ptr,                           # (B, H_q, d) fp32 out: final attention output
+        num_splits,
+        stride_ob, stride_oh, stride_os, stride_lb, stride_lh, stride_yb, stride_yh,  # as stage 1's, out's
+        HEAD_DIM: tl.constexpr,
+        BLOCK_SPLITS: tl.constexpr):       # partials merged per step (a (BLOCK_SPLITS, d) block)
     """out = sum_i 2^(lse_i - M) o_i / sum_i 2^(lse_i - M), M = max lse, BLOCK_SPLITS splits
     at a time (running-max rescaling); empty splits (lse = -inf) weigh 0."""
-    batch = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    offs_split = tl.arange(0, BLOCK_SPLITS)
-    offs_d = tl.arange(0, HEAD_DIM)
+    batch, head = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    offs_split, offs_d = tl.arange(0, BLOCK_SPLITS), tl.arange(0, HEAD_DIM)
     lse_row = part_lse_ptr + batch * stride_lb + head * stride_lh
     out_row = part_out_ptr + batch * stride_ob + head * stride_oh
-    m = tl.full([1], float("-inf"), tl.float32)
-    denom = tl.zeros([1], tl.float32)
+    m, denom = tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for first in range(0, num_splits, BLOCK_SPLITS):
         split = first + offs_split
@@ -290,8 +272,7 @@ def _merge_splits_kernel(
     tl.store(out_ptr + batch * stride_yb + head * stride_yh + offs_d, out)
 
 @triton_jit
-def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
-                 offs_n,            # (S, T) int32 token of the tile, 0 .. BLOCK_N - 1
+def _tile_blocks(tile, offs_n,      # tile index (BLOCK_N tokens each); (S, T) token of the tile
                  BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
     """(block-table column, slot in the page) of every token of a tile; a scalar block within a page."""
     if PAGE_SIZE % BLOCK_N == 0:
@@ -303,34 +284,27 @@ def _tile_blocks(tile,              # int32 tile index (BLOCK_N tokens each)
         return tok // PAGE_SIZE, tok % PAGE_SIZE
 
 @triton_jit
-def _window_tile(acc,               # tuple of 4 (BLOCK_H, W) fp32 running outputs
-                 m_i, l_i,          # (BLOCK_H,) softmax state
+def _window_tile(acc, m_i, l_i,     # 4 (BLOCK_H, W) fp32 running outputs; (BLOCK_H,) softmax state
                  q_full,            # (BLOCK_H, d) fp32 query, dims in natural order
-                 win_k_ptr, win_v_ptr,  # fp32/bf16 (B, H_kv, NW, d) window keys, values
-                 rows,              # (BLOCK_W, 1) element offset of each window token's row
-                 valid,             # (BLOCK_W,) window slots that hold a token
-                 offs_w,            # (W,) dims of a quarter, in the order of the codes
-                 qk_scale,          # sm_scale * log2(e)
+                 win_k_ptr, win_v_ptr, rows, valid,   # rows: (BLOCK_W, 1) offsets; valid: slots with a token
+                 offs_w, qk_scale,  # offs_w: (W,) dims of a quarter, in the order of the codes
                  HEAD_DIM: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One tile of window tokens, fp32 dots, output per quarter.  Returns (acc, m_i, l_i)."""
     W: tl.constexpr = HEAD_DIM // 4
-    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None],
-                other=0.0).to(tl.float32)
+    k = tl.load(win_k_ptr + rows + tl.arange(0, HEAD_DIM)[None, :], mask=valid[:, None], other=0.0).to(tl.float32)
     logits = tl.dot(q_full, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
     logits = tl.where(valid[None, :], logits, float("-inf"))
     m_i, alpha, p, l_i = _softmax_update(logits, m_i, l_i, False)
     v = [tl.load(win_v_ptr + rows + (c * W + offs_w[None, :]), mask=valid[:, None],
                  other=0.0).to(tl.float32) for c in (0, 1, 2, 3)]
-    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION)
-           for c in (0, 1, 2, 3)]
+    acc = [acc[c] * alpha[:, None] + tl.dot(p, v[c], input_precision=DOT_PRECISION) for c in (0, 1, 2, 3)]
     return acc, m_i, l_i
 
 @triton_jit
 def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / (BLOCK_H, N)
                     m_i, l_i,       # running max, sum of 2^(logit - m_i): (S, BLOCK_H) / (BLOCK_H,)
                     SUB_TILED: tl.constexpr):
-    """Online softmax over the tokens (axis 1): returns (m_new, alpha, p, l_new); alpha
-    rescales the old state.  SUB_TILED: one state per sub-tile (the INT2 loop)."""
+    """Online softmax over the tokens (axis 1): (m_new, alpha, p, l_new); alpha rescales the old state."""
     m_new = tl.maximum(m_i, tl.max(logits, axis=1))      # -inf until a real token: shift by 0 then
     m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
     alpha = tl.exp2(m_i - m_ref)                 # 0 on the first real tile (m_i = -inf)
@@ -342,9 +316,7 @@ def _softmax_update(logits,         # base-2, -inf if masked: (S, N, BLOCK_H) / 
 
 # ---- Step 2: the factored dot (quarter-rows on the fp16 MMA, scale and zero outside it) ----
 @triton_jit
-def _load_query(q_rows,             # (BLOCK_H, W) pointers to quarter 0 of each head's query
-                head_mask,          # (BLOCK_H,) query heads that exist
-                qk_scale,           # sm_scale * log2(e)
+def _load_query(q_rows, head_mask, qk_scale,   # (BLOCK_H, W) pointers to each head's quarter 0
                 S: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, FACTORED: tl.constexpr):
     """(q, q_cols, q_sum, row_scale), tuples over the quarters.  Factored: each head scaled
     into [-2^14, 2^14] (row_scale undoes it); q_cols as _query_columns; q_sum for the zeros."""
@@ -387,28 +359,22 @@ def _add_hi_lo(t,                   # (S, R, 2 * BLOCK_H) fp32 dot against _hi_l
     return hi + lo
 
 @triton_jit
-def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running outputs
-               m_i, l_i,            # (S, BLOCK_H) softmax state of each sub-tile
-               q, q_cols, q_sum,    # the query, as _tile_logits takes it
-               row_scale,           # (BLOCK_H,) fp32 factor from q.k to base-2 logits
-               k_words_ptr, v_words_ptr,   # uint32 views of k_codes, v_codes
-               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,   # fp32 group params
+def _int2_tile(acc, m_i, l_i,       # 4 (S, W, BLOCK_H) fp32 running outputs; (S, BLOCK_H) states
+               q, q_cols, q_sum, row_scale,   # as _load_query returns them
+               k_words_ptr, v_words_ptr,      # uint32 views of k_codes, v_codes
+               k_scale_ptr, k_zero_ptr, v_scale_ptr, v_zero_ptr,
                code_rows,           # (S, T) int64 offset of each token's code row, in words
-               param_rows,          # (S, T) int64 element offset of its scale / zero row
-               valid,               # (S, T) tokens that exist (the rest read nothing)
-               offs_w,              # (W,) dims of a quarter, in the order of the codes
+               param_rows, valid, offs_w,     # (S, T): offset of its scale / zero row, tokens that exist
                S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
                GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr,
                USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One tile of S x T INT2 tokens (K and V rows loaded once, as 32-bit words): logits,
-    each sub-tile's online softmax, P.V into each quarter.  Returns (acc, m_i, l_i)."""
+    """S x T INT2 tokens (K, V rows loaded once, as 32-bit words): logits, each sub-tile's online softmax,
+    P.V into each quarter.  Returns (acc, m_i, l_i)."""
     words = code_rows[:, :, None] + tl.arange(0, W // 4)[None, None, :]
     k_packed = tl.load(k_words_ptr + words, mask=valid[:, :, None], other=0)
     v_packed = tl.load(v_words_ptr + words, mask=valid[:, :, None], other=0)
-    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W,
-                            GROUP_SIZE, NUM_GROUPS, FACTORED)
-    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W,
-                            GROUP_SIZE, NUM_GROUPS, FACTORED)
+    k_params = _tile_params(k_scale_ptr, k_zero_ptr, param_rows, valid, offs_w, W, GROUP_SIZE, NUM_GROUPS, FACTORED)
+    v_params = _tile_params(v_scale_ptr, v_zero_ptr, param_rows, valid, offs_w, W, GROUP_SIZE, NUM_GROUPS, FACTORED)
     logits = _tile_logits(q, q_cols, q_sum, k_packed, k_params, S, T, W, BLOCK_H,
                           NUM_GROUPS, FACTORED, USE_DOT, DOT_PRECISION)
     logits = tl.where(valid[:, :, None], logits * row_scale[None, None, :], float("-inf"))
@@ -419,22 +385,17 @@ def _int2_tile(acc,                 # tuple of 4 (S, W, BLOCK_H) fp32 running ou
 
 @triton_jit
 def _tile_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _quarter_params
-                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr,
-                 FACTORED: tl.constexpr):
+                 W: tl.constexpr, GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr):
     """The four quarters' (scale, zero) (one load when a row is one group)."""
     if FACTORED and NUM_GROUPS == 1:
-        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE,
-                                 FACTORED)
+        params = _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, 0, W, GROUP_SIZE, FACTORED)
         return params, params, params, params
     else:
-        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE,
-                                FACTORED) for c in (0, 1, 2, 3)]
+        return [_quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w, c, W, GROUP_SIZE, FACTORED)
+                for c in (0, 1, 2, 3)]
 
 @triton_jit
-def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) scales, zeros
-                    rows,           # (S, T) int64 element offset of each token's row
-                    valid,          # (S, T) tokens that exist
-                    offs_w,         # (W,) dims of a quarter, in the order of the codes
+def _quarter_params(scale_ptr, zero_ptr, rows, valid, offs_w,   # as _int2_tile's (param_rows)
                     C: tl.constexpr,  # the quarter, 0 .. 3
                     W: tl.constexpr, GROUP_SIZE: tl.constexpr, FACTORED: tl.constexpr):
     """(scale, zero) of quarter C: (S, T) each if FACTORED, else (S, T, W); 0 if missing."""
@@ -448,14 +409,10 @@ def _quarter_params(scale_ptr, zero_ptr,  # fp32 (num_pages, H_kv, P, d // G) sc
                 tl.load(zero_ptr + cols, mask=valid[:, :, None], other=0.0))
 
 @triton_jit
-def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query quarters
-                 q_cols,            # tuple of 4 (S, W, 2 * BLOCK_H) fp16 hi / lo columns
-                 q_sum,             # tuple of 4 (1, 1, BLOCK_H) fp32 sums of the quarters
-                 packed,            # (S, T, W // 4) uint32 key code words of the tile
-                 params,            # tuple of 4 (scale, zero), as _tile_params
-                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr,
-                 NUM_GROUPS: tl.constexpr, FACTORED: tl.constexpr, USE_DOT: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+def _tile_logits(q, q_cols, q_sum,   # 4 each: (BLOCK_H, W) fp32, (S, W, 2 * BLOCK_H) fp16, (1, 1, BLOCK_H)
+                 packed, params,    # (S, T, W // 4) uint32 key code words of the tile; as _tile_params
+                 S: tl.constexpr, T: tl.constexpr, W: tl.constexpr, BLOCK_H: tl.constexpr, NUM_GROUPS: tl.constexpr,
+                 FACTORED: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """(S, T, BLOCK_H) logits before row_scale, summed over the quarters.  Factored:
     s * (q.c - z * sum(q)), tokens on the MMA's 16 rows, heads' hi / lo on its 8 columns."""
     if FACTORED:
@@ -471,30 +428,25 @@ def _tile_logits(q,                 # tuple of 4 (BLOCK_H, W) fp32 scaled query 
             logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
             for c in tl.static_range(4):
                 scale, zero = params[c]
-                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W),
-                               S, T, BLOCK_H)
+                t = _add_hi_lo(_quarter_dot(packed, q_cols[c], no_acc, 2 * c, S, T, W), S, T, BLOCK_H)
                 logits += scale[:, :, None] * (t - zero[:, :, None] * q_sum[c])
             return logits
     else:
         logits = tl.zeros([S, T, BLOCK_H], dtype=tl.float32)
         for c in tl.static_range(4):
             scale, zero = params[c]
-            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H,
-                                      USE_DOT, DOT_PRECISION)
+            logits += _quarter_logits(q[c], packed, scale, zero, 2 * c, S, T, W, BLOCK_H, USE_DOT, DOT_PRECISION)
         return logits
 
 @triton_jit
-def _quarter_dot(packed,            # (S, T, W // 4) uint32 code words of the tile
-                 q_cols,            # (S, W, 2 * BLOCK_H) fp16 query quarter, hi / lo columns
-                 acc,               # (S, T, 2 * BLOCK_H) fp32 accumulator
+def _quarter_dot(packed, q_cols, acc,   # code words; one quarter's q_cols; (S, T, 2 * BLOCK_H) fp32
                  SHIFT: tl.constexpr,  # 2 * quarter: the bit field of this quarter
                  S: tl.constexpr, T: tl.constexpr, W: tl.constexpr):
     """acc + codes @ q_cols in every sub-tile (one quarter's exact fp16 codes, fp32 sums)."""
     return tl.dot(_codes_fp16(packed, SHIFT, S, T, W), q_cols, acc, out_dtype=tl.float32)
 
 @triton_jit
-def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
-                    packed,         # (S, T, W // 4) uint32 code words of the tile
+def _quarter_logits(q, packed,      # (BLOCK_H, W) fp32 query quarter; code words
                     scale, zero,    # (S, T, W) fp32 per-dim group scale and zero
                     SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
                     BLOCK_H: tl.constexpr, USE_DOT: tl.constexpr, DOT_PRECISION: tl.constexpr):
@@ -508,9 +460,7 @@ def _quarter_logits(q,              # (BLOCK_H, W) fp32 query quarter
         return tl.sum(k[:, :, None, :] * q[None, None, :, :], axis=3)
 
 @triton_jit
-def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of this quarter
-                alpha,              # (S, BLOCK_H) rescale of the running output
-                p,                  # (S, T, BLOCK_H) fp32 softmax numerators
+def _quarter_pv(acc, alpha, p,      # quarter's (S, W, BLOCK_H) output, (S, BLOCK_H) rescale, (S, T, BLOCK_H) p
                 packed,             # (S, T, W // 4) uint32 code words of the tile
                 scale, zero,        # factored: (S, T) group params; general: (S, T, W)
                 SHIFT: tl.constexpr, S: tl.constexpr, T: tl.constexpr, W: tl.constexpr,
@@ -523,8 +473,7 @@ def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of thi
         s_max = tl.max(scale, axis=1)
         s_max = tl.where(s_max > 0, s_max, 1.0)                         # (S,)
         ps = p * (scale * (16384.0 / s_max[:, None]))[:, :, None]        # in [0, 2^14]
-        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H),
-                    out_dtype=tl.float32)
+        pc = tl.dot(tl.permute(codes, (0, 2, 1)), _hi_lo_columns(ps, S, T, BLOCK_H), out_dtype=tl.float32)
         pc = _add_hi_lo(pc, S, W, BLOCK_H)                               # (S, W, BLOCK_H)
         psz = tl.sum(p * (scale * zero)[:, :, None], axis=1)             # sum of p s z
         pv = pc * (s_max * (unit / 16384.0))[:, None, None] - psz[:, None, :]
@@ -535,8 +484,7 @@ def _quarter_pv(acc,                # (S, W, BLOCK_H) fp32 running output of thi
 
 # ---- Step 3: sub-tiles (16-token sub-tiles, each its own softmax state, merged after the loop) ----
 @triton_jit
-def _merge_sub_tiles(m_i, l_i,      # (S, BLOCK_H) softmax state of each sub-tile
-                     acc):          # tuple of 4 (S, W, BLOCK_H) running outputs
+def _merge_sub_tiles(m_i, l_i, acc):   # (S, BLOCK_H) states of the sub-tiles; 4 (S, W, BLOCK_H) outputs
     """Sub-tile states rescaled to the largest max and summed: m, l (BLOCK_H,), acc 4 (BLOCK_H, W)."""
     m = tl.max(m_i, axis=0)
     m_ref = tl.where(m == float("-inf"), 0.0, m)
@@ -596,8 +544,7 @@ def check_tensor(name, x, shape=None, dtype=None, finite=False, device=None, con
         fail(name, "a floating dtype", x.dtype)
     if isinstance(dtype, tuple) and x.dtype not in dtype:
         fail(name, "dtype " + " or ".join(str(d) for d in dtype), x.dtype)
-    if shape is not None and (x.dim() != len(shape) or any(s not in (None, n)
-                                                            for s, n in zip(shape, x.shape))):
+    if shape is not None and (x.dim() != len(shape) or any(s not in (None, n) for s, n in zip(shape, x.shape))):
         fail(name, "shape (" + ", ".join("*" if s is None else str(s) for s in shape) + ")", tuple(x.shape))
     if device is not None and x.device != device:
         fail(name, f"device {device} (the device of q)", x.device)
@@ -640,8 +587,7 @@ def _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_t
         fail("num_splits", f"None or an int in [1, {_MAX_SPLITS}]", num_splits)
     if sm_scale is not None and not (isinstance(sm_scale, (int, float)) and math.isfinite(sm_scale)):
         fail("sm_scale", "None or a finite float", sm_scale)
-    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW, max_tokens=block_table.shape[1] * P,
-                num_pages=num_pages)
+    return dict(B=B, H_q=H_q, H_kv=H_kv, d=d, P=P, NW=NW, max_tokens=block_table.shape[1] * P, num_pages=num_pages)
 
 
 def _check_values(k_codes, block_table, n_quant, win_len, sizes):
@@ -710,8 +656,7 @@ def _block_sizes(d, G, ratio, P):
 
 def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant,
             win_k, win_v, win_len, group_size, num_splits, sm_scale, sizes, kernel="fast"):
-    """Launch the plain kernel, or both stages of the fast one, on already validated inputs; no
-    host synchronisation."""
+    """Launch the plain kernel, or both stages of the fast one, on validated inputs; no host synchronisation."""
     B, H_q, H_kv, d, P, NW = (sizes[k] for k in ("B", "H_q", "H_kv", "d", "P", "NW"))
     sm_scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     if NW == 0:  # give the kernel a readable (never read) pointer
@@ -751,8 +696,7 @@ def _launch(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, 
 
 
 def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k,
-                      win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True,
-                      kernel="fast"):
+                      win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True, kernel="fast"):
     """Decode attention of q over an INT2 paged cache plus full-precision windows: (B, H_q, d) fp32.
     kernel: "fast" (split-K) or "plain" (one program per sequence and KV head, num_splits unused);
     num_splits: programs per (sequence, KV head) (None: from the GPU size); sm_scale: logit scale (None:
@@ -761,8 +705,7 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
     capturable; a whole optr.decode_step is not): bad values are then undefined behaviour, and
     num_splits=None sizes from the block table's capacity."""
     if triton is None:
-        raise ImportError("int2_paged_decode needs triton, which is not installed (its wheels are for "
-                          "Linux); on a CPU, int2_paged_decode_cpu (numba) needs none", name="triton")
+        raise ImportError(f"int2_paged_decode {_NO_TRITON}", name="triton")
     if kernel not in ("fast", "plain"):
         fail("kernel", '"fast" or "plain"', repr(kernel))
     sizes = _check_inputs(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
@@ -780,9 +723,10 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 
 # ==== CPU kernels (numba): the same algorithm without a GPU, and the INT2 write ====
 # numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes); it compiles
-# once (~40 s), then loads from __pycache__ in 0.6 s; ~110 MiB resident once loaded.  A job owns one
-# (sequence, KV head, split) and all its query heads; partials merge by log-sum-exp.  Sums are
-# reassociated (vectorised; round-off only); the write is not: bit for bit optr's.
+# once (~40 s), then loads from __pycache__ in 0.6 s; its first use leaves 143 MiB resident (kernels and
+# threads, as tools.bench_hf measures it).  A job owns one (sequence, KV head, split) and all its query heads;
+# partials merge by log-sum-exp.  Sums are reassociated (vectorised; round-off only); the write is not: bit
+# for bit optr's.
 prange = range   # numba.prange where compiled (_nb)
 
 _CPU_TILE = 16                      # INT2 tokens unpacked at once (within one page)
@@ -816,8 +760,7 @@ def _cpu_exp_rows(a, m, n):
             bits[r, i] += np.int32(k) << 23
 
 
-def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
-                    lse_part, job):
+def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part, lse_part, job):
     """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no rescaling),
     factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page (codes unpacked once
     a tile; at G = d p V four tokens a sweep); b reads block-table and window row rows[b]."""
@@ -909,13 +852,11 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
 
 def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split):
     """Stage 1 over (sequence, KV head, split) in parallel, then the log-sum-exp merge."""
-    B, Hq, d = q.shape
-    H = kc.shape[1]
+    (B, Hq, d), H = q.shape, kc.shape[1]
     o_part = np.zeros((B, Hq, n_split, d), dtype=np.float32)
     lse_part = np.full((B, Hq, n_split), -np.inf, dtype=np.float32)
     for job in prange(B * H * n_split):
-        _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part,
-                       lse_part, job)
+        _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part, lse_part, job)
     out = np.zeros((B, Hq, d), dtype=np.float32)
     for bj in range(B * Hq):              # out = sum_i e^(lse_i - M) o_i / sum_i e^(lse_i - M)
         b, j, tot = bj // Hq, bj % Hq, np.float32(0.0)
@@ -960,8 +901,7 @@ def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
                    np.empty(rows.shape[2], dtype=np.uint8))
 
 
-def _cpu_step(qr, kr, vr, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps, scale,
-              n_split):
+def _cpu_step(qr, kr, vr, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps, scale, n_split):
     """One INT2 layer's decode step as optr's plan (optr.Step.plan) says, one token per sequence b
     (cache row seqs[b]): if plan[1, b] >= 0, Q2 of the token leaving for INT2 (window slot plan[0, b],
     or the new token itself when that is -1) into page plan[1, b], slot plan[2, b]; the stored key
@@ -1012,9 +952,8 @@ def _cpu_splits(B, H_kv, longest):
     return max(1, min(-(-2 * torch.get_num_threads() // (B * H_kv)), longest // 256))
 
 
-def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table,
-                          n_quant, win_k, win_v, win_len, group_size, num_splits=None,
-                          sm_scale=None, checked=True) -> torch.Tensor:
+def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k,
+                          win_v, win_len, group_size, num_splits=None, sm_scale=None, checked=True) -> torch.Tensor:
     """int2_paged_decode on the CPU (numba): same arguments and result.  checked=False checks
     nothing (malformed inputs are undefined behaviour)."""
     if checked:
@@ -1053,8 +992,7 @@ def q2_store(rows, rank, group_size, eps, codes, scale, zero, page, slot):
     its scale and zero, as optr.q2_quantize computes them, bit for bit (compiled by numba); rank:
     the clip's, optr.clip_rank(clip, group_size)."""
     need(rows.dim() == 3 and page.shape == slot.shape == rows.shape[:1], "q2_store: a page and slot per row")
-    need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(),
-         "q2_store: fp32 rows")
+    need(rows.dtype == torch.float32 and rows.is_contiguous() and codes.is_contiguous(), "q2_store: fp32 rows")
     need(isinstance(rank, int) and 0 <= rank < group_size, f"q2_store: rank in [0, {group_size}), got {rank}")
     _nb().store(rows.detach().numpy(), rank, group_size, np.float32(eps), codes.numpy(), scale.numpy(),
                 zero.numpy(), page.numpy(), slot.numpy())
