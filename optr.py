@@ -1480,8 +1480,8 @@ class PagedLayer:
              "cannot be un-quantized, so a shorter cache is not what a fresh one holds; refused (crop(0): served)")
 
     def offload(self, *args, **kwargs):
-        raise NotImplementedError("hf_cache: offload, prefetch, lazy_initialization: not served (the pages stay "
-                                  "on their device and open at the first INT2 layer's update)")
+        need(False, "hf_cache: offload, prefetch, lazy_initialization: refused (the pages stay on their device "
+             "and open at the first INT2 layer's update)")
     prefetch = lazy_initialization = offload
 
     def nbytes(self) -> int:      # this layer's part of the pages and windows (allocated)

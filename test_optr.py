@@ -4126,7 +4126,7 @@ def test_every_cache_layer_method_of_transformers_is_served_or_refused_by_name()
         with pytest.raises(ValueError, match="hf_cache: crop: the tokens that left the exact recent window"):
             cache.crop(-2)
         for name in ("offload", "prefetch", "lazy_initialization"):
-            with pytest.raises(NotImplementedError, match=f"hf_cache: .*{name}"):
+            with pytest.raises(ValueError, match=f"hf_cache: .*{name}"):
                 getattr(layer, name)(*([IDX_HF] * 2 if name == "lazy_initialization" else []))
 
 
