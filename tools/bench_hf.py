@@ -12,10 +12,18 @@ Per prompt of T tokens of real text (Python's documentation topics, or --text), 
   prefill   the prompt in one forward, timed; then decode_steps teacher-forced steps, one per cache in a
             rotating order (their median); decode KL: mean next-token KL(DynamicCache || row) over the
             prompt's last position and every step
+  attention in those steps, the model's attention function (every layer's call, timed apart): its ms per
+            step; ns per pair, that time over the (token, KV head) pairs it reads, every layer (hf_cache:
+            INT2 and window tokens); GB/s, the K and V bytes it reads (attention_read: from the cache's
+            tensors) over that time; medians over the steps
   prompt    the prompt's next-token KL(DynamicCache || row) at every position, mean and max (a forward of
             its own, untimed: all T positions' logits)
   generate  generate() end to end, the prompt and new_tokens greedy tokens, each cache in turn, generate_runs
             times (every run reported); the tokens it shares with DynamicCache's before the first difference
+  break-even the prompt length from which hf_cache's generate() (and decode) is faster than DynamicCache's,
+            interpolated between the lengths measured (break_even)
+  added     between two lengths, the attention's time rise per (token, KV head) pair added and the added
+            bytes' GB/s (hf_cache past its windows: per INT2 pair)
   memory    the cache's bytes as allocated; peak: the rise of the process's VmHWM over the prefill and the
             first step above the resident set before this row (malloc_trim first: the model and the rows
             before it not counted), plus the row's runtime: the resident rise its warm-up left (numba's
@@ -103,6 +111,33 @@ def tensor_bytes(t) -> int:
     return t.nbytes
 
 
+def attention_read(cache) -> tuple[int, int] | None:
+    """(bytes, pairs) a decode step's attention reads of the cache after it (the step's token held): the
+    K and V of each (token, KV head) pair held, every layer and sequence. optr's INT2 layers from their
+    PagedKVCache: an INT2 token's codes, scale and zero rows of K and V, a window token's K and V rows, at
+    their tensors' widths and dtypes; others their keys and values as held. None for QuantizedCache (its
+    attention reads what it dequantizes, not what it holds)."""
+    from transformers.cache_utils import QuantizedLayer
+    total = pairs = 0
+    for layer in cache.layers:
+        if isinstance(layer, QuantizedLayer):
+            return None
+        if isinstance(layer, optr.PagedLayer):
+            c, seqs = layer.pool.cache, layer.pool.seqs
+            if c is None:                                             # nothing held yet
+                continue
+            row = lambda names: sum(getattr(c, t)[layer.index].shape[-1] * getattr(c, t).element_size()
+                                    for t in names)                   # one (token, KV head)'s bytes
+            n_int2, held = c.n_int2()[seqs].sum(), c.length[seqs].sum().item()
+            H = c.k_codes.shape[2]
+            total += H * (n_int2 * row(optr.PACKED) + (held - n_int2) * row(("win_k", "win_v")))
+            pairs += H * held
+        elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+            total += tensor_bytes(layer.keys) + tensor_bytes(layer.values)
+            pairs += layer.keys.shape[0] * layer.keys.shape[1] * layer.keys.shape[2]
+    return int(total), int(pairs)
+
+
 def peak_mib(reset: bool = False) -> float:
     """The process's peak resident set (Linux's VmHWM, MiB) since the last reset (/proc/self/clear_refs)."""
     if reset:
@@ -138,6 +173,8 @@ class CacheRun:
     peak_mib: float = 0.0                        # VmHWM's rise over its prefill and first step, + runtime
     steps_ms: list = field(default_factory=list)
     logp: list = field(default_factory=list)
+    attention_ms: list = field(default_factory=list)    # per timed step, its attention calls' ms
+    read: list = field(default_factory=list)            # per timed step, attention_read's (bytes, pairs) or None
 
 
 def next_logp(hf, cache, ids: torch.Tensor) -> torch.Tensor:
@@ -164,13 +201,39 @@ def fresh_caches(factories: dict):
         yield caches
 
 
+@contextlib.contextmanager
+def timed_attention(hf):
+    """`with timed_attention(hf) as spent:` each call of the model's attention function (transformers'
+    ALL_ATTENTION_FUNCTIONS under its _attn_implementation: sdpa, hf_cache's optr-paged) appends its seconds
+    to the list spent; the function as it was after (a local entry of transformers' interface, dropped)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
+    name = hf.config._attn_implementation
+    optr.need(name in functions, f"timed_attention: the model attends through {name!r}, not a registered function")
+    before, spent = functions[name], []
+
+    def timed(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return before(*args, **kw)
+        finally:
+            spent.append(time.perf_counter() - t0)
+    functions[name] = timed
+    try:
+        yield spent
+    finally:
+        del functions[name]                                # our local entry
+        if functions.get(name) is not before:              # a local entry was there before ours
+            functions[name] = before
+
+
 @torch.no_grad()
 def run_side_by_side(hf, caches: dict, ids: torch.Tensor, new: int, runtime: dict | None = None) -> dict:
     """caches {name: empty Cache} on ids (1, T + 1 + new): each in turn prefills ids[:, :T] (timed) and
     takes its first step, its peak the rise of VmHWM over both above the resident set just before this
     cache's prefill (malloc_trim first: the model and the caches already filled are not counted), plus
     runtime[name] (MiB its warm-up left resident); then `new` teacher-forced steps, one per cache in a
-    rotating order, so the machine's drift hits all alike."""
+    rotating order, so the machine's drift hits all alike; each step's attention timed (timed_attention) and
+    what it read (attention_read)."""
     T, runs, runtime = ids.shape[1] - 1 - new, {}, runtime or {}
     for name, cache in caches.items():
         before = rss_mib(trim=True)                                     # this row's baseline
@@ -181,12 +244,16 @@ def run_side_by_side(hf, caches: dict, ids: torch.Tensor, new: int, runtime: dic
         run.logp.append(next_logp(hf, cache, ids[:, T:T + 1]))
         run.peak_mib = peak_mib() - before + runtime.get(name, 0.0)
     names = list(runs)
-    for i in range(new):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            t0 = time.perf_counter()
-            logp = next_logp(hf, runs[name].cache, ids[:, T + 1 + i:T + 2 + i])
-            runs[name].steps_ms.append(1e3 * (time.perf_counter() - t0))
-            runs[name].logp.append(logp)
+    with timed_attention(hf) as spent:
+        for i in range(new):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                run, before = runs[name], len(spent)
+                t0 = time.perf_counter()
+                logp = next_logp(hf, run.cache, ids[:, T + 1 + i:T + 2 + i])
+                run.steps_ms.append(1e3 * (time.perf_counter() - t0))
+                run.attention_ms.append(1e3 * sum(spent[before:]))
+                run.logp.append(logp)
+                run.read.append(attention_read(run.cache))
     return runs
 
 
@@ -310,8 +377,39 @@ def print_profile(T: int, name: str, p: dict, log=print):
 # 5. The table and the figure
 # ----------------------------------------------------------------------------------------
 
-HEADER = (f"{'cache':15s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'generate s':>13s} "
+HEADER = (f"{'cache':15s} {'tokens':>6s} {'prefill s':>9s} {'decode ms':>9s} {'attn ms':>7s} {'ns/pair':>7s} "
+          f"{'GB/s':>5s} {'generate s':>13s} "
           f"{'cache MiB':>9s} {'peak MiB':>8s} {'prompt KL mean/max':>18s} {'decode KL':>9s}")
+
+
+def attention_rates(run: CacheRun) -> dict:
+    """A run's attention per timed step: attention_ms, the median of its steps' ms; ns_pair, the median of
+    each step's time over the pairs it read; gbs, the median of each step's bytes read over its time (GB/s);
+    read_pairs, read_bytes: the medians of what the steps read. None where not measured (no steps, or
+    attention_read's None)."""
+    got = [(t / 1e3, r) for t, r in zip(run.attention_ms, run.read) if r is not None and r[1] > 0 and t > 0]
+    if not got:
+        return dict(attention_ms=None, ns_pair=None, gbs=None, read_pairs=None, read_bytes=None)
+    return dict(attention_ms=statistics.median(t * 1e3 for t, _ in got),
+                ns_pair=statistics.median(t * 1e9 / pairs for t, (_, pairs) in got),
+                gbs=statistics.median(b / t / 1e9 for t, (b, _) in got),
+                read_pairs=statistics.median(pairs for _, (_, pairs) in got),
+                read_bytes=statistics.median(b for _, (b, _) in got))
+
+
+def added_rates(rows: list, name: str) -> list:
+    """Between each two lengths measured of row `name`, what the added pairs cost its attention: ns per
+    pair, the rise of its median ms over the rise of its pairs read; GB/s, the rise of its bytes read over
+    that of its time (hf_cache above sink + window: every pair added an INT2 one, as bench --cpu-table
+    counts). [dict(T=(shorter, longer), ns_pair, gbs)]; None where the time did not rise."""
+    mine = sorted((r["T"], r) for r in rows if r["cache"] == name and r.get("read_pairs") is not None)
+    out = []
+    for (T0, a), (T1, b) in zip(mine, mine[1:]):
+        dt = (b["attention_ms"] - a["attention_ms"]) / 1e3
+        dp, db = b["read_pairs"] - a["read_pairs"], b["read_bytes"] - a["read_bytes"]
+        out.append(dict(T=(T0, T1), ns_pair=dt * 1e9 / dp if dt > 0 and dp > 0 else None,
+                        gbs=db / dt / 1e9 if dt > 0 else None))
+    return out
 
 
 def side_by_side_rows(runs: dict, T: int, ref: str = "DynamicCache") -> list:
@@ -319,7 +417,7 @@ def side_by_side_rows(runs: dict, T: int, ref: str = "DynamicCache") -> list:
     columns added by end_to_end_columns); the decode KL of each against runs[ref]'s log-probs."""
     kl = lambda r: kl_from(torch.stack(runs[ref].logp), torch.stack(r.logp)).mean().item()
     return [dict(cache=name, T=T, prefill_s=r.prefill_s, decode_ms=statistics.median(r.steps_ms),
-                 cache_mib=cache_bytes(r.cache) / 2**20, peak_mib=r.peak_mib, kl=kl(r))
+                 **attention_rates(r), cache_mib=cache_bytes(r.cache) / 2**20, peak_mib=r.peak_mib, kl=kl(r))
             for name, r in runs.items()]
 
 
@@ -332,10 +430,12 @@ def end_to_end_columns(rows: list, prompt: dict, gen: dict) -> list:
 def print_side_by_side(rows: list, log=print) -> list:
     """The rows of one prompt length under HEADER, then a line per cache against the first row's
     (DynamicCache): time ratios (x its time), cache "N.Nx smaller" = its MiB / this cache's."""
+    num = lambda x, width, f: f"{x:{width}{f}}" if x is not None else f"{'-':>{width}s}"
     for r in rows:
         gen = "/".join(f"{s:.2f}" for s in r["generate_s"])
-        log(f"{r['cache']:15s} {r['T']:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} {gen:>13s} "
-            f"{r['cache_mib']:9.1f} {r['peak_mib']:8.0f} {r['prompt_kl']:9.4f}/{r['prompt_kl_max']:<8.3f} "
+        log(f"{r['cache']:15s} {r['T']:6d} {r['prefill_s']:9.2f} {r['decode_ms']:9.1f} "
+            f"{num(r.get('attention_ms'), 7, '.1f')} {num(r.get('ns_pair'), 7, '.1f')} {num(r.get('gbs'), 5, '.1f')} "
+            f"{gen:>13s} {r['cache_mib']:9.1f} {r['peak_mib']:8.0f} {r['prompt_kl']:9.4f}/{r['prompt_kl_max']:<8.3f} "
             f"{r['kl']:9.3f}")
     base, out = rows[0], []
     for r in rows[1:]:
@@ -349,6 +449,50 @@ def print_side_by_side(rows: list, log=print) -> list:
             f"({base['cache_mib']:.1f} / {r['cache_mib']:.1f} MiB), peak {base['peak_mib']:.0f} / "
             f"{r['peak_mib']:.0f} MiB")
     return out
+
+
+def break_even(points: list) -> dict:
+    """points [(prompt tokens, a row's time x DynamicCache's)] -> where the row becomes faster for good:
+    how "every" (below 1 at every length: tokens the shortest), "none" (not below 1 at the longest: tokens
+    None), or "interpolated": tokens where the straight line between the last length at or above 1 and
+    the next (below 1, and every length after it) crosses 1; between: those two points."""
+    points = sorted(points)
+    optr.need(len(points) >= 1 and len({T for T, _ in points}) == len(points),
+              f"break_even: expected distinct prompt lengths, got {points}")
+    k = len(points)
+    while k > 0 and points[k - 1][1] < 1:                 # points[k:] all below 1
+        k -= 1
+    if k == len(points):
+        return dict(how="none", tokens=None, between=())
+    if k == 0:
+        return dict(how="every", tokens=float(points[0][0]), between=())
+    (T0, x0), (T1, x1) = points[k - 1], points[k]
+    return dict(how="interpolated", tokens=T0 + (x0 - 1) / (x0 - x1) * (T1 - T0), between=(points[k - 1], points[k]))
+
+
+def break_even_line(name: str, summary: list) -> tuple[str, dict]:
+    """One line: the prompt length from which `name`'s generate() (the median of its runs' ratios) and
+    decode are faster than DynamicCache's, break_even over the lengths measured; and {generate, decode}."""
+    mine = [s for s in summary if s["cache"] == name]
+    got = dict(generate=break_even([(s["T"], statistics.median(s["generate_x"])) for s in mine]),
+               decode=break_even([(s["T"], s["decode_x"]) for s in mine]))
+
+    def say(b):
+        if b["how"] == "none":
+            return "none within the lengths measured"
+        if b["how"] == "every":
+            return f"at every length measured (the shortest: {b['tokens']:,.0f} tokens)"
+        (T0, x0), (T1, x1) = b["between"]
+        return f"from ~{b['tokens']:,.0f} tokens (linear between {T0:,} at {x0:.2f}x and {T1:,} at {x1:.2f}x)"
+    return (f"break-even, {name} faster than DynamicCache: generate() (median of runs) {say(got['generate'])}; "
+            f"decode {say(got['decode'])}"), got
+
+
+def added_line(name: str, added: list) -> str:
+    """One line of added_rates: each step between two lengths, its ns per added pair and GB/s."""
+    num = lambda x, f: "-" if x is None else format(x, f)
+    return (f"{name}'s attention per pair added (its time's rise over the pairs' and the bytes'): " + ", ".join(
+        f"{a['T'][0]:,}->{a['T'][1]:,} {num(a['ns_pair'], '.1f')} ns/pair, {num(a['gbs'], '.1f')} GB/s" for a in added))
 
 
 def plot_side_by_side(rows: list, title: str, paths: dict):
@@ -460,7 +604,11 @@ def print_intro(name: str, cfg: BenchConfig, make: dict, source: str, runtime: d
           f"{cfg.new_tokens} greedy tokens, the caches in turn, {cfg.generate_runs} runs (s per run)\n"
           f"KL: KL(DynamicCache || row), nats; peak: VmHWM's rise over prefill and first step above this "
           f"row's resident set, + its runtime (MiB: {', '.join(f'{k} {v:.0f}' for k, v in runtime.items())}; "
-          f"the model, {rss_mib(trim=True):.0f} MiB resident, not counted)")
+          f"the model, {rss_mib(trim=True):.0f} MiB resident, not counted)\n"
+          f"attn ms: a decode step's calls of the model's attention function, every layer (hf_cache's writes the "
+          f"step's token too; DynamicCache's torch.cat in update not counted); ns/pair: that time per (token, KV "
+          f"head) it reads (hf_cache: INT2 and window tokens); GB/s: the K and V bytes it reads (INT2: codes, "
+          f"scale, zero) over that time; medians over the decode steps")
     print(HEADER)
 
 
@@ -484,6 +632,13 @@ def main(argv=None) -> dict:
     print_intro(name, cfg, make, source, runtime)
     got = {T: bench_context(hf, make, ids, T, cfg, runtime) for T in cfg.contexts}
     rows, summary = ([x for g in got.values() for x in g[i]] for i in (0, 1))
+    even, added = {}, {}
+    for name in dict.fromkeys(s["cache"] for s in summary):
+        line, even[name] = break_even_line(name, summary)
+        print(line)
+    for name in dict.fromkeys(r["cache"] for r in rows):
+        if added.setdefault(name, added_rates(rows, name)):
+            print(added_line(name, added[name]))
     chat = bench_chat(hf, make, ids, cfg) if cfg.chat_turn else []
     figs = [os.path.join(d, f"bench_hf_{cfg.model}.png") for d in (cfg.out, cfg.figures) if d]
     for d in (cfg.out, cfg.figures):
@@ -491,7 +646,7 @@ def main(argv=None) -> dict:
     plot_side_by_side(rows, f"{name} fp32, CPU: DynamicCache against optr.hf_cache ({RECIPE})",
                       {p: 80 for p in figs})
     out = dict(model=name, config=config_dict(cfg), runtime_mib=runtime, rows=rows, summary=summary,
-               chat=chat, profile={T: g[2] for T, g in got.items()})
+               break_even=even, added=added, chat=chat, profile={T: g[2] for T, g in got.items()})
     with open(path := os.path.join(cfg.out, f"bench_hf_{cfg.model}.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(f"wrote {path}, {', '.join(figs)}")

@@ -3,15 +3,21 @@ The spec of tools/bench_hf.py: what it measures is what it says. Against small s
 transformers Llama built from its config, DynamicCache subclasses that log, add noise or hold
 memory): its KLs are KL(DynamicCache || row) computed here in float64 numpy, each row's peak is
 measured from the resident set just before that row and counts the runtime its warm-up left, and
-the caches' timed steps and generate() runs interleave. The slow test runs the command line, small,
-on SmolLM2.
+the caches' timed steps and generate() runs interleave; the bytes a step's attention reads are
+counted from the quantizer's widths and dtypes by hand, its time is its attention calls', and the
+break-even is checked against the ratios interpolated on a grid of every token. The slow test runs
+the command line, small, on SmolLM2.
 """
 import math
+import time
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings, strategies as st
 from transformers import DynamicCache
+
+import optr
 
 from tools import bench_hf
 
@@ -232,13 +238,127 @@ def test_the_config_refuses_an_unknown_row_and_a_bad_chat_turn():
             bench_hf.BenchConfig(**bad)
 
 
+@settings(max_examples=15)                                  # a forward of a model each
+@given(N=st.integers(1, 40), G=st.sampled_from([4, 8, 16]), B=st.integers(1, 2),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]))
+def test_an_int2_step_reads_the_codes_scale_zero_of_its_int2_tokens_and_its_window_tokens_at_their_dtype(
+        N, G, B, dtype):
+    """attention_read of hf_cache holding N tokens per sequence (B of them; sink 4 + window 8, 2 layers,
+    2 KV heads of d = 16): per layer, sequence and KV head, max(N - 12, 0) INT2 tokens of K and V codes
+    (d/4 bytes each) and a scale and a zero per group (fp32), the rest in the windows at the model's
+    dtype; as many pairs as tokens held. Counted here by hand from the sizes."""
+    hf = tiny_llama().to(dtype)
+    cfg = optr.hf_config(hf.config, sink=4, window=8, group_size=G, page_size=4)
+    with optr.hf_cache(hf, [optr.KVQuant()] * 2, cfg) as cache, torch.no_grad():
+        assert bench_hf.attention_read(cache) == (0, 0)                    # nothing held yet
+        hf(IDS[:, :N].expand(B, N), past_key_values=cache)
+        got = bench_hf.attention_read(cache)
+    L, H, d, n2, width = 2, 2, 16, max(N - 12, 0), torch.finfo(dtype).bits // 8
+    int2, window = 2 * (d // 4 + 2 * 4 * (d // G)), 2 * d * width      # K and V of one (token, KV head)
+    assert got == (L * B * H * (n2 * int2 + (N - n2) * window), L * B * H * N)
+
+
+@given(shapes=st.lists(st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 9), st.integers(1, 8)),
+                       min_size=1, max_size=3),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_a_full_precision_step_reads_every_key_and_value_it_holds(shapes, dtype):
+    """attention_read of a DynamicCache whose layer l holds keys and values (B, H, T, d) = shapes[l]:
+    B H T d elements of K and of V at the dtype's width, B H T pairs, summed over the layers."""
+    cache = DynamicCache()
+    for layer, (B, H, T, d) in enumerate(shapes):
+        cache.update(torch.zeros(B, H, T, d, dtype=dtype), torch.zeros(B, H, T, d, dtype=dtype), layer)
+    width = torch.finfo(dtype).bits // 8
+    assert bench_hf.attention_read(cache) == (sum(2 * B * H * T * d * width for B, H, T, d in shapes),
+                                              sum(B * H * T for B, H, T, _ in shapes))
+
+
+def test_the_attention_rates_are_medians_of_each_steps_time_over_its_pairs_and_its_bytes_over_its_time():
+    """attention_rates: ms the median step; ns per pair and GB/s the medians of each step's own ratio
+    (2,000 / 4,000 / 2,500 ns; 4 / 2 / 3.6 GB/s), a step whose read is unknown left out."""
+    run = bench_hf.CacheRun(None, attention_ms=[2.0, 4.0, 3.0, 1.0], read=[(8e6, 1000), (8e6, 1000), (9e6, 1200), None])
+    got = bench_hf.attention_rates(run)
+    assert got == pytest.approx(dict(attention_ms=3.0, ns_pair=2500.0, gbs=3.0, read_pairs=1000, read_bytes=8e6))
+    assert set(bench_hf.attention_rates(bench_hf.CacheRun(None, attention_ms=[1.0], read=[None])).values()) == {None}
+
+
+def test_the_added_rates_are_the_rise_of_the_attention_time_over_the_rise_of_pairs_and_of_bytes():
+    """added_rates between consecutive lengths of one row (in any order, other rows ignored): 10 -> 40 ms
+    over 100,000 -> 400,000 pairs of 48 B is 100 ns per pair and 0.48 GB/s; a time that fell gives None."""
+    row = lambda T, ms, pairs, cache="hf_cache": dict(cache=cache, T=T, attention_ms=ms, read_pairs=pairs,
+                                                      read_bytes=48 * pairs)
+    rows = [row(4096, 40.0, 400_000), row(1024, 10.0, 100_000), row(1024, 1.0, 1, "other"), row(8000, 39.0, 780_000)]
+    got = bench_hf.added_rates(rows, "hf_cache")
+    assert [a["T"] for a in got] == [(1024, 4096), (4096, 8000)]
+    assert (got[0]["ns_pair"], got[0]["gbs"]) == pytest.approx((100.0, 0.48))
+    assert got[1]["ns_pair"] is None and got[1]["gbs"] is None
+
+
+def test_a_steps_attention_time_is_its_attention_calls_and_the_function_is_put_back():
+    """run_side_by_side times each step's calls of the model's attention function: one that sleeps 5 ms a
+    call (one per layer, 2 layers) gives every step at least 10 ms of attention, and less than the step;
+    after it the function the model had (here a local entry of transformers' interface) is back."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS as functions
+    hf, sdpa = tiny_llama(), functions["sdpa"]
+
+    def sleepy(*args, **kw):
+        time.sleep(0.005)
+        return sdpa(*args, **kw)
+    functions["sdpa"] = sleepy
+    try:
+        with bench_hf.fresh_caches(makers(hf)) as caches:
+            runs = bench_hf.run_side_by_side(hf, caches, IDS[:, :34], 3)
+        assert functions["sdpa"] is sleepy
+    finally:
+        del functions["sdpa"]
+    assert functions["sdpa"] is sdpa
+    run = runs["DynamicCache"]
+    assert len(run.attention_ms) == 3 and all(10 <= a < s for a, s in zip(run.attention_ms, run.steps_ms)), run
+
+
+def grid_break_even(points):
+    """The smallest whole prompt length from which the ratios, interpolated linearly between the points
+    (numpy), stay below 1 up to the longest; None if none."""
+    T, x = zip(*sorted(points))
+    grid = np.arange(T[0], T[-1] + 1)
+    above = np.flatnonzero(np.interp(grid, T, x) >= 1 - 1e-12)
+    return None if len(above) and above[-1] == len(grid) - 1 else int(grid[above[-1] + 1] if len(above) else grid[0])
+
+
+@given(points=st.lists(st.tuples(st.integers(1, 20000), st.one_of(st.floats(0.5, 1.5), st.just(1.0))),
+                       min_size=1, max_size=5, unique_by=lambda p: p[0]))
+def test_the_break_even_is_where_the_interpolated_ratio_goes_below_1_for_good(points):
+    """break_even: the length from which the ratio, linear between the lengths measured, stays below 1 up
+    to the longest: within a token of the smallest such whole length on numpy's interpolation over every
+    token (none where the longest is not below 1; the shortest where every one is)."""
+    got, ref = bench_hf.break_even(points), grid_break_even(points)
+    if ref is None:
+        assert got["how"] == "none" and got["tokens"] is None, (got, points)
+    elif ref == min(points)[0]:
+        assert got["how"] in ("every", "interpolated") and ref - 1 <= got["tokens"] <= ref, (got, points)
+    else:
+        assert got["how"] == "interpolated" and ref - 1 <= got["tokens"] <= ref, (got, points)
+
+
+def test_the_break_even_line_reads_the_median_of_generate_runs_and_says_none_when_never_faster():
+    """break_even_line: generate()'s ratio at a length is the median of its runs (1.2 at 1,024; 1.05 at
+    4,096; 0.96 at 8,000: linear, ~6,265 tokens); a decode never below 1 reads "none within the lengths
+    measured"."""
+    summary = [dict(cache="hf_cache", T=T, generate_x=g, decode_x=d) for T, g, d in
+               ((1024, [1.1, 1.3], 1.2), (4096, [0.9, 1.2], 1.1), (8000, [1.0, 0.92], 1.0))]
+    line, got = bench_hf.break_even_line("hf_cache", summary)
+    assert got["generate"]["tokens"] == pytest.approx(4096 + 0.05 / 0.09 * 3904)
+    assert "generate() (median of runs) from ~6,265 tokens (linear between 4,096 at 1.05x and 8,000 at 0.96x)" in line
+    assert line.endswith("decode none within the lengths measured") and got["decode"]["how"] == "none"
+
+
 @pytest.mark.slow
 def test_the_command_line_runs_dynamic_cache_and_hf_cache_side_by_side_on_smollm2(capsys, tmp_path):
     """python -m tools.bench_hf --quick (SmolLM2, its published quarot+center+clip at the default
     max_tokens, 400 tokens of real text, 2 teacher-forced steps, generate() of 4 tokens twice per
     cache, a 340 + 8 chat turn, --profile): a row per cache with finite numbers; KLs against
     DynamicCache (its own 0, hf_cache's small but not 0); the summary's "N.Nx smaller" is
-    DynamicCache's MiB over hf_cache's; hf_cache's runtime (numba) measured; table and figure written."""
+    DynamicCache's MiB over hf_cache's; hf_cache's runtime (numba) measured; each row's attention timed
+    and its rates finite; a break-even for hf_cache (one length: no added rates); table and figure written."""
     out = bench_hf.main(["--quick", "--rows", "DynamicCache,hf_cache", "--profile", "--out", str(tmp_path)])
     rows, (s,) = out["rows"], out["summary"]
     assert [(r["cache"], r["T"]) for r in rows] == [("DynamicCache", 400), ("hf_cache", 400)]
@@ -246,6 +366,8 @@ def test_the_command_line_runs_dynamic_cache_and_hf_cache_side_by_side_on_smollm
         assert all(math.isfinite(x) and x >= 0 for x in r.values() if isinstance(x, float)), r
     assert all(r["prefill_s"] > 0 and r["decode_ms"] > 0 and r["cache_mib"] > 0 for r in rows), rows
     assert all(len(r["generate_s"]) == 2 and min(r["generate_s"]) > 0 for r in rows), rows
+    assert all(r["attention_ms"] > 0 and r["ns_pair"] > 0 and r["gbs"] > 0 for r in rows), rows
+    assert set(out["break_even"]) == {"hf_cache"} and out["added"] == dict(DynamicCache=[], hf_cache=[])
     assert rows[0]["kl"] == rows[0]["prompt_kl"] == 0 and 0 < rows[1]["kl"] < 0.5, rows
     assert 0 < rows[1]["prompt_kl"] <= rows[1]["prompt_kl_max"], rows
     assert [(c["cache"], c["P"], c["F"]) for c in out["chat"]] == [("DynamicCache", 340, 8), ("hf_cache", 340, 8)]
