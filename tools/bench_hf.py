@@ -454,8 +454,8 @@ def print_side_by_side(rows: list, log=print) -> list:
 def break_even(points: list) -> dict:
     """points [(prompt tokens, a row's time x DynamicCache's)] -> where the row becomes faster for good:
     how "every" (below 1 at every length: tokens the shortest), "none" (not below 1 at the longest: tokens
-    None), or "interpolated": tokens where the straight line between the last length at or above 1 and
-    the next (below 1, and every length after it) crosses 1; between: those two points."""
+    None; between: the longest's point), or "interpolated": tokens where the straight line between the last
+    length at or above 1 and the next (below 1, and every length after it) crosses 1; between: those two."""
     points = sorted(points)
     optr.need(len(points) >= 1 and len({T for T, _ in points}) == len(points),
               f"break_even: expected distinct prompt lengths, got {points}")
@@ -463,7 +463,7 @@ def break_even(points: list) -> dict:
     while k > 0 and points[k - 1][1] < 1:                 # points[k:] all below 1
         k -= 1
     if k == len(points):
-        return dict(how="none", tokens=None, between=())
+        return dict(how="none", tokens=None, between=(points[-1],))
     if k == 0:
         return dict(how="every", tokens=float(points[0][0]), between=())
     (T0, x0), (T1, x1) = points[k - 1], points[k]
@@ -479,7 +479,8 @@ def break_even_line(name: str, summary: list) -> tuple[str, dict]:
 
     def say(b):
         if b["how"] == "none":
-            return "none within the lengths measured"
+            (T, x), = b["between"]
+            return f"none within the lengths measured ({x:.2f}x at {T:,}, the longest)"
         if b["how"] == "every":
             return f"at every length measured (the shortest: {b['tokens']:,.0f} tokens)"
         (T0, x0), (T1, x1) = b["between"]

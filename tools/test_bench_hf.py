@@ -342,13 +342,14 @@ def test_the_break_even_is_where_the_interpolated_ratio_goes_below_1_for_good(po
 def test_the_break_even_line_reads_the_median_of_generate_runs_and_says_none_when_never_faster():
     """break_even_line: generate()'s ratio at a length is the median of its runs (1.2 at 1,024; 1.05 at
     4,096; 0.96 at 8,000: linear, ~6,265 tokens); a decode never below 1 reads "none within the lengths
-    measured"."""
+    measured" and its ratio at the longest."""
     summary = [dict(cache="hf_cache", T=T, generate_x=g, decode_x=d) for T, g, d in
                ((1024, [1.1, 1.3], 1.2), (4096, [0.9, 1.2], 1.1), (8000, [1.0, 0.92], 1.0))]
     line, got = bench_hf.break_even_line("hf_cache", summary)
     assert got["generate"]["tokens"] == pytest.approx(4096 + 0.05 / 0.09 * 3904)
     assert "generate() (median of runs) from ~6,265 tokens (linear between 4,096 at 1.05x and 8,000 at 0.96x)" in line
-    assert line.endswith("decode none within the lengths measured") and got["decode"]["how"] == "none"
+    assert line.endswith("decode none within the lengths measured (1.00x at 8,000, the longest)")
+    assert got["decode"]["how"] == "none"
 
 
 @pytest.mark.slow
