@@ -167,12 +167,10 @@ def _q2_params(x, clip, G, eps):
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     assert x.shape[-1] % G == 0 and 0 < clip <= 1 and eps > 0, "G must divide d; clip in (0, 1]"
     xg, r = x.reshape(*x.shape[:-1], x.shape[-1] // G, G), clip_rank(clip, G)
-    a = xg.detach().abs()                                      # tau: sorted |x|[rank]; no grad; CPU: numpy's select
-    tau = torch.from_numpy(np.partition(a.numpy(), r)[..., r:r + 1]) if a.device.type == "cpu" else \
-        a.topk(G - r, dim=-1).values[..., -1:]
+    a = xg.detach().abs()                      # tau: sorted |x|[rank], no grad (on the CPU numpy's select: 4x topk's)
+    tau = torch.from_numpy(np.partition(a.numpy(), r)[..., r:r + 1]) if a.is_cpu else a.topk(G - r).values[..., -1:]
     xg = torch.maximum(torch.minimum(xg, tau), -tau)
-    mn = xg.amin(dim=-1, keepdim=True)
-    mx = xg.amax(dim=-1, keepdim=True)
+    mn, mx = xg.amin(dim=-1, keepdim=True), xg.amax(dim=-1, keepdim=True)
     scale = (mx - mn).clamp_min(eps) / 3                     # range floored, then divided
     zero = -mn / scale
     return xg, scale, zero
@@ -1026,9 +1024,8 @@ def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
 
 
 def chunk_attention(cache: PagedKVCache, layer: int, step: Step, b: int, qr, kr, v, sm_scale: float):
-    """The authors' multi-token forward for the step's sequence b: qr (1, H_q, T, d) rotated by R_K, kr, v (1,
-    H_kv, T, d) the chunk as stored -> (1, H_q, T, d) fp32: the chunk exact and causal, what was held as held
-    (nothing held: the chunk alone, q, k and v each in any basis that keeps q k^T: the model's, say)."""
+    """The authors' multi-token forward for the step's sequence b: qr (1, H_q, T, d) by R_K, kr, v (1, H_kv, T, d) as
+    stored (nothing held: any basis keeping q k^T) -> (1, H_q, T, d) fp32: the chunk exact and causal, held as held."""
     n0, T, K, V = int(step.held["n_quant"][b] + step.held["win_len"][b]), qr.shape[2], kr[0].float(), v[0].float()
     if n0:                                                                       # counts: host
         held = held_kv({**cache.layer_view(layer, step), **step.held}, b, cache.cfg.group_size)
@@ -1062,7 +1059,7 @@ def paged_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, attend=None
         for b, t in enumerate(step.pad):
             o[b:b + 1, :, t:] = chunk_attention(cache, layer, step, b, *(y[b:b + 1, :, t:] for y in x), scale)
         cache.store(layer, step, kr, vr)
-    return o if r_v is None or prompt else (o.view(n, -1, cache.cfg.n_rep * T, d) @ r_v.mT.float()).view(n, Hq, T, d)
+    return o if r_v is None or prompt else (o.view(n, len(r_v), -1, d) @ r_v.mT.float()).view(n, Hq, T, d)
 
 
 @torch.no_grad()
