@@ -166,11 +166,11 @@ def _q2_params(x, clip, G, eps):
     """Shared by the fake-quant and storage (Section 8) forms, so both compute the same numbers.
     x (..., d) fp32 -> xg (..., d/G, G) clipped, scale and zero (..., d/G, 1) fp32."""
     assert x.shape[-1] % G == 0 and 0 < clip <= 1 and eps > 0, "G must divide d; clip in (0, 1]"
-    xg = x.reshape(*x.shape[:-1], x.shape[-1] // G, G)
-    tau = xg.detach().abs().topk(G - clip_rank(clip, G), dim=-1).values[..., -1:]  # sorted |x|[rank]; no grad
+    xg, r = x.reshape(*x.shape[:-1], x.shape[-1] // G, G), clip_rank(clip, G)
+    a = xg.detach().abs()                      # tau: sorted |x|[rank], no grad (on the CPU numpy's select: 4x topk's)
+    tau = torch.from_numpy(np.partition(a.numpy(), r)[..., r:r + 1]) if a.is_cpu else a.topk(G - r).values[..., -1:]
     xg = torch.maximum(torch.minimum(xg, tau), -tau)
-    mn = xg.amin(dim=-1, keepdim=True)
-    mx = xg.amax(dim=-1, keepdim=True)
+    mn, mx = xg.amin(dim=-1, keepdim=True), xg.amax(dim=-1, keepdim=True)
     scale = (mx - mn).clamp_min(eps) / 3                     # range floored, then divided
     zero = -mn / scale
     return xg, scale, zero
@@ -904,7 +904,8 @@ class PagedKVCache:
         check_kv("PagedKVCache", kv, cfg)
         need(all(s.quant_k and s.quant_v for s in kv), "full precision: make sink + window cover the context")
         self.cfg, self.kv = cfg, [replace(s, r_v=None).to(device) for s in kv]   # R_V: in the weights
-        self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips
+        self.quant = [s.layer_cfg(cfg) for s in self.kv]                   # per layer: its clips, their ranks
+        self.ranks = [(clip_rank(q.clip_k, q.group_size), clip_rank(q.clip_v, q.group_size)) for q in self.quant]
         L, H, d, P, G = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, cfg.page_size, cfg.group_size
         n, self.budget = (0 if grow else num_pages), num_pages            # pages allocated, allowed
         for t in PACKED:          # codes (L, pages, H_kv, P, d/4) uint8; scale, zero (..., d/G) fp32
@@ -971,18 +972,17 @@ class PagedKVCache:
     def store(self, layer: int, step: Step, kr, v):
         """kr (n, H_kv, T, d) the stored keys, v as stored, where `step` puts them: position p in window slot
         ring_slot(p) in the sink or among the `window` newest, else INT2 index p - sink. Those leaving the ring,
-        then the chunk's past it, through the window dtype, go INT2 in one Q2 call (storage form; on the CPU
-        compiled, bit for bit); then the chunk's rows enter the windows."""
+        then the chunk's past it, through the window dtype, go INT2 in one Q2 call (storage form; up to 32 rows
+        on the CPU compiled, bit for bit: q2_quantize's calls cost more there); then the chunk enters the windows."""
         i, c, page, slot = step.on, self.quant[layer], step.on["page"], step.on["slot"]
-        for x, w, names, clip in ((kr, self.win_k[layer], PACKED[:3], c.clip_k),
-                                  (v, self.win_v[layer], PACKED[3:], c.clip_v)):
+        for x, w, names, clip, rank in ((kr, self.win_k[layer], PACKED[:3], c.clip_k, self.ranks[layer][0]),
+                                        (v, self.win_v[layer], PACKED[3:], c.clip_v, self.ranks[layer][1])):
             if len(page):
                 new = x[i["new_b"], :, i["new_t"]]
                 rows = (torch.cat([w[i["old_seq"], :, i["old_slot"]], new.to(w.dtype)]) if c.window else new).float()
                 codes, scale, zero = (getattr(self, t)[layer] for t in names)
-                if page.device.type == "cpu":
-                    kernel.q2_store(rows.contiguous(), clip_rank(clip, c.group_size), c.group_size, c.scale_eps,
-                                    codes, scale, zero, page, slot)
+                if page.device.type == "cpu" and len(page) <= 32:
+                    kernel.q2_store(rows.contiguous(), rank, c.group_size, c.scale_eps, codes, scale, zero, page, slot)
                 else:
                     codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
                         rows, clip, c.group_size, c.scale_eps)
@@ -1024,13 +1024,14 @@ def paged_decode_reference(q, group_size: int, sm_scale=None, **view):
 
 
 def chunk_attention(cache: PagedKVCache, layer: int, step: Step, b: int, qr, kr, v, sm_scale: float):
-    """The authors' multi-token forward for the step's sequence b: qr (1, H_q, T, d) rotated by R_K, kr, v (1,
-    H_kv, T, d) the chunk as stored -> (1, H_q, T, d) fp32: the chunk exact and causal, what was held as held."""
-    K, V = held_kv({**cache.layer_view(layer, step), **step.held}, b, cache.cfg.group_size)  # counts: host
-    n0, T = K.shape[1], qr.shape[2]
-    K, V = torch.cat([K, kr[0].float()], 1)[None], torch.cat([V, v[0].float()], 1)[None]
+    """The authors' multi-token forward for the step's sequence b: qr (1, H_q, T, d) by R_K, kr, v (1, H_kv, T, d) as
+    stored (nothing held: any basis keeping q k^T) -> (1, H_q, T, d) fp32: the chunk exact and causal, held as held."""
+    n0, T, K, V = int(step.held["n_quant"][b] + step.held["win_len"][b]), qr.shape[2], kr[0].float(), v[0].float()
+    if n0:                                                                       # counts: host
+        held = held_kv({**cache.layer_view(layer, step), **step.held}, b, cache.cfg.group_size)
+        K, V = (torch.cat([x, y], 1) for x, y in zip(held, (K, V)))
     mask = None if n0 == 0 else torch.ones(T, n0 + T, dtype=torch.bool, device=qr.device).tril(n0)
-    return F.scaled_dot_product_attention(qr.float(), K, V, attn_mask=mask, is_causal=n0 == 0,
+    return F.scaled_dot_product_attention(qr.float(), K[None], V[None], attn_mask=mask, is_causal=n0 == 0,
                                           scale=sm_scale, enable_gqa=True)            # Eq. 1-2
 
 
@@ -1038,27 +1039,27 @@ def paged_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, attend=None
     """One layer's attention through the cache, as `step` (reserve's) plans: q (n, H_q, T, d), k, v (n, H_kv, T, d)
     post-RoPE (v in R_V's basis; with r_v in the model's, rotated here and o back) -> o (n, H_q, T, d) fp32. One
     token: store, then decode (attend None: kernel.paged_decode, or on CPU pages with fp32 windows Appendix A's
-    compiled step). Several: chunk_attention, then store (rows before step.pad: neither attended nor stored)."""
+    compiled step). Several: chunk_attention, then store (rows before step.pad: neither attended nor stored);
+    a prompt (nothing held) attends in q, k, v's basis: no rotation to make or undo."""
     n, Hq, T, d = q.shape
     spec, scale = cache.kv[layer], d ** -0.5 if sm_scale is None else sm_scale
     if T == 1 and attend is None and compiled(cache, q, k, v):
         return compiled_step(cache, layer, step, q, k, v, scale, r_v=r_v)             # Appendix A
-    r_k = spec.r_k
-    qr = q.float() if r_k is None else (q.float().unflatten(1, (len(r_k), -1)) @ r_k[:, None]).flatten(1, 2)
-    kr, v = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V
+    r_k, prompt = spec.r_k, T > 1 and not (step.held["n_quant"] + step.held["win_len"]).any()
+    qr = q.float() if r_k is None or prompt else (q.float().unflatten(1, (len(r_k), -1)) @ r_k[:, None]).flatten(1, 2)
+    kr, vr = stored_keys(spec, k), v if r_v is None else rotate_rows(v, r_v)   # as stored; v R_V
     if T == 1:                                                                        # decode
-        cache.store(layer, step, kr, v)
+        cache.store(layer, step, kr, vr)
         if attend is None:
             attend, options = kernel.paged_decode, {"checked": False, **options}
         o = attend(qr[:, :, 0].contiguous(), **cache.layer_view(layer, step), group_size=cache.cfg.group_size,
                    sm_scale=scale, **options)[:, :, None]
     else:                                                                             # extend
-        o = torch.zeros(n, Hq, T, d, device=q.device)
+        o, x = torch.zeros(n, Hq, T, d, device=q.device), (qr, k, v) if prompt else (qr, kr, vr)
         for b, t in enumerate(step.pad):
-            o[b:b + 1, :, t:] = chunk_attention(cache, layer, step, b, qr[b:b + 1, :, t:], kr[b:b + 1, :, t:],
-                                                v[b:b + 1, :, t:], scale)
-        cache.store(layer, step, kr, v)
-    return o if r_v is None else (o.view(n, -1, cache.cfg.n_rep * T, d) @ r_v.mT.float()).view(n, Hq, T, d)
+            o[b:b + 1, :, t:] = chunk_attention(cache, layer, step, b, *(y[b:b + 1, :, t:] for y in x), scale)
+        cache.store(layer, step, kr, vr)
+    return o if r_v is None or prompt else (o.view(n, len(r_v), -1, d) @ r_v.mT.float()).view(n, Hq, T, d)
 
 
 @torch.no_grad()
@@ -1186,8 +1187,7 @@ def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale
     qr = q if spec.r_k is None else q @ array(spec.r_k)                                  # q R_K, fp32
     out = torch.empty(len(step.seqs), c.n_heads, c.head_dim)                # torch's: no host data made a tensor
     kernel.cpu_decode_step(qr.reshape(out.shape), kr, vr, views[1][layer], step.seqs, step.plan,
-                           clip_rank(c.clip_k, c.group_size), clip_rank(c.clip_v, c.group_size), c.group_size,
-                           c.scale_eps, sm_scale, o := out.numpy())
+                           *cache.ranks[layer], c.group_size, c.scale_eps, sm_scale, o := out.numpy())
     if r_v is not None:                                                                  # o R_V^T
         np.matmul(o.reshape(q.shape), array(r_v).swapaxes(-1, -2), out=o.reshape(q.shape))
     return out[:, :, None]

@@ -175,8 +175,7 @@ def loop_attention(q, k, v, k_t, v_t, w_o, q_pos, sink=None, window=None, static
 def gqa_shapes(draw, max_t=65):
     """(B, H_q, H_kv, T, d) with GQA ratio 1, 2 or 4, head_dim 8..64, lengths incl. 1 and
     page-boundary values."""
-    h_kv = draw(st.sampled_from([1, 2]))
-    ratio = draw(st.sampled_from([1, 2, 4]))
+    h_kv, ratio = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 2, 4]))
     d = draw(st.sampled_from([8, 16, 32, 64]))
     T = draw(st.sampled_from([t for t in (1, 2, 7, 15, 16, 17, 63, 64, 65) if t <= max_t]))
     B = draw(st.integers(1, 2))
@@ -333,15 +332,13 @@ def perturbed_attention(draw):
     sink/recent windows that cut the sequence anywhere (or none). Adversarial options: a
     key channel x1e3 (one-hot attention), zero perturbations."""
     B, Hq, Hkv, T, d = draw(gqa_shapes(max_t=17))
-    Tq = draw(st.integers(1, min(T, 4)))
-    d_model = draw(st.sampled_from([3, 8]))
+    Tq, d_model = draw(st.integers(1, min(T, 4))), draw(st.sampled_from([3, 8]))
     val = st.floats(-2, 2, allow_nan=False, allow_subnormal=False)
     arr = lambda *shape: torch.from_numpy(draw(arrays(np.float64, shape, elements=val)))
     q, k, v = arr(B, Hq, Tq, d), arr(B, Hkv, T, d), arr(B, Hkv, T, d)
     if draw(st.booleans()):
         k[..., draw(st.integers(0, d - 1))] *= 1e3
-    dk = draw(st.sampled_from([0.0, 1e-3, 0.3, 2.0]))
-    dv = draw(st.sampled_from([0.0, 1e-3, 0.3]))
+    dk, dv = draw(st.sampled_from([0.0, 1e-3, 0.3, 2.0])), draw(st.sampled_from([0.0, 1e-3, 0.3]))
     k_t, v_t = k + dk * arr(B, Hkv, T, d), v + dv * arr(B, Hkv, T, d)
     w_o = arr(Hq, d_model, d)
     windows = (draw(st.integers(0, T)), draw(st.integers(0, T))) if draw(st.booleans()) else None
@@ -474,10 +471,8 @@ def value_covariance_theirs(q, k, v):
     """compute_kv_rotation.py L91-119; q [T, H_q, d], k, v [T, H_kv, d]: w_t = k_t
     Sigma_Q,h k_t^T, w <- w / max(sum w, 1e-12) * T, Sigma_V = mean_h (1/T) sum_t w_t v_t^T v_t."""
     q, k, v = q.double(), k.double(), v.double()
-    T, Hq, d = q.shape
-    Hkv = k.shape[1]
-    g = Hq // Hkv
-    cov = torch.zeros(d, d, dtype=F64)
+    (T, Hq, d), Hkv = q.shape, k.shape[1]
+    g, cov = Hq // Hkv, torch.zeros(d, d, dtype=F64)
     for h in range(Hkv):
         gq = q[:, h * g:(h + 1) * g].reshape(-1, d)
         qc = gq.T @ gq / gq.shape[0]
@@ -585,8 +580,7 @@ def value_loss_theirs(data, R_k, R_v, mu, WO, clip_k, clip_v, G, prefix, recent,
         L, d, g = keff.shape[0], keff.shape[-1], q.shape[1] // kvh
         lo, m = _queries_theirs(L, qwin)
         for h in range(kvh):
-            dv = veff[:, h] - v[:, h]
-            hv = []
+            dv, hv = veff[:, h] - v[:, h], []
             for gi in range(g):
                 j = h * g + gi
                 logits = (q[lo:L, j] @ keff[:, h].T) / math.sqrt(d)
@@ -608,8 +602,7 @@ def quant_rows(draw):
     scaled x1e4, constant groups, tiny values, or a large offset."""
     d = draw(st.sampled_from([8, 16, 32, 64]))
     G = draw(st.sampled_from([g for g in (4, 8, 16, 32, 64) if d % g == 0]))
-    rows = draw(st.integers(1, 6))
-    seed = draw(st.integers(0, 2**31 - 1))
+    rows, seed = draw(st.integers(1, 6)), draw(st.integers(0, 2**31 - 1))
     x = rand(rows, d, seed=seed)
     regime = draw(st.sampled_from(["gauss", "outlier", "constant", "tiny", "offset"]))
     if regime == "outlier":
@@ -691,8 +684,7 @@ def test_gqa_attention_and_head_output_equal_the_per_query_loop(shape, seed):
     B, Hq, Hkv, T, d = shape
     q, k, v = rand(B, Hq, T, d, seed=seed, dtype=F64), rand(B, Hkv, T, d, seed=seed + 1, dtype=F64), \
         rand(B, Hkv, T, d, seed=seed + 2, dtype=F64)
-    w_o = rand(Hq, 5, d, seed=seed + 3, dtype=F64)
-    q_pos = torch.arange(T)
+    w_o, q_pos = rand(Hq, 5, d, seed=seed + 3, dtype=F64), torch.arange(T)
     ref = loop_attention(q, k, v, k, v, w_o, q_pos)
     mask = torch.arange(T)[None, :] <= q_pos[:, None]
     p = torch.softmax(optr.gqa_logits(q, k).masked_fill(~mask, float("-inf")), -1)
@@ -725,8 +717,7 @@ def check_q2_is_the_authors(x, G, clip):
     """q2 (fake-quant) and q2_quantize (storage form) against authors_q2, bit for bit, on
     the fp32 value of x; q2 returns x's dtype."""
     ref, code, scale, zero = authors_q2(x.float().numpy(), clip, G)
-    ref = torch.from_numpy(ref).to(x.dtype)
-    fake = optr.q2(x, clip, G)
+    ref, fake = torch.from_numpy(ref).to(x.dtype), optr.q2(x, clip, G)
     assert fake.dtype == x.dtype
     assert torch.equal(fake, ref), f"q2 differs from the authors' formula by {(fake - ref).abs().max()}"
     packed, sc, zr = optr.q2_quantize(x, clip, G)
@@ -872,8 +863,7 @@ def test_clip_rank_follows_the_authors_rule():
 def test_straight_through_gradients_reach_A():
     """Gradients of an output loss pass the rounding (straight-through) and reach the
     skew parameter A of R = R_base exp(A - A^T); they also flow through scale and zero."""
-    z = rand(2, 2, 9, 16, seed=1)
-    A = torch.zeros(2, 16, 16, requires_grad=True)
+    z, A = rand(2, 2, 9, 16, seed=1), torch.zeros(2, 16, 16, requires_grad=True)
     R = optr.optr_rotation(optr.quarot_rotation(2, 16), A)
     loss = (optr.rotate_dequant(z, R, 0.96, 16) - z).pow(2).sum()
     loss.backward()
@@ -892,8 +882,7 @@ def test_q2_checks_can_fail(monkeypatch):
     """The bit-for-bit check fails for a quantizer that floors scale = range/3 instead of
     the range (a different constant-group rule) or rounds the zero point; the gradient
     check fails for a quantizer that skips the clamp at c = 1 or lets gradient through tau."""
-    tiny = torch.tensor([[0.0, 1.5e-8] + [0.0] * 6])
-    const = torch.full((1, 8), 0.123)
+    tiny, const = torch.tensor([[0.0, 1.5e-8] + [0.0] * 6]), torch.full((1, 8), 0.123)
     real = optr._q2_params
 
     def broken(kind):
@@ -968,8 +957,7 @@ def test_hadamard_is_generated_orthogonal_and_flat(d):
 def test_rotation_only_changes_the_basis(shape, seed):
     """Eq. 4: with Q2 replaced by the identity, D_R(z) = z R R^T = z for any orthogonal R."""
     B, _, H, T, d = shape
-    z = rand(B, H, T, d, seed=seed)
-    R = random_rotations(H, d, seed)
+    z, R = rand(B, H, T, d, seed=seed), random_rotations(H, d, seed)
     saved = optr.q2
     try:
         optr.q2 = lambda x, *args, **kw: x
@@ -983,8 +971,7 @@ def test_rotation_only_changes_the_basis(shape, seed):
 def test_rotate_dequant_mixes_dtypes_and_computes_in_fp32(dtype):
     """Eq. 4 for a bf16/fp16 z and an fp32 R: computed as D_R(z) in fp32 (the test's own
     z R, authors' Q2, R^T), rounded once to z's dtype."""
-    z = rand(1, 2, 5, 16, seed=43).to(dtype)
-    R = random_rotations(2, 16, 44)
+    z, R = rand(1, 2, 5, 16, seed=43).to(dtype), random_rotations(2, 16, 44)
     expect = eq4_oracle(z.float(), R, 0.96, 8).to(dtype)
     out = optr.rotate_dequant(z, R, 0.96, 8)
     assert out.dtype == dtype and torch.equal(out, expect)
@@ -1024,8 +1011,7 @@ def test_oscar_covariances_equal_the_authors_on_random_data(seed, heads):
     another summation order) to float64 round-off."""
     Hq, Hkv = heads
     q, k, v = oscar_layer(seed, Hq=Hq, Hkv=Hkv)
-    sq, sv = optr.oscar_covariances(q, k, v)
-    tq = key_covariance_theirs(tokens_first(q), Hkv)
+    (sq, sv), tq = optr.oscar_covariances(q, k, v), key_covariance_theirs(tokens_first(q), Hkv)
     tv = value_covariance_theirs(tokens_first(q), tokens_first(k), tokens_first(v))
     assert (sq - tq).abs().max() <= 1e-12 * tq.abs().max()
     assert (sv - tv).abs().max() <= 1e-12 * tv.abs().max()
@@ -1038,8 +1024,7 @@ def test_oscar_bases_are_the_authors_composition_of_the_layers_covariances(seed,
     to 1e-6, as their H (/ sqrt(2) at each doubling) rounds apart from ours by an fp32 ulp."""
     Hq, Hkv = heads
     q, k, v = oscar_layer(seed, Hq=Hq, Hkv=Hkv)
-    rk, rv = optr.oscar_bases(q, k, v, Hkv)
-    sq, sv = optr.oscar_covariances(q, k, v)
+    (rk, rv), (sq, sv) = optr.oscar_bases(q, k, v, Hkv), optr.oscar_covariances(q, k, v)
     assert rk.shape == rv.shape == (Hkv, 16, 16)
     assert (rk - oscar_rotation_theirs(sq)).abs().max() <= 1e-6
     assert (rv - oscar_rotation_theirs(sv)).abs().max() <= 1e-6
@@ -1136,8 +1121,7 @@ def test_oscar_check_can_fail(monkeypatch):
     eigenvectors by descending eigenvalue, then (U H)[:, bitrev] (reversed columns, flipped
     signs)."""
     def old(cov):
-        d = cov.shape[-1]
-        _, U = torch.linalg.eigh(cov.double())
+        d, (_, U) = cov.shape[-1], torch.linalg.eigh(cov.double())
         return (U.flip(-1) @ optr.hadamard(d, F64))[:, optr.bit_reversal_permutation(d)].float()
     monkeypatch.setattr(optr, "oscar_rotation", old)
     with pytest.raises(AssertionError):
@@ -1224,8 +1208,7 @@ def test_centering_shrinks_the_int2_error_of_offset_keys():
     """Keys with large per-channel offsets waste INT2's four levels on the offset; stored
     as k - mu they quantize with a much smaller error."""
     k = rand(4, 2, 64, 32, seed=6) + 8 * rand(1, 2, 1, 32, seed=7)
-    mu = optr.key_mean(k)
-    err = (optr.q2(k, 1.0, 32) - k).pow(2).sum()
+    mu, err = optr.key_mean(k), (optr.q2(k, 1.0, 32) - k).pow(2).sum()
     err_c = (optr.q2(optr.center_keys(k, mu), 1.0, 32) + mu[None, :, None] - k).pow(2).sum()
     assert err_c < 0.5 * err
 
@@ -1236,8 +1219,7 @@ def test_centering_shrinks_the_int2_error_of_offset_keys():
 def test_centering_checks_can_fail(monkeypatch):
     """Each centering check of this section fails for the broken version it is about: a
     mean over the wrong axis, and INT2 keys quantized without subtracting mu."""
-    k = rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0
-    mu = rand(1, 8, seed=52, dtype=F64)
+    k, mu = rand(2, 1, 9, 8, seed=51, dtype=F64) + 3.0, rand(1, 8, seed=52, dtype=F64)
     broken = [
         (check_key_mean, (k,), "key_mean",
          lambda k: k.double().mean(dim=(0, 2, 3))[:, None].expand(k.shape[1], k.shape[-1]).float()),
@@ -1488,8 +1470,7 @@ def layer_fixture(seed=0, N=6, T=48, Hq=4, Hkv=2, d=16, d_model=24, outlier=True
     and values that are hard for INT2: a few channels carry large offsets and outliers,
     queries read them; and W_O (H_q, d_model, d)."""
     def make(s, T):
-        q = rand(N, Hq, T, d, seed=s)
-        k = rand(N, Hkv, T, d, seed=s + 1)
+        q, k = rand(N, Hq, T, d, seed=s), rand(N, Hkv, T, d, seed=s + 1)
         v = rand(N, Hkv, T, d, seed=s + 2)
         if outlier:
             k[..., 0] = k[..., 0] * 6 + 4
@@ -1554,8 +1535,7 @@ def test_losses_are_normalised_as_the_authors(out_reduce, lam):
     q, k, v = rand(N, Hq, Tq, d, seed=70, dtype=F64), rand(N, Hkv, T, d, seed=71, dtype=F64) + 2, \
         rand(N, Hkv, T, d, seed=72, dtype=F64)
     w_o, mu = rand(Hq, dm, d, seed=73, dtype=F64), rand(Hkv, d, seed=74, dtype=F64)
-    eye = optr.identity_rotation(Hkv, d).double()
-    q_pos = torch.arange(T - Tq, T)
+    eye, q_pos = optr.identity_rotation(Hkv, d).double(), torch.arange(T - Tq, T)
     mask, exact = optr.causal_mask(q_pos, T), optr.exact_window_mask(q_pos, T, 2, 3)
     deq_k, *_ = authors_q2((k - mu[None, :, None]).float().numpy(), 0.96, d)
     k_t = torch.from_numpy(deq_k).double() + mu[None, :, None]
@@ -1707,8 +1687,7 @@ def test_optr_strictly_improves_a_poor_base():
     learned correction lowers the held-out key and value losses of every head (measured
     by the authors' loss code, not by the fit's own), and every head keeps it, reporting
     those same held-out losses for the base and the returned rotation."""
-    cfg = small_cfg()
-    cal, held, w_o = layer_fixture()
+    cfg, (cal, held, w_o) = small_cfg(), layer_fixture()
     r0 = optr.identity_rotation(2, 16)
     r_k, r_v, rows = layer_rotations(cal, held, w_o, r0, r0, None, cfg)
     lk_base, _ = authors_losses(held, w_o, r0, r0, None, cfg)
@@ -1725,8 +1704,7 @@ def test_a_head_whose_learning_hurts_held_out_data_falls_back_to_its_base():
     """Held-out keys and values that the base quantizes exactly (each group holds only the
     levels 0, 1, 2, 3) have zero held-out loss under the base, so whatever the fit learns
     on the calibration data can only be worse there: every head keeps R_base exactly."""
-    cfg = small_cfg(steps=4, eval_every=2)
-    cal, _, w_o = layer_fixture(seed=2)
+    cfg, (cal, _, w_o) = small_cfg(steps=4, eval_every=2), layer_fixture(seed=2)
     g = torch.Generator().manual_seed(3)
     exact = lambda *shape: torch.cat([
         torch.arange(4.0).expand(*shape[:-1], 4),
@@ -3761,15 +3739,15 @@ def test_a_decode_step_through_hf_cache_makes_few_aten_calls_and_no_host_read(mo
     assert sum(ours.values()) <= sum(theirs.values()) + 10 * cfg.n_layers, (ours, theirs)
 
 
-def plain_step_transfers(attend=None):
-    """HostTransfers of one bf16 (so not the compiled) decode step through hf_cache (its decode `attend`), and
-    through DynamicCache."""
+def plain_step_transfers(attend=None, counter=HostTransfers):
+    """HostTransfers (or `counter`) of one bf16 (so not the compiled) decode step through hf_cache (its decode
+    `attend`), and through DynamicCache."""
     from transformers import DynamicCache
     model, cfg, kv = tiny_hf_with_specs("llama-GQA")
     with optr.hf_cache(model.to(torch.bfloat16), kv, cfg, attend=attend) as cache:
-        ours = one_step_calls(model, cache, IDX_HF[:, :12], counter=HostTransfers)
+        ours = one_step_calls(model, cache, IDX_HF[:, :12], counter=counter)
         assert pages(cache).win_k.dtype == torch.bfloat16, "a bf16 window and query: the plain step"
-    return ours, one_step_calls(model, DynamicCache(), IDX_HF[:, :12], counter=HostTransfers)
+    return ours, one_step_calls(model, DynamicCache(), IDX_HF[:, :12], counter=counter)
 
 
 @torch.no_grad()
@@ -3792,6 +3770,28 @@ def test_the_plain_decode_step_of_any_device_uploads_one_plan_and_no_layer_uploa
     ours, theirs = plain_step_transfers(optr.paged_decode_reference)
     extra = lambda kind: sum(n for k, n in (ours - theirs).items() if k.startswith(kind))
     assert extra("upload") <= 1 and extra("copy") <= 1, (ours, theirs)
+
+
+@contextlib.contextmanager
+def optr_functions():
+    """Under it, `calls` counts the named optr functions (no lambda, comprehension) called inside paged_step, itself
+    included, by qualified name: Python's profile hook (sys.setprofile), which sees every Python call."""
+    calls, code = collections.Counter(), lambda f: f.f_code
+    inside = lambda f: f is not None and (code(f) is optr.paged_step.__code__ or inside(f.f_back))
+    sys.setprofile(lambda f, event, _: calls.update([code(f).co_qualname] if event == "call" and "<" not in
+                   code(f).co_qualname and code(f).co_filename == optr.__file__ and inside(f) else []))
+    try:
+        yield SimpleNamespace(calls=calls)
+    finally:
+        sys.setprofile(None)
+
+
+@torch.no_grad()
+def test_each_int2_layer_of_the_plain_decode_step_passes_at_most_7_optr_functions():
+    """... and passes at most 7 optr functions per INT2 layer (2 here), paged_step included, 8 calls (rotate_rows: k and
+    v). Measured: 7 (9 before the clip ranks were made once per cache and o's view took H_kv from R_V)."""
+    calls = plain_step_transfers(counter=optr_functions)[0]
+    assert len(calls) <= 7 and sum(calls.values()) <= 8 * 2, calls
 
 
 @torch.no_grad()
