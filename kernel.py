@@ -901,14 +901,37 @@ def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
                    np.empty(rows.shape[2], dtype=np.uint8))
 
 
-def _cpu_step(qr, kr, vr, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps, scale, n_split):
+def _cpu_rotate(x, R, rep, out):
+    """out[b, j] = x[b, j] R[j // rep] (R (H, d, d) float64), each entry summed in float64 in channel order
+    and rounded once to fp32: optr.rotate_rows' product (a loop over the output's lanes vectorises)."""
+    B, n, d = x.shape
+    acc = np.empty(d, dtype=np.float64)
+    for b in range(B):
+        for j in range(n):
+            acc[:] = 0.0
+            for ch in range(d):
+                xc = np.float64(x[b, j, ch])
+                for e in range(d):
+                    acc[e] += xc * R[j // rep, ch, e]
+            for e in range(d):
+                out[b, j, e] = np.float32(acc[e])
+
+
+def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps,
+              scale, n_split, out):
     """One INT2 layer's decode step as optr's plan (optr.Step.plan) says, one token per sequence b
-    (cache row seqs[b]): if plan[1, b] >= 0, Q2 of the token leaving for INT2 (window slot plan[0, b],
-    or the new token itself when that is -1) into page plan[1, b], slot plan[2, b]; the stored key
-    and value kr, vr (B, H_kv, d) into window slot plan[0, b]. Then qr (B, H_q, d) over plan[3, b]
-    INT2 tokens and plan[4, b] window slots -> (B, H_q, d) fp32."""
-    B, H = kr.shape[0], kr.shape[1]
-    code = np.empty(kr.shape[2], dtype=np.uint8)
+    (cache row seqs[b]), from the model's q (B, H_q, d), k, v (B, H_kv, d): the key and value as stored,
+    (k - mu) R_K and v R_V (float64 products rounded once), and the query q R_K. If plan[1, b] >= 0, Q2
+    of the token leaving for INT2 (window slot plan[0, b], or the new token itself when that is -1) into
+    page plan[1, b], slot plan[2, b]; the stored key and value into window slot plan[0, b]. Then q R_K
+    over plan[3, b] INT2 tokens and plan[4, b] window slots; out (B, H_q, d) = that attention R_V^T
+    (rvt: R_V transposed)."""
+    B, H, d = k.shape
+    kr, vr, qr = np.empty_like(k), np.empty_like(v), np.empty_like(q)
+    _cpu_rotate(k - mu, rk, 1, kr)                                   # keys centred (step 1), then R_K
+    _cpu_rotate(v, rv, 1, vr)
+    _cpu_rotate(q, rk, q.shape[1] // H, qr)
+    code = np.empty(d, dtype=np.uint8)
     for b in range(B):
         s, slot, page, ps = seqs[b], plan[0, b], plan[1, b], plan[2, b]
         for h in range(H):
@@ -920,7 +943,8 @@ def _cpu_step(qr, kr, vr, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k
                 wk[s, h, slot] = kr[b, h]
                 wv[s, h, slot] = vr[b, h]
     nq, wl = plan[3].astype(np.int32), plan[4].astype(np.int32)
-    return _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
+    o = _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
+    _cpu_rotate(o, rvt, q.shape[1] // H, out)                        # back to the model's basis
 
 
 _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep inf and NaN semantics
@@ -940,7 +964,7 @@ def _nb() -> types.SimpleNamespace:
         copy.__qualname__ = fn.__qualname__
         scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
         return scope[fn.__name__]
-    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row)      # called by the three
+    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate)   # called by the three
     jit(_cpu_unpack, inline="always"), jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), step=jit(_cpu_step),
@@ -972,14 +996,16 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), num_splits))
 
 
-def cpu_decode_step(qr, kr, vr, pages: tuple, seqs, plan, rank_k: int, rank_v: int, group_size: int,
-                    eps: float, sm_scale: float, out):
-    """_cpu_step in one call, unchecked (optr's cache vouches), as numpy arrays: qr (B, H_q, d), kr, vr
-    (B, H_kv, d) fp32 contiguous; `pages` (k_codes .. v_zero, block_table, win_k, win_v) of a layer;
-    seqs (B,) and plan (5, B) int64 (optr.Step.plan); the clip ranks; out (B, H_q, d) fp32."""
-    splits = _cpu_splits(qr.shape[0], pages[0].shape[1], int((plan[3] + plan[4]).max()))
-    out[:] = _nb().step(qr, kr, vr, *pages, seqs, plan, rank_k, rank_v, group_size, np.float32(eps),
-                         np.float32(sm_scale), splits)
+def cpu_decode_step(q, k, v, rotations: tuple, pages: tuple, seqs, plan, rank_k: int, rank_v: int,
+                    group_size: int, eps: float, sm_scale: float, out):
+    """_cpu_step in one call, unchecked (optr's cache vouches), as numpy arrays: q (B, H_q, d), k, v
+    (B, H_kv, d) fp32 contiguous in the model's basis; `rotations` (mu (H_kv, d) fp32, R_K, R_V, R_V^T
+    (H_kv, d, d) float64 contiguous; zeros and identities where the layer has none); `pages` (k_codes ..
+    v_zero, block_table, win_k, win_v) of a layer; seqs (B,) and plan (5, B) int64 (optr.Step.plan); the
+    clip ranks; out (B, H_q, d) fp32, in the model's basis."""
+    splits = _cpu_splits(q.shape[0], pages[0].shape[1], int((plan[3] + plan[4]).max()))
+    _nb().step(q, k, v, *rotations, *pages, seqs, plan, rank_k, rank_v, group_size, np.float32(eps),
+               np.float32(sm_scale), splits, out)
 
 
 def paged_decode(q, **view) -> torch.Tensor:

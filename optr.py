@@ -1167,29 +1167,23 @@ def compiled(cache: PagedKVCache, *qkv) -> bool:
 def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale: float, r_v=None):
     """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call
     -> (n, H_q, 1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off.
-    The rotations in numpy (a torch call costs microseconds): rotate_rows' float64 products."""
+    The rotations inside that call (a torch or numpy call costs microseconds): rotate_rows' float64 products."""
     c, spec, views = cache.quant[layer], cache.kv[layer], getattr(cache, "numpy_views", (None,))
     if views[0] is not cache.k_codes:                 # numpy views of the pages, again after they grow
         cache.numpy_views = views = (cache.k_codes, [tuple(getattr(cache, t)[l].numpy() for t in PACKED)
                                      + (cache.block_table.numpy(), cache.win_k[l].numpy(), cache.win_v[l].numpy())
                                      for l in range(cache.cfg.n_layers)], {})
-    arrays = views[2]                                 # mu, R_K, R_V as numpy, converted once
-
-    def array(t, dtype=np.float32):
-        if t is not None and arrays.get((id(t), dtype), (None,))[0] is not t:
-            arrays[id(t), dtype] = (t, t.detach().cpu().numpy().astype(dtype))
-        return t if t is None else arrays[id(t), dtype][1]
-    rot = lambda x, R: x if R is None else (x[:, :, None].astype(np.float64) @ R)[:, :, 0].astype(np.float32)
-    rows = lambda x: x.detach().numpy()[:, :, 0].astype(np.float32)                    # (n, H, d)
-    mu = 0 if spec.k_mean is None else array(spec.k_mean)
-    kr, vr = rot(rows(k) - mu, array(spec.r_k, np.float64)), rot(rows(v), array(r_v, np.float64))  # as stored
-    q = rows(q).reshape(len(step.seqs), c.n_kv_heads, c.n_rep, c.head_dim)
-    qr = q if spec.r_k is None else q @ array(spec.r_k)                                  # q R_K, fp32
+    tensors, held = (spec.k_mean, spec.r_k, r_v), views[2].get(layer, ((None,) * 3, None))
+    if held[1] is None or any(x is not y for x, y in zip(tensors, held[0])):   # mu, R_K, R_V, R_V^T: once
+        H, d = c.n_kv_heads, c.head_dim
+        f64 = lambda R: np.tile(np.eye(d), (H, 1, 1)) if R is None else R.detach().cpu().double().numpy()
+        mu = np.zeros((H, d), np.float32) if spec.k_mean is None else spec.k_mean.detach().cpu().float().numpy()
+        rk, rv = f64(spec.r_k), f64(r_v)
+        views[2][layer] = held = (tensors, tuple(map(np.ascontiguousarray, (mu, rk, rv, rv.swapaxes(-1, -2)))))
+    rows = lambda x: np.ascontiguousarray(x.detach().numpy()[:, :, 0], dtype=np.float32)   # (n, H, d)
     out = torch.empty(len(step.seqs), c.n_heads, c.head_dim)                # torch's: no host data made a tensor
-    kernel.cpu_decode_step(qr.reshape(out.shape), kr, vr, views[1][layer], step.seqs, step.plan,
-                           *cache.ranks[layer], c.group_size, c.scale_eps, sm_scale, o := out.numpy())
-    if r_v is not None:                                                                  # o R_V^T
-        np.matmul(o.reshape(q.shape), array(r_v).swapaxes(-1, -2), out=o.reshape(q.shape))
+    kernel.cpu_decode_step(rows(q), rows(k), rows(v), held[1], views[1][layer], step.seqs, step.plan,
+                           *cache.ranks[layer], c.group_size, c.scale_eps, sm_scale, out.numpy())
     return out[:, :, None]
 
 

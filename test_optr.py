@@ -2419,11 +2419,11 @@ def test_the_compiled_decode_step_can_fail(monkeypatch):
     """The test above fails on a compiled step that reads and writes cache rows by batch row
     instead of sequence id (sequences [2, 0]), and on one that stores another key."""
     step = kernel.cpu_decode_step
-    monkeypatch.setattr(kernel, "cpu_decode_step", lambda qr, kr, vr, pages, seqs, *a:
-                        step(qr, kr, vr, pages, np.arange(len(seqs)), *a))
+    monkeypatch.setattr(kernel, "cpu_decode_step", lambda q, k, v, rot, pages, seqs, *a:
+                        step(q, k, v, rot, pages, np.arange(len(seqs)), *a))
     assert fails(check_compiled_step, [2, 0], 1, 2, 4, 8, 9, True, True, False, 0)
     check_compiled_step([0, 1], 1, 2, 4, 8, 9, True, True, False, 0)                 # rows = ids: holds
-    monkeypatch.setattr(kernel, "cpu_decode_step", lambda qr, kr, vr, *a: step(qr, kr * 1.001, vr, *a))
+    monkeypatch.setattr(kernel, "cpu_decode_step", lambda q, k, v, *a: step(q, k * 1.001, v, *a))
     assert fails(check_compiled_step, [0, 1], 1, 2, 4, 8, 9, True, True, False, 0)
 
 
