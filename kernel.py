@@ -639,14 +639,8 @@ def _block_sizes(d, G, ratio, P):
     and for d = 256.  General path: 16 tokens, one sub-tile.  maxnreg 255: unset, ptxas spills at 168."""
     quarter = d // 4
     factored = G % quarter == 0 and quarter >= 16
-    if not factored:
-        block_n = 16
-    elif d > 128:
-        block_n = 32
-    elif d // G > 1:
-        block_n = 64 if P % 64 == 0 else 32
-    else:
-        block_n = 128 if P % 64 == 0 else 64
+    block_n = (16 if not factored else 32 if d > 128 else (64 if P % 64 == 0 else 32) if d // G > 1
+               else 128 if P % 64 == 0 else 64)
     block_w = 32 if d <= 128 else 16          # window tokens per tile (fp32 after upcast)
     sub_tiles = block_n // 16 if factored else 1    # 16 tokens: the MMA's row count
     return dict(BLOCK_H=triton.next_power_of_2(ratio), BLOCK_N=block_n, SUB_TILES=sub_tiles,
@@ -906,26 +900,21 @@ def _cpu_rotate(x, R, rep, out):
     and rounded once to fp32: optr.rotate_rows' product (a loop over the output's lanes vectorises)."""
     B, n, d = x.shape
     acc = np.empty(d, dtype=np.float64)
-    for b in range(B):
-        for j in range(n):
-            acc[:] = 0.0
-            for ch in range(d):
-                xc = np.float64(x[b, j, ch])
-                for e in range(d):
-                    acc[e] += xc * R[j // rep, ch, e]
+    for bj in range(B * n):
+        b, j, acc[:] = bj // n, bj % n, 0.0
+        for ch in range(d):
             for e in range(d):
-                out[b, j, e] = np.float32(acc[e])
+                acc[e] += np.float64(x[b, j, ch]) * R[j // rep, ch, e]
+        for e in range(d):
+            out[b, j, e] = np.float32(acc[e])
 
 
 def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps,
               scale, n_split, out):
-    """One INT2 layer's decode step as optr's plan (optr.Step.plan) says, one token per sequence b
-    (cache row seqs[b]), from the model's q (B, H_q, d), k, v (B, H_kv, d): the key and value as stored,
-    (k - mu) R_K and v R_V (float64 products rounded once), and the query q R_K. If plan[1, b] >= 0, Q2
-    of the token leaving for INT2 (window slot plan[0, b], or the new token itself when that is -1) into
-    page plan[1, b], slot plan[2, b]; the stored key and value into window slot plan[0, b]. Then q R_K
-    over plan[3, b] INT2 tokens and plan[4, b] window slots; out (B, H_q, d) = that attention R_V^T
-    (rvt: R_V transposed)."""
+    """A layer's decode step as optr.Step.plan says, a token per sequence b (cache row seqs[b]): stores
+    (k - mu) R_K, v R_V (float64, rounded once); if plan[1, b] >= 0, Q2 of the token leaving the window
+    (slot plan[0, b]; -1: the new one) into page plan[1, b], slot plan[2, b]; the new token into window slot
+    plan[0, b]. out = (q R_K over plan[3, b] INT2 tokens, plan[4, b] window slots) R_V^T (rvt)."""
     B, H, d = k.shape
     kr, vr, qr = np.empty_like(k), np.empty_like(v), np.empty_like(q)
     _cpu_rotate(k - mu, rk, 1, kr)                                   # keys centred (step 1), then R_K
@@ -940,8 +929,7 @@ def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs
                 _cpu_q2_row(k_old, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
                 _cpu_q2_row(v_old, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
             if slot >= 0:
-                wk[s, h, slot] = kr[b, h]
-                wv[s, h, slot] = vr[b, h]
+                wk[s, h, slot], wv[s, h, slot] = kr[b, h], vr[b, h]
     nq, wl = plan[3].astype(np.int32), plan[4].astype(np.int32)
     o = _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
     _cpu_rotate(o, rvt, q.shape[1] // H, out)                        # back to the model's basis
@@ -998,11 +986,9 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
 
 def cpu_decode_step(q, k, v, rotations: tuple, pages: tuple, seqs, plan, rank_k: int, rank_v: int,
                     group_size: int, eps: float, sm_scale: float, out):
-    """_cpu_step in one call, unchecked (optr's cache vouches), as numpy arrays: q (B, H_q, d), k, v
-    (B, H_kv, d) fp32 contiguous in the model's basis; `rotations` (mu (H_kv, d) fp32, R_K, R_V, R_V^T
-    (H_kv, d, d) float64 contiguous; zeros and identities where the layer has none); `pages` (k_codes ..
-    v_zero, block_table, win_k, win_v) of a layer; seqs (B,) and plan (5, B) int64 (optr.Step.plan); the
-    clip ranks; out (B, H_q, d) fp32, in the model's basis."""
+    """_cpu_step, unchecked (optr's cache vouches), on numpy arrays: q (B, H_q, d), k, v (B, H_kv, d), out
+    fp32 contiguous, the model's basis; `rotations` mu (H_kv, d) fp32, R_K, R_V, R_V^T (H_kv, d, d) float64
+    (zeros, identities where none); `pages` a layer's k_codes .. v_zero, block_table, win_k, win_v."""
     splits = _cpu_splits(q.shape[0], pages[0].shape[1], int((plan[3] + plan[4]).max()))
     _nb().step(q, k, v, *rotations, *pages, seqs, plan, rank_k, rank_v, group_size, np.float32(eps),
                np.float32(sm_scale), splits, out)
