@@ -356,9 +356,9 @@ def test_the_break_even_line_reads_the_median_of_generate_runs_and_says_none_whe
 def test_the_command_line_runs_dynamic_cache_and_hf_cache_side_by_side_on_smollm2(capsys, tmp_path):
     """python -m tools.bench_hf --quick (SmolLM2, its published quarot+center+clip at the default
     max_tokens, 400 tokens of real text, 2 teacher-forced steps, generate() of 4 tokens twice per
-    cache, a 340 + 8 chat turn, --profile): a row per cache with finite numbers; KLs against
-    DynamicCache (its own 0, hf_cache's small but not 0); the summary's "N.Nx smaller" is
-    DynamicCache's MiB over hf_cache's; hf_cache's runtime (numba) measured; each row's attention timed
+    cache, a 340 + 8 chat turn, --profile): a row per cache with finite numbers; KLs against DynamicCache
+    (its own 0; hf_cache's prompt's within round-off, its decode's small but not 0); the summary's "N.Nx
+    smaller" is DynamicCache's MiB over hf_cache's; hf_cache's runtime (numba) measured; each row's attention timed
     and its rates finite; a break-even for hf_cache (one length: no added rates); table and figure written."""
     out = bench_hf.main(["--quick", "--rows", "DynamicCache,hf_cache", "--profile", "--out", str(tmp_path)])
     rows, (s,) = out["rows"], out["summary"]
@@ -370,7 +370,7 @@ def test_the_command_line_runs_dynamic_cache_and_hf_cache_side_by_side_on_smollm
     assert all(r["attention_ms"] > 0 and r["ns_pair"] > 0 and r["gbs"] > 0 for r in rows), rows
     assert set(out["break_even"]) == {"hf_cache"} and out["added"] == dict(DynamicCache=[], hf_cache=[])
     assert rows[0]["kl"] == rows[0]["prompt_kl"] == 0 and 0 < rows[1]["kl"] < 0.5, rows
-    assert 0 < rows[1]["prompt_kl"] <= rows[1]["prompt_kl_max"], rows
+    assert 0 <= rows[1]["prompt_kl"] <= rows[1]["prompt_kl_max"] < 1e-5, rows          # a prompt attends exactly
     assert [(c["cache"], c["P"], c["F"]) for c in out["chat"]] == [("DynamicCache", 340, 8), ("hf_cache", 340, 8)]
     assert s["cache"] == "hf_cache"
     assert s["smaller"] == pytest.approx(rows[0]["cache_mib"] / rows[1]["cache_mib"])
