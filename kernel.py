@@ -727,16 +727,6 @@ _CPU_TILE = 16                      # INT2 tokens unpacked at once (within one p
 _EXP2_TAYLOR = tuple(math.log(2) ** i / math.factorial(i) for i in range(8))   # 2^f = e^(f ln 2)
 
 
-def _cpu_unpack(codes, page, h, slot, m, tile):
-    """tile[t] = the d codes of row (page, h, slot + t) as fp32, t < m (int32 shifts: AVX2 converts int32)."""
-    D4 = codes.shape[3]
-    for t in range(m):
-        for c in range(4):
-            for j in range(D4):
-                tile[t, c * D4 + j] = np.float32((np.int32(codes[page, h, slot + t, j]) >> np.int32(2 * c))
-                                                 & np.int32(3))
-
-
 def _cpu_exp_rows(a, m, n):
     """a[r, :n] = exp(a[r, :n] - m[r]) (a loop LLVM vectorises; libm's expf does not): 2^t as 2^k,
     added to the exponent bits, times 2^f, f = t - k in [-1/2, 1/2], by its degree-7 Taylor
@@ -754,13 +744,157 @@ def _cpu_exp_rows(a, m, n):
             bits[r, i] += np.int32(k) << 23
 
 
+_k_dots = _v_dots = None   # the two inner loops below as LLVM vector code: made by _simd() at the first CPU call
+
+
+def _simd(numba) -> dict:
+    """The CPU decode's two inner loops, written as LLVM vector code (numba intrinsics; LLVM lowers
+    <16 x float> to the machine's SIMD: AVX-512, AVX2, NEON).  Numba's loops over the same work ran 3-4x
+    slower (NOTES.md: LLVM vectorised a 16-byte row with a 64-wide loop that never ran).  Ints arrive as
+    i64, arrays as their data pointers; the callers (_cpu_decode_job) keep every index in bounds.
+
+    _k_dots(qx, codes, off, m, D4, G, R, acc, E): q.c over a tile, lanes over its m <= 16 tokens (token t's
+      row at codes[off + t D4], flat): acc[(r NG + g) 16 + t] += the dot of query head r's group g with
+      the codes.  The codes are read E bytes a lane (a gather), E = 4: a 32-bit word's 16 two-bit
+      fields f = 4k + c (byte k, plane c: dim c D4 + 4e + k of word e), each masked in place and
+      converted (f = 15 shifted down); qx[r d + 4E e + f] is the query's dim times 4^-f (1 for f = 15), so
+      nothing is shifted back.  E = 1 (G or D4 not a multiple of 4): a byte's 4 fields.
+    _v_dots(codes, off, D4, xs, R, o, n, L): p V over n <= 4 tokens (rows at codes[off + t D4]), lanes
+      over L channels of one plane: o[r d + c D4 + L j + l] += sum_t xs[((r 4 + t) 4 + c) NC + j] * field
+      c of byte L j + l of token t, masked in place (xs carries p s 4^-c); tokens t >= n are not read."""
+    from llvmlite import ir
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+    i1, i32, i64, f32, vec, fm = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.VectorType, \
+        ("contract", "reassoc", "nsz")
+    fill = lambda ty, x: ir.Constant(ty, [ir.Constant(ty.element, x)] * ty.count)      # constant vectors
+
+    def args64(context, builder, sig, args):   # ints as i64, arrays as element pointers
+        return [context.make_array(t)(context, builder, a).data if isinstance(t, numba.types.Array) else None
+                if isinstance(t, numba.types.Literal) else context.cast(builder, a, t, numba.types.int64)
+                for t, a in zip(sig.args, args)]
+
+    def splat(builder, x, n):                   # a vector of n copies of the scalar x
+        v = builder.insert_element(ir.Constant(vec(x.type, n), ir.Undefined), x, ir.Constant(i32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(vec(i32, n), [0] * n))
+
+    def at(builder, p, *terms):                # p + sum(terms) elements
+        return builder.gep(p, [functools.reduce(builder.add, terms)])
+
+    def axpy(builder, acc, x, v):              # acc + splat(x) v, fused where the machine has FMA
+        return builder.fadd(acc, builder.fmul(splat(builder, x, v.type.count), v, flags=fm), flags=fm)
+
+    def fields(builder, w, n, L):              # field f of each lane, masked in place, as fp32
+        c = lambda x: fill(vec(i32, L), x)
+        return [builder.sitofp(builder.lshr(w, c(30)) if f == 15 else builder.and_(w, c(3 << 2 * f)),
+                               vec(f32, L)) for f in range(n)]
+
+    def mul(builder, *xs):
+        return functools.reduce(builder.mul, [x if isinstance(x, ir.Value) else ir.Constant(i64, x) for x in xs])
+
+    @intrinsic
+    def k_dots(typingctx, qx, codes, off, m, D4, G, R, acc, ks, kz, poff, qsum, a, aoff, astride, E):
+        if not isinstance(E, numba.types.IntegerLiteral):
+            return None                                # numba retries with E's value
+        sig = numba.types.void(qx, codes, off, m, D4, G, R, acc, ks, kz, poff, qsum, a, aoff, astride, E)
+        E, T = E.literal_value, _CPU_TILE
+
+        def codegen(context, builder, sig, args):
+            qx, codes, off, m, D4, G, R, acc, ks, kz, poff, qsum, a, aoff, astride, _ = args64(context, builder, sig, args)
+            word, lanes = ir.IntType(8 * E), vec(ir.PointerType(), T)
+            gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                vec(word, T), [lanes, i32, vec(i1, T), vec(word, T)]), f"llvm.masked.gather.v{T}i{8 * E}.v{T}p0")
+            tok = ir.Constant(vec(i64, T), list(range(T)))
+            rows = builder.add(builder.mul(tok, splat(builder, D4, T)),
+                               splat(builder, builder.ptrtoint(at(builder, codes, off), i64), T))
+            live = builder.icmp_unsigned("<", tok, splat(builder, m, T))
+            d, NG = mul(builder, D4, 4), builder.udiv(mul(builder, D4, 4), G)
+            with cgutils.for_range(builder, builder.udiv(D4, ir.Constant(i64, E))) as e:
+                ptrs = builder.inttoptr(builder.add(rows, splat(builder, mul(builder, e.index, E), T)), lanes)
+                w = builder.call(gather, [ptrs, ir.Constant(i32, 1), live, ir.Constant(vec(word, T), None)])
+                x = fields(builder, builder.zext(w, vec(i32, T)), 4 * E, T)
+                g = [builder.udiv(builder.add(mul(builder, c, D4), mul(builder, E, e.index)), G) for c in range(4)]
+                with cgutils.for_range(builder, R) as r:      # y[c]: plane c's part of q.c, then added to
+                    qr = at(builder, qx, mul(builder, r.index, d), mul(builder, e.index, 4 * E))   # its group's
+                    y = [functools.reduce(lambda u, k: axpy(builder, u, builder.load(at(builder, qr, ir.Constant(
+                        i64, 4 * k + c))), x[4 * k + c]), range(E), fill(vec(f32, T), 0.0)) for c in range(4)]
+                    slot = lambda c: builder.bitcast(at(builder, acc, mul(builder, builder.add(mul(builder, r.index,
+                                                        NG), g[c]), T)), vec(f32, T).as_pointer())
+                    with builder.if_else(builder.icmp_unsigned("==", NG, ir.Constant(i64, 1))) as (one, apart):
+                        with one:                          # G = d: one accumulator, one read and write
+                            p = slot(0)
+                            builder.store(functools.reduce(lambda u, v: builder.fadd(u, v, flags=fm), y,
+                                                           builder.load(p, align=4)), p, align=4)
+                        with apart:
+                            for c in range(4):
+                                p = slot(c)
+                                builder.store(builder.fadd(builder.load(p, align=4), y[c], flags=fm), p, align=4)
+            fvec, f4 = vec(f32, T), ir.Constant(i64, 4)   # the logits: sum_g s (q.c - z sum_g q), masked store
+            fgather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                fvec, [lanes, i32, vec(i1, T), fvec]), f"llvm.masked.gather.v{T}f32.v{T}p0")
+            mstore = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                ir.VoidType(), [fvec, ir.PointerType(), i32, vec(i1, T)]), f"llvm.masked.store.v{T}f32.p0")
+            params = lambda x, g: builder.call(fgather, [builder.inttoptr(builder.add(builder.mul(tok, splat(
+                builder, mul(builder, NG, 4), T)), splat(builder, builder.ptrtoint(at(builder, x, poff, g), i64), T)),
+                lanes), ir.Constant(i32, 4), live, ir.Constant(fvec, None)])
+            yp = cgutils.alloca_once(builder, fvec)
+            with cgutils.for_range(builder, R) as r:
+                builder.store(fill(fvec, 0.0), yp)
+                with cgutils.for_range(builder, NG) as g:
+                    rg = builder.add(mul(builder, r.index, NG), g.index)
+                    dot = builder.load(builder.bitcast(at(builder, acc, mul(builder, rg, T)), fvec.as_pointer()), align=4)
+                    zq = builder.fmul(params(kz, g.index), splat(builder, builder.load(at(builder, qsum, rg)), T), flags=fm)
+                    builder.store(builder.fadd(builder.load(yp), builder.fmul(params(ks, g.index), builder.fsub(
+                        dot, zq, flags=fm), flags=fm), flags=fm), yp)
+                builder.call(mstore, [builder.load(yp), at(builder, a, aoff, mul(builder, r.index, astride)),
+                                      ir.Constant(i32, 4), live])
+            return context.get_dummy_value()
+        return sig, codegen
+
+    @intrinsic
+    def v_dots(typingctx, codes, off, D4, xs, NG, gc, R, o, n, L):
+        if not isinstance(L, numba.types.IntegerLiteral):
+            return None
+        sig, L = numba.types.void(codes, off, D4, xs, NG, gc, R, o, n, L), L.literal_value
+
+        def codegen(context, builder, sig, args):
+            codes, off, D4, xs, NG, gc, R, o, n, _ = args64(context, builder, sig, args)
+            NC, d = builder.udiv(D4, ir.Constant(i64, L)), mul(builder, D4, 4)
+            with cgutils.for_range(builder, NC) as j:
+                j0, x = mul(builder, j.index, L), []
+                for t in range(4):                         # token t's L bytes (t >= n: token 0's, xs 0)
+                    row = builder.select(builder.icmp_unsigned("<", ir.Constant(i64, t), n), mul(builder, D4, t),
+                                         ir.Constant(i64, 0))
+                    b = builder.load(builder.bitcast(at(builder, codes, off, row, j0), vec(ir.IntType(8), L)
+                                                     .as_pointer()), align=1)
+                    x.append([builder.fmul(v, fill(vec(f32, L), 0.25 ** c), flags=fm)   # 4^-c: exact
+                              for c, v in enumerate(fields(builder, builder.zext(b, vec(i32, L)), 4, L))])
+                g = [builder.load(at(builder, gc, mul(builder, c, NC), j.index)) for c in range(4)]
+                with cgutils.for_range(builder, R) as r:
+                    for c in range(4):
+                        p = builder.bitcast(at(builder, o, mul(builder, r.index, d), mul(builder, c, D4), j0),
+                                            vec(f32, L).as_pointer())
+                        y = builder.load(p, align=4)
+                        for t in range(4):
+                            xt = builder.load(at(builder, xs, mul(builder, builder.add(mul(builder, r.index, 4),
+                                                                                        ir.Constant(i64, t)), NG), g[c]))
+                            y = axpy(builder, y, xt, x[t][c])
+                        builder.store(y, p, align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+    return {"_k_dots": k_dots, "_v_dots": v_dots}
+
+
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part, lse_part, job):
     """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no rescaling),
-    factored as the Triton kernel, over tiles of up to _CPU_TILE tokens of one page (codes unpacked once
-    a tile; at G = d p V four tokens a sweep); b reads block-table and window row rows[b]."""
+    factored as the Triton kernel (s (q.c - z sum_g q); p s c, then - p s z), over tiles of up to
+    _CPU_TILE tokens of one page, the codes read by _k_dots and _v_dots; b reads block-table and
+    window row rows[b]."""
     f32 = np.float32
     (B, Hq, d), H, P = q.shape, kc.shape[1], kc.shape[2]
-    R, NG, T = Hq // H, d // G, _CPU_TILE
+    R, NG, T, D4 = Hq // H, d // G, _CPU_TILE, d // 4
+    E = 4 if D4 % 4 == 0 and G % 4 == 0 else 1                        # _k_dots' bytes a lane
+    L = 16 if D4 % 16 == 0 and G % 16 == 0 else E                     # _v_dots' channels a lane
     b, h, sp = job // (H * n_split), (job // n_split) % H, job % n_split
     n, w, s = nq[b], wl[b], rows[b]
     t0, t1 = (n * sp) // n_split, (n * (sp + 1)) // n_split          # INT2 tokens [t0, t1)
@@ -769,33 +903,26 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
     if nt + nw == 0:                                                  # nothing here: lse stays -inf
         return
     qs = np.empty((R, d), dtype=f32)                                  # the KV head's queries, scaled,
-    qsum = np.zeros((R, NG), dtype=f32)                               # and their sum per Q2 group
-    for r in range(R):
+    qsum, qx = np.zeros((R, NG), dtype=f32), np.empty(R * d, dtype=f32)   # their sum per Q2 group,
+    for r in range(R):                                                # and in _k_dots' field order
         for ch in range(d):
             qs[r, ch] = q[b, h * R + r, ch] * scale
             qsum[r, ch // G] += qs[r, ch]
-    a, tile = np.empty((R, nt + nw), dtype=f32), np.empty((T, d), dtype=f32)   # logits then p; codes
-    qs3, tile3 = qs.reshape(R, NG, G), tile.reshape(T, NG, G)         # views by Q2 group
+        for e in range(D4 // E):
+            for f in range(4 * E):
+                qx[r * d + 4 * E * e + f] = qs[r, (f % 4) * D4 + E * e + f // 4] / f32(1 << 2 * f if f < 15 else 1)
+    kcf, vcf, ksf, kzf, qsf = kc.reshape(-1), vc.reshape(-1), ks.reshape(-1), kz.reshape(-1), qsum.reshape(-1)
+    a, acc = np.empty((R, nt + nw), dtype=f32), np.empty(R * NG * T, dtype=f32)   # logits then p; q.c
+    af = a.reshape(-1)
     i = 0
     while i < nt:                                                     # pass 1: INT2 logits, a tile
         page, slot = bt[s, (t0 + i) // P], (t0 + i) % P               # of mt tokens in one page
-        mt = min(T, nt - i, P - slot)
-        _cpu_unpack(kc, page, h, slot, mt, tile)
-        for t in range(mt if NG == 1 else 0):                         # G = d
-            for r in range(R):
-                y = f32(0.0)
-                for ch in range(d):
-                    y += qs[r, ch] * tile[t, ch]
-                a[r, i + t] = ks[page, h, slot + t, 0] * (y - kz[page, h, slot + t, 0] * qsum[r, 0])
-        for t in range(0 if NG == 1 else mt):                         # G < d
-            for r in range(R):
-                y = f32(0.0)
-                for g in range(NG):
-                    x = f32(0.0)
-                    for k in range(G):        # indices from ranges (known >= 0): the loop vectorises
-                        x += qs3[r, g, k] * tile3[t, g, k]
-                    y += ks[page, h, slot + t, g] * (x - kz[page, h, slot + t, g] * qsum[r, g])
-                a[r, i + t] = y
+        mt, acc[:] = min(T, nt - i, P - slot), 0.0
+        tok = (page * H + h) * P + slot
+        if E == 4:
+            _k_dots(qx, kcf, tok * D4, mt, D4, G, R, acc, ksf, kzf, tok * NG, qsf, af, i, nt + nw, 4)
+        else:
+            _k_dots(qx, kcf, tok * D4, mt, D4, G, R, acc, ksf, kzf, tok * NG, qsf, af, i, nt + nw, 1)
         i += mt
     for i in range(nw):                                               # the window tokens, exact
         for r in range(R):
@@ -811,28 +938,30 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
         for i in range(nt + nw):
             l[r] += a[r, i]
     o, psz = np.zeros((R, d), dtype=f32), np.zeros((R, NG), dtype=f32)
-    o3, xs = o.reshape(R, NG, G), np.empty((R, T * NG), dtype=f32)  # xs[r, t NG + g]: p s of (t, g)
+    of, NC, xs = o.reshape(-1), D4 // L, np.zeros(R * 4 * NG, dtype=f32)   # xs: p s of 4 tokens
+    gc = np.empty(4 * NC, dtype=np.int64)                             # chunk (c, j)'s group
+    for c in range(4):
+        for j in range(NC):
+            gc[c * NC + j] = (c * D4 + L * j) // G
     i = 0
-    while i < nt:                                                     # pass 2: p V~, tile by tile
+    while i < nt:                                                     # pass 2: p V~, 4 tokens a call
         page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
-        mt = min(T, nt - i, P - slot)
-        _cpu_unpack(vc, page, h, slot, mt, tile)
+        mt = min(4, nt - i, P - slot)
+        xs[:] = 0.0
         for r in range(R):
-            for t in range(mt):
-                for g in range(NG):
-                    xs[r, t * NG + g] = a[r, i + t] * vs[page, h, slot + t, g]
-                    psz[r, g] += xs[r, t * NG + g] * vz[page, h, slot + t, g]
-            t = 0
-            while NG == 1 and t + 4 <= mt:                            # G = d: four tokens a sweep of o
-                x0, x1, x2, x3 = xs[r, t], xs[r, t + 1], xs[r, t + 2], xs[r, t + 3]
-                for ch in range(d):
-                    o[r, ch] += (x0 * tile[t, ch] + x1 * tile[t + 1, ch]) + (x2 * tile[t + 2, ch]
-                                                                          + x3 * tile[t + 3, ch])
-                t += 4
-            for t in range(t, mt):                                    # the rest; G < d: every token
-                for g in range(NG):
-                    for k in range(G):
-                        o3[r, g, k] += xs[r, t * NG + g] * tile3[t, g, k]
+            for g in range(NG):
+                y = f32(0.0)
+                for t in range(mt):
+                    xs[(r * 4 + t) * NG + g] = a[r, i + t] * vs[page, h, slot + t, g]
+                    y += xs[(r * 4 + t) * NG + g] * vz[page, h, slot + t, g]
+                psz[r, g] += y
+        off = ((page * H + h) * P + slot) * D4
+        if L == 16:
+            _v_dots(vcf, off, D4, xs, NG, gc, R, of, mt, 16)
+        elif L == 4:
+            _v_dots(vcf, off, D4, xs, NG, gc, R, of, mt, 4)
+        else:
+            _v_dots(vcf, off, D4, xs, NG, gc, R, of, mt, 1)
         i += mt
     for i in range(nw):
         for r in range(R):
@@ -942,10 +1071,10 @@ _FASTMATH = {"reassoc", "contract", "nsz"}   # reorder sums (vectorise); keep in
 def _nb() -> types.SimpleNamespace:
     """The compiled CPU kernels by name (decode, store, step; exp_rows for its test), jitted at the first
     call, then cached on disk.  Each is compiled from a copy of its function whose globals are a copy of
-    the module's with the names it calls (_cpu_unpack, prange, ...) compiled: the module's stay Python."""
+    the module's with the names it calls (_cpu_exp_rows, prange, ...) compiled, and _simd's vector code."""
     import numba
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]   # omp: 90 ms/token at 4k,
-    scope = dict(globals(), prange=numba.prange)                         # workqueue 242 (SmolLM2)
+    scope = dict(globals(), prange=numba.prange, **_simd(numba))         # workqueue 242 (SmolLM2)
 
     def jit(fn, **options):
         copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__)
@@ -953,7 +1082,7 @@ def _nb() -> types.SimpleNamespace:
         scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
         return scope[fn.__name__]
     jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate)   # called by the three
-    jit(_cpu_unpack, inline="always"), jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
+    jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True), step=jit(_cpu_step),
                                  store=jit(_cpu_q2_store, parallel=True), exp_rows=scope["_cpu_exp_rows"])
