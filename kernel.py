@@ -748,140 +748,143 @@ _k_dots = _v_dots = None   # the two inner loops below as LLVM vector code: made
 
 
 def _simd(numba) -> dict:
-    """The CPU decode's two inner loops, written as LLVM vector code (numba intrinsics; LLVM lowers
-    <16 x float> to the machine's SIMD: AVX-512, AVX2, NEON).  Numba's loops over the same work ran 3-4x
-    slower (NOTES.md: LLVM vectorised a 16-byte row with a 64-wide loop that never ran).  Ints arrive as
-    i64, arrays as their data pointers; the callers (_cpu_decode_job) keep every index in bounds.
+    """The CPU decode's inner loops over a tile (up to 16 tokens of one page), written as LLVM vector code
+    (numba intrinsics; LLVM lowers <16 x float> to the machine's SIMD: AVX-512, AVX2, NEON).  numba's own
+    loops over the same work ran 2-4x slower (NOTES.md).  Flat arrays; `tile` the tile's first row
+    (page, KV head, slot) counted in rows; m its tokens; logits / p at a[r, i + t] (a's rows `stride` long).
 
-    _k_dots(qx, codes, off, m, D4, G, R, acc, E): q.c over a tile, lanes over its m <= 16 tokens (token t's
-      row at codes[off + t D4], flat): acc[(r NG + g) 16 + t] += the dot of query head r's group g with
-      the codes.  The codes are read E bytes a lane (a gather), E = 4: a 32-bit word's 16 two-bit
-      fields f = 4k + c (byte k, plane c: dim c D4 + 4e + k of word e), each masked in place and
-      converted (f = 15 shifted down); qx[r d + 4E e + f] is the query's dim times 4^-f (1 for f = 15), so
-      nothing is shifted back.  E = 1 (G or D4 not a multiple of 4): a byte's 4 fields.
-    _v_dots(codes, off, D4, xs, R, o, n, L): p V over n <= 4 tokens (rows at codes[off + t D4]), lanes
-      over L channels of one plane: o[r d + c D4 + L j + l] += sum_t xs[((r 4 + t) 4 + c) NC + j] * field
-      c of byte L j + l of token t, masked in place (xs carries p s 4^-c); tokens t >= n are not read."""
+    _k_dots(qx, codes, scale, zero, qsum, tile, m, D4, G, R, acc, a, i, stride, E): the logits
+      a[r, i + t] = sum_g s (q_g.c - z sum_g q), lanes over the tokens.  The codes are read E bytes a
+      lane (a gather): E = 4, a 32-bit word's 16 two-bit fields f = 4k + c (byte k, plane c: dim
+      c D4 + 4e + k of word e), each masked in place and converted (f = 15 shifted down); qx[r d + 4E e + f]
+      is the query's dim times 4^-f (1 for f = 15), so nothing is shifted back.  E = 1 (G or D4 not a
+      multiple of 4): a byte's 4 fields.  acc: (R, d / G, 16) scratch, q_g.c per group.
+    _v_dots(codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, L): o[r] += sum_t p s c
+      and pz[r, g, t] += p s z (xs: (R, d / G, 16) scratch, p s), lanes over L channels of a plane
+      (chunk j of plane c in group gc[c NC + j]), four tokens a sweep of o."""
     from llvmlite import ir
     from numba.core import cgutils
     from numba.extending import intrinsic
-    i1, i32, i64, f32, vec, fm = ir.IntType(1), ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.VectorType, \
-        ("contract", "reassoc", "nsz")
-    fill = lambda ty, x: ir.Constant(ty, [ir.Constant(ty.element, x)] * ty.count)      # constant vectors
+    i1, i8, i32, i64, f32, V, T = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType(), \
+        ir.VectorType, _CPU_TILE
+    fm, ptr = ("contract", "reassoc", "nsz"), ir.PointerType()
 
-    def args64(context, builder, sig, args):   # ints as i64, arrays as element pointers
-        return [context.make_array(t)(context, builder, a).data if isinstance(t, numba.types.Array) else None
+    class Emit:                                     # IRBuilder and the few vector idioms both loops use
+        def __init__(self, context, builder, sig, args):   # ints as i64, arrays as pointers to element 0
+            self.b, self.args = builder, [
+                context.make_array(t)(context, builder, a).data if isinstance(t, numba.types.Array) else None
                 if isinstance(t, numba.types.Literal) else context.cast(builder, a, t, numba.types.int64)
                 for t, a in zip(sig.args, args)]
+            self.tok = ir.Constant(V(i64, T), list(range(T)))      # the tile's lanes
 
-    def splat(builder, x, n):                   # a vector of n copies of the scalar x
-        v = builder.insert_element(ir.Constant(vec(x.type, n), ir.Undefined), x, ir.Constant(i32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(vec(i32, n), [0] * n))
+        def i(self, *xs):                           # the product of ints and i64 values
+            return functools.reduce(self.b.mul, [x if isinstance(x, ir.Value) else ir.Constant(i64, x) for x in xs])
 
-    def at(builder, p, *terms):                # p + sum(terms) elements
-        return builder.gep(p, [functools.reduce(builder.add, terms)])
+        def at(self, p, *terms, ty=None):           # &p[sum(terms)], as a pointer to ty
+            q = self.b.gep(p, [functools.reduce(self.b.add, [self.i(t) for t in terms])])
+            return q if ty is None else self.b.bitcast(q, ty.as_pointer())
 
-    def axpy(builder, acc, x, v):              # acc + splat(x) v, fused where the machine has FMA
-        return builder.fadd(acc, builder.fmul(splat(builder, x, v.type.count), v, flags=fm), flags=fm)
+        def splat(self, x, n):                      # n copies of the scalar x
+            v = self.b.insert_element(ir.Constant(V(x.type, n), ir.Undefined), x, ir.Constant(i32, 0))
+            return self.b.shuffle_vector(v, v, ir.Constant(V(i32, n), [0] * n))
 
-    def fields(builder, w, n, L):              # field f of each lane, masked in place, as fp32
-        c = lambda x: fill(vec(i32, L), x)
-        return [builder.sitofp(builder.lshr(w, c(30)) if f == 15 else builder.and_(w, c(3 << 2 * f)),
-                               vec(f32, L)) for f in range(n)]
+        def llvm(self, name, ret, *args):           # call LLVM's intrinsic `name`
+            fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+            return self.b.call(fn, args)
 
-    def mul(builder, *xs):
-        return functools.reduce(builder.mul, [x if isinstance(x, ir.Value) else ir.Constant(i64, x) for x in xs])
+        def lanes(self, p, stride, live, ty):       # p[t stride] for the live lanes t, 0 elsewhere
+            ptrs = self.b.inttoptr(self.b.add(self.b.mul(self.tok, self.splat(self.i(stride), T)),
+                                              self.splat(self.b.ptrtoint(p, i64), T)), V(ptr, T))
+            vt = V(ty, T)
+            return self.llvm(f"llvm.masked.gather.v{T}{'f32' if ty == f32 else f'i{ty.width}'}.v{T}p0", vt, ptrs,
+                             ir.Constant(i32, 1), live, ir.Constant(vt, None))
 
-    @intrinsic
-    def k_dots(typingctx, qx, codes, off, m, D4, G, R, acc, ks, kz, poff, qsum, a, aoff, astride, E):
-        if not isinstance(E, numba.types.IntegerLiteral):
-            return None                                # numba retries with E's value
-        sig = numba.types.void(qx, codes, off, m, D4, G, R, acc, ks, kz, poff, qsum, a, aoff, astride, E)
-        E, T = E.literal_value, _CPU_TILE
+        def fields(self, w, n):                     # fields 0..n-1 of each lane, masked in place, as fp32
+            c = lambda x: ir.Constant(w.type, [ir.Constant(i32, x)] * w.type.count)
+            return [self.b.sitofp(self.b.lshr(w, c(30)) if f == 15 else self.b.and_(w, c(3 << 2 * f)),
+                                  V(f32, w.type.count)) for f in range(n)]
 
-        def codegen(context, builder, sig, args):
-            qx, codes, off, m, D4, G, R, acc, ks, kz, poff, qsum, a, aoff, astride, _ = args64(context, builder, sig, args)
-            word, lanes = ir.IntType(8 * E), vec(ir.PointerType(), T)
-            gather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                vec(word, T), [lanes, i32, vec(i1, T), vec(word, T)]), f"llvm.masked.gather.v{T}i{8 * E}.v{T}p0")
-            tok = ir.Constant(vec(i64, T), list(range(T)))
-            rows = builder.add(builder.mul(tok, splat(builder, D4, T)),
-                               splat(builder, builder.ptrtoint(at(builder, codes, off), i64), T))
-            live = builder.icmp_unsigned("<", tok, splat(builder, m, T))
-            d, NG = mul(builder, D4, 4), builder.udiv(mul(builder, D4, 4), G)
-            with cgutils.for_range(builder, builder.udiv(D4, ir.Constant(i64, E))) as e:
-                ptrs = builder.inttoptr(builder.add(rows, splat(builder, mul(builder, e.index, E), T)), lanes)
-                w = builder.call(gather, [ptrs, ir.Constant(i32, 1), live, ir.Constant(vec(word, T), None)])
-                x = fields(builder, builder.zext(w, vec(i32, T)), 4 * E, T)
-                g = [builder.udiv(builder.add(mul(builder, c, D4), mul(builder, E, e.index)), G) for c in range(4)]
-                with cgutils.for_range(builder, R) as r:      # y[c]: plane c's part of q.c, then added to
-                    qr = at(builder, qx, mul(builder, r.index, d), mul(builder, e.index, 4 * E))   # its group's
-                    y = [functools.reduce(lambda u, k: axpy(builder, u, builder.load(at(builder, qr, ir.Constant(
-                        i64, 4 * k + c))), x[4 * k + c]), range(E), fill(vec(f32, T), 0.0)) for c in range(4)]
-                    slot = lambda c: builder.bitcast(at(builder, acc, mul(builder, builder.add(mul(builder, r.index,
-                                                        NG), g[c]), T)), vec(f32, T).as_pointer())
-                    with builder.if_else(builder.icmp_unsigned("==", NG, ir.Constant(i64, 1))) as (one, apart):
-                        with one:                          # G = d: one accumulator, one read and write
-                            p = slot(0)
-                            builder.store(functools.reduce(lambda u, v: builder.fadd(u, v, flags=fm), y,
-                                                           builder.load(p, align=4)), p, align=4)
-                        with apart:
-                            for c in range(4):
-                                p = slot(c)
-                                builder.store(builder.fadd(builder.load(p, align=4), y[c], flags=fm), p, align=4)
-            fvec, f4 = vec(f32, T), ir.Constant(i64, 4)   # the logits: sum_g s (q.c - z sum_g q), masked store
-            fgather = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                fvec, [lanes, i32, vec(i1, T), fvec]), f"llvm.masked.gather.v{T}f32.v{T}p0")
-            mstore = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-                ir.VoidType(), [fvec, ir.PointerType(), i32, vec(i1, T)]), f"llvm.masked.store.v{T}f32.p0")
-            params = lambda x, g: builder.call(fgather, [builder.inttoptr(builder.add(builder.mul(tok, splat(
-                builder, mul(builder, NG, 4), T)), splat(builder, builder.ptrtoint(at(builder, x, poff, g), i64), T)),
-                lanes), ir.Constant(i32, 4), live, ir.Constant(fvec, None)])
-            yp = cgutils.alloca_once(builder, fvec)
-            with cgutils.for_range(builder, R) as r:
-                builder.store(fill(fvec, 0.0), yp)
-                with cgutils.for_range(builder, NG) as g:
-                    rg = builder.add(mul(builder, r.index, NG), g.index)
-                    dot = builder.load(builder.bitcast(at(builder, acc, mul(builder, rg, T)), fvec.as_pointer()), align=4)
-                    zq = builder.fmul(params(kz, g.index), splat(builder, builder.load(at(builder, qsum, rg)), T), flags=fm)
-                    builder.store(builder.fadd(builder.load(yp), builder.fmul(params(ks, g.index), builder.fsub(
-                        dot, zq, flags=fm), flags=fm), flags=fm), yp)
-                builder.call(mstore, [builder.load(yp), at(builder, a, aoff, mul(builder, r.index, astride)),
-                                      ir.Constant(i32, 4), live])
-            return context.get_dummy_value()
-        return sig, codegen
+        def add(self, x, y):
+            return self.b.fadd(x, y, flags=fm)
+
+        def axpy(self, acc, x, v):                  # acc + x v (x a scalar), fused where the machine has FMA
+            return self.add(acc, self.b.fmul(self.splat(x, v.type.count), v, flags=fm))
+
+        def update(self, p, f):                     # *p = f(*p)
+            self.b.store(f(self.b.load(p, align=4)), p, align=4)
+
+    def typed(args, body):                          # an intrinsic's type and code; its last argument a constant
+        if isinstance(args[-1], numba.types.IntegerLiteral):        # else numba retries with the value
+            return numba.types.void(*args), lambda *a: body(Emit(*a), args[-1].literal_value) or a[0].get_dummy_value()
 
     @intrinsic
-    def v_dots(typingctx, codes, off, D4, xs, NG, gc, R, o, n, L):
-        if not isinstance(L, numba.types.IntegerLiteral):
-            return None
-        sig, L = numba.types.void(codes, off, D4, xs, NG, gc, R, o, n, L), L.literal_value
+    def k_dots(typingctx, qx, codes, scale, zero, qsum, tile, m, D4, G, R, acc, a, i, stride, E):
+        return typed((qx, codes, scale, zero, qsum, tile, m, D4, G, R, acc, a, i, stride, E), k_body)
 
-        def codegen(context, builder, sig, args):
-            codes, off, D4, xs, NG, gc, R, o, n, _ = args64(context, builder, sig, args)
-            NC, d = builder.udiv(D4, ir.Constant(i64, L)), mul(builder, D4, 4)
-            with cgutils.for_range(builder, NC) as j:
-                j0, x = mul(builder, j.index, L), []
-                for t in range(4):                         # token t's L bytes (t >= n: token 0's, xs 0)
-                    row = builder.select(builder.icmp_unsigned("<", ir.Constant(i64, t), n), mul(builder, D4, t),
-                                         ir.Constant(i64, 0))
-                    b = builder.load(builder.bitcast(at(builder, codes, off, row, j0), vec(ir.IntType(8), L)
-                                                     .as_pointer()), align=1)
-                    x.append([builder.fmul(v, fill(vec(f32, L), 0.25 ** c), flags=fm)   # 4^-c: exact
-                              for c, v in enumerate(fields(builder, builder.zext(b, vec(i32, L)), 4, L))])
-                g = [builder.load(at(builder, gc, mul(builder, c, NC), j.index)) for c in range(4)]
-                with cgutils.for_range(builder, R) as r:
+    def k_body(e, E):
+        qx, codes, scale, zero, qsum, tile, m, D4, G, R, acc, a, i, stride, _ = e.args
+        b, d = e.b, e.i(D4, 4)
+        NG, live = b.udiv(d, G), b.icmp_unsigned("<", e.tok, e.splat(m, T))
+        with cgutils.for_range(b, b.udiv(D4, e.i(E))) as w:           # word w of every token: q.c
+            x = e.fields(b.zext(e.lanes(e.at(codes, e.i(tile, D4), e.i(w.index, E)), D4, live, ir.IntType(8 * E)),
+                                V(i32, T)), 4 * E)
+            g = [b.udiv(b.add(e.i(c, D4), e.i(E, w.index)), G) for c in range(4)]       # each plane's group
+            with cgutils.for_range(b, R) as r:
+                qr = e.at(qx, e.i(r.index, d), e.i(w.index, 4 * E))
+                y = [functools.reduce(lambda u, k: e.axpy(u, b.load(e.at(qr, 4 * k + c)), x[4 * k + c]), range(E),
+                                      ir.Constant(V(f32, T), [0.0] * T)) for c in range(4)]
+                part = lambda c: e.at(acc, e.i(b.add(e.i(r.index, NG), g[c]), T), ty=V(f32, T))
+                with b.if_else(b.icmp_unsigned("==", NG, e.i(1))) as (one, apart):
+                    with one:                                       # G = d: one read and write
+                        e.update(part(0), lambda v: functools.reduce(e.add, y, v))
+                    with apart:
+                        for c in range(4):
+                            e.update(part(c), lambda v: e.add(v, y[c]))
+        y = cgutils.alloca_once(b, V(f32, T))
+        with cgutils.for_range(b, R) as r:                            # the logits: sum_g s (q.c - z sum_g q)
+            b.store(ir.Constant(V(f32, T), [0.0] * T), y)
+            with cgutils.for_range(b, NG) as g:
+                rg, p = b.add(e.i(r.index, NG), g.index), e.i(tile, NG)
+                dot = b.load(e.at(acc, e.i(rg, T), ty=V(f32, T)), align=4)
+                zq = b.fmul(e.lanes(e.at(zero, p, g.index), e.i(NG, 4), live, f32),
+                            e.splat(b.load(e.at(qsum, rg)), T), flags=fm)
+                s = e.lanes(e.at(scale, p, g.index), e.i(NG, 4), live, f32)
+                e.update(y, lambda v: e.add(v, b.fmul(s, b.fsub(dot, zq, flags=fm), flags=fm)))
+            e.llvm(f"llvm.masked.store.v{T}f32.p0", ir.VoidType(), b.load(y), e.at(a, i, e.i(r.index, stride)),
+                   ir.Constant(i32, 4), live)
+
+    @intrinsic
+    def v_dots(typingctx, codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, L):
+        return typed((codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, L), v_body)
+
+    def v_body(e, L):
+        codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, _ = e.args
+        b, d, fv = e.b, e.i(D4, 4), V(f32, T)
+        NG, NC, live = b.udiv(d, G), b.udiv(D4, e.i(L)), b.icmp_unsigned("<", e.tok, e.splat(m, T))
+        with cgutils.for_range(b, R) as r:                            # xs = p s (0 past m), pz += p s z
+            p = e.llvm(f"llvm.masked.load.v{T}f32.p0", fv, e.at(a, i, e.i(r.index, stride)), ir.Constant(i32, 4),
+                       live, ir.Constant(fv, None))
+            with cgutils.for_range(b, NG) as g:
+                rg, at_g = e.i(b.add(e.i(r.index, NG), g.index), T), e.at(scale, e.i(tile, NG), g.index)
+                ps = b.fmul(p, e.lanes(at_g, e.i(NG, 4), live, f32), flags=fm)
+                b.store(ps, e.at(xs, rg, ty=fv), align=4)
+                z = e.lanes(e.at(zero, e.i(tile, NG), g.index), e.i(NG, 4), live, f32)
+                e.update(e.at(pz, rg, ty=fv), lambda v: e.add(v, b.fmul(ps, z, flags=fm)))
+        for u in range(0, T, 4):                                      # p V, 4 tokens a sweep of o
+            with b.if_then(b.icmp_unsigned("<", e.i(u), m)), cgutils.for_range(b, NC) as j:
+                x = []                                                # token t's L bytes (t >= m: row 0's; xs 0)
+                for t in range(u, u + 4):
+                    row = b.select(b.icmp_unsigned("<", e.i(t), m), b.add(e.i(tile, D4), e.i(t, D4)), e.i(tile, D4))
+                    w = b.zext(b.load(e.at(codes, row, e.i(j.index, L), ty=V(i8, L)), align=1), V(i32, L))
+                    x.append([b.fmul(v, ir.Constant(v.type, [ir.Constant(f32, 0.25 ** c)] * L), flags=fm)
+                              for c, v in enumerate(e.fields(w, 4))])             # times 4^-c: exact
+                g = [b.load(e.at(gc, e.i(c, NC), j.index)) for c in range(4)]
+                with cgutils.for_range(b, R) as r:
                     for c in range(4):
-                        p = builder.bitcast(at(builder, o, mul(builder, r.index, d), mul(builder, c, D4), j0),
-                                            vec(f32, L).as_pointer())
-                        y = builder.load(p, align=4)
-                        for t in range(4):
-                            xt = builder.load(at(builder, xs, mul(builder, builder.add(mul(builder, r.index, 4),
-                                                                                        ir.Constant(i64, t)), NG), g[c]))
-                            y = axpy(builder, y, xt, x[t][c])
-                        builder.store(y, p, align=4)
-            return context.get_dummy_value()
-        return sig, codegen
+                        xr = e.at(xs, e.i(b.add(e.i(r.index, NG), g[c]), T), u)
+                        e.update(e.at(o, e.i(r.index, d), e.i(c, D4), e.i(j.index, L), ty=V(f32, L)),
+                                 lambda v: functools.reduce(lambda y, t: e.axpy(y, b.load(e.at(xr, t)), x[t][c]),
+                                                            range(4), v))
     return {"_k_dots": k_dots, "_v_dots": v_dots}
 
 
@@ -912,6 +915,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
             for f in range(4 * E):
                 qx[r * d + 4 * E * e + f] = qs[r, (f % 4) * D4 + E * e + f // 4] / f32(1 << 2 * f if f < 15 else 1)
     kcf, vcf, ksf, kzf, qsf = kc.reshape(-1), vc.reshape(-1), ks.reshape(-1), kz.reshape(-1), qsum.reshape(-1)
+    vsf, vzf = vs.reshape(-1), vz.reshape(-1)
     a, acc = np.empty((R, nt + nw), dtype=f32), np.empty(R * NG * T, dtype=f32)   # logits then p; q.c
     af = a.reshape(-1)
     i = 0
@@ -920,9 +924,9 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
         mt, acc[:] = min(T, nt - i, P - slot), 0.0
         tok = (page * H + h) * P + slot
         if E == 4:
-            _k_dots(qx, kcf, tok * D4, mt, D4, G, R, acc, ksf, kzf, tok * NG, qsf, af, i, nt + nw, 4)
+            _k_dots(qx, kcf, ksf, kzf, qsf, tok, mt, D4, G, R, acc, af, i, nt + nw, 4)
         else:
-            _k_dots(qx, kcf, tok * D4, mt, D4, G, R, acc, ksf, kzf, tok * NG, qsf, af, i, nt + nw, 1)
+            _k_dots(qx, kcf, ksf, kzf, qsf, tok, mt, D4, G, R, acc, af, i, nt + nw, 1)
         i += mt
     for i in range(nw):                                               # the window tokens, exact
         for r in range(R):
@@ -937,32 +941,24 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
     for r in range(R):
         for i in range(nt + nw):
             l[r] += a[r, i]
-    o, psz = np.zeros((R, d), dtype=f32), np.zeros((R, NG), dtype=f32)
-    of, NC, xs = o.reshape(-1), D4 // L, np.zeros(R * 4 * NG, dtype=f32)   # xs: p s of 4 tokens
+    o, pz, xs = np.zeros((R, d), dtype=f32), np.zeros(R * NG * T, dtype=f32), np.empty(R * NG * T, dtype=f32)
+    of, NC = o.reshape(-1), D4 // L                                   # xs: a tile's p s; pz: its p s z
     gc = np.empty(4 * NC, dtype=np.int64)                             # chunk (c, j)'s group
     for c in range(4):
         for j in range(NC):
             gc[c * NC + j] = (c * D4 + L * j) // G
     i = 0
-    while i < nt:                                                     # pass 2: p V~, 4 tokens a call
+    while i < nt:                                                     # pass 2: p V~, a tile a call
         page, slot = bt[s, (t0 + i) // P], (t0 + i) % P
-        mt = min(4, nt - i, P - slot)
-        xs[:] = 0.0
-        for r in range(R):
-            for g in range(NG):
-                y = f32(0.0)
-                for t in range(mt):
-                    xs[(r * 4 + t) * NG + g] = a[r, i + t] * vs[page, h, slot + t, g]
-                    y += xs[(r * 4 + t) * NG + g] * vz[page, h, slot + t, g]
-                psz[r, g] += y
-        off = ((page * H + h) * P + slot) * D4
+        mt, tok = min(T, nt - i, P - slot), (page * H + h) * P + slot
         if L == 16:
-            _v_dots(vcf, off, D4, xs, NG, gc, R, of, mt, 16)
+            _v_dots(vcf, vsf, vzf, tok, mt, D4, G, R, af, i, nt + nw, xs, pz, gc, of, 16)
         elif L == 4:
-            _v_dots(vcf, off, D4, xs, NG, gc, R, of, mt, 4)
+            _v_dots(vcf, vsf, vzf, tok, mt, D4, G, R, af, i, nt + nw, xs, pz, gc, of, 4)
         else:
-            _v_dots(vcf, off, D4, xs, NG, gc, R, of, mt, 1)
+            _v_dots(vcf, vsf, vzf, tok, mt, D4, G, R, af, i, nt + nw, xs, pz, gc, of, 1)
         i += mt
+    psz = pz.reshape(R, NG, T).sum(axis=2)
     for i in range(nw):
         for r in range(R):
             for ch in range(d):

@@ -4579,14 +4579,15 @@ def test_compiled_cpu_decode_matches_reference_and_dense(case):
 
 @st.composite
 def paged_cases(draw):
-    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor,
-    any page size, windows in fp32 or bf16 (or none), sometimes a chosen number of splits."""
+    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor (2: the
+    CPU decode's byte-a-lane form), any page size, windows in fp32 or bf16 (or none), sometimes a chosen
+    number of splits."""
     d = draw(st.sampled_from([16, 32, 64, 128, 256]))
     H_kv, n_rep = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 3, 4]))
     B, NW = draw(st.integers(1, 3)), draw(st.sampled_from([0, 5, 20]))
     win_len = tuple(draw(st.lists(st.integers(0, NW), min_size=B, max_size=B))) if NW else None
     n_quant = tuple(draw(st.integers(0 if NW and win_len[b] else 1, 300)) for b in range(B))
-    return Case(n_quant, n_rep * H_kv, H_kv, d, draw(st.sampled_from([d, d // 2, d // 4, 8])),
+    return Case(n_quant, n_rep * H_kv, H_kv, d, draw(st.sampled_from([d, d // 2, d // 4, 8, 2])),
                 draw(st.sampled_from([1, 7, 16, 64])), NW=NW, win_len=win_len,
                 win_dtype=draw(st.sampled_from([torch.float32, torch.bfloat16])),
                 num_splits=draw(st.sampled_from([None, 1, 3])))
