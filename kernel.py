@@ -761,7 +761,8 @@ def _simd(numba) -> dict:
       multiple of 4): a byte's 4 fields.  acc: (R, d / G, 16) scratch, q_g.c per group.
     _v_dots(codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, L): o[r] += sum_t p s c
       and pz[r, g, t] += p s z (xs: (R, d / G, 16) scratch, p s), lanes over L channels of a plane
-      (chunk j of plane c in group gc[c NC + j]), four tokens a sweep of o."""
+      (chunk j of plane c in group gc[c NC + j]), four tokens a sweep of o; the fields masked in place,
+      so plane c of o gathers 4^c o (the caller divides once)."""
     from llvmlite import ir
     from numba.core import cgutils
     from numba.extending import intrinsic
@@ -876,8 +877,7 @@ def _simd(numba) -> dict:
                 for t in range(u, u + 4):
                     row = b.select(b.icmp_unsigned("<", e.i(t), m), b.add(e.i(tile, D4), e.i(t, D4)), e.i(tile, D4))
                     w = b.zext(b.load(e.at(codes, row, e.i(j.index, L), ty=V(i8, L)), align=1), V(i32, L))
-                    x.append([b.fmul(v, ir.Constant(v.type, [ir.Constant(f32, 0.25 ** c)] * L), flags=fm)
-                              for c, v in enumerate(e.fields(w, 4))])             # times 4^-c: exact
+                    x.append(e.fields(w, 4))                  # field c times 4^c: o's plane c is 4^c o
                 g = [b.load(e.at(gc, e.i(c, NC), j.index)) for c in range(4)]
                 with cgutils.for_range(b, R) as r:
                     for c in range(4):
@@ -959,6 +959,9 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
             _v_dots(vcf, vsf, vzf, tok, mt, D4, G, R, af, i, nt + nw, xs, pz, gc, of, 1)
         i += mt
     psz = pz.reshape(R, NG, T).sum(axis=2)
+    for r in range(R):                                                # plane c of o: 4^c o (exact)
+        for ch in range(d):
+            o[r, ch] /= f32(1 << 2 * (ch // D4))
     for i in range(nw):
         for r in range(R):
             for ch in range(d):
