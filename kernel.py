@@ -718,7 +718,7 @@ def int2_paged_decode(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, blo
 # ==== CPU kernels (numba): the same algorithm without a GPU, and the INT2 write ====
 # numba (imported at the first CPU call) beat torch.compile by ~2x on 2 cores (SmolLM2 shapes); it compiles
 # once (~40 s), then loads from __pycache__ in 0.6 s; its first use leaves 94 MiB resident (kernels and
-# threads, as tools.bench_hf measured it at a8970f6).  A job owns one (sequence, KV head, split) and all its query heads;
+# threads, tools.bench_hf at a8970f6).  A job owns one (sequence, KV head, split) and all its query heads;
 # partials merge by log-sum-exp.  Sums are reassociated (vectorised; round-off only); the write is not: bit
 # for bit optr's.
 prange = range   # numba.prange where compiled (_nb)
