@@ -187,7 +187,6 @@ def gqa_shapes(draw, max_t=65):
 # ========================================================================================
 
 
-
 @st.composite
 def centering_cases(draw):
     """q (B, H_q, Tq, d), k (B, H_kv, T, d), mu (H_kv, d) in float64, values drawn by
@@ -4579,9 +4578,8 @@ def test_compiled_cpu_decode_matches_reference_and_dense(case):
 
 @st.composite
 def paged_cases(draw):
-    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor (2: the
-    CPU decode's byte-a-lane form), any page size, windows in fp32 or bf16 (or none), sometimes a chosen
-    number of splits."""
+    """A random decode: 1-3 ragged sequences, GQA or MQA, d in 16-256 with G = d or a divisor (down to 2),
+    any page size, windows in fp32 or bf16 (or none), sometimes a chosen number of splits."""
     d = draw(st.sampled_from([16, 32, 64, 128, 256]))
     H_kv, n_rep = draw(st.sampled_from([1, 2, 3])), draw(st.sampled_from([1, 2, 3, 4]))
     B, NW = draw(st.integers(1, 3)), draw(st.sampled_from([0, 5, 20]))
@@ -4593,8 +4591,8 @@ def paged_cases(draw):
                 num_splits=draw(st.sampled_from([None, 1, 3])))
 
 
-@given(case=paged_cases(), seed=st.integers(0, 10_000))
-@example(case=Case((37, 5), 4, 2, 32, 2, 7, NW=0), seed=0)      # G = 2 in every run: groups within a word
+@given(case=paged_cases(), seed=st.integers(0, 10_000))   # and G = 2 in every run (groups within a code word):
+@example(case=Case((37, 5), 4, 2, 32, 2, 7, NW=0), seed=0)
 def test_compiled_cpu_decode_equals_the_reference_on_random_caches(case, seed):
     """The compiled CPU decode equals paged_decode_reference on drawn caches (lengths, heads,
     head dims 16-256, groups, page sizes, windows fp32/bf16, splits).
