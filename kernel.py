@@ -766,7 +766,7 @@ def _simd(numba) -> dict:
     from llvmlite import ir
     from numba.core import cgutils
     from numba.extending import intrinsic
-    i1, i8, i32, i64, f32, V, T = ir.IntType(1), ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType(), \
+    i8, i32, i64, f32, V, T = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType(), \
         ir.VectorType, _CPU_TILE
     fm, ptr = ("contract", "reassoc", "nsz"), ir.PointerType()
 
