@@ -2372,26 +2372,26 @@ def test_prefill_refuses_sequences_that_already_hold_tokens(calibrated_tiny):
 
 # The serving step's fast path, against the plain one (paged_step picks it)
 
-def step_cache(seed, sink, window, page_size, G, mean, rotate):
-    """A PagedKVCache (one layer, H_kv 2, GQA 2, d 16) with random specs, pages shuffled, 3
+def step_cache(seed, sink, window, page_size, G, mean, rotate, d=16):
+    """A PagedKVCache (one layer, H_kv 2, GQA 2, head dim d) with random specs, pages shuffled, 3
     sequences active (ids 0, 1, 2)."""
-    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=16, group_size=G, sink=sink, window=window,
+    cfg = optr.Config(n_heads=4, n_kv_heads=2, head_dim=d, group_size=G, sink=sink, window=window,
                       page_size=page_size, n_layers=1, clip_k=0.9, clip_v=0.95)
-    spec = optr.KVQuant(k_mean=rand(2, 16, seed=seed) if mean else None,
-                        r_k=random_rotations(2, 16, seed + 1) if rotate else None)
+    spec = optr.KVQuant(k_mean=rand(2, d, seed=seed) if mean else None,
+                        r_k=random_rotations(2, d, seed + 1) if rotate else None)
     cache = shuffled(optr.PagedKVCache(cfg, 120, 3, [spec]), seed)
     assert [cache.add_sequence() for _ in range(3)] == [0, 1, 2]
     return cache
 
 
-def check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, seed):
+def check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, seed, d=16):
     """n tokens into seqs through paged_step's compiled path and its plain one (store, then
     paged_decode_reference): outputs within 1e-5, caches bit for bit."""
-    fast, plain = (step_cache(seed, sink, window, page_size, G, mean, rotate) for _ in range(2))
-    R_V = random_rotations(2, 16, seed + 2) if r_v else None
+    fast, plain = (step_cache(seed, sink, window, page_size, G, mean, rotate, d) for _ in range(2))
+    R_V = random_rotations(2, d, seed + 2) if r_v else None
     for t in range(n):
-        q, k = rand(len(seqs), 4, 1, 16, seed=seed + 3 * t), rand(len(seqs), 2, 1, 16, seed=seed + 3 * t + 1) * 3 + 1
-        v = rand(len(seqs), 2, 1, 16, seed=seed + 3 * t + 2)
+        q, k = rand(len(seqs), 4, 1, d, seed=seed + 3 * t), rand(len(seqs), 2, 1, d, seed=seed + 3 * t + 1) * 3 + 1
+        v = rand(len(seqs), 2, 1, d, seed=seed + 3 * t + 2)
         got = optr.paged_step(fast, 0, fast.reserve(seqs, 1), q, k, v, sm_scale=0.3, r_v=R_V)
         want = optr.paged_step(plain, 0, plain.reserve(seqs, 1), q, k, v, optr.paged_decode_reference,
                                sm_scale=0.3, r_v=R_V)
@@ -2400,18 +2400,19 @@ def check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, 
 
 
 @given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 3, 4]),
-       G=st.sampled_from([8, 16]), seqs=st.permutations([0, 1, 2]).flatmap(
+       dG=st.sampled_from([(16, 8), (16, 16), (24, 8)]), seqs=st.permutations([0, 1, 2]).flatmap(
            lambda p: st.integers(1, 3).map(lambda n: p[:n])), n=st.integers(1, 24), mean=st.booleans(),
        rotate=st.booleans(), r_v=st.booleans(), seed=st.integers(0, 10_000))
 def test_the_compiled_decode_step_stores_and_decodes_what_the_plain_step_does(
-        sink, window, page_size, G, seqs, n, mean, rotate, r_v, seed):
+        sink, window, page_size, dG, seqs, n, mean, rotate, r_v, seed):
     """paged_step's compiled path (CPU pages, fp32 windows: one numba call from optr's plan) leaves
     the cache bit for bit as its plain path (store, then paged_decode_reference) does, INT2 codes,
     scales, zeros, windows, lengths, and returns its attention within round-off, at every one of
     n tokens: below the sink, in the windows, past ring wraps, W = 0, sequence ids in any order
-    (not 0..B-1), r_v given (v in the model's basis, the output rotated back) or not.
-    Optr against optr: the compiled step against the plain step."""
-    check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, seed)
+    (not 0..B-1), r_v given (v in the model's basis, the output rotated back) or not; head dims
+    16 and 24 (window chunks of 16 and of 4 channels). Optr against optr: the compiled step against
+    the plain step."""
+    check_compiled_step(seqs, sink, window, page_size, dG[1], n, mean, rotate, r_v, seed, dG[0])
 
 
 def test_the_compiled_decode_step_can_fail(monkeypatch):
