@@ -1133,11 +1133,6 @@ def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs
     (slot plan[0, b]; -1: the new one) into page plan[1, b], slot plan[2, b]; the new token into window slot
     plan[0, b]. out = (q R_K over plan[3, b] INT2 tokens, plan[4, b] window slots) R_V^T (rvt)."""
     B, H, d = k.shape
-    for x in (rk, rv, rvt):                  # what the step reads, fetched at once (a lever: NOTES.md)
-        _fetch(x.reshape(-1), 0, x.size)
-    for b in range(B):
-        for x in (wk, wv):
-            _fetch(x.reshape(-1), seqs[b] * x[0].size, x[0].size)
     kr, vr, qr = np.empty_like(k), np.empty_like(v), np.empty_like(q)
     _cpu_rotate(k - mu, rk, 1, kr)                                   # keys centred (step 1), then R_K
     _cpu_rotate(v, rv, 1, vr)
