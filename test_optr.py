@@ -2409,9 +2409,8 @@ def test_the_compiled_decode_step_stores_and_decodes_what_the_plain_step_does(
     the cache bit for bit as its plain path (store, then paged_decode_reference) does, INT2 codes,
     scales, zeros, windows, lengths, and returns its attention within round-off, at every one of
     n tokens: below the sink, in the windows, past ring wraps, W = 0, sequence ids in any order
-    (not 0..B-1), r_v given (v in the model's basis, the output rotated back) or not; head dims
-    16 and 24 (window chunks of 16 and of 4 channels). Optr against optr: the compiled step against
-    the plain step."""
+    (not 0..B-1), r_v given (v in the model's basis, the output rotated back) or not; head dims 16
+    and 24 (window chunks of 16, of 4 channels). Optr against optr: compiled step against plain."""
     check_compiled_step(seqs, sink, window, page_size, dG[1], n, mean, rotate, r_v, seed, dG[0])
 
 
