@@ -940,6 +940,7 @@ def _simd(numba) -> dict:
                 if not axpy:                                          # a[r, i + 4u + t] = y_t's lanes summed
                     e.llvm("llvm.masked.store.v4f32.p0", ir.VoidType(), e.sums([b.load(v) for v in y]), pr, four,
                            live)
+
     @intrinsic
     def fetch(typingctx, x, start, n):             # x[start : start + n] (flat) into the caches, a line a time
         def body(context, builder, sig, args):
@@ -968,8 +969,8 @@ def _cpu_fetch(kc, ks, kz, vc, vs, vz, bt, s, h, t, H, P, D4, NG, T):
 def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n_split, o_part, lse_part, job):
     """One (sequence b, KV head h, split sp) in two passes (logits and max, then p V: no rescaling),
     factored as the Triton kernel (s (q.c - z sum_g q); p s c, then - p s z), over tiles of up to
-    _CPU_TILE tokens of one page, the codes read by _k_dots and _v_dots; b reads block-table and
-    window row rows[b]."""
+    _CPU_TILE tokens of one page, the codes read by _k_dots and _v_dots, the window's rows by _w_dots
+    and _w_axpy; b reads block-table and window row rows[b]."""
     f32 = np.float32
     (B, Hq, d), H, P = q.shape, kc.shape[1], kc.shape[2]
     R, NG, T, D4 = Hq // H, d // G, _CPU_TILE, d // 4
