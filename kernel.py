@@ -1114,8 +1114,8 @@ def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
 
 
 def _cpu_rotate(x, R, rep, out):
-    """out[b, j] = x[b, j] R[j // rep] (R (H, d, d) float64), each entry summed in float64 in channel order
-    and rounded once to fp32: optr.rotate_rows' product (a loop over the output's lanes vectorises)."""
+    """out[b, j] = x[b, j] R[j // rep] (R (H, d, d) fp32 or float64), each entry summed in float64 in channel
+    order and rounded once to fp32: optr.rotate_rows' product (a loop over the output's lanes vectorises)."""
     B, n, d = x.shape
     acc = np.empty(d, dtype=np.float64)
     for bj in range(B * n):
@@ -1128,11 +1128,12 @@ def _cpu_rotate(x, R, rep, out):
 
 
 def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs, plan, rank_k, rank_v, G, eps,
-              scale, n_split, out):
+              scale, threads, out):
     """A layer's decode step as optr.Step.plan says, a token per sequence b (cache row seqs[b]): stores
     (k - mu) R_K, v R_V (float64, rounded once); if plan[1, b] >= 0, Q2 of the token leaving the window
     (slot plan[0, b]; -1: the new one) into page plan[1, b], slot plan[2, b]; the new token into window slot
-    plan[0, b]. out = (q R_K over plan[3, b] INT2 tokens, plan[4, b] window slots) R_V^T (rvt)."""
+    plan[0, b]. out = (q R_K over plan[3, b] INT2 tokens, plan[4, b] window slots)
+    R_V^T (rvt), in splits for `threads`."""
     B, H, d = k.shape
     kr, vr, qr = np.empty_like(k), np.empty_like(v), np.empty_like(q)
     _cpu_rotate(k - mu, rk, 1, kr)                                   # keys centred (step 1), then R_K
@@ -1149,6 +1150,7 @@ def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs
             if slot >= 0:
                 wk[s, h, slot], wv[s, h, slot] = kr[b, h], vr[b, h]
     nq, wl = plan[3].astype(np.int32), plan[4].astype(np.int32)
+    n_split = _cpu_splits(B, H, (plan[3] + plan[4]).max(), threads)
     o = _cpu_decode(qr, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, seqs, G, scale, n_split)
     _cpu_rotate(o, rvt, q.shape[1] // H, out)                        # back to the model's basis
 
@@ -1170,16 +1172,16 @@ def _nb() -> types.SimpleNamespace:
         copy.__qualname__ = fn.__qualname__
         scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
         return scope[fn.__name__]
-    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate)   # called by the three
+    jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate), jit(_cpu_splits)   # called
     jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH), jit(_cpu_fetch, inline="always")
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True, error_model="numpy"), step=jit(_cpu_step),
                                  store=jit(_cpu_q2_store, parallel=True), exp_rows=scope["_cpu_exp_rows"])
 
 
-def _cpu_splits(B, H_kv, longest):
+def _cpu_splits(B, H_kv, longest, threads):
     """Splits per (sequence, KV head): about two jobs per thread, at least 256 tokens each."""
-    return max(1, min(-(-2 * torch.get_num_threads() // (B * H_kv)), longest // 256))
+    return max(1, min(-(-2 * threads // (B * H_kv)), longest // 256))
 
 
 def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table, n_quant, win_k,
@@ -1194,7 +1196,7 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         _check_values(k_codes, block_table, n_quant, win_len, sizes)
     B, H_kv, d = q.shape[0], k_codes.shape[1], q.shape[2]
     nq, wl = n_quant.numpy(), win_len.numpy()
-    num_splits = num_splits or _cpu_splits(B, H_kv, int(nq.max()) + int(wl.max()))
+    num_splits = num_splits or _cpu_splits(B, H_kv, int(nq.max()) + int(wl.max()), torch.get_num_threads())
     fp32 = lambda x: x.detach().float().numpy()   # bf16 q and windows: numba has no bf16
     return torch.from_numpy(_nb().decode(
         fp32(q), *(x.numpy() for x in (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, block_table)), nq,
@@ -1202,14 +1204,12 @@ def int2_paged_decode_cpu(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero,
         np.float32(1.0 / math.sqrt(d) if sm_scale is None else sm_scale), num_splits))
 
 
-def cpu_decode_step(q, k, v, rotations: tuple, pages: tuple, seqs, plan, rank_k: int, rank_v: int,
-                    group_size: int, eps: float, sm_scale: float, out):
+def cpu_decode_step(q, k, v, rotations: tuple, pages: tuple, seqs, plan, sizes: tuple, sm_scale, out):
     """_cpu_step, unchecked (optr's cache vouches), on numpy arrays: q (B, H_q, d), k, v (B, H_kv, d), out
-    fp32 contiguous, the model's basis; `rotations` mu (H_kv, d) fp32, R_K, R_V, R_V^T (H_kv, d, d) float64
-    (zeros, identities where none); `pages` a layer's k_codes .. v_zero, block_table, win_k, win_v."""
-    splits = _cpu_splits(q.shape[0], pages[0].shape[1], int((plan[3] + plan[4]).max()))
-    _nb().step(q, k, v, *rotations, *pages, seqs, plan, rank_k, rank_v, group_size, np.float32(eps),
-               np.float32(sm_scale), splits, out)
+    fp32 contiguous, the model's basis; `rotations` mu (H_kv, d) fp32, R_K, R_V, R_V^T (H_kv, d, d) fp32 or
+    float64 (identities where none); `pages` a layer's k_codes .. v_zero, block_table, win_k, win_v; `sizes`
+    rank_k, rank_v, group_size, eps (np.float32); sm_scale np.float32."""
+    _nb().step(q, k, v, *rotations, *pages, seqs, plan, *sizes, sm_scale, torch.get_num_threads(), out)
 
 
 def paged_decode(q, **view) -> torch.Tensor:

@@ -1167,24 +1167,32 @@ def compiled(cache: PagedKVCache, *qkv) -> bool:
 def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale: float, r_v=None):
     """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call
     -> (n, H_q, 1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off.
-    The rotations inside that call (a torch or numpy call costs microseconds): rotate_rows' float64 products."""
-    c, spec, views = cache.quant[layer], cache.kv[layer], getattr(cache, "numpy_views", (None,))
-    if views[0] is not cache.k_codes:                 # numpy views of the pages, again after they grow
-        cache.numpy_views = views = (cache.k_codes, [tuple(getattr(cache, t)[l].numpy() for t in PACKED)
-                                     + (cache.block_table.numpy(), cache.win_k[l].numpy(), cache.win_v[l].numpy())
-                                     for l in range(cache.cfg.n_layers)], {})
-    tensors, held = (spec.k_mean, spec.r_k, r_v), views[2].get(layer, ((None,) * 3, None))
-    if held[1] is None or any(x is not y for x, y in zip(tensors, held[0])):   # mu, R_K, R_V, R_V^T: once
-        H, d = c.n_kv_heads, c.head_dim
-        f64 = lambda R: np.tile(np.eye(d), (H, 1, 1)) if R is None else R.detach().cpu().double().numpy()
-        mu = np.zeros((H, d), np.float32) if spec.k_mean is None else spec.k_mean.detach().cpu().float().numpy()
-        rk, rv = f64(spec.r_k), f64(r_v)
-        views[2][layer] = held = (tensors, tuple(map(np.ascontiguousarray, (mu, rk, rv, rv.swapaxes(-1, -2)))))
-    rows = lambda x: np.ascontiguousarray(x.detach().numpy()[:, :, 0], dtype=np.float32)   # (n, H, d)
-    out = torch.empty(len(step.seqs), c.n_heads, c.head_dim)                # torch's: no host data made a tensor
-    kernel.cpu_decode_step(rows(q), rows(k), rows(v), held[1], views[1][layer], step.seqs, step.plan,
-                           *cache.ranks[layer], c.group_size, c.scale_eps, sm_scale, out.numpy())
-    return out[:, :, None]
+    The rotations inside that call (a torch or numpy call costs microseconds): rotate_rows' float64 products,
+    of the matrices as they are (fp32 ones: half the bytes of float64 copies, the same products)."""
+    spec, held = cache.kv[layer], getattr(cache, "compiled_args", {}).get(layer)
+    if held is None or held[0] is not cache.k_codes or held[1] != (id(spec.k_mean), id(spec.r_k), id(r_v)):
+        held = compiled_args(cache, layer, r_v)                # once, again after the pages grow
+    rows = lambda x: np.ascontiguousarray(x.detach().numpy()[:, :, 0])       # (n, H, d) fp32 (`compiled`)
+    out = np.empty((len(step.seqs), q.shape[1], 1, q.shape[3]), np.float32)
+    kernel.cpu_decode_step(rows(q), rows(k), rows(v), held[2], held[3], step.seqs, step.plan, held[4],
+                           np.float32(sm_scale), out[:, :, 0])
+    return torch.from_numpy(out)
+
+
+def compiled_args(cache: PagedKVCache, layer: int, r_v) -> tuple:
+    """compiled_step's arguments that change only with the pages' size or the rotations (numpy views), kept
+    with what they were made from (their ids: the objects are held, so no other can take them)."""
+    c, spec = cache.quant[layer], cache.kv[layer]
+    H, d, made_of = c.n_kv_heads, c.head_dim, (spec.k_mean, spec.r_k, r_v)
+    host = lambda R: R.detach().cpu().numpy() if R.dtype in (torch.float32, torch.float64) else R.double().numpy()
+    mu = np.zeros((H, d), np.float32) if spec.k_mean is None else spec.k_mean.detach().cpu().float().numpy()
+    rk, rv = (np.tile(np.eye(d, dtype=np.float32), (H, 1, 1)) if R is None else host(R) for R in made_of[1:])
+    pages = tuple(x.numpy() for x in [getattr(cache, t)[layer] for t in PACKED] + [cache.block_table,
+                                                                               cache.win_k[layer], cache.win_v[layer]])
+    held = (cache.k_codes, tuple(map(id, made_of)), tuple(map(np.ascontiguousarray, (mu, rk, rv, rv.swapaxes(-1, -2)))),
+            pages, (*cache.ranks[layer], c.group_size, np.float32(c.scale_eps)), made_of)
+    cache.compiled_args = {**getattr(cache, "compiled_args", {}), layer: held}
+    return held
 
 
 # ----------------------------------------------------------------------------------------
@@ -1491,7 +1499,7 @@ class PagedLayer:
         if self.index == 0:                                   # the forward's pages and plan, for every layer
             pool.step = pool.cache.reserve(pool.seqs, Tq, pad)
         o = paged_step(pool.cache, self.index, pool.step, query, k, v, pool.attend, scaling, self.spec.r_v)
-        return o.transpose(1, 2).to(query.dtype)
+        return o.transpose(1, 2) if o.dtype == query.dtype else o.transpose(1, 2).to(query.dtype)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -107,7 +107,7 @@ def cpu_table(lengths=CPU_LENGTHS, reps=21, shape=SMOLLM2_SHAPE, log=print):
     nb = kernel._nb()
     np_args = {n: [a[k].numpy() for k in ("q", "k_codes", "k_scale", "k_zero", "v_codes", "v_scale", "v_zero",
                                           "block_table", "n_quant", "win_k", "win_v", "win_len")]
-               + [np.arange(1), G, np.float32(d ** -0.5), kernel._cpu_splits(1, H_kv, n + NW)]
+               + [np.arange(1), G, np.float32(d ** -0.5), kernel._cpu_splits(1, H_kv, n + NW, torch.get_num_threads())]
                for n, a in cases.items()}
     paths = {"int2_paged_decode_cpu": lambda n: kernel.int2_paged_decode_cpu(**cases[n], checked=False),
              "_nb().decode": lambda n: nb.decode(*np_args[n])}
