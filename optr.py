@@ -870,9 +870,21 @@ class Step:
     chunk rows (new_b, new_t), into (page, slot); chunk rows (win_b, win_t) into the windows (win_seq, win_slot)."""
 
     def __init__(self, cache, seqs: list, start: np.ndarray, T: int, pad: np.ndarray):
-        (S, W, P), end, cat = (cache.cfg.sink, cache.cfg.window, cache.cfg.page_size), start + T - pad, np.concatenate
+        (S, W, P), end = (cache.cfg.sink, cache.cfg.window, cache.cfg.page_size), start + T - pad
         self.seqs, self.pad = np.asarray(seqs, dtype=np.int64), pad
         q0, q1 = (np.maximum(n - S - W, 0) for n in (start, end))                     # INT2 counts before, after
+        self.at = (cache, start, end, q1)
+        self.held = dict(n_quant=q0, win_len=start - q0)
+        if T == 1:
+            n = start - S - W                                                       # the INT2 index made
+            made = [cache.pages[s][i // P] if i >= 0 else -1 for s, i in zip(seqs, n)]
+            self.plan = np.stack([ring_slot(start, S, W), made, np.where(n >= 0, n % P, -1), q1, end - q1])
+        if T > 1 or not compiled(cache):         # `on` made here; for one token where the CPU step is compiled
+            self.on = self.upload()              # (it reads `plan`), at a first read if any
+
+    def upload(self) -> dict:
+        (cache, start, end, q1), seqs, pad, cat = self.at, self.seqs, self.pad, np.concatenate
+        S, W, P = cache.cfg.sink, cache.cfg.window, cache.cfg.page_size
         each = lambda f: [f(n0, n1) for n0, n1 in zip(start, end)]                   # positions, per sequence:
         old = each(lambda n0, n1: np.arange(max(S, n0 - W), min(n1 - W, n0)))       # leaving the ring for INT2
         new = each(lambda n0, n1: np.arange(max(S, n0), n1 - W))                     # the chunk's for INT2
@@ -880,18 +892,16 @@ class Step:
         b_of = lambda ps: np.repeat(np.arange(len(seqs)), [len(p) for p in ps])      # their sequence
         row = lambda ps: cat(ps) - (start - pad)[b_of(ps)]                             # their chunk row
         page = lambda ps: cat([np.asarray(cache.pages[s], dtype=np.int64)[(p - S) // P] for s, p in zip(seqs, ps)])
-        on = dict(seq=self.seqs, start=start, n_quant=q1, win_len=end - q1, old_seq=self.seqs[b_of(old)],
+        on = dict(seq=seqs, start=start, n_quant=q1, win_len=end - q1, old_seq=seqs[b_of(old)],
                   old_slot=ring_slot(cat(old), S, W), new_b=b_of(new), new_t=row(new),
                   page=cat([page(old), page(new)]), slot=(cat(old + new) - S) % P, win_b=b_of(win), win_t=row(win),
-                  win_seq=self.seqs[b_of(win)], win_slot=ring_slot(cat(win), S, W))
+                  win_seq=seqs[b_of(win)], win_slot=ring_slot(cat(win), S, W))
         dev, host = cache.block_table.device, torch.from_numpy(cat(list(on.values())).astype(np.int32))
         host = host.pin_memory() if dev.type == "cuda" else host                      # then copied asynchronously
-        self.on = dict(zip(on, host.to(dev, non_blocking=True).split([len(x) for x in on.values()])))  # the upload
-        self.on["block_table"], self.held = cache.block_table[self.on["seq"]], dict(n_quant=q0, win_len=start - q0)
-        if T == 1:
-            n = start - S - W                                                       # the INT2 index made
-            made = [cache.pages[s][i // P] if i >= 0 else -1 for s, i in zip(seqs, n)]
-            self.plan = np.stack([ring_slot(start, S, W), made, np.where(n >= 0, n % P, -1), q1, end - q1])
+        on = dict(zip(on, host.to(dev, non_blocking=True).split([len(x) for x in on.values()])))  # the upload
+        return {**on, "block_table": cache.block_table[on["seq"]]}
+
+    on = functools.cached_property(upload)
 
 
 class PagedKVCache:
