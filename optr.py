@@ -201,8 +201,7 @@ the INT2 error is made. Bases R_base (per layer, (H_kv, d, d)):
              h's own query group; w mean 1 per head). One rotation per layer.
 """
 
-def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int,
-                   eps: float = 1e-8) -> torch.Tensor:
+def rotate_dequant(z: torch.Tensor, R: torch.Tensor | None, clip: float, G: int, eps: float = 1e-8) -> torch.Tensor:
     """Eq. 4: D_R,c(z) = Q2(z R; c, G) R^T. z (B, H, T, d), R (H, d, d) or None (identity).
     Computed in fp32 whatever z's dtype (bf16 z, fp32 R is fine); returns z's dtype."""
     if R is None:
@@ -421,8 +420,7 @@ def error_decomposition(q, k, v, k_tilde, v_tilde, w_o, mask, exact=None):
     stored = int2_tokens(mask, exact)                                       # INT2 tokens (T,)
     e_rec = ((k - k_tilde)[:, :, stored] ** 2).sum() + ((v - v_tilde)[:, :, stored] ** 2).sum()  # Eq. 9
     e_out = ((dy_k + dy_v) ** 2).sum(-1)                                    # Eq. 10
-    return dict(y=y, y_tilde=y_tilde, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_tilde, da=da,
-                e_rec=e_rec, e_out=e_out)
+    return dict(y=y, y_tilde=y_tilde, dy_k=dy_k, dy_v=dy_v, p=p, p_tilde=p_tilde, da=da, e_rec=e_rec, e_out=e_out)
 
 
 # ----------------------------------------------------------------------------------------
@@ -542,8 +540,7 @@ def loss_data(splits: dict, cfg: Config, query_positions=None) -> dict:
     data = {}
     for split, (q, k, v) in splits.items():
         q_pos, mask, exact = loss_queries(k.shape[2], cfg, query_positions, k.device)
-        data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(),
-                       mask, exact)
+        data[split] = (q[:, :, q_pos].detach().float(), k.detach().float(), v.detach().float(), mask, exact)
     return data
 
 
@@ -873,8 +870,7 @@ class Step:
         (S, W, P), end = (cache.cfg.sink, cache.cfg.window, cache.cfg.page_size), start + T - pad
         self.seqs, self.pad = np.asarray(seqs, dtype=np.int64), pad
         q0, q1 = (np.maximum(n - S - W, 0) for n in (start, end))                     # INT2 counts before, after
-        self.at = (cache, start, end, q1)
-        self.held = dict(n_quant=q0, win_len=start - q0)
+        self.at, self.held = (cache, start, end, q1, S, W, P), dict(n_quant=q0, win_len=start - q0)
         if T == 1:
             n = start - S - W                                                       # the INT2 index made
             made = [cache.pages[s][i // P] if i >= 0 else -1 for s, i in zip(seqs, n)]
@@ -883,8 +879,7 @@ class Step:
             self.on = self.upload()              # (it reads `plan`), at a first read if any
 
     def upload(self) -> dict:
-        (cache, start, end, q1), seqs, pad, cat = self.at, self.seqs, self.pad, np.concatenate
-        S, W, P = cache.cfg.sink, cache.cfg.window, cache.cfg.page_size
+        (cache, start, end, q1, S, W, P), seqs, pad, cat = self.at, self.seqs, self.pad, np.concatenate
         each = lambda f: [f(n0, n1) for n0, n1 in zip(start, end)]                   # positions, per sequence:
         old = each(lambda n0, n1: np.arange(max(S, n0 - W), min(n1 - W, n0)))       # leaving the ring for INT2
         new = each(lambda n0, n1: np.arange(max(S, n0), n1 - W))                     # the chunk's for INT2
@@ -900,7 +895,6 @@ class Step:
         host = host.pin_memory() if dev.type == "cuda" else host                      # then copied asynchronously
         on = dict(zip(on, host.to(dev, non_blocking=True).split([len(x) for x in on.values()])))  # the upload
         return {**on, "block_table": cache.block_table[on["seq"]]}
-
     on = functools.cached_property(upload)
 
 
@@ -1107,11 +1101,11 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, the decode step
 # ----------------------------------------------------------------------------------------
 """
-The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read in INT2 by
-some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per query: KL adds
-(sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves with R_K. Block-wise
-simulation: queries [t0, t1) read the exact sink, the INT2 copies of [sink, t1 - window), the exact keys of
-[t0 - window + 1, t1): no dense (T, T) logits. The compiled decode step: store and decode in one numba call.
+The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read in INT2 by some loss
+query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per query: KL adds (sum_C p) log(1/c), dy_K
+adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves with R_K. Block-wise simulation: queries [t0, t1) read the
+exact sink, the INT2 copies of [sink, t1 - window), the exact keys of [t0 - window + 1, t1): no dense (T, T) logits.
+The compiled decode step: store and decode in one numba call.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1175,13 +1169,12 @@ def compiled(cache: PagedKVCache, *qkv) -> bool:
 
 
 def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale: float, r_v=None):
-    """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call
-    -> (n, H_q, 1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off.
-    The rotations inside that call (a torch or numpy call costs microseconds): rotate_rows' float64 products,
-    of the matrices as they are (fp32 ones: half the bytes of float64 copies, the same products)."""
-    spec, held = cache.kv[layer], getattr(cache, "compiled_args", {}).get(layer)
+    """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call -> (n, H_q,
+    1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off. The rotations inside
+    that call (a torch or numpy call costs microseconds): rotate_rows' float64 products, of the matrices as held."""
+    spec, held = cache.kv[layer], vars(cache).setdefault("compiled_args", {}).get(layer)
     if held is None or held[0] is not cache.k_codes or held[1] != (id(spec.k_mean), id(spec.r_k), id(r_v)):
-        held = compiled_args(cache, layer, r_v)                # once, again after the pages grow
+        held = cache.compiled_args[layer] = compiled_args(cache, layer, r_v)     # once, again after the pages grow
     rows = lambda x: np.ascontiguousarray(x.detach().numpy()[:, :, 0])       # (n, H, d) fp32 (`compiled`)
     out = np.empty((len(step.seqs), q.shape[1], 1, q.shape[3]), np.float32)
     kernel.cpu_decode_step(rows(q), rows(k), rows(v), held[2], held[3], step.seqs, step.plan, held[4],
@@ -1190,19 +1183,16 @@ def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale
 
 
 def compiled_args(cache: PagedKVCache, layer: int, r_v) -> tuple:
-    """compiled_step's arguments that change only with the pages' size or the rotations (numpy views), kept
-    with what they were made from (their ids: the objects are held, so no other can take them)."""
-    c, spec = cache.quant[layer], cache.kv[layer]
-    H, d, made_of = c.n_kv_heads, c.head_dim, (spec.k_mean, spec.r_k, r_v)
-    host = lambda R: R.detach().cpu().numpy() if R.dtype in (torch.float32, torch.float64) else R.double().numpy()
-    mu = np.zeros((H, d), np.float32) if spec.k_mean is None else spec.k_mean.detach().cpu().float().numpy()
-    rk, rv = (np.tile(np.eye(d, dtype=np.float32), (H, 1, 1)) if R is None else host(R) for R in made_of[1:])
-    pages = tuple(x.numpy() for x in [getattr(cache, t)[layer] for t in PACKED] + [cache.block_table,
-                                                                               cache.win_k[layer], cache.win_v[layer]])
-    held = (cache.k_codes, tuple(map(id, made_of)), tuple(map(np.ascontiguousarray, (mu, rk, rv, rv.swapaxes(-1, -2)))),
-            pages, (*cache.ranks[layer], c.group_size, np.float32(c.scale_eps)), made_of)
-    cache.compiled_args = {**getattr(cache, "compiled_args", {}), layer: held}
-    return held
+    """compiled_step's arguments that change only with the pages' size or the rotations (numpy views; fp32 rotations
+    held as they are: half a float64 copy's bytes), with what they were made from and its ids (held: not reused)."""
+    c, spec, one = cache.quant[layer], cache.kv[layer], np.eye(cache.cfg.head_dim, dtype=np.float32)
+    made_of, host = (spec.k_mean, spec.r_k, r_v), lambda R: (R if R.dtype in (torch.float32, torch.float64) else
+                                                             R.double()).detach().cpu().numpy()
+    mu = np.zeros((c.n_kv_heads, c.head_dim), np.float32) if spec.k_mean is None else host(spec.k_mean.float())
+    rk, rv = (np.tile(one, (c.n_kv_heads, 1, 1)) if R is None else host(R) for R in made_of[1:])
+    pages = [getattr(cache, t)[layer] for t in PACKED] + [cache.block_table, cache.win_k[layer], cache.win_v[layer]]
+    return (cache.k_codes, tuple(map(id, made_of)), tuple(map(np.ascontiguousarray, (mu, rk, rv, rv.swapaxes(-1, -2)))),
+            tuple(x.numpy() for x in pages), (*cache.ranks[layer], c.group_size, np.float32(c.scale_eps)), made_of)
 
 
 # ----------------------------------------------------------------------------------------
@@ -1391,10 +1381,10 @@ def clipped(grid):
 # E. Serving elsewhere: transformers' generate() and models (SGLang's files: tools/sglang.py)
 # ----------------------------------------------------------------------------------------
 """
-Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3): hf_config
-reads its geometry; hf_cache serves INT2 layers from Section 8's pages: the numbers of ladder.simulate_hf with
-chunks (Section 5 in the model's attention). PagedLayer.update keeps k, v and returns itself as keys and
-values, which transformers hands untouched to "optr-paged" (paged_attention), then to its attend: paged_step.
+Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3): hf_config reads
+its geometry; hf_cache serves INT2 layers from Section 8's pages: the numbers of ladder.simulate_hf with chunks
+(Section 5 in the model's attention). PagedLayer.update keeps k, v and returns itself as keys and values, which
+transformers hands untouched to "optr-paged" (paged_attention), then to its attend: paged_step.
 """
 
 @dataclass
