@@ -1169,14 +1169,12 @@ def compiled(cache: PagedKVCache, *qkv) -> bool:
 
 
 def compiled_step(cache: PagedKVCache, layer: int, step: Step, q, k, v, sm_scale: float, r_v=None):
-    """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call -> (n, H_q,
-    1, d) fp32: store's writes bit for bit, paged_decode_reference's output within round-off. The rotations inside
-    that call (a torch or numpy call costs microseconds): rotate_rows' float64 products, of the matrices as held."""
+    """paged_step's one token per sequence (q, k, v (n, H, 1, d), r_v) in one kernel.cpu_decode_step call, rotations
+    in (rotate_rows' float64 products) -> (n, H_q, 1, d) fp32, as store (bit for bit) then paged_decode_reference."""
     spec, held = cache.kv[layer], vars(cache).setdefault("compiled_args", {}).get(layer)
     if held is None or held[0] is not cache.k_codes or held[1] != (id(spec.k_mean), id(spec.r_k), id(r_v)):
         held = cache.compiled_args[layer] = compiled_args(cache, layer, r_v)     # once, again after the pages grow
-    rows = lambda x: np.ascontiguousarray(x.detach().numpy()[:, :, 0])       # (n, H, d) fp32 (`compiled`)
-    out = np.empty((len(step.seqs), q.shape[1], 1, q.shape[3]), np.float32)
+    out, rows = np.empty(q.shape, np.float32), lambda x: np.ascontiguousarray(x.detach().numpy()[:, :, 0])   # fp32
     kernel.cpu_decode_step(rows(q), rows(k), rows(v), held[2], held[3], step.seqs, step.plan, held[4],
                            np.float32(sm_scale), out[:, :, 0])
     return torch.from_numpy(out)
