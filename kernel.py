@@ -1132,8 +1132,8 @@ def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs
     """A layer's decode step as optr.Step.plan says, a token per sequence b (cache row seqs[b]): stores
     (k - mu) R_K, v R_V (float64, rounded once); if plan[1, b] >= 0, Q2 of the token leaving the window
     (slot plan[0, b]; -1: the new one) into page plan[1, b], slot plan[2, b]; the new token into window slot
-    plan[0, b]. out = (q R_K over plan[3, b] INT2 tokens, plan[4, b] window slots)
-    R_V^T (rvt), in splits for `threads`."""
+    plan[0, b]. out = (q R_K over plan[3, b] INT2 tokens, plan[4, b] window slots) R_V^T (rvt), the context
+    split for `threads` (_cpu_splits)."""
     B, H, d = k.shape
     kr, vr, qr = np.empty_like(k), np.empty_like(v), np.empty_like(q)
     _cpu_rotate(k - mu, rk, 1, kr)                                   # keys centred (step 1), then R_K

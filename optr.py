@@ -1101,11 +1101,11 @@ def decode_step(model: TinyLM, cache: PagedKVCache, seqs: list, tokens: torch.Te
 # A. Fast paths: the key loss on the INT2 columns, the simulated cache block by block, the decode step
 # ----------------------------------------------------------------------------------------
 """
-The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read in INT2 by some loss
-query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per query: KL adds (sum_C p) log(1/c), dy_K
-adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves with R_K. Block-wise simulation: queries [t0, t1) read the
-exact sink, the INT2 copies of [sink, t1 - window), the exact keys of [t0 - window + 1, t1): no dense (T, T) logits.
-The compiled decode step: store and decode in one numba call.
+The numbers of Sections 5-8, faster. fast_key_loss (calibrate_layer's): keys split into S, read in INT2 by
+some loss query, and C, read exactly by all. On C, p~ = c p, c = exp(lse - lse~) per query: KL adds
+(sum_C p) log(1/c), dy_K adds (c - 1) o_C W_O^T (o_C = sum_C p v); only S moves with R_K. Block-wise
+simulation: queries [t0, t1) read the exact sink, the INT2 copies of [sink, t1 - window), the exact keys of
+[t0 - window + 1, t1): no dense (T, T) logits. The compiled decode step: store and decode in one numba call.
 """
 
 def fast_key_loss(data: dict, w_o, k_mean, cfg: Config):
@@ -1379,10 +1379,10 @@ def clipped(grid):
 # E. Serving elsewhere: transformers' generate() and models (SGLang's files: tools/sglang.py)
 # ----------------------------------------------------------------------------------------
 """
-Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3): hf_config reads
-its geometry; hf_cache serves INT2 layers from Section 8's pages: the numbers of ladder.simulate_hf with chunks
-(Section 5 in the model's attention). PagedLayer.update keeps k, v and returns itself as keys and values, which
-transformers hands untouched to "optr-paged" (paged_attention), then to its attend: paged_step.
+Any transformers causal LM whose layers call its attention interface (Llama, Qwen2, Qwen3, Gemma 3): hf_config
+reads its geometry; hf_cache serves INT2 layers from Section 8's pages: the numbers of ladder.simulate_hf with
+chunks (Section 5 in the model's attention). PagedLayer.update keeps k, v and returns itself as keys and
+values, which transformers hands untouched to "optr-paged" (paged_attention), then to its attend: paged_step.
 """
 
 @dataclass
@@ -1497,7 +1497,7 @@ class PagedLayer:
         if self.index == 0:                                   # the forward's pages and plan, for every layer
             pool.step = pool.cache.reserve(pool.seqs, Tq, pad)
         o = paged_step(pool.cache, self.index, pool.step, query, k, v, pool.attend, scaling, self.spec.r_v)
-        return o.transpose(1, 2) if o.dtype == query.dtype else o.transpose(1, 2).to(query.dtype)
+        return o.transpose(1, 2).to(query.dtype)
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
