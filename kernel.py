@@ -755,10 +755,13 @@ def _simd(numba) -> dict:
 
     _k_dots(qx, codes, scale, zero, qsum, tile, m, D4, G, R, acc, a, i, stride, E): the logits
       a[r, i + t] = sum_g s (q_g.c - z sum_g q), lanes over the tokens.  The codes are read E bytes a
-      lane (a gather): E = 4, a 32-bit word's 16 two-bit fields f = 4k + c (byte k, plane c: dim
-      c D4 + 4e + k of word e), each masked in place and converted (f = 15 shifted down); qx[r d + 4E e + f]
-      is the query's dim times 4^-f (1 for f = 15), so nothing is shifted back.  E = 1 (G or D4 not a
-      multiple of 4): a byte's 4 fields.  acc: (R, d / G, 16) scratch, q_g.c per group.
+      lane: E = 4, a 32-bit word's 16 two-bit fields f = 4k + c (byte k, plane c: dim c D4 + 4e + k of
+      word e), each masked in place and converted (f = 15 shifted down); qx[r d + 4E e + f] is the query's
+      dim times 4^-f (1 for f = 15), so nothing is shifted back.  E = 1 (G or D4 not a multiple of 4): a
+      byte's 4 fields.  The tile's W = D4 / 4 words a token (W = 1, 2, 4, 8, 16) are loaded and transposed
+      (log2 W rounds of unzips: word w of every token a vector), else gathered a word at a time; scales
+      and zeros loaded where adjacent (G = d).  With gathers the job took 1.3-1.4x at 4k-8k (Zen 4, NOTES).
+      acc: (R, d / G, 16) scratch, q_g.c per group.
     _v_dots(codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, L): o[r] += sum_t p s c
       and pz[r, g, t] += p s z (xs: (R, d / G, 16) scratch, p s), lanes over L channels of a plane
       (chunk j of plane c in group gc[c NC + j]), four tokens a sweep of o; the fields masked in place,
@@ -799,11 +802,31 @@ def _simd(numba) -> dict:
             return self.b.call(fn, args)
 
         def lanes(self, p, stride, live, ty):       # p[t stride] for the live lanes t, 0 elsewhere
-            ptrs = self.b.inttoptr(self.b.add(self.b.mul(self.tok, self.splat(self.i(stride), T)),
-                                              self.splat(self.b.ptrtoint(p, i64), T)), V(ptr, T))
-            vt = V(ty, T)
-            return self.llvm(f"llvm.masked.gather.v{T}{'f32' if ty == f32 else f'i{ty.width}'}.v{T}p0", vt, ptrs,
-                             ir.Constant(i32, 1), live, ir.Constant(vt, None))
+            b, vt, name = self.b, V(ty, T), f"v{T}{'f32' if ty == f32 else f'i{ty.width}'}"
+            with b.if_else(b.icmp_unsigned("==", self.i(stride), self.i(4 if ty == f32 else ty.width // 8))) as (
+                    row, apart):
+                with row:                           # adjacent: a masked load (a gather costs more)
+                    one, at_one = self.llvm(f"llvm.masked.load.{name}.p0", vt, b.bitcast(p, ty.as_pointer()),
+                                            ir.Constant(i32, 1), live, ir.Constant(vt, None)), b.basic_block
+                with apart:
+                    ptrs = b.inttoptr(b.add(b.mul(self.tok, self.splat(self.i(stride), T)),
+                                            self.splat(b.ptrtoint(p, i64), T)), V(ptr, T))
+                    many, at_many = self.llvm(f"llvm.masked.gather.{name}.v{T}p0", vt, ptrs, ir.Constant(i32, 1),
+                                              live, ir.Constant(vt, None)), b.basic_block
+            x = b.phi(vt)
+            x.add_incoming(one, at_one), x.add_incoming(many, at_many)
+            return x
+
+        def transpose(self, p, W, m):               # m rows of W words at p (T rows read) -> W vectors, lane t row t
+            vs = [self.llvm(f"llvm.masked.load.v{T}i32.p0", V(i32, T), self.at(p, k * T, ty=i32), ir.Constant(i32, 4),
+                            self.b.icmp_unsigned("<", self.b.add(self.tok, self.splat(self.i(k * T), T)),
+                                                 self.splat(self.i(m, W), T)), ir.Constant(V(i32, T), None))
+                  for k in range(W)]                # word w of row t at flat index t W + w
+            for k in range(W.bit_length() - 1):     # the pairs apart in bit k unzipped: a lane's low bit to bit k
+                for v, u in ((v, v | 1 << k) for v in range(W) if not v >> k & 1):
+                    vs[v], vs[u] = (self.b.shuffle_vector(vs[v], vs[u], ir.Constant(V(i32, T), [*range(o, 2 * T, 2)]))
+                                    for o in (0, 1))
+            return vs
 
         def fields(self, w, n):                     # fields 0..n-1 of each lane, masked in place, as fp32
             c = lambda x: ir.Constant(w.type, [ir.Constant(i32, x)] * w.type.count)
@@ -846,12 +869,10 @@ def _simd(numba) -> dict:
         qx, codes, scale, zero, qsum, tile, m, D4, G, R, acc, a, i, stride, _ = e.args
         b, d = e.b, e.i(D4, 4)
         NG, live = b.udiv(d, G), b.icmp_unsigned("<", e.tok, e.splat(m, T))
-        with cgutils.for_range(b, b.udiv(D4, e.i(E))) as w:           # word w of every token: q.c
-            x = e.fields(b.zext(e.lanes(e.at(codes, e.i(tile, D4), e.i(w.index, E)), D4, live, ir.IntType(8 * E)),
-                                V(i32, T)), 4 * E)
-            g = [b.udiv(b.add(e.i(c, D4), e.i(E, w.index)), G) for c in range(4)]       # each plane's group
+        def word(w, x):                                               # q.c over word w of every token
+            g = [b.udiv(b.add(e.i(c, D4), e.i(E, w)), G) for c in range(4)]              # each plane's group
             with cgutils.for_range(b, R) as r:
-                qr = e.at(qx, e.i(r.index, d), e.i(w.index, 4 * E))
+                qr = e.at(qx, e.i(r.index, d), e.i(w, 4 * E))
                 y = [functools.reduce(lambda u, k: e.axpy(u, b.load(e.at(qr, 4 * k + c)), x[4 * k + c]), range(E),
                                       ir.Constant(V(f32, T), [0.0] * T)) for c in range(4)]
                 part = lambda c: e.at(acc, e.i(b.add(e.i(r.index, NG), g[c]), T), ty=V(f32, T))
@@ -861,6 +882,20 @@ def _simd(numba) -> dict:
                     with apart:
                         for c in range(4):
                             e.update(part(c), lambda v: e.add(v, y[c]))
+        done, gather = b.append_basic_block("words.done"), b.append_basic_block("words.gather")
+        case = b.switch(D4, gather)
+        for W in (1, 2, 4, 8, 16) if E == 4 else ():                  # W words a token: the tile loaded, transposed
+            case.add_case(e.i(4 * W), block := b.append_basic_block(f"words.{W}"))
+            b.position_at_end(block)
+            for w, x in enumerate(e.transpose(e.at(codes, e.i(tile, D4), ty=i32), W, m)):
+                word(e.i(w), e.fields(x, 16))
+            b.branch(done)
+        b.position_at_end(gather)
+        with cgutils.for_range(b, b.udiv(D4, e.i(E))) as w:           # else a gather per word
+            word(w.index, e.fields(b.zext(e.lanes(e.at(codes, e.i(tile, D4), e.i(w.index, E)), D4, live,
+                                                  ir.IntType(8 * E)), V(i32, T)), 4 * E))
+        b.branch(done)
+        b.position_at_end(done)
         y = cgutils.alloca_once(b, V(f32, T))
         with cgutils.for_range(b, R) as r:                            # the logits: sum_g s (q.c - z sum_g q)
             b.store(ir.Constant(V(f32, T), [0.0] * T), y)

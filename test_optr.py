@@ -298,8 +298,7 @@ def test_optr_rotation_follows_the_exponential_series_on_the_right_of_the_base(c
 
 @given(rotation_cases())
 def test_optr_rotation_moves_away_from_the_base_whenever_A_is_not_symmetric(case):
-    """Whenever A - A^T is not zero, R differs from R_base: training A really changes the
-    rotation."""
+    """Whenever A - A^T is not zero, R differs from R_base: training A really changes the rotation."""
     check_moves(optr.optr_rotation, *case)
 
 
@@ -2400,17 +2399,18 @@ def check_compiled_step(seqs, sink, window, page_size, G, n, mean, rotate, r_v, 
 
 
 @given(sink=st.integers(0, 4), window=st.integers(0, 6), page_size=st.sampled_from([1, 3, 4]),
-       dG=st.sampled_from([(16, 8), (16, 16), (24, 8)]), seqs=st.permutations([0, 1, 2]).flatmap(
+       dG=st.sampled_from([(16, 8), (16, 16), (24, 8), (48, 16)]), seqs=st.permutations([0, 1, 2]).flatmap(
            lambda p: st.integers(1, 3).map(lambda n: p[:n])), n=st.integers(1, 24), mean=st.booleans(),
        rotate=st.booleans(), r_v=st.booleans(), seed=st.integers(0, 10_000))
+@example(sink=1, window=3, page_size=4, dG=(48, 16), seqs=[1, 0], n=20, mean=True, rotate=True, r_v=True, seed=5)
 def test_the_compiled_decode_step_stores_and_decodes_what_the_plain_step_does(
         sink, window, page_size, dG, seqs, n, mean, rotate, r_v, seed):
-    """paged_step's compiled path (CPU pages, fp32 windows: one numba call from optr's plan) leaves
-    the cache bit for bit as its plain path (store, then paged_decode_reference) does, INT2 codes,
-    scales, zeros, windows, lengths, and returns its attention within round-off, at every one of
-    n tokens: below the sink, in the windows, past ring wraps, W = 0, sequence ids in any order
-    (not 0..B-1), r_v given (v in the model's basis, the output rotated back) or not; head dims 16
-    and 24 (window chunks of 16, of 4 channels). Optr against optr: compiled step against plain."""
+    """paged_step's compiled path (CPU pages, fp32 windows: one numba call from optr's plan) leaves the cache
+    bit for bit as its plain path (store, then paged_decode_reference) does, INT2 codes, scales, zeros, windows,
+    lengths, and returns its attention within round-off, at every one of n tokens: below the sink, in the windows,
+    past ring wraps, W = 0, sequence ids in any order (not 0..B-1), r_v given (v in the model's basis, the output
+    rotated back) or not; head dims 16, 24 (window chunks of 16, of 4 channels) and 48 (3 code words a token:
+    gathered, not transposed). Optr against optr: compiled step against plain."""
     check_compiled_step(seqs, sink, window, page_size, dG[1], n, mean, rotate, r_v, seed, dG[0])
 
 
