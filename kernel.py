@@ -744,7 +744,7 @@ def _cpu_exp_rows(a, m, n):
             bits[r, i] += np.int32(k) << 23
 
 
-_k_dots = _v_dots = _w_dots = _w_axpy = _fetch = None   # LLVM vector code below: made by _simd()
+_k_dots = _v_dots = _w_dots = _w_axpy = _fetch = _row_max = None   # LLVM vector code: _simd()
 
 
 def _simd(numba) -> dict:
@@ -977,6 +977,19 @@ def _simd(numba) -> dict:
                            live)
 
     @intrinsic
+    def row_max(typingctx, x, start, n):           # max of x[start : start + n] (flat, n >= 1), 16 lanes a load
+        def body(context, builder, sig, args):
+            e, fv = Emit(context, builder, sig, args), V(f32, T)
+            (x, start, n), b, low = e.args, e.b, ir.Constant(fv, [float("-inf")] * T)
+            acc = cgutils.alloca_once_value(b, low)
+            with cgutils.for_range_slice(b, e.i(0), n, e.i(T)) as (j, _):
+                live = b.icmp_unsigned("<", b.add(e.tok, e.splat(j, T)), e.splat(n, T))
+                x = e.llvm(f"llvm.masked.load.v{T}f32.p0", fv, e.at(x, start, j), ir.Constant(i32, 4), live, low)
+                b.store(e.llvm(f"llvm.maxnum.v{T}f32", fv, b.load(acc), x), acc)
+            return e.llvm(f"llvm.vector.reduce.fmax.v{T}f32", f32, b.load(acc))
+        return numba.types.float32(x, start, n), body
+
+    @intrinsic
     def fetch(typingctx, x, start, n):             # x[start : start + n] (flat) into the caches, a line a time
         def body(context, builder, sig, args):
             e = Emit(context, builder, sig, args)
@@ -987,7 +1000,8 @@ def _simd(numba) -> dict:
                        *(ir.Constant(i32, c) for c in (0, 3, 1)))
             return context.get_dummy_value()
         return numba.types.void(x, start, n), body
-    return {"_k_dots": k_dots, "_v_dots": v_dots, "_w_dots": w_dots, "_w_axpy": w_axpy, "_fetch": fetch}
+    return {"_k_dots": k_dots, "_v_dots": v_dots, "_w_dots": w_dots, "_w_axpy": w_axpy, "_fetch": fetch,
+            "_row_max": row_max}
 
 
 def _cpu_fetch(kc, ks, kz, vc, vs, vz, bt, s, h, t, H, P, D4, NG, T):
@@ -1054,7 +1068,7 @@ def _cpu_decode_job(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scal
         _w_dots(qs.reshape(-1), wk.reshape(-1), wrow, nw, d, R, af, nt, nt + nw, 4)
     m, l = np.empty(R, dtype=f32), np.zeros(R, dtype=f32)
     for r in range(R):
-        m[r] = a[r].max()
+        m[r] = _row_max(af, r * (nt + nw), nt + nw)
     _cpu_exp_rows(a, m, nt + nw)
     for r in range(R):
         for i in range(nt + nw):
