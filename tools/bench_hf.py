@@ -9,7 +9,8 @@ installed, QuantizedCache (2 bits), side by side in one process, fp32.
     python -m tools.bench_hf --quick                  # a smoke run: one 400-token prompt, a few tokens
 
 Per prompt of T tokens of real text (Python's documentation topics, or --text), the caches interleaved:
-  prefill   the prompt in one forward, timed; then decode_steps teacher-forced steps, one per cache in a
+  prefill   the prompt in one forward, timed (the median of this and generate()'s first forwards, below);
+            then decode_steps teacher-forced steps, one per cache in a
             rotating order (their median); decode KL: mean next-token KL(DynamicCache || row) over the
             prompt's last position and every step
   attention in those steps, the model's attention function (every layer's call, timed apart): its ms per
@@ -28,7 +29,8 @@ Per prompt of T tokens of real text (Python's documentation topics, or --text), 
             first step above the resident set before this row (malloc_trim first: the model and the rows
             before it not counted), plus the row's runtime: the resident rise its warm-up left (numba's
             compiled kernels and threads for hf_cache), measured once after the model's own first forward
-Then a chat turn (a prompt, then a follow-up in one forward) and --profile's split of a decode step.
+Then a chat turn (a prompt, then a follow-up in one forward; chat_runs times, the caches in turn: the median
+follow-up) and --profile's split of a decode step.
 Linux only (/proc/self/status, /proc/self/clear_refs, glibc's malloc_trim). Imports optr and ladder.
 """
 from __future__ import annotations
@@ -71,6 +73,7 @@ class BenchConfig:
     generate_runs: int = _f(2, "generate() runs per cache and prompt, the caches in turn")
     chat_turn: tuple[int, ...] = _f((1000, 1000), "a prompt, then a follow-up in one forward (tokens of "
                                     "each; empty: no chat turn)")
+    chat_runs: int = _f(3, "chat turns per cache, the caches in turn (the follow-up's median)")
     text: str = _f("", "a UTF-8 text file (empty: Python's documentation topics)")
     profile: bool = _f(False, "where a decode step's time goes (linears, attention, other aten, host)")
     threads: int = _f(0, "torch CPU threads (0: all cores)")
@@ -80,7 +83,7 @@ class BenchConfig:
 
     def __post_init__(self):
         need = lambda ok, msg: optr.need(ok, f"BenchConfig: {msg}")
-        for name in ("decode_steps", "new_tokens", "generate_runs"):
+        for name in ("decode_steps", "new_tokens", "generate_runs", "chat_runs"):
             need(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         need(self.threads >= 0 and all(T >= 1 for T in self.contexts), "threads >= 0 and contexts >= 1")
         need(set(self.rows) <= set(ROWS), f"rows: expected names from {ROWS}, got {self.rows}")
@@ -88,7 +91,8 @@ class BenchConfig:
              f"chat_turn: expected two token counts >= 1 (prompt, follow-up) or none, got {self.chat_turn}")
 
 
-QUICK = dict(contexts=(400,), decode_steps=2, new_tokens=4, chat_turn=(340, 8), out="runs/bench-hf-quick")
+QUICK = dict(contexts=(400,), decode_steps=2, new_tokens=4, chat_turn=(340, 8), chat_runs=1,
+             out="runs/bench-hf-quick")
 
 
 # ----------------------------------------------------------------------------------------
@@ -273,20 +277,35 @@ def prompt_kl(hf, factories: dict, ids: torch.Tensor, chunk: int = 256) -> dict:
     return {name: (k.mean().item(), k.max().item()) for name, k in kl.items()}
 
 
+@contextlib.contextmanager
+def first_forward(hf):
+    """`with first_forward(hf) as took:` took == [seconds of hf's first forward inside] (generate()'s prefill)."""
+    t0, took = [], []
+    hooks = [hf.register_forward_pre_hook(lambda *a: None if t0 else t0.append(time.perf_counter())),
+             hf.register_forward_hook(lambda *a: None if took else took.append(time.perf_counter() - t0[0]))]
+    try:
+        yield took
+    finally:
+        for h in hooks:
+            h.remove()
+
+
 @torch.no_grad()
 def generate_runs(hf, factories: dict, ids: torch.Tensor, new: int, runs: int) -> dict:
     """generate() end to end on the prompt ids (1, T): `new` greedy tokens into a fresh cache, the caches
     in turn (DynamicCache, hf_cache, ..., then again), `runs` times. {name: dict(s=[seconds per run],
-    same=tokens equal to DynamicCache's before the first difference)}."""
-    out = {name: dict(s=[]) for name in factories}
+    prefill_s=[its first forward's seconds per run], same=tokens equal to DynamicCache's before the first
+    difference)}."""
+    out = {name: dict(s=[], prefill_s=[]) for name in factories}
     tokens = {}
     for _ in range(runs):
         for name, make in factories.items():
-            with fresh_caches({name: make}) as caches:
+            with fresh_caches({name: make}) as caches, first_forward(hf) as took:
                 t0 = time.perf_counter()
                 x = hf.generate(ids, past_key_values=caches[name], max_new_tokens=new, min_new_tokens=new,
                                 do_sample=False)
                 out[name]["s"].append(time.perf_counter() - t0)
+                out[name]["prefill_s"] += took
             tokens[name] = x[0, ids.shape[1]:].tolist()
     for name, r in out.items():
         ref, got = tokens["DynamicCache"], tokens[name]
@@ -422,9 +441,12 @@ def side_by_side_rows(runs: dict, T: int, ref: str = "DynamicCache") -> list:
 
 
 def end_to_end_columns(rows: list, prompt: dict, gen: dict) -> list:
-    """The rows with prompt_kl's (prompt_kl, prompt_kl_max) and generate_runs' (generate_s, same_tokens)."""
-    return [dict(r, prompt_kl=prompt[r["cache"]][0], prompt_kl_max=prompt[r["cache"]][1],
-                 generate_s=gen[r["cache"]]["s"], same_tokens=gen[r["cache"]]["same"]) for r in rows]
+    """The rows with prompt_kl's (prompt_kl, prompt_kl_max) and generate_runs' (generate_s, same_tokens);
+    prefill_s the median of the row's timed prefill and generate()'s first forwards (prefill_runs: all)."""
+    runs = lambda r: [r["prefill_s"], *gen[r["cache"]]["prefill_s"]]
+    return [dict(r, prompt_kl=prompt[r["cache"]][0], prompt_kl_max=prompt[r["cache"]][1], prefill_runs=runs(r),
+                 prefill_s=statistics.median(runs(r)), generate_s=gen[r["cache"]]["s"],
+                 same_tokens=gen[r["cache"]]["same"]) for r in rows]
 
 
 def print_side_by_side(rows: list, log=print) -> list:
@@ -580,18 +602,23 @@ def bench_context(hf, make: dict, ids, T: int, cfg: BenchConfig, runtime: dict) 
 
 
 def bench_chat(hf, make: dict, ids, cfg: BenchConfig) -> list:
-    """The chat-turn rows: chat_turn[0] tokens, then chat_turn[1] more in one forward, per cache."""
-    P, F = cfg.chat_turn
-    with fresh_caches(make) as caches:
-        runs = chat_turn(hf, caches, ids[:, :P + F], P)
-        base = runs["DynamicCache"]
-        kl = lambda r: kl_from(base.logp[0][None], r.logp[0][None]).item()
-        rows = [dict(cache=n, P=P, F=F, followup_s=r.prefill_s, kl=kl(r)) for n, r in runs.items()]
-    print(f"chat turn: {P} tokens, then a {F}-token follow-up in one forward into the same cache; its time, "
-          f"x DynamicCache's, and its next-token KL(DynamicCache || row)")
+    """The chat-turn rows: chat_turn[0] tokens, then chat_turn[1] more in one forward, per cache, chat_runs
+    times in turn (fresh caches each): the follow-up's seconds per run, their median."""
+    (P, F), took = cfg.chat_turn, {n: [] for n in make}
+    for _ in range(cfg.chat_runs):
+        with fresh_caches(make) as caches:
+            runs = chat_turn(hf, caches, ids[:, :P + F], P)
+        for n, r in runs.items():
+            took[n].append(r.prefill_s)
+    base, x = runs["DynamicCache"], lambda n: statistics.median(took[n]) / statistics.median(took["DynamicCache"])
+    kl = lambda r: kl_from(base.logp[0][None], r.logp[0][None]).item()
+    rows = [dict(cache=n, P=P, F=F, followup_s=statistics.median(took[n]), followup_runs=took[n], x=x(n), kl=kl(r))
+            for n, r in runs.items()]
+    print(f"chat turn: {P} tokens, then a {F}-token follow-up in one forward into the same cache ({cfg.chat_runs} "
+          f"runs, the caches in turn); its median time, x DynamicCache's, and its next-token KL(DynamicCache || row)")
     for r in rows:
-        print(f"{r['cache']:15s} {P:6d}+{F} follow-up {r['followup_s']:7.2f} s "
-              f"({r['followup_s'] / base.prefill_s:.2f}x) KL {r['kl']:.3f} nats")
+        print(f"{r['cache']:15s} {P:6d}+{F} follow-up {r['followup_s']:7.2f} s ({r['x']:.2f}x; runs "
+              f"{'/'.join(f'{s:.2f}' for s in r['followup_runs'])}) KL {r['kl']:.3f} nats")
     return rows
 
 

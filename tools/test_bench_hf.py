@@ -177,6 +177,22 @@ def test_the_chat_turns_kl_is_kl_from_dynamic_cache_to_the_row_after_the_follow_
     assert abs(reverse[0] - kl[0]) > 1e-3 * kl[0]                          # a thousand times the tolerance
 
 
+def test_the_chat_turn_is_the_median_of_its_runs_the_caches_in_turn(monkeypatch):
+    """bench_chat: chat_runs turns, fresh caches each, the caches in turn; a row's follow-up seconds per run,
+    their median and the medians' ratio to DynamicCache's (not one run's)."""
+    hf, made, secs = tiny_llama(), [], iter([(2.0, 3.5), (3.0, 2.0), (1.0, 4.0)])   # per run: Dynamic's, other's
+
+    def turn(hf_, caches, ids, P):
+        logp = [torch.zeros(5).log_softmax(-1)]
+        return {n: bench_hf.CacheRun(c, s, logp=logp) for (n, c), s in zip(caches.items(), next(secs))}
+    monkeypatch.setattr(bench_hf, "chat_turn", turn)
+    make = {n: (lambda n=n: made.append(n) or DynamicCache(config=hf.config)) for n in ("DynamicCache", "other")}
+    rows = bench_hf.bench_chat(hf, make, IDS, bench_hf.BenchConfig(chat_turn=(30, 10), chat_runs=3))
+    assert made == ["DynamicCache", "other"] * 3
+    assert [(r["followup_runs"], r["followup_s"], r["x"]) for r in rows] == [([2.0, 3.0, 1.0], 2.0, 1.0),
+                                                                             ([3.5, 2.0, 4.0], 3.5, 1.75)]
+
+
 def test_the_timed_steps_interleave_the_caches():
     """After each cache's prefill and first step (one cache after the other: the prefill is timed
     alone), every round of timed steps takes one step of each cache, their order rotating."""
@@ -192,8 +208,8 @@ def test_the_timed_steps_interleave_the_caches():
 
 def test_generate_runs_alternate_the_caches_and_report_every_run():
     """generate() end to end: a fresh cache per run, the caches in turn (DynamicCache, other,
-    DynamicCache, other), each run's seconds reported, and the greedy tokens a row shares with
-    DynamicCache's (all of them for a cache that stores the same)."""
+    DynamicCache, other), each run's seconds and its first forward's (the prompt) reported, and the greedy
+    tokens a row shares with DynamicCache's (all of them for a cache that stores the same)."""
     hf, made = tiny_llama(), []
 
     def maker(name):
@@ -204,12 +220,13 @@ def test_generate_runs_alternate_the_caches_and_report_every_run():
     got = bench_hf.generate_runs(hf, {n: maker(n) for n in ("DynamicCache", "other")}, IDS[:, :12], 5, 2)
     assert made == ["DynamicCache", "other", "DynamicCache", "other"]
     assert all(len(r["s"]) == 2 and min(r["s"]) > 0 and r["same"] == 5 for r in got.values()), got
+    assert all(len(r["prefill_s"]) == 2 and 0 < p < t for r in got.values() for p, t in zip(r["prefill_s"], r["s"]))
 
 
 def test_the_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
     """A row's "N.Nx smaller" is DynamicCache's (the first row's) MiB over the row's, its decode,
-    prefill and generate ratios the row's time over DynamicCache's (decode: the median step, generate:
-    run by run)."""
+    prefill and generate ratios the row's time over DynamicCache's (decode: the median step, prefill: the median
+    of its timed prefill and generate()'s first forwards, generate: run by run)."""
     def filled(T):                                   # 2 KV heads x 64 channels x T tokens, fp32
         cache = DynamicCache()
         cache.update(torch.zeros(1, 2, T, 64), torch.zeros(1, 2, T, 64), 0)
@@ -219,13 +236,13 @@ def test_the_summary_says_how_many_times_smaller_than_dynamic_cache(capsys):
             "small": bench_hf.CacheRun(filled(100), 3.0, 20.0, [5.0, 6.0, 40.0], [x.flip(-1) for x in logp])}
     rows = bench_hf.end_to_end_columns(bench_hf.side_by_side_rows(runs, 400),
                                        dict(DynamicCache=(0.0, 0.0), small=(0.1, 0.5)),
-                                       dict(DynamicCache=dict(s=[4.0, 5.0], same=8),
-                                            small=dict(s=[2.0, 10.0], same=3)))
+                                       dict(DynamicCache=dict(s=[4.0, 5.0], prefill_s=[1.0, 1.5], same=8),
+                                            small=dict(s=[2.0, 10.0], prefill_s=[9.0, 2.25], same=3)))
     (s,) = bench_hf.print_side_by_side(rows)
-    assert [r["decode_ms"] for r in rows] == [20.0, 6.0]
+    assert [(r["decode_ms"], r["prefill_s"]) for r in rows] == [(20.0, 1.5), (6.0, 3.0)]
     got = (s["smaller"], s["decode_x"], s["prefill_x"], *s["generate_x"])
-    assert got == pytest.approx((4.0, 0.3, 1.5, 0.5, 2.0))
-    assert ("generate 0.50x, 2.00x (3 tokens the same), decode 0.30x, prefill 1.50x, cache 4.0x smaller "
+    assert got == pytest.approx((4.0, 0.3, 2.0, 0.5, 2.0))
+    assert ("generate 0.50x, 2.00x (3 tokens the same), decode 0.30x, prefill 2.00x, cache 4.0x smaller "
             "(0.4 / 0.1 MiB)") in capsys.readouterr().out
 
 
