@@ -1131,13 +1131,29 @@ def _cpu_decode(q, kc, ks, kz, vc, vs, vz, bt, nq, wk, wv, wl, rows, G, scale, n
     return out
 
 
-def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
+def _cpu_select(a, n, k):
+    """The k-th smallest of a[:n] (from 0): the largest a[i] with at most k entries below it (no branch on the
+    data: a sort or a quickselect mispredicts; n^2 compares, vectorised)."""
+    out = np.float32(-np.inf)                                       # a: fp32
+    for i in range(n):
+        below = 0
+        for j in range(n):
+            below += a[j] < a[i]
+        if below <= k:
+            out = max(out, a[i])
+    return out
+
+
+def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, work):
     """Q2 of one row x (d,) fp32 into codes, scale, zero[page, h, slot], bit for bit as q2_quantize.
-    code: (d,) uint8 scratch."""
+    work: (d + G,) fp32 scratch (the codes, then a group's |x|)."""
     f32, d, D4 = np.float32, x.shape[0], x.shape[0] // 4
+    code, a = work[:d], work[d:]
     for g in range(d // G):
         xg = x[g * G:(g + 1) * G]
-        tau = np.sort(np.abs(xg))[rank]                            # |x| at rank floor(c G)
+        for k in range(G):
+            a[k] = abs(xg[k])
+        tau = _cpu_select(a, G, rank)                              # |x| at rank floor(c G)
         mn, mx = f32(np.inf), f32(-np.inf)
         for k in range(G):
             y = max(min(xg[k], tau), -tau)
@@ -1146,20 +1162,23 @@ def _cpu_q2_row(x, rank, G, eps, codes, scale, zero, page, h, slot, code):
         z = -mn / s
         for k in range(G):
             y = max(min(xg[k], tau), -tau)
-            code[g * G + k] = np.uint8(min(max(np.floor(y / s + z + f32(0.5)), f32(0.0)), f32(3.0)))
+            code[g * G + k] = min(max(np.floor(y / s + z + f32(0.5)), f32(0.0)), f32(3.0))
         scale[page, h, slot, g], zero[page, h, slot, g] = s, z
     for j in range(D4):
-        codes[page, h, slot, j] = (code[j] | (code[D4 + j] << 2) | (code[2 * D4 + j] << 4)
-                                   | (code[3 * D4 + j] << 6))
+        c0, c1 = np.uint8(code[j]), np.uint8(code[D4 + j])
+        c2, c3 = np.uint8(code[2 * D4 + j]), np.uint8(code[3 * D4 + j])
+        codes[page, h, slot, j] = c0 | (c1 << 2) | (c2 << 4) | (c3 << 6)
 
 
 def _cpu_q2_store(rows, rank, G, eps, codes, scale, zero, page, slot):
-    """_cpu_q2_row of rows (N, H, d) fp32 at [page[i], :, slot[i]], in parallel."""
-    N, H = rows.shape[0], rows.shape[1]
-    for ih in prange(N * H):
-        i, h = ih // H, ih % H
-        _cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i],
-                   np.empty(rows.shape[2], dtype=np.uint8))
+    """_cpu_q2_row of rows (N, H, d) fp32 at [page[i], :, slot[i]], in parallel (a scratch per chunk of rows)."""
+    N, H, d = rows.shape
+    n = min(N * H, 64)
+    for c in prange(n):
+        work = np.empty(d + G, dtype=np.float32)
+        for ih in range(c, N * H, n):
+            i, h = ih // H, ih % H
+            _cpu_q2_row(rows[i, h], rank, G, eps, codes, scale, zero, page[i], h, slot[i], work)
 
 
 def _cpu_rotate(x, R, rep, out):
@@ -1188,14 +1207,14 @@ def _cpu_step(q, k, v, mu, rk, rv, rvt, kc, ks, kz, vc, vs, vz, bt, wk, wv, seqs
     _cpu_rotate(k - mu, rk, 1, kr)                                   # keys centred (step 1), then R_K
     _cpu_rotate(v, rv, 1, vr)
     _cpu_rotate(q, rk, q.shape[1] // H, qr)
-    code = np.empty(d, dtype=np.uint8)
+    work = np.empty(d + G, dtype=np.float32)
     for b in range(B):
         s, slot, page, ps = seqs[b], plan[0, b], plan[1, b], plan[2, b]
         for h in range(H):
             if page >= 0:                                         # a token goes INT2: the ring's oldest
                 k_old, v_old = (wk[s, h, slot], wv[s, h, slot]) if slot >= 0 else (kr[b, h], vr[b, h])
-                _cpu_q2_row(k_old, rank_k, G, eps, kc, ks, kz, page, h, ps, code)
-                _cpu_q2_row(v_old, rank_v, G, eps, vc, vs, vz, page, h, ps, code)
+                _cpu_q2_row(k_old, rank_k, G, eps, kc, ks, kz, page, h, ps, work)
+                _cpu_q2_row(v_old, rank_v, G, eps, vc, vs, vz, page, h, ps, work)
             if slot >= 0:
                 wk[s, h, slot], wv[s, h, slot] = kr[b, h], vr[b, h]
     nq, wl = plan[3].astype(np.int32), plan[4].astype(np.int32)
@@ -1222,7 +1241,7 @@ def _nb() -> types.SimpleNamespace:
         scope[fn.__name__] = numba.njit(cache=True, **options)(copy)
         return scope[fn.__name__]
     jit(_cpu_decode_job, fastmath=_FASTMATH), jit(_cpu_q2_row), jit(_cpu_rotate), jit(_cpu_splits)   # called
-    jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH), jit(_cpu_fetch, inline="always")
+    jit(_cpu_exp_rows, inline="always", fastmath=_FASTMATH), jit(_cpu_fetch, inline="always"), jit(_cpu_select)
     numba.set_num_threads(max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS)))
     return types.SimpleNamespace(decode=jit(_cpu_decode, parallel=True, error_model="numpy"), step=jit(_cpu_step),
                                  store=jit(_cpu_q2_store, parallel=True), exp_rows=scope["_cpu_exp_rows"])

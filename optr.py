@@ -976,8 +976,8 @@ class PagedKVCache:
     def store(self, layer: int, step: Step, kr, v):
         """kr (n, H_kv, T, d) the stored keys, v as stored, where `step` puts them: position p in window slot
         ring_slot(p) in the sink or among the `window` newest, else INT2 index p - sink. Those leaving the ring,
-        then the chunk's past it, through the window dtype, go INT2 in one Q2 call (storage form; up to 32 rows
-        on the CPU compiled, bit for bit: q2_quantize's calls cost more there); then the chunk enters the windows."""
+        then the chunk's past it, through the window dtype, go INT2 in one Q2 call (storage form; on the CPU
+        compiled, bit for bit: q2_quantize's torch calls cost more there); then the chunk enters the windows."""
         i, c, page, slot = step.on, self.quant[layer], step.on["page"], step.on["slot"]
         for x, w, names, clip, rank in ((kr, self.win_k[layer], PACKED[:3], c.clip_k, self.ranks[layer][0]),
                                         (v, self.win_v[layer], PACKED[3:], c.clip_v, self.ranks[layer][1])):
@@ -985,7 +985,7 @@ class PagedKVCache:
                 new = x[i["new_b"], :, i["new_t"]]
                 rows = (torch.cat([w[i["old_seq"], :, i["old_slot"]], new.to(w.dtype)]) if c.window else new).float()
                 codes, scale, zero = (getattr(self, t)[layer] for t in names)
-                if page.device.type == "cpu" and len(page) <= 32:
+                if page.device.type == "cpu":
                     kernel.q2_store(rows.contiguous(), rank, c.group_size, c.scale_eps, codes, scale, zero, page, slot)
                 else:
                     codes[page, :, slot], scale[page, :, slot], zero[page, :, slot] = q2_quantize(
