@@ -760,7 +760,7 @@ def _simd(numba) -> dict:
       dim times 4^-f (1 for f = 15), so nothing is shifted back.  E = 1 (G or D4 not a multiple of 4): a
       byte's 4 fields.  The tile's W = D4 / 4 words a token (W = 1, 2, 4, 8, 16) are loaded and transposed
       (log2 W rounds of unzips: word w of every token a vector), else gathered a word at a time; scales
-      and zeros loaded where adjacent (G = d).  With gathers the job took 1.3-1.4x at 4k-8k (Zen 4, NOTES).
+      and zeros loaded where adjacent (G = d).  With gathers the job took 1.2-1.45x at 4k-8k (Zen 4, NOTES).
       acc: (R, d / G, 16) scratch, q_g.c per group.
     _v_dots(codes, scale, zero, tile, m, D4, G, R, a, i, stride, xs, pz, gc, o, L): o[r] += sum_t p s c
       and pz[r, g, t] += p s z (xs: (R, d / G, 16) scratch, p s), lanes over L channels of a plane
