@@ -10,9 +10,8 @@ installed, QuantizedCache (2 bits), side by side in one process, fp32.
 
 Per prompt of T tokens of real text (Python's documentation topics, or --text), the caches interleaved:
   prefill   the prompt in one forward, timed (the median of this and generate()'s first forwards, below);
-            then decode_steps teacher-forced steps, one per cache in a
-            rotating order (their median); decode KL: mean next-token KL(DynamicCache || row) over the
-            prompt's last position and every step
+            then decode_steps teacher-forced steps, one per cache in a rotating order (their median); decode
+            KL: mean next-token KL(DynamicCache || row) over the prompt's last position and every step
   attention in those steps, the model's attention function (every layer's call, timed apart): its ms per
             step; ns per pair, that time over the (token, KV head) pairs it reads, every layer (hf_cache:
             INT2 and window tokens); GB/s, the K and V bytes it reads (attention_read: from the cache's
